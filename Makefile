@@ -1,0 +1,33 @@
+# Two commands do the whole set-up on a fresh machine: `make demo` and `make test`.
+# Each creates .venv when missing and installs what it needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-zoo lint bench survey clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fxprep demo
+
+test: $(STAMP)
+	$(BIN)/python -m ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+test-zoo: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m zoo
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check src tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/prepare_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,42 @@
+"""fxprep: turn any PyTorch model into a clean, verified, module-level ``torch.fx.GraphModule``.
+
+Public API::
+
+    gm = fxprep.prepare_model(model, example_inputs=(x,))
+    print(gm.fxprep_report)
+"""
+
+from .api import get_report, prepare_model
+from .errors import (
+    EquivalenceError,
+    ExportError,
+    FxprepError,
+    FxprepWarning,
+    InvalidInput,
+    ModelError,
+    PassFailure,
+    SerializationError,
+    TraceFailure,
+    UnknownOption,
+)
+from .opaque import opaque
+from .report import Report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "prepare_model",
+    "get_report",
+    "opaque",
+    "Report",
+    "FxprepError",
+    "InvalidInput",
+    "UnknownOption",
+    "ModelError",
+    "TraceFailure",
+    "PassFailure",
+    "EquivalenceError",
+    "SerializationError",
+    "ExportError",
+    "FxprepWarning",
+]

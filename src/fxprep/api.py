@@ -1,0 +1,239 @@
+"""``prepare_model``: capture cascade → passes → verify → report.
+
+This module only orchestrates; every step lives in its own module and can be used alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
+from .capture.fx import capture_fx, trace_failure
+from .errors import InvalidInput
+from .inputs import ExampleInputs, normalize_example_inputs
+from .options import PrepareOptions
+from .passes import functional_to_module, state_dict, unroll, values
+from .report import Report, Verification
+from .verify import preserved_state, run_original, verify
+
+REPORT_ATTR = "fxprep_report"
+
+
+def _check_model(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise InvalidInput(
+            f"model must be a torch.nn.Module, not {type(model).__name__}. "
+            f"Wrap a plain function in an nn.Module whose forward() calls it."
+        )
+    if isinstance(model, torch.jit.ScriptModule):
+        raise InvalidInput("model is a TorchScript module; pass the original nn.Module it was scripted from.")
+    return model
+
+
+def _leaf_policy(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclude: Any) -> LeafPolicy:
+    modules = list(modules_to_exclude or [])
+    classes = list(module_classes_to_exclude or [])
+    inside = {id(m) for m in model.modules()}
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise InvalidInput(f"modules_to_exclude must hold nn.Module instances; got {type(m).__name__}.")
+        if id(m) not in inside:
+            raise InvalidInput(
+                f"modules_to_exclude holds a {type(m).__name__} that is not a submodule of the model "
+                f"(pass the instance itself, e.g. modules_to_exclude=[model.custom])."
+            )
+        if m is model:
+            raise InvalidInput("modules_to_exclude cannot hold the model itself: nothing would be left to trace.")
+    for c in classes:
+        if not isinstance(c, type):
+            raise InvalidInput(
+                f"module_classes_to_exclude must hold classes (e.g. [MyBlock]); got {c!r}. "
+                f"To exclude one instance use modules_to_exclude."
+            )
+    return LeafPolicy(tuple(modules), tuple(classes))
+
+
+def _check_concrete_args(model: nn.Module, concrete_args: Any) -> dict[str, Any] | None:
+    if concrete_args is None:
+        return None
+    if not isinstance(concrete_args, dict):
+        raise InvalidInput(f"concrete_args must be a dict {{argument name: value}}, not {type(concrete_args).__name__}.")
+    params = inspect.signature(model.forward).parameters
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in concrete_args if k not in params and not has_var_kw]
+    if unknown:
+        raise InvalidInput(
+            f"concrete_args names {unknown} are not arguments of {type(model).__name__}.forward "
+            f"(its arguments: {list(params)})."
+        )
+    return dict(concrete_args)
+
+
+def _calls(model: nn.Module, example: ExampleInputs, concrete_args: dict[str, Any] | None) -> tuple[ExampleInputs, ExampleInputs]:
+    """How to call the original and the prepared module. ``concrete_args`` are fixed into the graph,
+    so the prepared module is called without them while the original needs them."""
+    if not concrete_args:
+        return example, example
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*example.args, **example.kwargs)
+    except TypeError:
+        return example, example
+    extra = {k: v for k, v in concrete_args.items() if k not in bound.arguments}
+    original_call = ExampleInputs(example.args, {**example.kwargs, **extra})
+    prepared_call = ExampleInputs(example.args, {k: v for k, v in example.kwargs.items() if k not in concrete_args})
+    return original_call, prepared_call
+
+
+def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report) -> list[str]:
+    if opts.tracer != "auto":
+        if opts.tracer == "dynamo" and example is None:
+            raise InvalidInput("tracer='dynamo' needs example_inputs: Dynamo traces by running the model.")
+        return [opts.tracer]
+    if example is None:
+        report.note("No example_inputs: only the fx tracer can run, and the result is not verified.")
+        return ["fx"]
+    return ["dynamo", "fx"] if _dynamo_available() else ["fx"]
+
+
+def _dynamo_available() -> bool:
+    try:
+        from .capture import dynamo  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def capture(
+    model: nn.Module,
+    tracers: list[str],
+    policy: LeafPolicy,
+    concrete_args: dict[str, Any] | None,
+    example: ExampleInputs | None,
+    opts: PrepareOptions,
+) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+    """Run the tracers in order until one succeeds; every attempt is returned for the report."""
+    attempts: list[CaptureAttempt] = []
+    for name in tracers:
+        if name == "fx":
+            result, attempt = capture_fx(model, policy, concrete_args, opts.autowrap_functions)
+        else:
+            from .capture.dynamo import capture_dynamo
+
+            assert example is not None
+            result, attempt = capture_dynamo(model, policy, example, concrete_args)
+        attempts.append(attempt)
+        if result is not None:
+            return result, attempts
+    return None, attempts
+
+
+def _match_modes(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Give modules fxprep created the training flag of the scope they came from; the user's own
+    module objects are left exactly as they are (setting gm.train() would flip them)."""
+    originals = {id(m) for m in model.modules()}
+    gm.training = model.training
+    for name, module in gm.named_modules():
+        if id(module) in originals or module is gm:
+            continue
+        scope = name
+        mode = model.training
+        while scope:
+            scope = scope.rpartition(".")[0]
+            try:
+                mode = model.get_submodule(scope).training if scope else model.training
+                break
+            except AttributeError:
+                continue
+        if "." not in name:
+            mode = model.training
+        module.training = mode
+
+
+def prepare_model(
+    model: nn.Module,
+    modules_to_exclude: list[nn.Module] | None = None,
+    module_classes_to_exclude: list[type] | None = None,
+    concrete_args: dict[str, Any] | None = None,
+    *,
+    example_inputs: Any = None,
+    **options: Any,
+) -> fx.GraphModule:
+    """Turn ``model`` into a clean, module-level ``torch.fx.GraphModule`` and verify it.
+
+    Drop-in for AIMET's ``prepare_model(model, modules_to_exclude, module_classes_to_exclude,
+    concrete_args)``. With ``example_inputs`` (a tensor, a tuple of positional arguments or a dict of
+    keyword arguments) the result is checked against the original and the max difference recorded.
+    The user's model is never mutated and its parameters are never copied: the returned module's
+    leaves are the user's own module objects. ``gm.fxprep_report`` says what was done.
+
+    Options are keyword-only; see :class:`fxprep.options.PrepareOptions`.
+    """
+    t0 = time.perf_counter()
+    model = _check_model(model)
+    opts = PrepareOptions.from_kwargs(options)
+    policy = _leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
+    concrete = _check_concrete_args(model, concrete_args)
+    example = normalize_example_inputs(example_inputs)
+    report = Report(opts.name or type(model).__name__)
+    report.inputs = example.describe() if example is not None else "none"
+
+    reference = None
+    original_call = prepared_call = example
+    if example is not None:
+        original_call, prepared_call = _calls(model, example, concrete)
+        reference = run_original(model, original_call)
+
+    t1 = time.perf_counter()
+    tracers = _tracers(opts, example, report)
+    result, attempts = capture(model, tracers, policy, concrete, example, opts)
+    report.attempts = attempts
+    report.timings["capture"] = time.perf_counter() - t1
+    if result is None:
+        raise trace_failure(attempts, model)
+    gm = result.gm
+    report.tracer = result.tracer
+    report.leaves.update(result.extra_leaves)
+    for note in result.notes:
+        report.note(note)
+
+    t2 = time.perf_counter()
+    with preserved_state(model):
+        values.annotate(gm, prepared_call)
+    if opts.convert_functionals:
+        functional_to_module.run(gm, training=model.training, original=model, report=report)
+    if opts.unroll:
+        unroll.run(gm, share_parameters=opts.share_parameters, original=model, report=report)
+    if opts.share_parameters:
+        state_dict.run(gm, model)
+    _match_modes(gm, model)
+    report.timings["passes"] = time.perf_counter() - t2
+
+    if example is not None and opts.verify:
+        t3 = time.perf_counter()
+        assert original_call is not None
+        report.verification = verify(
+            model, gm, original_call, reference=reference, prepared_example=prepared_call,
+            rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
+        )
+        report.timings["verify"] = time.perf_counter() - t3
+    elif example is None:
+        report.verification = Verification("skipped", detail="no example_inputs given")
+    else:
+        report.verification = Verification("skipped", detail="verify=False")
+    report.timings["total"] = time.perf_counter() - t0
+    setattr(gm, REPORT_ATTR, report)
+    return gm
+
+
+def get_report(gm: nn.Module) -> Report:
+    """The :class:`Report` of a module returned by :func:`prepare_model`."""
+    report = getattr(gm, REPORT_ATTR, None)
+    if not isinstance(report, Report):
+        raise InvalidInput("this module was not produced by fxprep.prepare_model (it has no fxprep report).")
+    return report

@@ -1,0 +1,10 @@
+"""Capture: turn a model into one torch-level, module-level GraphModule.
+
+Each tracer lives in its own module and returns a :class:`CaptureResult`; ``api.py`` runs the
+cascade. Whatever the tracer, the result's leaf ``call_module`` nodes point at the user's own module
+objects and its ``get_attr`` nodes at the user's own tensors.
+"""
+
+from .common import CaptureAttempt, CaptureResult, LeafPolicy
+
+__all__ = ["CaptureAttempt", "CaptureResult", "LeafPolicy"]

@@ -1,0 +1,79 @@
+"""What every tracer shares: the leaf policy and the shape of a capture result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..opaque import is_opaque_module
+
+
+@dataclass
+class LeafPolicy:
+    """Which modules are called as a whole instead of being traced into.
+
+    ``torch.nn`` / ``torch.ao`` layers are leaves by default (as in ``torch.fx``). On top of that:
+    the user's ``modules_to_exclude`` (by identity) and ``module_classes_to_exclude`` (subclasses
+    included), modules marked with :func:`fxprep.opaque`, TorchScript modules (nothing can trace
+    into them), and modules carrying forward hooks or pre-hooks: tracing into those would silently
+    drop the hooks, so they stay calls and their hooks keep running.
+    """
+
+    modules: tuple[nn.Module, ...] = ()
+    classes: tuple[type, ...] = ()
+
+    def __post_init__(self) -> None:
+        self._ids = {id(m) for m in self.modules}
+
+    def reason(self, module: nn.Module) -> str | None:
+        """Why ``module`` must be a leaf beyond torch's default rule, or None."""
+        if id(module) in self._ids:
+            return "modules_to_exclude"
+        if self.classes and isinstance(module, self.classes):
+            return "module_classes_to_exclude"
+        if is_opaque_module(module):
+            return "marked with fxprep.opaque"
+        if isinstance(module, torch.jit.ScriptModule):
+            return "TorchScript module"
+        if module._forward_hooks or module._forward_pre_hooks:
+            return "has forward hooks"
+        return None
+
+    def is_leaf(self, module: nn.Module, default: bool) -> bool:
+        return default or self.reason(module) is not None
+
+
+@dataclass
+class CaptureAttempt:
+    """One tracer's try, kept in the report whether it succeeded or not."""
+
+    tracer: str
+    ok: bool
+    seconds: float
+    error: str | None = None
+    error_type: str | None = None
+    exception: BaseException | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tracer": self.tracer,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 4),
+            "error": self.error,
+            "error_type": self.error_type,
+        }
+
+
+@dataclass
+class CaptureResult:
+    """A captured graph plus what the tracer learnt while capturing it."""
+
+    gm: torch.fx.GraphModule
+    tracer: str
+    # Human-readable notes on anything the tracer had to specialise (mode, shapes, branches).
+    notes: list[str] = field(default_factory=list)
+    # Qualified names of modules kept as leaves beyond torch's default rule, with the reason.
+    extra_leaves: dict[str, str] = field(default_factory=dict)

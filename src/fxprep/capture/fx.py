@@ -1,0 +1,230 @@
+"""fxprep's ``torch.fx`` tracer: symbolic tracing that fails less and explains more.
+
+Plain ``torch.fx.symbolic_trace`` crashes with Proxy errors on four everyday patterns; this tracer
+handles each one deliberately instead:
+
+* ``len(x)`` of a traced tensor is recorded as a ``len`` call (as if the user had written
+  ``torch.fx.wrap('len')``), so ``x / sqrt(len(x))`` traces.
+* Tensor constructors sized from traced values (``torch.zeros(x.size(0), 4)``, ``torch.arange(n,
+  device=x.device)``, ``full``/``ones``/``empty``/``rand*``) are recorded as calls evaluated at run
+  time, rather than failing or baking in one size.
+* A custom ``torch.autograd.Function`` stays ONE call. Tracing through its ``forward`` would record
+  only the forward ops, and its custom ``backward`` (a straight-through estimator, say) would be
+  lost: gradients silently become those of ``round``, i.e. zero.
+* Modules the :class:`LeafPolicy` names are called whole, never traced into.
+
+What cannot be recorded (a Python ``if`` on a tensor, ``range(x.shape[0])``) still fails, and
+:mod:`fxprep.diagnose` turns the failure into a located, categorised :class:`~fxprep.errors.TraceFailure`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import inspect
+import math
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..errors import TraceFailure
+from .common import CaptureAttempt, CaptureResult, LeafPolicy
+
+# Constructors whose sizes (or other arguments) may come from traced shapes.
+TENSOR_CONSTRUCTORS: tuple[str, ...] = (
+    "zeros", "ones", "full", "empty", "arange", "rand", "randn", "randint", "linspace", "eye",
+    "tensor", "as_tensor", "empty_strided", "normal", "randperm", "tril_indices", "triu_indices",
+)
+
+
+def _find_proxy(value: Any) -> fx.Proxy | None:
+    found: list[fx.Proxy] = []
+
+    def visit(v: Any) -> Any:
+        if isinstance(v, fx.Proxy) and not found:
+            found.append(v)
+        return v
+
+    fx.node.map_aggregate(value, visit)
+    return found[0] if found else None
+
+
+def record_as_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``fn`` so that, called with traced values, it is recorded as one ``call_function``
+    node targeting ``fn`` itself; called with real values it simply runs."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        proxy = _find_proxy((args, kwargs))
+        if proxy is None:
+            return fn(*args, **kwargs)
+        return proxy.tracer.create_proxy("call_function", fn, args, kwargs)
+
+    return wrapper
+
+
+_CALLERS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+
+def autograd_function_caller(fn_cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """A plain function that calls ``fn_cls.apply``; fx cannot use a bound classmethod (or a class
+    argument) as a node target, but it can use this. ``caller.autograd_function`` is ``fn_cls``."""
+    caller = _CALLERS.get(fn_cls)
+    if caller is None:
+
+        def caller(*args: Any, **kwargs: Any) -> Any:
+            return fn_cls.apply(*args, **kwargs)
+
+        caller.__name__ = f"{fn_cls.__name__}_apply"
+        caller.__qualname__ = caller.__name__
+        caller.__module__ = fn_cls.__module__
+        caller.autograd_function = fn_cls  # type: ignore[attr-defined]
+        _CALLERS[fn_cls] = caller
+    return caller
+
+
+def _traced_len(obj: Any) -> Any:
+    if isinstance(obj, fx.Proxy):
+        return obj.tracer.create_proxy("call_function", builtins.len, (obj,), {})
+    return builtins.len(obj)
+
+
+@contextlib.contextmanager
+def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
+    """Install the recording wrappers for the duration of one trace and always undo them."""
+    restore: list[Callable[[], None]] = []
+    try:
+        for name in TENSOR_CONSTRUCTORS:
+            orig = getattr(torch, name, None)
+            if orig is None:
+                continue
+            setattr(torch, name, record_as_call(orig))
+            restore.append(functools.partial(setattr, torch, name, orig))
+
+        function_cls = torch.autograd.Function
+        orig_apply = function_cls.__dict__["apply"]
+
+        def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+            proxy = _find_proxy((args, kwargs))
+            if proxy is None:
+                return orig_apply.__get__(None, cls)(*args, **kwargs)
+            return proxy.tracer.create_proxy("call_function", autograd_function_caller(cls), args, kwargs)
+
+        function_cls.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+        restore.append(functools.partial(setattr, function_cls, "apply", orig_apply))
+
+        seen: set[int] = set()
+        for g in globals_dicts:
+            if id(g) in seen or "len" in g:
+                continue
+            seen.add(id(g))
+            g["len"] = _traced_len
+            restore.append(functools.partial(g.pop, "len", None))
+        yield
+    finally:
+        for undo in reversed(restore):
+            undo()
+
+
+class FxprepTracer(fx.Tracer):
+    """``torch.fx.Tracer`` with fxprep's leaf policy; remembers what it decided and traced."""
+
+    def __init__(self, policy: LeafPolicy, autowrap_functions: tuple[Callable[..., Any], ...] = ()):
+        super().__init__(autowrap_modules=(math,), autowrap_functions=autowrap_functions)
+        self.policy = policy
+        self.extra_leaves: dict[str, str] = {}
+        self.traced_classes: dict[type, str] = {}
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        reason = self.policy.reason(m)
+        if reason is not None:
+            if module_qualified_name:  # the root itself can never be a leaf
+                self.extra_leaves[module_qualified_name] = reason
+                return True
+        leaf = super().is_leaf_module(m, module_qualified_name)
+        if not leaf:
+            self.traced_classes.setdefault(type(m), module_qualified_name)
+        return leaf
+
+
+def _forward_globals(model: nn.Module) -> list[dict[str, Any]]:
+    out = []
+    for m in model.modules():
+        fwd = getattr(type(m), "forward", None)
+        g = getattr(fwd, "__globals__", None)
+        if isinstance(g, dict) and not g.get("__name__", "").startswith("torch."):
+            out.append(g)
+    return out
+
+
+@functools.lru_cache(maxsize=512)
+def _training_reads(cls: type) -> tuple[str, ...]:
+    """``file:line`` of every ``self.training`` read in ``cls.forward`` (cached per class)."""
+    fwd = getattr(cls, "forward", None)
+    try:
+        lines, start = inspect.getsourcelines(fwd)  # type: ignore[arg-type]
+        filename = inspect.getsourcefile(fwd)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return ()
+    return tuple(f"{filename}:{start + i}" for i, line in enumerate(lines) if "self.training" in line)
+
+
+def mode_notes(tracer: FxprepTracer, training: bool) -> list[str]:
+    """Notes on code that read ``self.training`` while being traced: its branch is now fixed."""
+    mode = "train" if training else "eval"
+    notes = []
+    for cls, qualname in tracer.traced_classes.items():
+        if cls.__module__.startswith("torch."):
+            continue
+        for where in _training_reads(cls):
+            notes.append(
+                f"{cls.__name__} ({qualname or 'root'}) reads self.training at {where}: that branch was "
+                f"captured for {mode} mode and stays fixed; prepare the model in the mode you will use it in."
+            )
+    return notes
+
+
+def capture_fx(
+    model: nn.Module,
+    policy: LeafPolicy,
+    concrete_args: dict[str, Any] | None = None,
+    autowrap_functions: tuple[Callable[..., Any], ...] = (),
+) -> tuple[CaptureResult | None, CaptureAttempt]:
+    """Trace ``model`` with :class:`FxprepTracer`. Never raises for a trace failure: the failure is
+    returned in the :class:`CaptureAttempt` so the cascade can go on and the report can show it."""
+    from ..diagnose import describe_exception
+
+    start = time.perf_counter()
+    tracer = FxprepTracer(policy, autowrap_functions)
+    try:
+        with _tracing_patches(_forward_globals(model)):
+            graph = tracer.trace(model, concrete_args=concrete_args)
+        gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    except Exception as err:  # noqa: BLE001 - every tracer failure is reported, not raised
+        attempt = CaptureAttempt(
+            "fx", False, time.perf_counter() - start, describe_exception(err), type(err).__name__, err
+        )
+        return None, attempt
+    notes = mode_notes(tracer, model.training)
+    result = CaptureResult(gm, "fx", notes=notes, extra_leaves=dict(tracer.extra_leaves))
+    return result, CaptureAttempt("fx", True, time.perf_counter() - start)
+
+
+def trace_failure(attempts: list[CaptureAttempt], model: nn.Module | None = None) -> TraceFailure:
+    """The error raised when every tracer failed: each attempt, located and explained."""
+    from ..diagnose import diagnose
+
+    issues = [i for a in attempts if a.exception is not None for i in diagnose(a.exception, a.tracer, model)]
+    lines = ["fxprep could not capture the model:"]
+    for a in attempts:
+        lines.append(f"  - {a.tracer}: {a.error}")
+    for issue in issues:
+        lines.append("")
+        lines.append(issue.to_text())
+    return TraceFailure("\n".join(lines), issues=issues, attempts=attempts)

@@ -1,0 +1,225 @@
+"""Turn a capture failure into an :class:`Issue` a person can act on.
+
+A raw tracer exception says *what* broke deep inside torch. An Issue says where in the *user's* code
+(module path, file, line, the source line), which kind of problem it is, and the concrete fix.
+"User code" is anything that is neither torch, the standard library nor fxprep itself: a model that
+lives in site-packages (timm, transformers) is user code too.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sysconfig
+import traceback
+import types
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# Categories (stable strings: tests and reports key on them).
+DATA_DEPENDENT_BRANCH = "data-dependent branch"
+DATA_DEPENDENT_VALUE = "data-dependent value"
+ITERATION = "iteration over a traced value"
+CONSTRUCTOR = "tensor constructor sized from a traced shape"
+NON_TORCH_CALL = "non-torch call on a tensor"
+SIDE_EFFECT = "python side effect"
+AUTOGRAD_FUNCTION = "custom autograd.Function"
+CUSTOM_OP = "unsupported custom op"
+SPECIALISATION = "shape/device specialisation"
+UNSUPPORTED = "unsupported python"
+OTHER = "other"
+
+FIXES: dict[str, str] = {
+    DATA_DEPENDENT_BRANCH: (
+        "replace the Python `if` on a tensor with `torch.where(cond, a, b)` (both sides computed) or "
+        "`torch.cond(pred, true_fn, false_fn, operands)`; if the condition is really a fixed flag, "
+        "pass it through `concrete_args`; or keep this part as one call with `fxprep.opaque`."
+    ),
+    DATA_DEPENDENT_VALUE: (
+        "keep the value a tensor instead of converting it to a Python number (`.item()`, `int()`, "
+        "`bool()`); use `torch._check(...)` to state what the value satisfies; or mark the "
+        "enclosing function/module with `fxprep.opaque`."
+    ),
+    ITERATION: (
+        "loop over a fixed count (a module attribute or a `concrete_args` value) instead of a traced "
+        "shape or tensor; vectorise the loop; use tracer='dynamo' which specialises shapes; or mark "
+        "the enclosing function/module with `fxprep.opaque`."
+    ),
+    CONSTRUCTOR: (
+        "build the tensor from another tensor (`torch.zeros_like`, `x.new_zeros(...)`, "
+        "`torch.ones_like`), or wrap the constructor call in a function marked `fxprep.opaque`."
+    ),
+    NON_TORCH_CALL: (
+        "use the torch equivalent (`torch.sqrt` for `math.sqrt`, tensor ops for numpy), or record "
+        "the call as-is with `torch.fx.wrap('name')` / `fxprep.opaque`."
+    ),
+    SIDE_EFFECT: (
+        "move the side effect (print, logging, attribute or global mutation) out of forward(), or "
+        "mark the module with `fxprep.opaque` so it runs eagerly."
+    ),
+    AUTOGRAD_FUNCTION: (
+        "mark the autograd.Function's caller with `fxprep.opaque`, or add a `setup_context` / "
+        "make its forward traceable."
+    ),
+    CUSTOM_OP: "register a fake (meta) implementation with `torch.library.register_fake`, or mark the caller `fxprep.opaque`.",
+    SPECIALISATION: "prepare with the input shapes and device you will use, or mark the dimension dynamic.",
+    UNSUPPORTED: "mark the enclosing module or function with `fxprep.opaque` so it is called, not traced.",
+    OTHER: "mark the enclosing module with `fxprep.opaque` (or add it to modules_to_exclude) so it is called, not traced.",
+}
+
+
+@dataclass
+class Issue:
+    """One located, explained reason why (part of) a model could not be captured."""
+
+    category: str
+    message: str
+    fix: str
+    tracer: str
+    module: str | None = None
+    file: str | None = None
+    line: int | None = None
+    code: str | None = None
+
+    @property
+    def location(self) -> str:
+        if self.file is None:
+            return "unknown location"
+        return f"{self.file}:{self.line}"
+
+    def to_text(self) -> str:
+        where = f"module '{self.module}'" if self.module is not None else "unknown module"
+        if self.module == "":
+            where = "the root module"
+        lines = [f"[{self.category}] in {where} at {self.location} ({self.tracer})"]
+        if self.code:
+            lines.append(f"    {self.code}")
+        lines.append(f"  {self.message}")
+        lines.append(f"  fix: {self.fix}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_STDLIB = os.path.normcase(sysconfig.get_paths()["stdlib"])
+_TORCH = os.path.normcase(os.path.dirname(torch.__file__))
+_FXPREP = os.path.normcase(os.path.dirname(__file__))
+
+
+def is_user_file(filename: str) -> bool:
+    """True for code that belongs to the model's author (site-packages model libraries included)."""
+    if not filename or filename.startswith("<"):
+        return False
+    path = os.path.normcase(os.path.abspath(filename))
+    if path.startswith(_TORCH + os.sep) or path.startswith(_FXPREP + os.sep):
+        return False
+    if path.startswith(_STDLIB + os.sep) and "site-packages" not in path:
+        return False
+    return True
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def describe_exception(err: BaseException) -> str:
+    """``Type: first line (file:line)`` for reports and attempt lists."""
+    frame = user_frame(err)
+    where = f" ({frame[0]}:{frame[1]})" if frame else ""
+    return f"{type(err).__name__}: {_first_line(err)}{where}"
+
+
+def _tb_frames(err: BaseException) -> list[tuple[types.FrameType, int]]:
+    return [(f, lineno) for f, lineno in traceback.walk_tb(err.__traceback__)]
+
+
+def user_frame(err: BaseException) -> tuple[str, int, str] | None:
+    """The innermost user frame of the traceback (Dynamo's own record first)."""
+    summary = getattr(err, "innermost_user_frame_summary", None)
+    if summary is not None and getattr(summary, "filename", None):
+        return summary.filename, summary.lineno, (summary.line or "").strip()
+    found = None
+    for frame, lineno in _tb_frames(err):
+        if is_user_file(frame.f_code.co_filename):
+            found = (frame.f_code.co_filename, lineno, linecache.getline(frame.f_code.co_filename, lineno).strip())
+    if found is None and err.__cause__ is not None and err.__cause__ is not err:
+        return user_frame(err.__cause__)
+    return found
+
+
+def module_of_failure(err: BaseException, model: nn.Module | None) -> str | None:
+    """Qualified name of the innermost module whose forward was running when ``err`` was raised."""
+    if model is None:
+        return None
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    found = None
+    for frame, _ in _tb_frames(err):
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+    return found
+
+
+def categorise(err: BaseException, code: str | None) -> str:
+    text = str(err)
+    code = code or ""
+    gb_type = str(getattr(err, "gb_type", "") or "")
+    low = (text + " " + gb_type).lower()
+    if isinstance(err, (torch.fx.proxy.TraceError,)) and "control flow" in low:
+        return DATA_DEPENDENT_BRANCH
+    if "data-dependent" in low or "data dependent" in low or "guard on data" in low:
+        if ".item()" in code or "int(" in code or "float(" in code:
+            return DATA_DEPENDENT_VALUE
+        return DATA_DEPENDENT_BRANCH
+    if "dynamic control flow" in low or "generic_jump" in low or "jump" in gb_type.lower():
+        return DATA_DEPENDENT_BRANCH
+    if ".item()" in code or "item()" in low or "tolist" in low:
+        return DATA_DEPENDENT_VALUE
+    if "'len' is not supported" in text:
+        return DATA_DEPENDENT_VALUE
+    if "iter" in low and "proxy" in low or "for " in code and "in " in code and "proxy" in low:
+        return ITERATION
+    if "cannot be interpreted as an integer" in low:
+        if "range(" in code:
+            return ITERATION
+        return CONSTRUCTOR if any(f"torch.{c}(" in code for c in ("zeros", "ones", "full", "empty", "arange", "rand")) else DATA_DEPENDENT_VALUE
+    if "received an invalid combination of arguments" in low or "must be tuple of ints" in low:
+        return CONSTRUCTOR
+    if "numpy" in low or "math." in code or "np." in code:
+        return NON_TORCH_CALL
+    if "side effect" in low or "print" in code or "logging" in low:
+        return SIDE_EFFECT
+    if "autograd.function" in low or "autograd function" in low:
+        return AUTOGRAD_FUNCTION
+    if "fake" in low and ("custom op" in low or "operator" in low):
+        return CUSTOM_OP
+    if "unsupported" in low:
+        return UNSUPPORTED
+    return OTHER
+
+
+def diagnose(err: BaseException, tracer: str, model: nn.Module | None = None) -> list[Issue]:
+    """The issues one tracer exception stands for (one per exception for now)."""
+    frame = user_frame(err)
+    file, line, code = frame if frame else (None, None, None)
+    category = categorise(err, code)
+    return [
+        Issue(
+            category=category,
+            message=f"{type(err).__name__}: {_first_line(err)}",
+            fix=FIXES[category],
+            tracer=tracer,
+            module=module_of_failure(err, model),
+            file=file,
+            line=line,
+            code=code,
+        )
+    ]
+
+
+__all__ = ["Issue", "diagnose", "describe_exception", "is_user_file", "user_frame", "FIXES"]

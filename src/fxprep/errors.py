@@ -1,0 +1,80 @@
+"""The exceptions fxprep raises.
+
+Every failure a user can cause ends in a :class:`FxprepError` subclass whose message says what went
+wrong, where, and what to do about it. Exceptions from torch are never left to escape raw: they are
+chained (``raise ... from err``) so the original traceback is still there for whoever wants it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class FxprepError(Exception):
+    """Base class of every error fxprep raises on purpose."""
+
+
+class InvalidInput(FxprepError, TypeError):
+    """The arguments given to an fxprep function are of the wrong kind (model, inputs, options)."""
+
+
+class UnknownOption(InvalidInput):
+    """An option name fxprep does not know; the message lists the known ones."""
+
+
+class ModelError(FxprepError):
+    """The user's own model failed when run eagerly on the example inputs.
+
+    This is not fxprep's failure: the message quotes the model's own error so it can be fixed at
+    the source (wrong input shape, wrong dtype, ...).
+    """
+
+
+class TraceFailure(FxprepError):
+    """No tracer could capture the model (or the part of it that was asked for).
+
+    ``issues`` holds the diagnosed :class:`fxprep.diagnose.Issue` objects when there are any.
+    """
+
+    def __init__(self, message: str, issues: list[Any] | None = None, attempts: list[Any] | None = None):
+        super().__init__(message)
+        self.issues = list(issues or [])
+        self.attempts = list(attempts or [])
+
+
+class PassFailure(FxprepError):
+    """A preparation pass could not transform the graph. This is a bug in fxprep: please report it."""
+
+
+class EquivalenceError(FxprepError):
+    """The prepared module does not compute what the original does on the example inputs.
+
+    ``max_abs_diff`` is the largest absolute difference found, ``module`` the qualified name of the
+    first leaf module whose output diverged (when it could be localised), ``output_path`` which
+    output differed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        max_abs_diff: float | None = None,
+        module: str | None = None,
+        output_path: str | None = None,
+    ):
+        super().__init__(message)
+        self.max_abs_diff = max_abs_diff
+        self.module = module
+        self.output_path = output_path
+
+
+class SerializationError(FxprepError):
+    """A saved fxprep directory cannot be written or read back safely."""
+
+
+class ExportError(FxprepError):
+    """Exporting a prepared module (ONNX, torch.export) failed."""
+
+
+class FxprepWarning(UserWarning):
+    """Warnings about behaviour that is valid but likely not what the user wants."""

@@ -1,0 +1,44 @@
+"""``fxprep.opaque``: keep a function or module as one call, whichever tracer runs.
+
+``torch.fx`` needs ``torch.fx.wrap`` (functions) or a leaf module; Dynamo needs
+``torch.compiler.allow_in_graph`` or a leaf. Users should not have to know which tracer fxprep ended
+up using, so one decorator records the intent and each tracer honours it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, TypeVar
+
+from torch import nn
+
+_MARK = "__fxprep_opaque__"
+T = TypeVar("T")
+
+
+def opaque(obj: T) -> T:
+    """Mark a function, an ``nn.Module`` subclass or an ``nn.Module`` instance as opaque.
+
+    Opaque modules are called as leaves (never traced into); opaque functions are recorded as one
+    ``call_function`` node that runs the original Python code. Use it for code with data-dependent
+    control flow that you accept to keep as a black box.
+    """
+    if isinstance(obj, nn.Module) or isinstance(obj, type):
+        setattr(obj, _MARK, True)
+        return obj
+    if callable(obj):
+        from .capture.fx import record_as_call
+
+        wrapped: Any = record_as_call(obj)
+        setattr(wrapped, _MARK, True)
+        functools.update_wrapper(wrapped, obj)
+        return wrapped
+    raise TypeError(f"fxprep.opaque expects a function, a module or a module class, not {type(obj).__name__}")
+
+
+def is_opaque_module(module: nn.Module) -> bool:
+    return bool(getattr(module, _MARK, False))
+
+
+def is_opaque_function(fn: Any) -> bool:
+    return bool(getattr(fn, _MARK, False))

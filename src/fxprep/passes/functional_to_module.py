@@ -1,0 +1,630 @@
+"""Functional → module: every tensor-computing functional call becomes a ``call_module``.
+
+Matching is by *target identity* (the function object, the Tensor method name, the ``operator``
+function), never by node name: a user function that happens to be called ``add_2`` is not an add.
+Arguments are bound exactly: static values live on the new module, tensors are passed in the call,
+keyword arguments stay keyword arguments (see :class:`fxprep.ops.BoundOp`).
+
+Three kinds of replacement, tried in order:
+
+1. A layer that owns its weights: ``F.linear(x, self.weight, self.bias)``, ``F.conv2d(x, self.w)``
+   (any kernel shape), ``F.layer_norm``, ``F.group_norm``, ``F.embedding``, ``F.prelu`` whose weights
+   are module Parameters become the real ``torch.nn`` layer holding the *same* Parameter objects.
+2. Activations and dropout with a ``torch.nn`` twin (``F.relu`` → ``nn.ReLU``, ``x.softmax(-1)`` →
+   ``nn.Softmax(-1)``, ``F.gelu(x, approximate='tanh')`` → ``nn.GELU('tanh')``). Dropout whose
+   ``training`` flag equals the mode the model was captured in becomes ``nn.Dropout``, so it keeps
+   following ``.train()``/``.eval()``.
+3. Everything else tensor-valued: a named :class:`~fxprep.ops.BoundOp` (``Add``, ``MatMul``, ...).
+
+Left functional: the view / metadata / constructor allow-list below (silently), Python-value
+arithmetic (shapes, never a module), and non-torch functions (``torch.fx.wrap``-ped or
+``fxprep.opaque``): those are listed in the report with the reason.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..capture.fx import TENSOR_CONSTRUCTORS
+from ..report import Report
+from .naming import add_module, fresh_name, scope_of
+from .values import OTHER
+
+# --- the allow-list: ops that may stay functional -------------------------------------------------
+VIEW_AND_METADATA_METHODS = frozenset(
+    {
+        "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "flatten", "unflatten",
+        "squeeze", "unsqueeze", "expand", "expand_as", "contiguous", "split", "split_with_sizes", "chunk",
+        "unbind", "narrow", "select", "movedim", "moveaxis", "swapaxes", "swapdims", "size", "dim", "numel",
+        "to", "type", "type_as", "float", "half", "double", "int", "long", "bool", "bfloat16", "short",
+        "char", "byte", "cpu", "cuda", "detach", "detach_", "clone", "repeat", "tile", "flip", "roll",
+        "index_select", "gather", "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "zero_",
+        "fill_", "item", "tolist", "requires_grad_", "get_device", "stride", "is_contiguous", "nelement",
+        "ndimension", "element_size", "data_ptr", "storage_offset", "unfold", "diagonal", "tril", "triu",
+        "__getitem__", "__setitem__", "__len__", "as_strided", "copy_", "masked_select", "nonzero",
+        "repeat_interleave", "flatten_", "dim_order", "is_floating_point",
+    }
+)
+VIEW_AND_METADATA_FUNCTIONS = frozenset(
+    f
+    for f in [
+        operator.getitem, operator.setitem, builtins.getattr, builtins.len, torch._assert,
+        torch.flatten, torch.reshape, torch.permute, torch.transpose, torch.t, torch.squeeze,
+        torch.unsqueeze, torch.split, torch.chunk, torch.unbind, torch.narrow, torch.select,
+        torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims, torch.unflatten,
+        torch.broadcast_to, torch.broadcast_tensors, torch.tensor_split, torch.index_select,
+        torch.gather, torch.flip, torch.roll, torch.tile, torch.repeat_interleave, torch.clone,
+        torch.detach, torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like,
+        torch.rand_like, torch.randn_like, torch.diagonal, torch.tril, torch.triu, torch.meshgrid,
+        torch.nonzero, torch.masked_select, torch.numel, torch.is_tensor, torch.is_floating_point,
+        torch.atleast_1d, torch.atleast_2d, torch.atleast_3d, torch.ravel, torch.column_stack,
+        torch.fx._symbolic_trace._assert_is_none, F.unfold, F.fold, F.pixel_shuffle, F.pixel_unshuffle,
+        F.channel_shuffle, torch.channel_shuffle, torch.pixel_shuffle, torch.pixel_unshuffle,
+        *[getattr(torch, n) for n in TENSOR_CONSTRUCTORS if hasattr(torch, n)],
+    ]
+)
+
+
+def is_allowed_functional(node: fx.Node) -> bool:
+    """True when ``node`` may stay a function call in a prepared graph (view, metadata, constructor)."""
+    if node.op == "call_method":
+        return node.target in VIEW_AND_METADATA_METHODS
+    if node.op == "call_function":
+        try:
+            return node.target in VIEW_AND_METADATA_FUNCTIONS
+        except TypeError:  # unhashable target
+            return False
+    return True
+
+
+def remaining_compute_ops(gm: fx.GraphModule) -> list[fx.Node]:
+    """Tensor-valued function/method calls outside the allow-list (what a prepared graph should lack)."""
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op in ("call_function", "call_method")
+        and n.meta.get("fxprep_kind") != OTHER
+        and not is_allowed_functional(n)
+    ]
+
+
+# --- binding ------------------------------------------------------------------------------------
+def _signature(spec: str) -> inspect.Signature:
+    namespace: dict[str, Any] = {}
+    exec(f"def f({spec}): pass", {}, namespace)  # noqa: S102 - fixed strings from this module only
+    return inspect.signature(namespace["f"])
+
+
+def _bind(spec: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        bound = _signature(spec).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """An activation with a ``torch.nn`` twin. ``spec_f`` is ``F.<name>``'s signature, ``spec`` the
+    ``torch.<name>`` / ``Tensor.<name>`` one; ``ctor`` maps bound arguments to constructor kwargs
+    (None when the call cannot be expressed by the module)."""
+
+    name: str
+    module: type[nn.Module]
+    spec: str
+    ctor: Callable[[dict[str, Any]], dict[str, Any] | None]
+    spec_f: str | None = None
+
+
+def _inplace(b: dict[str, Any]) -> dict[str, Any]:
+    return {"inplace": bool(b["inplace"])}
+
+
+def _none(b: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def _softmax_ctor(b: dict[str, Any]) -> dict[str, Any] | None:
+    return None if b.get("dtype") is not None else {"dim": b["dim"]}
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    a.name: a
+    for a in [
+        Activation("relu", nn.ReLU, "input, inplace=False", _inplace),
+        Activation("relu6", nn.ReLU6, "input, inplace=False", _inplace),
+        Activation("gelu", nn.GELU, "input, approximate='none'", lambda b: {"approximate": b["approximate"]}),
+        Activation("silu", nn.SiLU, "input, inplace=False", _inplace),
+        Activation("sigmoid", nn.Sigmoid, "input", _none),
+        Activation("tanh", nn.Tanh, "input", _none),
+        Activation("hardswish", nn.Hardswish, "input, inplace=False", _inplace),
+        Activation("hardsigmoid", nn.Hardsigmoid, "input, inplace=False", _inplace),
+        Activation("leaky_relu", nn.LeakyReLU, "input, negative_slope=0.01, inplace=False",
+                   lambda b: {"negative_slope": b["negative_slope"], "inplace": bool(b["inplace"])}),
+        Activation("elu", nn.ELU, "input, alpha=1.0, inplace=False", lambda b: {"alpha": b["alpha"], "inplace": bool(b["inplace"])}),
+        Activation("selu", nn.SELU, "input, inplace=False", _inplace),
+        Activation("celu", nn.CELU, "input, alpha=1.0, inplace=False", lambda b: {"alpha": b["alpha"], "inplace": bool(b["inplace"])}),
+        Activation("mish", nn.Mish, "input, inplace=False", _inplace),
+        Activation("softplus", nn.Softplus, "input, beta=1.0, threshold=20.0", lambda b: {"beta": b["beta"], "threshold": b["threshold"]}),
+        Activation("hardtanh", nn.Hardtanh, "input, min_val=-1.0, max_val=1.0, inplace=False",
+                   lambda b: {"min_val": b["min_val"], "max_val": b["max_val"], "inplace": bool(b["inplace"])}),
+        Activation("logsigmoid", nn.LogSigmoid, "input", _none),
+        Activation("softsign", nn.Softsign, "input", _none),
+        Activation("tanhshrink", nn.Tanhshrink, "input", _none),
+        Activation("glu", nn.GLU, "input, dim=-1", lambda b: {"dim": b["dim"]}),
+        Activation("softmax", nn.Softmax, "input, dim=None, dtype=None", _softmax_ctor,
+                   spec_f="input, dim=None, _stacklevel=3, dtype=None"),
+        Activation("log_softmax", nn.LogSoftmax, "input, dim=None, dtype=None", _softmax_ctor,
+                   spec_f="input, dim=None, _stacklevel=3, dtype=None"),
+        Activation("softmin", nn.Softmin, "input, dim=None, dtype=None", _softmax_ctor,
+                   spec_f="input, dim=None, _stacklevel=3, dtype=None"),
+    ]
+}
+
+# target → (activation, is the functional form, is in place)
+_ACTIVATION_FUNCTIONS: dict[Any, tuple[Activation, bool, bool]] = {}
+_ACTIVATION_METHODS: dict[str, tuple[Activation, bool]] = {}
+for _a in ACTIVATIONS.values():
+    for _ns, _is_f in ((F, True), (torch, False), (torch.special, False)):
+        for _suffix, _inpl in (("", False), ("_", True)):
+            _fn = getattr(_ns, _a.name + _suffix, None)
+            if callable(_fn) and _fn not in _ACTIVATION_FUNCTIONS:
+                _ACTIVATION_FUNCTIONS[_fn] = (_a, _is_f, _inpl)
+    for _suffix, _inpl in (("", False), ("_", True)):
+        if hasattr(torch.Tensor, _a.name + _suffix):
+            _ACTIVATION_METHODS[_a.name + _suffix] = (_a, _inpl)
+
+DROPOUTS: dict[Any, type[nn.Module]] = {
+    F.dropout: nn.Dropout, F.dropout1d: nn.Dropout1d, F.dropout2d: nn.Dropout2d, F.dropout3d: nn.Dropout3d,
+    F.alpha_dropout: nn.AlphaDropout, F.feature_alpha_dropout: nn.FeatureAlphaDropout,
+}
+_DROPOUT_SPEC = "input, p=0.5, training=True, inplace=False"
+
+
+# --- named BoundOp table ------------------------------------------------------------------------
+def _fns(*names: str, ns: Any = torch) -> list[Any]:
+    return [getattr(ns, n) for n in names if hasattr(ns, n)]
+
+
+_TABLE: list[tuple[str | None, type[ops.BoundOp], list[Any], list[str]]] = [
+    ("add", ops.Add, [torch.add, operator.add, operator.iadd], ["add", "add_", "__add__", "__radd__", "__iadd__"]),
+    ("sub", ops.Sub, [torch.sub, torch.subtract, torch.rsub, operator.sub, operator.isub],
+     ["sub", "sub_", "subtract", "__sub__", "__rsub__", "__isub__"]),
+    ("mul", ops.Mul, [torch.mul, torch.multiply, operator.mul, operator.imul], ["mul", "mul_", "multiply", "__mul__", "__rmul__", "__imul__"]),
+    ("div", ops.Div, [torch.div, torch.divide, torch.true_divide, operator.truediv, operator.itruediv],
+     ["div", "div_", "divide", "true_divide", "__truediv__", "__rtruediv__", "__itruediv__"]),
+    ("floordiv", ops.FloorDiv, [torch.floor_divide, operator.floordiv, operator.ifloordiv], ["floor_divide", "__floordiv__", "__rfloordiv__"]),
+    ("remainder", ops.Remainder, [torch.remainder, torch.fmod, operator.mod], ["remainder", "fmod", "__mod__"]),
+    ("pow", ops.Pow, [torch.pow, torch.float_power, operator.pow, operator.ipow], ["pow", "pow_", "float_power", "__pow__", "__rpow__"]),
+    ("neg", ops.Neg, [torch.neg, torch.negative, operator.neg], ["neg", "neg_", "negative", "__neg__"]),
+    ("abs", ops.Abs, [torch.abs, torch.absolute, operator.abs], ["abs", "abs_", "absolute"]),
+    ("exp", ops.Exp, _fns("exp", "exp2", "expm1"), ["exp", "exp_", "exp2", "expm1"]),
+    ("log", ops.Log, _fns("log", "log2", "log10", "log1p"), ["log", "log_", "log2", "log10", "log1p"]),
+    ("sqrt", ops.Sqrt, [torch.sqrt], ["sqrt", "sqrt_"]),
+    ("rsqrt", ops.Rsqrt, [torch.rsqrt], ["rsqrt", "rsqrt_"]),
+    ("square", ops.Square, [torch.square], ["square", "square_"]),
+    ("reciprocal", ops.Reciprocal, [torch.reciprocal], ["reciprocal", "reciprocal_"]),
+    ("clamp", ops.Clamp, _fns("clamp", "clip", "clamp_min", "clamp_max"),
+     ["clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_max", "clamp_min_", "clamp_max_"]),
+    ("maximum", ops.Maximum, _fns("maximum", "fmax"), ["maximum", "fmax"]),
+    ("minimum", ops.Minimum, _fns("minimum", "fmin"), ["minimum", "fmin"]),
+    (None, ops.Compare,
+     [*_fns("eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "isclose", "greater", "less"),
+      operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge],
+     ["eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "isclose", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"]),
+    (None, ops.Logical,
+     [*_fns("logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor"),
+      operator.and_, operator.or_, operator.xor, operator.invert, operator.inv, operator.iand, operator.ior],
+     ["logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not", "__and__", "__or__", "__xor__", "__invert__"]),
+    (None, ops.Unary,
+     _fns("sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc",
+          "erfinv", "floor", "ceil", "round", "trunc", "frac", "sign", "sgn", "lerp", "addcmul", "addcdiv", "hypot", "logit",
+          "signbit", "heaviside", "xlogy", "nan_to_num", "copysign", "deg2rad", "rad2deg"),
+     ["sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "erf", "erfc", "erfinv", "floor", "ceil", "round",
+      "trunc", "frac", "sign", "sgn", "lerp", "addcmul", "addcdiv", "logit", "nan_to_num", "sin_", "cos_", "floor_", "round_"]),
+    ("matmul", ops.MatMul, [torch.matmul, torch.mm, torch.mv, operator.matmul, torch.dot, torch.inner, torch.outer],
+     ["matmul", "mm", "mv", "dot", "__matmul__", "__rmatmul__"]),
+    ("bmm", ops.Bmm, [torch.bmm], ["bmm"]),
+    ("baddbmm", ops.Baddbmm, [torch.baddbmm], ["baddbmm", "baddbmm_"]),
+    ("addmm", ops.Addmm, _fns("addmm", "addmv", "addbmm"), ["addmm", "addmm_", "addmv"]),
+    ("einsum", ops.Einsum, [torch.einsum], []),
+    ("cat", ops.Concat, _fns("cat", "concat", "concatenate"), []),
+    ("stack", ops.Stack, _fns("stack", "hstack", "vstack", "dstack"), []),
+    ("sum", ops.Sum, [torch.sum, torch.nansum], ["sum", "nansum"]),
+    ("mean", ops.Mean, [torch.mean, torch.nanmean], ["mean", "nanmean"]),
+    ("norm", ops.Norm, [torch.norm, torch.linalg.norm, torch.linalg.vector_norm, torch.linalg.matrix_norm, F.normalize], ["norm"]),
+    ("cumsum", ops.CumSum, [torch.cumsum], ["cumsum", "cumsum_"]),
+    ("amax", ops.Amax, [torch.amax, torch.max], ["amax", "max"]),
+    ("amin", ops.Amin, [torch.amin, torch.min], ["amin", "min"]),
+    (None, ops.Reduce,
+     _fns("prod", "var", "std", "logsumexp", "argmax", "argmin", "any", "all", "var_mean", "std_mean", "topk", "sort",
+          "argsort", "cumprod", "median", "mode", "count_nonzero", "aminmax"),
+     ["prod", "var", "std", "logsumexp", "argmax", "argmin", "any", "all", "topk", "sort", "argsort", "cumprod", "median"]),
+    ("where", ops.Where, [torch.where], ["where"]),
+    ("masked_fill", ops.MaskedFill, [torch.masked_fill], ["masked_fill", "masked_fill_"]),
+    (None, ops.FunctionalLinear, [F.linear, F.bilinear], []),
+    (None, ops.FunctionalConv, [F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d], []),
+    (None, ops.FunctionalNorm,
+     [F.layer_norm, F.group_norm, F.batch_norm, F.instance_norm, F.local_response_norm, *_fns("rms_norm", ns=F)], []),
+    (None, ops.FunctionalEmbedding, [F.embedding, F.embedding_bag], []),
+    ("prelu", ops.PReLUOp, [F.prelu, torch.prelu], ["prelu"]),
+    (None, ops.Interpolate, [F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear, F.grid_sample, F.affine_grid], []),
+    ("pad", ops.Pad, [F.pad], []),
+    (None, ops.Pool,
+     [F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
+      F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
+      F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices, F.lp_pool1d, F.lp_pool2d,
+      F.adaptive_max_pool2d_with_indices, *_fns("max_pool2d", "avg_pool1d", "adaptive_avg_pool1d")], []),
+    ("scaled_dot_product_attention", ops.ScaledDotProductAttention, [F.scaled_dot_product_attention], []),
+]
+
+_NAMED_FUNCTIONS: dict[Any, tuple[str | None, type[ops.BoundOp]]] = {}
+_NAMED_METHODS: dict[str, tuple[str | None, type[ops.BoundOp]]] = {}
+for _key, _cls, _functions, _methods in _TABLE:
+    for _f in _functions:
+        _NAMED_FUNCTIONS.setdefault(_f, (_key, _cls))
+    for _m in _methods:
+        _NAMED_METHODS.setdefault(_m, (_key, _cls))
+
+
+# --- replacement ----------------------------------------------------------------------------------
+@dataclass
+class Replacement:
+    """What one node becomes: a module, the inputs it is called with, and why."""
+
+    module: nn.Module
+    inputs: list[Any]
+    name: str
+    reason: str
+
+
+def _template(args: Any, inputs: list[Any]) -> Any:
+    """Copy ``args`` replacing each Node by a Slot (appending the node to ``inputs``)."""
+    if isinstance(args, fx.Node):
+        inputs.append(args)
+        return ops.Slot(len(inputs) - 1)
+    if isinstance(args, tuple):  # fx's immutable containers become plain ones
+        return tuple(_template(a, inputs) for a in args)
+    if isinstance(args, list):
+        return [_template(a, inputs) for a in args]
+    if isinstance(args, dict):
+        return {k: _template(v, inputs) for k, v in args.items()}
+    if isinstance(args, slice):
+        return slice(_template(args.start, inputs), _template(args.stop, inputs), _template(args.step, inputs))
+    return args
+
+
+def _bound_op(cls: type[ops.BoundOp], fn: Callable[..., Any], node: fx.Node, name: str, reason: str) -> Replacement:
+    inputs: list[Any] = []
+    args = _template(tuple(node.args), inputs)
+    kwargs = _template(dict(node.kwargs), inputs)
+    return Replacement(cls(fn, args, kwargs), inputs, name, reason)
+
+
+def _parameter(gm: fx.GraphModule, value: Any) -> nn.Parameter | None:
+    """The module Parameter a get_attr node reads, or None for anything else."""
+    if isinstance(value, fx.Node) and value.op == "get_attr":
+        try:
+            obj = operator.attrgetter(value.target)(gm)
+        except AttributeError:
+            return None
+        return obj if isinstance(obj, nn.Parameter) else None
+    return None
+
+
+def _params_or_none(gm: fx.GraphModule, *values: Any) -> list[nn.Parameter | None] | None:
+    """Each value as a Parameter (None stays None); None overall if any value is something else."""
+    out: list[nn.Parameter | None] = []
+    for v in values:
+        if v is None:
+            out.append(None)
+            continue
+        p = _parameter(gm, v)
+        if p is None:
+            return None
+        out.append(p)
+    return out
+
+
+def _only_input_is_first(bound: dict[str, Any], first: str = "input") -> bool:
+    return isinstance(bound.get(first), fx.Node) and not any(
+        isinstance(v, fx.Node) for k, v in bound.items() if k != first
+    ) and not any(_contains_node(v) for k, v in bound.items() if k != first)
+
+
+def _contains_node(value: Any) -> bool:
+    found = []
+    fx.node.map_arg(value, lambda n: found.append(n))
+    return bool(found)
+
+
+def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
+    """``F.linear``/``conv``/``norm``/``embedding``/``prelu`` on module Parameters → the real layer."""
+    t, args, kwargs = node.target, tuple(node.args), dict(node.kwargs)
+
+    def finish(layer: nn.Module, weights: dict[str, nn.Parameter | None], name: str, x: Any) -> Replacement:
+        for attr, p in weights.items():
+            setattr(layer, attr, p)  # the user's own Parameter object (or None): nothing is copied
+        return Replacement(layer, [x], name, f"F.{name} on module parameters → nn.{type(layer).__name__} sharing them")
+
+    if t is F.linear:
+        b = _bind("input, weight, bias=None", args, kwargs)
+        ps = b and _params_or_none(gm, b["weight"], b["bias"])
+        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node):
+            return None
+        w, bias = ps
+        layer = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta", dtype=w.dtype)
+        return finish(layer, {"weight": w, "bias": bias}, "linear", b["input"])
+    convs = {F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
+    if t in convs:
+        b = _bind("input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1", args, kwargs)
+        ps = b and _params_or_none(gm, b["weight"], b["bias"])
+        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
+            [b["stride"], b["padding"], b["dilation"], b["groups"]]
+        ):
+            return None
+        w, bias = ps
+        groups = b["groups"]
+        layer = convs[t](
+            w.shape[1] * groups, w.shape[0], tuple(w.shape[2:]), stride=b["stride"], padding=b["padding"],
+            dilation=b["dilation"], groups=groups, bias=bias is not None, device="meta", dtype=w.dtype,
+        )
+        return finish(layer, {"weight": w, "bias": bias}, t.__name__, b["input"])
+    tconvs = {F.conv_transpose1d: nn.ConvTranspose1d, F.conv_transpose2d: nn.ConvTranspose2d, F.conv_transpose3d: nn.ConvTranspose3d}
+    if t in tconvs:
+        b = _bind("input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1", args, kwargs)
+        ps = b and _params_or_none(gm, b["weight"], b["bias"])
+        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
+            [b["stride"], b["padding"], b["output_padding"], b["dilation"], b["groups"]]
+        ):
+            return None
+        w, bias = ps
+        groups = b["groups"]
+        layer = tconvs[t](
+            w.shape[0], w.shape[1] * groups, tuple(w.shape[2:]), stride=b["stride"], padding=b["padding"],
+            output_padding=b["output_padding"], groups=groups, bias=bias is not None, dilation=b["dilation"],
+            device="meta", dtype=w.dtype,
+        )
+        return finish(layer, {"weight": w, "bias": bias}, t.__name__, b["input"])
+    if t is F.layer_norm:
+        b = _bind("input, normalized_shape, weight=None, bias=None, eps=1e-05", args, kwargs)
+        ps = b and _params_or_none(gm, b["weight"], b["bias"])
+        if not b or not ps or not isinstance(b["input"], fx.Node) or _contains_node([b["normalized_shape"], b["eps"]]):
+            return None
+        w, bias = ps
+        if w is None and bias is not None:
+            return None
+        layer = nn.LayerNorm(b["normalized_shape"], eps=b["eps"], elementwise_affine=w is not None,
+                             bias=bias is not None, device="meta")
+        return finish(layer, {"weight": w, "bias": bias} if w is not None else {}, "layer_norm", b["input"])
+    if t is F.group_norm:
+        b = _bind("input, num_groups, weight=None, bias=None, eps=1e-05", args, kwargs)
+        ps = b and _params_or_none(gm, b["weight"], b["bias"])
+        if not b or not ps or ps[0] is None or ps[1] is None or not isinstance(b["input"], fx.Node) or _contains_node([b["num_groups"], b["eps"]]):
+            return None
+        w, bias = ps
+        layer = nn.GroupNorm(b["num_groups"], w.shape[0], eps=b["eps"], affine=True, device="meta")
+        return finish(layer, {"weight": w, "bias": bias}, "group_norm", b["input"])
+    if t is F.embedding:
+        b = _bind("input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False", args, kwargs)
+        ps = b and _params_or_none(gm, b["weight"])
+        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
+            [b["padding_idx"], b["max_norm"], b["norm_type"]]
+        ):
+            return None
+        (w,) = ps
+        layer = nn.Embedding(w.shape[0], w.shape[1], padding_idx=b["padding_idx"], max_norm=b["max_norm"],
+                             norm_type=b["norm_type"], scale_grad_by_freq=b["scale_grad_by_freq"], sparse=b["sparse"],
+                             device="meta")
+        return finish(layer, {"weight": w}, "embedding", b["input"])
+    if t in (F.prelu, torch.prelu):
+        b = _bind("input, weight", args, kwargs)
+        ps = b and _params_or_none(gm, b["weight"])
+        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node):
+            return None
+        (w,) = ps
+        layer = nn.PReLU(w.numel(), device="meta")
+        return finish(layer, {"weight": w}, "prelu", b["input"])
+    return None
+
+
+def _activation(node: fx.Node) -> Replacement | None:
+    if node.op == "call_function":
+        try:
+            entry = _ACTIVATION_FUNCTIONS.get(node.target)
+        except TypeError:
+            return None
+        if entry is None:
+            return None
+        act, is_f, inplace = entry
+        spec = act.spec_f if (is_f and act.spec_f) else act.spec
+        args = tuple(node.args)
+    else:
+        m_entry = _ACTIVATION_METHODS.get(node.target)  # type: ignore[arg-type]
+        if m_entry is None:
+            return None
+        act, inplace = m_entry
+        spec = act.spec
+        args = tuple(node.args)
+    b = _bind(spec, args, dict(node.kwargs))
+    if b is None or not _only_input_is_first(b):
+        return None
+    ctor = act.ctor(b)
+    if ctor is None:
+        return None
+    if inplace:
+        if "inplace" not in inspect.signature(act.module).parameters:
+            return None  # e.g. sigmoid_: no nn twin that mutates; the BoundOp path keeps it exact
+        ctor["inplace"] = True
+    return Replacement(act.module(**ctor), [b["input"]], act.name, f"{_describe_target(node)} → nn.{act.module.__name__}")
+
+
+def _dropout(node: fx.Node, training: bool) -> Replacement | None:
+    if node.op != "call_function":
+        return None
+    try:
+        cls = DROPOUTS.get(node.target)
+    except TypeError:
+        return None
+    if cls is not None:
+        b = _bind(_DROPOUT_SPEC, tuple(node.args), dict(node.kwargs))
+        if b is None or not _only_input_is_first(b) or bool(b["training"]) != training:
+            return None  # training fixed in the source: a Dropout BoundOp keeps it fixed (reported)
+        return Replacement(cls(p=b["p"], inplace=bool(b["inplace"])), [b["input"]], node.target.__name__,
+                           f"{_describe_target(node)} → nn.{cls.__name__} (follows .train()/.eval())")
+    sd = _stochastic_depth_target()
+    if sd is not None and node.target is sd:
+        b = _bind("input, p, mode, training=True", tuple(node.args), dict(node.kwargs))
+        if b is None or not _only_input_is_first(b) or bool(b["training"]) != training:
+            return None
+        from torchvision.ops import StochasticDepth
+
+        return Replacement(StochasticDepth(b["p"], b["mode"]), [b["input"]], "stochastic_depth",
+                           "torchvision stochastic_depth → StochasticDepth (follows .train()/.eval())")
+    return None
+
+
+def _stochastic_depth_target() -> Any:
+    import sys
+
+    mod = sys.modules.get("torchvision.ops.stochastic_depth")
+    return getattr(mod, "stochastic_depth", None) if mod else None
+
+
+def _describe_target(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    return ops.qualified_name(node.target)
+
+
+def _short_name(node: fx.Node, key: str | None) -> str:
+    if key:
+        return key
+    if node.op == "call_method":
+        return str(node.target).strip("_")
+    return getattr(node.target, "__name__", "op").strip("_")
+
+
+def _named(node: fx.Node) -> Replacement | None:
+    if node.op == "call_method":
+        entry = _NAMED_METHODS.get(node.target)  # type: ignore[arg-type]
+        fn: Callable[..., Any] = ops.method_call(str(node.target))
+    else:
+        try:
+            entry = _NAMED_FUNCTIONS.get(node.target)
+        except TypeError:
+            entry = None
+        fn = node.target  # type: ignore[assignment]
+    if entry is None:
+        return None
+    key, cls = entry
+    if cls is ops.FunctionalLinear or cls is ops.FunctionalConv:
+        reason = f"{_describe_target(node)} with weights passed as inputs → {cls.__name__}"
+    elif cls in (ops.Amax, ops.Amin) and node.op == "call_function" and node.target in (torch.max, torch.min):
+        reason = f"{_describe_target(node)} → {cls.__name__}"
+    else:
+        reason = f"{_describe_target(node)} → {cls.__name__}"
+    return _bound_op(cls, fn, node, _short_name(node, key), reason)
+
+
+def _special(node: fx.Node, training: bool) -> Replacement | None:
+    """Activations with dtype, fixed-mode dropout, autograd Functions, other torch ops."""
+    target = node.target
+    if node.op == "call_function":
+        autograd_fn = getattr(target, "autograd_function", None)
+        if autograd_fn is not None:
+            return _bound_op(ops.AutogradFunction, target, node, autograd_fn.__name__,  # type: ignore[arg-type]
+                             f"autograd.Function {autograd_fn.__name__} → AutogradFunction (its backward still runs)")
+        try:
+            act = _ACTIVATION_FUNCTIONS.get(target)
+        except TypeError:
+            act = None
+        if act is not None:
+            cls = ops.Softmax if act[0].name in ("softmax", "log_softmax", "softmin") else ops.Activation
+            return _bound_op(cls, target, node, act[0].name, f"{_describe_target(node)} with arguments nn.{act[0].module.__name__} cannot hold → {cls.__name__}")  # type: ignore[arg-type]
+        if target in DROPOUTS:
+            return _bound_op(ops.Dropout, target, node, target.__name__,  # type: ignore[union-attr]
+                             f"{_describe_target(node)} with training fixed in the source (not self.training) → Dropout, mode fixed")
+        module = getattr(target, "__module__", "") or ""
+        if module.startswith("torch") or target in ops._OPERATOR_NAMES:
+            return _bound_op(ops.Functional, target, node, _short_name(node, None), f"{_describe_target(node)} → Functional")  # type: ignore[arg-type]
+        return None
+    m_act = _ACTIVATION_METHODS.get(target)  # type: ignore[arg-type]
+    if m_act is not None:
+        cls = ops.Softmax if m_act[0].name in ("softmax", "log_softmax", "softmin") else ops.Activation
+        return _bound_op(cls, ops.method_call(str(target)), node, m_act[0].name, f"Tensor.{target} → {cls.__name__}")
+    if hasattr(torch.Tensor, str(target)):
+        return _bound_op(ops.Functional, ops.method_call(str(target)), node, _short_name(node, None), f"Tensor.{target} → Functional")
+    return None
+
+
+def replacement_for(gm: fx.GraphModule, node: fx.Node, training: bool) -> Replacement | None:
+    """The module ``node`` becomes, or None when it stays functional."""
+    if node.op not in ("call_function", "call_method") or is_allowed_functional(node):
+        return None
+    if node.meta.get("fxprep_kind") == OTHER:
+        return None  # Python-value arithmetic (shapes, flags): never a module
+    return (
+        (_owned_layer(gm, node) if node.op == "call_function" else None)
+        or _activation(node)
+        or _dropout(node, training)
+        or _named(node)
+        or _special(node, training)
+    )
+
+
+def _left_reason(node: fx.Node) -> str:
+    target = node.target
+    if getattr(target, "__fxprep_opaque__", False):
+        return "function marked fxprep.opaque: kept as one call"
+    if node.meta.get("is_wrapped"):
+        return "function registered with torch.fx.wrap: kept as one call"
+    return "not a torch op fxprep knows how to turn into a module: kept as a call"
+
+
+def run(gm: fx.GraphModule, *, training: bool = False, original: nn.Module | None = None,
+        report: Report | None = None) -> fx.GraphModule:
+    """Replace every tensor-computing functional node of ``gm`` by a ``call_module``.
+
+    ``training`` is the mode the graph was captured in (decides which dropouts follow the module
+    mode). ``original`` is the user's model, consulted so new names never collide with its
+    attributes. Nodes must carry ``meta['fxprep_kind']`` (see :mod:`fxprep.passes.values`).
+    """
+    taken: set[str] = set()
+    used_attrs: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        rep = replacement_for(gm, node, training)
+        if rep is None:
+            if node.op in ("call_function", "call_method") and not is_allowed_functional(node) \
+                    and node.meta.get("fxprep_kind") != OTHER and report is not None:
+                report.left_functional(node.name, _describe_target(node), scope_of(node), _left_reason(node))
+            continue
+        qualname = fresh_name(gm, original, scope_of(node), rep.name, taken)
+        add_module(gm, qualname, rep.module)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(qualname, tuple(rep.inputs), {})
+        new.meta = dict(node.meta)
+        new.meta["fxprep_origin"] = _describe_target(node)
+        node.replace_all_uses_with(new)
+        used_attrs.update(n for n in node.all_input_nodes if n.op == "get_attr")
+        gm.graph.erase_node(node)
+        if report is not None:
+            report.module_added(qualname, type(rep.module).__name__, rep.reason)
+    for attr_node in used_attrs:
+        if not attr_node.users:
+            gm.graph.erase_node(attr_node)  # the Parameter stays on the module; only the read goes
+    gm.graph.lint()
+    gm.recompile()
+    return gm

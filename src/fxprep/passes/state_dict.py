@@ -1,0 +1,90 @@
+"""State-dict parity: the prepared module loads the original's ``state_dict`` and vice versa.
+
+Three things break parity after capture and the other passes, and this pass mends each:
+
+* Parameters/buffers the forward never touches are not copied into a GraphModule; they are put back
+  (the same tensor objects) at their original paths.
+* ``torch.fx`` registers every buffer it reads as persistent; persistence is made to match the
+  original (a non-persistent rotary ``inv_freq`` must stay out of the state_dict).
+* Unrolled modules and layers built from functionals hold the original tensors under *new* names.
+  Those names are aliases: hidden from ``state_dict()``, and filled from their canonical key by
+  ``load_state_dict()``, so both directions work with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+ALIASES_ATTR = "_fxprep_state_aliases"
+
+
+def _container(gm: nn.Module, path: str) -> nn.Module:
+    module = gm
+    for atom in filter(None, path.split(".")):
+        child = module._modules.get(atom)
+        if child is None:
+            child = nn.Module()
+            child.training = module.training
+            module.add_module(atom, child)
+        module = child
+    return module
+
+
+def _drop_aliases(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for alias in getattr(module, ALIASES_ATTR, {}):
+        state_dict.pop(prefix + alias, None)
+
+
+def _fill_aliases(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    for alias, canonical in getattr(module, ALIASES_ATTR, {}).items():
+        if prefix + alias not in state_dict and prefix + canonical in state_dict:
+            state_dict[prefix + alias] = state_dict[prefix + canonical]
+
+
+def aliases(gm: nn.Module) -> dict[str, str]:
+    """``{alias key: canonical key}`` of a prepared module (empty for anything else)."""
+    return dict(getattr(gm, ALIASES_ATTR, {}))
+
+
+def run(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
+    original_state = original.state_dict(keep_vars=True)
+    non_persistent = {
+        f"{name}.{b}" if name else b
+        for name, m in original.named_modules(remove_duplicate=False)
+        for b in m._non_persistent_buffers_set
+    }
+
+    # Put back what the forward never read, and fix buffer persistence.
+    current = gm.state_dict(keep_vars=True)
+    for key, tensor in original_state.items():
+        if key in current:
+            continue
+        path, _, leaf = key.rpartition(".")
+        container = _container(gm, path)
+        if isinstance(tensor, nn.Parameter):
+            container.register_parameter(leaf, tensor)
+        elif isinstance(tensor, torch.Tensor):
+            container.register_buffer(leaf, tensor, persistent=True)
+    for name, module in gm.named_modules(remove_duplicate=False):
+        for b in list(module._buffers):
+            key = f"{name}.{b}" if name else b
+            if key in non_persistent:
+                module._non_persistent_buffers_set.add(b)
+
+    # Everything else in the prepared state_dict is an alias of an original key.
+    canonical_by_id = {}
+    for key, tensor in original_state.items():
+        canonical_by_id.setdefault(id(tensor), key)
+    found: dict[str, str] = {}
+    for key, tensor in gm.state_dict(keep_vars=True).items():
+        if key not in original_state and id(tensor) in canonical_by_id:
+            found[key] = canonical_by_id[id(tensor)]
+    if found:
+        setattr(gm, ALIASES_ATTR, found)
+        gm.register_state_dict_post_hook(_drop_aliases)
+        gm.register_load_state_dict_pre_hook(_fill_aliases)
+    return gm

@@ -1,0 +1,173 @@
+"""The report: what fxprep did to a model, and how sure it is of the result.
+
+Reachable from every prepared module as ``gm.fxprep_report`` (or :func:`fxprep.get_report`), and
+rendered as text (``print(report)``), markdown or JSON. It lists each capture attempt with its error,
+every module added and why, every op left functional and why, reused modules unrolled, notes on
+anything specialised at capture time, the verification result with its measured difference, and
+timings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .capture.common import CaptureAttempt
+
+
+@dataclass
+class AddedModule:
+    name: str
+    cls: str
+    reason: str
+
+
+@dataclass
+class LeftFunctional:
+    node: str
+    target: str
+    scope: str
+    reason: str
+
+
+@dataclass
+class Unrolled:
+    original: str
+    copies: list[str]
+    shared_parameters: bool
+
+
+@dataclass
+class Verification:
+    """Outcome of comparing original and prepared on the example inputs."""
+
+    status: str  # "passed", "failed", "skipped"
+    max_abs_diff: float | None = None
+    rtol: float | None = None
+    atol: float | None = None
+    outputs_compared: int = 0
+    grad: bool = False
+    grad_max_abs_diff: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    model: str
+    tracer: str | None = None
+    attempts: list[CaptureAttempt] = field(default_factory=list)
+    added: list[AddedModule] = field(default_factory=list)
+    left: list[LeftFunctional] = field(default_factory=list)
+    unrolled: list[Unrolled] = field(default_factory=list)
+    leaves: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    issues: list[Any] = field(default_factory=list)
+    verification: Verification = field(default_factory=lambda: Verification("skipped", detail="not run"))
+    timings: dict[str, float] = field(default_factory=dict)
+    inputs: str = ""
+
+    # --- recording (called by the passes) -------------------------------------------------------
+    def module_added(self, name: str, cls: str, reason: str) -> None:
+        self.added.append(AddedModule(name, cls, reason))
+
+    def left_functional(self, node: str, target: str, scope: str, reason: str) -> None:
+        self.left.append(LeftFunctional(node, target, scope, reason))
+
+    def module_unrolled(self, original: str, copies: list[str], shared: bool) -> None:
+        self.unrolled.append(Unrolled(original, copies, shared))
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    # --- rendering ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "tracer": self.tracer,
+            "inputs": self.inputs,
+            "attempts": [a.to_dict() for a in self.attempts],
+            "added": [asdict(a) for a in self.added],
+            "left_functional": [asdict(x) for x in self.left],
+            "unrolled": [asdict(u) for u in self.unrolled],
+            "leaves": dict(self.leaves),
+            "notes": list(self.notes),
+            "issues": [i.to_dict() if hasattr(i, "to_dict") else str(i) for i in self.issues],
+            "verification": asdict(self.verification),
+            "timings": {k: round(v, 4) for k, v in self.timings.items()},
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str, **kwargs)
+
+    def _verification_line(self) -> str:
+        v = self.verification
+        if v.status == "skipped":
+            return f"skipped ({v.detail})"
+        line = f"{v.status}: {v.outputs_compared} output tensor(s), max |diff| = {v.max_abs_diff:.3g}"
+        line += f" (rtol={v.rtol:g}, atol={v.atol:g})"
+        if v.grad:
+            line += f"; gradients max |diff| = {v.grad_max_abs_diff:.3g}" if v.grad_max_abs_diff is not None else "; gradients checked"
+        if v.detail:
+            line += f" - {v.detail}"
+        return line
+
+    def to_text(self) -> str:
+        lines = [f"fxprep report for {self.model}"]
+        if self.inputs:
+            lines.append(f"  inputs: {self.inputs}")
+        lines.append(f"  tracer: {self.tracer or 'none succeeded'}")
+        for a in self.attempts:
+            lines.append(f"    - {a.tracer}: {'ok' if a.ok else 'failed'} in {a.seconds:.2f}s" + (f" - {a.error}" if a.error else ""))
+        lines.append(f"  verification: {self._verification_line()}")
+        lines.append(f"  modules added: {len(self.added)}")
+        for m in self.added:
+            lines.append(f"    + {m.name} ({m.cls}): {m.reason}")
+        if self.unrolled:
+            lines.append(f"  reused modules unrolled: {len(self.unrolled)}")
+            for u in self.unrolled:
+                kind = "shared parameters" if u.shared_parameters else "independent copies"
+                lines.append(f"    * {u.original} → {', '.join(u.copies)} ({kind})")
+        if self.leaves:
+            lines.append(f"  kept as leaves: {len(self.leaves)}")
+            for name, why in self.leaves.items():
+                lines.append(f"    = {name}: {why}")
+        lines.append(f"  ops left functional (outside the view/metadata allow-list): {len(self.left)}")
+        for x in self.left:
+            lines.append(f"    - {x.node} = {x.target} in '{x.scope}': {x.reason}")
+        if self.issues:
+            lines.append(f"  issues: {len(self.issues)}")
+            for i in self.issues:
+                lines.extend("    " + t for t in (i.to_text() if hasattr(i, "to_text") else str(i)).splitlines())
+        if self.notes:
+            lines.append("  notes:")
+            lines.extend(f"    ! {n}" for n in self.notes)
+        if self.timings:
+            lines.append("  timings: " + ", ".join(f"{k} {v:.3f}s" for k, v in self.timings.items()))
+        return "\n".join(lines)
+
+    def to_markdown(self) -> str:
+        md = [f"## fxprep report: `{self.model}`", ""]
+        md.append(f"- **tracer**: {self.tracer or 'none succeeded'}")
+        if self.inputs:
+            md.append(f"- **inputs**: `{self.inputs}`")
+        md.append(f"- **verification**: {self._verification_line()}")
+        md.append(f"- **modules added**: {len(self.added)}; **unrolled**: {len(self.unrolled)}; "
+                  f"**left functional**: {len(self.left)}; **leaves**: {len(self.leaves)}")
+        if self.attempts:
+            md += ["", "| tracer | result | seconds | error |", "|---|---|---|---|"]
+            for a in self.attempts:
+                md.append(f"| {a.tracer} | {'ok' if a.ok else 'failed'} | {a.seconds:.2f} | {(a.error or '').replace('|', '/')} |")
+        if self.added:
+            md += ["", "| module | class | why |", "|---|---|---|"]
+            md += [f"| `{m.name}` | {m.cls} | {m.reason} |" for m in self.added]
+        if self.left:
+            md += ["", "| op left functional | scope | why |", "|---|---|---|"]
+            md += [f"| `{x.target}` | `{x.scope}` | {x.reason} |" for x in self.left]
+        if self.notes:
+            md += [""] + [f"> {n}" for n in self.notes]
+        return "\n".join(md)
+
+    def __str__(self) -> str:
+        return self.to_text()

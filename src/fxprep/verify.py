@@ -1,0 +1,314 @@
+"""Prove the prepared module computes what the original does, and say by how much they differ.
+
+Both modules run on fresh copies of the example inputs with the same RNG seed (so dropout in train
+mode draws the same masks), and with every buffer restored afterwards (a train-mode BatchNorm must
+not have its running statistics updated by verification: that would mutate the user's model).
+Outputs are flattened through tuples, lists, dicts, dataclasses and ``ModelOutput`` and compared
+leaf by leaf; NaNs must sit at the same positions, and the max difference is taken over the rest.
+
+When they differ, the first diverging *leaf module* is found by recording each leaf's output in the
+original (forward hooks) and in the prepared graph (an Interpreter), in call order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .errors import EquivalenceError, ModelError
+from .inputs import ExampleInputs
+from .report import Verification
+
+SEED = 20260611
+
+
+@contextlib.contextmanager
+def preserved_state(*modules: nn.Module) -> Iterator[None]:
+    """Restore every buffer (and the RNG) of ``modules`` on exit: running a model must not change it."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    seen: set[int] = set()
+    for module in modules:
+        for buf in module.buffers():
+            if id(buf) not in seen:
+                seen.add(id(buf))
+                saved.append((buf, buf.detach().clone()))
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, value in saved:
+                    if buf.shape == value.shape:
+                        buf.copy_(value)
+
+
+def flatten_output(value: Any, path: str = "out") -> list[tuple[str, Any]]:
+    """``[(path, leaf)]`` through tuples, lists, dicts, dataclasses and ``ModelOutput``."""
+    if isinstance(value, torch.Tensor):
+        return [(path, value)]
+    if isinstance(value, dict):  # ModelOutput is an OrderedDict subclass
+        out = []
+        for k, v in value.items():
+            out += flatten_output(v, f"{path}[{k!r}]")
+        return out
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = []
+        for f in dataclasses.fields(value):
+            out += flatten_output(getattr(value, f.name), f"{path}.{f.name}")
+        return out
+    if isinstance(value, (tuple, list)):
+        out = []
+        for i, v in enumerate(value):
+            out += flatten_output(v, f"{path}[{i}]")
+        return out
+    return [(path, value)]
+
+
+def run_model(model: nn.Module, example: ExampleInputs, *, grad: bool = False, what: str = "the model") -> Any:
+    """Run ``model`` on a fresh copy of ``example`` with the fixed seed."""
+    fresh = example.fresh_copy()
+    torch.manual_seed(SEED)
+    ctx = contextlib.nullcontext() if grad else torch.no_grad()
+    with ctx:
+        return model(*fresh.args, **fresh.kwargs)
+
+
+def run_original(model: nn.Module, example: ExampleInputs) -> Any:
+    """The reference run of the user's model; its failure is the user's to fix, said so plainly."""
+    try:
+        with preserved_state(model):
+            return run_model(model, example)
+    except Exception as err:
+        raise ModelError(
+            f"The model itself failed on the example inputs ({example.describe()}): "
+            f"{type(err).__name__}: {err}\nCheck the shapes, dtypes and argument names of example_inputs "
+            f"against the model's forward()."
+        ) from err
+
+
+def _compare(ref: Any, got: Any, rtol: float, atol: float) -> tuple[int, float, str | None]:
+    """(tensors compared, max |diff| over finite positions, first problem or None)."""
+    ref_leaves, got_leaves = flatten_output(ref), flatten_output(got)
+    if [p for p, _ in ref_leaves] != [p for p, _ in got_leaves]:
+        return 0, math.inf, (
+            f"output structure differs: original {[p for p, _ in ref_leaves]} vs prepared {[p for p, _ in got_leaves]}"
+        )
+    if type(ref) is not type(got):
+        return 0, math.inf, f"output type differs: original {type(ref).__name__} vs prepared {type(got).__name__}"
+    count, worst, problem = 0, 0.0, None
+    for (path, a), (_, b) in zip(ref_leaves, got_leaves):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            problem = problem or f"{path}: tensor vs {type(b).__name__}"
+            continue
+        if not isinstance(a, torch.Tensor):
+            if a != b and not (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)):
+                problem = problem or f"{path}: {a!r} != {b!r}"
+            continue
+        count += 1
+        if a.shape != b.shape or a.dtype != b.dtype:
+            problem = problem or f"{path}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
+            worst = math.inf
+            continue
+        diff, bad = _tensor_diff(a, b, rtol, atol)
+        worst = max(worst, diff)
+        if bad:
+            problem = problem or f"{path}: {bad}"
+    return count, worst, problem
+
+
+def _tensor_diff(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[float, str | None]:
+    a, b = a.detach(), b.detach()
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if not (a.is_floating_point()):
+        equal = torch.equal(a, b)
+        return (0.0 if equal else float((a.double() - b.double()).abs().max())), (None if equal else "values differ")
+    a64, b64 = a.double(), b.double()
+    nan_a, nan_b = torch.isnan(a64), torch.isnan(b64)
+    if not torch.equal(nan_a, nan_b):
+        return math.inf, f"NaN at different positions ({int(nan_a.sum())} vs {int(nan_b.sum())} NaNs)"
+    finite = ~nan_a & torch.isfinite(a64) & torch.isfinite(b64)
+    if not torch.equal(a64[~finite & ~nan_a], b64[~finite & ~nan_a]):
+        return math.inf, "infinities differ"
+    if finite.any():
+        d = (a64[finite] - b64[finite]).abs()
+        diff = float(d.max())
+        ok = bool((d <= atol + rtol * b64[finite].abs()).all())
+    else:
+        diff, ok = 0.0, True
+    return diff, None if ok else f"max |diff| {diff:.3g} exceeds rtol={rtol:g}, atol={atol:g}"
+
+
+def default_tolerances(reference: Any) -> tuple[float, float]:
+    dtypes = {t.dtype for _, t in flatten_output(reference) if isinstance(t, torch.Tensor)}
+    if dtypes & {torch.float16, torch.bfloat16}:
+        return 1e-2, 1e-2
+    return 1e-4, 1e-5
+
+
+def verify(
+    original: nn.Module,
+    prepared: fx.GraphModule,
+    example: ExampleInputs,
+    *,
+    reference: Any = None,
+    prepared_example: ExampleInputs | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    grad: bool = False,
+    raise_on_mismatch: bool = True,
+) -> Verification:
+    """Compare ``prepared`` against ``original`` on ``example``; raise :class:`EquivalenceError` on a
+    mismatch (naming the first diverging leaf), else return the measured :class:`Verification`.
+
+    ``prepared_example`` is how the prepared module is called when it differs from the original's
+    call (``concrete_args`` removed some arguments, for instance).
+    """
+    prepared_example = prepared_example or example
+    with preserved_state(original, prepared):
+        if reference is None:
+            reference = run_model(original, example)
+        try:
+            got = run_model(prepared, prepared_example)
+        except Exception as err:
+            raise EquivalenceError(
+                f"The prepared module failed on the example inputs where the original ran: "
+                f"{type(err).__name__}: {err}. This is an fxprep bug; please report it with the model."
+            ) from err
+    if rtol is None or atol is None:
+        d_rtol, d_atol = default_tolerances(reference)
+        rtol = d_rtol if rtol is None else rtol
+        atol = d_atol if atol is None else atol
+    count, worst, problem = _compare(reference, got, rtol, atol)
+    result = Verification("passed", max_abs_diff=worst, rtol=rtol, atol=atol, outputs_compared=count)
+    if problem is None and grad:
+        g_worst, g_problem = _verify_grads(original, prepared, example, prepared_example, rtol, atol)
+        result.grad, result.grad_max_abs_diff = True, g_worst
+        problem = g_problem
+    if problem is not None:
+        result.status, result.detail = "failed", problem
+        if raise_on_mismatch:
+            where = first_divergence(original, prepared, example, prepared_example, rtol, atol)
+            located = f" First diverging module: '{where}'." if where else ""
+            raise EquivalenceError(
+                f"Prepared module differs from the original: {problem} (max |diff| = {worst:.3g}).{located}",
+                max_abs_diff=worst, module=where, output_path=problem.split(":")[0],
+            )
+    return result
+
+
+def _verify_grads(original: nn.Module, prepared: fx.GraphModule, example: ExampleInputs,
+                  prepared_example: ExampleInputs, rtol: float, atol: float) -> tuple[float, str | None]:
+    """Backpropagate the same random cotangents through both; compare input and parameter grads."""
+    params = [p for p in original.parameters() if p.requires_grad]
+    saved_grads = [p.grad for p in params]
+
+    def grads_of(model: nn.Module, ex: ExampleInputs) -> list[torch.Tensor | None]:
+        fresh = ex.fresh_copy()
+        leaves = [t for _, t in flatten_output((fresh.args, fresh.kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        for t in leaves:
+            t.requires_grad_(True)
+        for p in params:
+            p.grad = None
+        torch.manual_seed(SEED)
+        out = model(*fresh.args, **fresh.kwargs)
+        outs = [t for _, t in flatten_output(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outs:
+            return []
+        gen = torch.Generator().manual_seed(SEED)
+        cotangents = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
+        torch.autograd.backward(outs, cotangents)
+        return [t.grad for t in leaves] + [None if p.grad is None else p.grad.clone() for p in params]
+
+    try:
+        with preserved_state(original, prepared):
+            ref = grads_of(original, example)
+            got = grads_of(prepared, prepared_example)
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+    worst, problem = 0.0, None
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if (a is None) != (b is None):
+            problem = problem or f"gradient {i}: present in one module only"
+            continue
+        if a is None:
+            continue
+        diff, bad = _tensor_diff(a, b, rtol, atol)
+        worst = max(worst, diff)
+        if bad:
+            problem = problem or f"gradient {i}: {bad}"
+    return worst, problem
+
+
+class _LeafRecorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.outputs: list[tuple[str, Any]] = []
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        out = super().call_module(target, args, kwargs)
+        self.outputs.append((str(target), out))
+        return out
+
+
+def first_divergence(original: nn.Module, prepared: fx.GraphModule, example: ExampleInputs,
+                     prepared_example: ExampleInputs, rtol: float, atol: float) -> str | None:
+    """Qualified name (in the original) of the first leaf module whose output differs."""
+    originals = {id(m): n for n, m in original.named_modules(remove_duplicate=False)}
+    recorded: dict[int, list[Any]] = {}
+    handles = []
+    targets = [n for n in prepared.graph.nodes if n.op == "call_module"]
+    watched = {}
+    for node in targets:
+        mod = prepared.get_submodule(node.target)
+        origin = node.meta.get("fxprep_unrolled_from", node.target)
+        try:
+            orig_mod = original.get_submodule(str(origin))
+        except AttributeError:
+            continue
+        if id(orig_mod) in originals and (mod is orig_mod or "fxprep_unrolled_from" in node.meta):
+            watched[str(node.target)] = orig_mod
+    for mod in {id(m): m for m in watched.values()}.values():
+        handles.append(mod.register_forward_hook(
+            lambda m, i, o: recorded.setdefault(id(m), []).append(o)))
+    try:
+        with preserved_state(original, prepared):
+            run_model(original, example)
+    except Exception:  # noqa: BLE001 - localisation is best effort
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    for h in handles:
+        h.remove()
+    # The prepared graph shares these modules: drop what the hooks saw and re-record via the interpreter.
+    calls: dict[int, int] = {}
+    recorder = _LeafRecorder(prepared)
+    fresh = prepared_example.fresh_copy()
+    try:
+        with preserved_state(original, prepared), torch.no_grad():
+            torch.manual_seed(SEED)
+            recorder.run(*fresh.args, *fresh.kwargs.values())
+    except Exception:  # noqa: BLE001
+        return None
+    for target, out in recorder.outputs:
+        orig_mod = watched.get(target)
+        if orig_mod is None:
+            continue
+        k = calls.get(id(orig_mod), 0)
+        calls[id(orig_mod)] = k + 1
+        seen = recorded.get(id(orig_mod), [])
+        if k >= len(seen):
+            return originals[id(orig_mod)]
+        _, _, problem = _compare(seen[k], out, rtol, atol)
+        if problem is not None:
+            return originals[id(orig_mod)]
+    return None
