@@ -90,6 +90,33 @@ def _calls(model: nn.Module, example: ExampleInputs, concrete_args: dict[str, An
     return original_call, prepared_call
 
 
+def _defaults_as_concrete(model: nn.Module, example: ExampleInputs | None, concrete: dict[str, Any] | None,
+                          report: Report) -> dict[str, Any] | None:
+    """Arguments the example does not give and that have a default are fixed to that default.
+
+    Symbolic tracing otherwise turns ``y=None`` into a tensor placeholder and traces the branch for a
+    tensor (``x + y``), which is wrong for the call the user actually makes. Each one is reported.
+    """
+    if example is None:
+        return concrete
+    try:
+        params = inspect.signature(model.forward).parameters
+        bound = inspect.signature(model.forward).bind_partial(*example.args, **example.kwargs)
+    except (TypeError, ValueError):
+        return concrete
+    extra = {}
+    for name, p in params.items():
+        if name in bound.arguments or (concrete and name in concrete):
+            continue
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is p.empty:
+            continue
+        extra[name] = p.default
+        report.note(f"argument '{name}' is not in example_inputs: captured with its default {p.default!r}.")
+    if not extra:
+        return concrete
+    return {**(concrete or {}), **extra}
+
+
 def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report) -> list[str]:
     if opts.tracer != "auto":
         if opts.tracer == "dynamo" and example is None:
@@ -183,6 +210,7 @@ def prepare_model(
     report = Report(opts.name or type(model).__name__)
     report.inputs = example.describe() if example is not None else "none"
 
+    concrete = _defaults_as_concrete(model, example, concrete, report)
     reference = None
     original_call = prepared_call = example
     if example is not None:

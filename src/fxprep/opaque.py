@@ -29,9 +29,10 @@ def opaque(obj: T) -> T:
     if callable(obj):
         from .capture.fx import record_as_call
 
+        setattr(obj, _MARK, True)  # the recorded node targets obj itself: the report reads the mark
         wrapped: Any = record_as_call(obj)
-        setattr(wrapped, _MARK, True)
         functools.update_wrapper(wrapped, obj)
+        setattr(wrapped, _MARK, True)
         return wrapped
     raise TypeError(f"fxprep.opaque expects a function, a module or a module class, not {type(obj).__name__}")
 

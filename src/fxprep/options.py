@@ -24,6 +24,8 @@ class PrepareOptions:
     convert_functionals / unroll: switch those passes off.
     autowrap_functions: extra functions the fx tracer records as single calls (like torch.fx.wrap).
     name: the model name used in the report (default: the class name).
+    fallback: "leaf" (default): when the whole model cannot be captured, make the smallest
+        untraceable submodules opaque leaves and capture the rest; "error": raise TraceFailure.
     """
 
     tracer: str = "auto"
@@ -35,6 +37,7 @@ class PrepareOptions:
     unroll: bool = True
     autowrap_functions: tuple[Callable[..., Any], ...] = ()
     name: str | None = None
+    fallback: str = "leaf"
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PrepareOptions:
@@ -48,6 +51,8 @@ class PrepareOptions:
         opts = cls(**kwargs)
         if opts.tracer not in TRACERS:
             raise InvalidInput(f"tracer must be one of {TRACERS}, not {opts.tracer!r}.")
+        if opts.fallback not in ("leaf", "error"):
+            raise InvalidInput(f"fallback must be 'leaf' or 'error', not {opts.fallback!r}.")
         if opts.verify not in (True, False, "grad"):
             raise InvalidInput(f"verify must be True, False or 'grad', not {opts.verify!r}.")
         for tol in ("rtol", "atol"):

@@ -274,7 +274,7 @@ def first_divergence(original: nn.Module, prepared: fx.GraphModule, example: Exa
             orig_mod = original.get_submodule(str(origin))
         except AttributeError:
             continue
-        if id(orig_mod) in originals and (mod is orig_mod or "fxprep_unrolled_from" in node.meta):
+        if id(orig_mod) in originals and type(orig_mod) is type(mod):
             watched[str(node.target)] = orig_mod
     for mod in {id(m): m for m in watched.values()}.values():
         handles.append(mod.register_forward_hook(
@@ -287,8 +287,6 @@ def first_divergence(original: nn.Module, prepared: fx.GraphModule, example: Exa
     finally:
         for h in handles:
             h.remove()
-    for h in handles:
-        h.remove()
     # The prepared graph shares these modules: drop what the hooks saw and re-record via the interpreter.
     calls: dict[int, int] = {}
     recorder = _LeafRecorder(prepared)

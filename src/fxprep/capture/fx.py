@@ -190,6 +190,22 @@ def mode_notes(tracer: FxprepTracer, training: bool) -> list[str]:
     return notes
 
 
+def _name_concrete_placeholders(gm: fx.GraphModule, model: nn.Module, concrete_args: dict[str, Any]) -> None:
+    """fx renames a concrete argument ``flag`` to a required ``flag_1``; give it back its name and
+    make the concrete value its default, so ``gm(x)`` and ``gm(x, flag=True)`` both work."""
+    params = inspect.signature(model.forward).parameters
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        base, _, suffix = str(node.target).rpartition("_")
+        if suffix.isdigit() and base in concrete_args and base in params:
+            value = concrete_args[base]
+            node.target = base
+            if isinstance(value, (bool, int, float, str, type(None))):
+                node.args = (value,)
+    gm.recompile()
+
+
 def capture_fx(
     model: nn.Module,
     policy: LeafPolicy,
@@ -202,6 +218,7 @@ def capture_fx(
 
     start = time.perf_counter()
     tracer = FxprepTracer(policy, autowrap_functions)
+    tracer.traced_classes[type(model)] = ""  # the root is traced without asking is_leaf_module
     try:
         with _tracing_patches(_forward_globals(model)):
             graph = tracer.trace(model, concrete_args=concrete_args)
@@ -211,6 +228,8 @@ def capture_fx(
             "fx", False, time.perf_counter() - start, describe_exception(err), type(err).__name__, err
         )
         return None, attempt
+    if concrete_args:
+        _name_concrete_placeholders(gm, model, concrete_args)
     notes = mode_notes(tracer, model.training)
     result = CaptureResult(gm, "fx", notes=notes, extra_leaves=dict(tracer.extra_leaves))
     return result, CaptureAttempt("fx", True, time.perf_counter() - start)

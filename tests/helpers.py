@@ -1,0 +1,61 @@
+"""Checks shared by the test files: what every prepared module must satisfy."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxprep.passes.functional_to_module import remaining_compute_ops
+
+
+def module_snapshot(model: nn.Module) -> dict:
+    """Everything prepare_model must leave untouched: tree, tensors, hooks, modes."""
+    return {
+        "tree": [(n, type(m), id(m)) for n, m in model.named_modules(remove_duplicate=False)],
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "tensor_ids": {k: id(v) for k, v in model.state_dict(keep_vars=True).items()},
+        "hooks": [(n, list(m._forward_hooks), list(m._forward_pre_hooks)) for n, m in model.named_modules()],
+        "modes": [(n, m.training) for n, m in model.named_modules()],
+        "attrs": {n: sorted(m.__dict__) for n, m in model.named_modules()},
+    }
+
+
+def assert_unchanged(model: nn.Module, before: dict) -> None:
+    after = module_snapshot(model)
+    assert after["tree"] == before["tree"]
+    assert after["tensor_ids"] == before["tensor_ids"]
+    assert after["hooks"] == before["hooks"]
+    assert after["modes"] == before["modes"]
+    assert after["attrs"] == before["attrs"]
+    for k, v in before["state"].items():
+        assert torch.equal(after["state"][k], v), k
+
+
+def calls_per_module(gm: fx.GraphModule) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            key = id(gm.get_submodule(node.target))
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def assert_clean(gm: fx.GraphModule, model: nn.Module) -> None:
+    """The invariants of a prepared module: modules only, one call each, weights shared."""
+    left = remaining_compute_ops(gm)
+    assert not left, [(n.name, n.target) for n in left]
+    assert all(c == 1 for c in calls_per_module(gm).values()), "a module is called twice"
+    original = dict(model.named_parameters(remove_duplicate=False))
+    for name, p in original.items():
+        assert gm.get_parameter(name) is p, name
+    original_ids = {id(p) for p in model.parameters()}
+    assert all(id(p) in original_ids for p in gm.parameters()), "a parameter was copied"
+    assert list(gm.state_dict()) == list(model.state_dict()) or set(gm.state_dict()) == set(model.state_dict())
+    gm.load_state_dict(model.state_dict(), strict=True)
+    model.load_state_dict(gm.state_dict(), strict=True)
+
+
+def fresh_like(*tensors: torch.Tensor, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(t.shape, generator=g, dtype=t.dtype) for t in tensors)
