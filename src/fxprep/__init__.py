@@ -7,6 +7,7 @@ Public API::
 """
 
 from .api import get_report, prepare_model
+from .check import TraceReport, check_traceability
 from .errors import (
     EquivalenceError,
     ExportError,
@@ -26,6 +27,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "prepare_model",
+    "check_traceability",
+    "TraceReport",
     "get_report",
     "opaque",
     "Report",

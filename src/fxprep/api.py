@@ -13,8 +13,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .capture import huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
 from .capture.fx import capture_fx, trace_failure
+from .capture.leaves import capture_hybrid
 from .errors import InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs
 from .options import PrepareOptions
@@ -117,12 +119,17 @@ def _defaults_as_concrete(model: nn.Module, example: ExampleInputs | None, concr
     return {**(concrete or {}), **extra}
 
 
-def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report) -> list[str]:
+def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report,
+             model: nn.Module | None = None) -> list[str]:
     if opts.tracer != "auto":
         if opts.tracer == "dynamo" and example is None:
             raise InvalidInput("tracer='dynamo' needs example_inputs: Dynamo traces by running the model.")
         return [opts.tracer]
     if example is None:
+        if _dynamo_available() and huggingface.example_inputs_for(model) is not None:
+            report.note("No example_inputs: Dynamo captured with inputs built from the model config "
+                        "(input_ids, attention_mask, ...); the result is not verified.")
+            return ["dynamo", "fx"]
         report.note("No example_inputs: only the fx tracer can run, and the result is not verified.")
         return ["fx"]
     return ["dynamo", "fx"] if _dynamo_available() else ["fx"]
@@ -152,8 +159,13 @@ def capture(
         else:
             from .capture.dynamo import capture_dynamo
 
-            assert example is not None
-            result, attempt = capture_dynamo(model, policy, example, concrete_args)
+            call = example
+            if call is None:
+                built = huggingface.example_inputs_for(model)
+                call = normalize_example_inputs(built) if built is not None else None
+            if call is None:
+                continue
+            result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=opts.dynamic)
         attempts.append(attempt)
         if result is not None:
             return result, attempts
@@ -205,8 +217,8 @@ def prepare_model(
     model = _check_model(model)
     opts = PrepareOptions.from_kwargs(options)
     policy = _leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
-    concrete = _check_concrete_args(model, concrete_args)
     example = normalize_example_inputs(example_inputs)
+    concrete = huggingface.capture_concrete_args(model, _check_concrete_args(model, concrete_args), example)
     report = Report(opts.name or type(model).__name__)
     report.inputs = example.describe() if example is not None else "none"
 
@@ -218,8 +230,18 @@ def prepare_model(
         reference = run_original(model, original_call)
 
     t1 = time.perf_counter()
-    tracers = _tracers(opts, example, report)
+    tracers = _tracers(opts, example, report, model)
     result, attempts = capture(model, tracers, policy, concrete, example, opts)
+    if result is None and opts.fallback == "leaf":
+        result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions)
+        attempts.append(attempt)
+        report.issues.extend(issue for _, issue in sites)
+        if result is not None and sites:
+            report.note(
+                f"{len(sites)} part(s) could not be traced and run eagerly as opaque calls (see 'kept as "
+                f"leaves'); their output structure (list lengths, None-ness) was recorded from the example "
+                f"inputs, so inputs giving a differently-structured result need verify_inputs=[...] to be checked."
+            )
     report.attempts = attempts
     report.timings["capture"] = time.perf_counter() - t1
     if result is None:
@@ -249,6 +271,16 @@ def prepare_model(
             model, gm, original_call, reference=reference, prepared_example=prepared_call,
             rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
         )
+        if opts.dynamic:
+            _verify_second_size(model, gm, example, concrete, opts, report)
+        for extra in opts.verify_inputs:
+            extra_example = normalize_example_inputs(extra)
+            assert extra_example is not None
+            extra_original, extra_prepared = _calls(model, extra_example, concrete)
+            report.extra_verifications.append(verify(
+                model, gm, extra_original, prepared_example=extra_prepared,
+                rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
+            ))
         report.timings["verify"] = time.perf_counter() - t3
     elif example is None:
         report.verification = Verification("skipped", detail="no example_inputs given")
@@ -257,6 +289,19 @@ def prepare_model(
     report.timings["total"] = time.perf_counter() - t0
     setattr(gm, REPORT_ATTR, report)
     return gm
+
+
+def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs,
+                        concrete: dict[str, Any] | None, opts: PrepareOptions, report: Report) -> None:
+    """With ``dynamic``, the prepared module must also match on an input whose dynamic dimensions
+    differ from the example's (raises EquivalenceError otherwise)."""
+    from .capture.dynamo import grown_example
+
+    second = grown_example(model, example, opts.dynamic)
+    original_call, prepared_call = _calls(model, second, concrete)
+    result = verify(model, gm, original_call, prepared_example=prepared_call,
+                    rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad")
+    report.note(f"verified on a second input size ({second.describe()}): max |diff| = {result.max_abs_diff:.3g}")
 
 
 def get_report(gm: nn.Module) -> Report:

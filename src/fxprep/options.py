@@ -24,8 +24,14 @@ class PrepareOptions:
     convert_functionals / unroll: switch those passes off.
     autowrap_functions: extra functions the fx tracer records as single calls (like torch.fx.wrap).
     name: the model name used in the report (default: the class name).
+    verify_inputs: more example inputs (same forms as example_inputs) the prepared module is also
+        verified on: inputs that take the other branch of anything specialised at capture time.
     fallback: "leaf" (default): when the whole model cannot be captured, make the smallest
         untraceable submodules opaque leaves and capture the rest; "error": raise TraceFailure.
+    dynamic: dynamic dimensions for the Dynamo tracer: "batch" (dim 0 of every tensor input) or
+        {argument name: {dim: symbol name}} (dimensions sharing a name share one size), e.g.
+        {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}. The
+        prepared module is then also verified on a second input size.
     """
 
     tracer: str = "auto"
@@ -38,6 +44,8 @@ class PrepareOptions:
     autowrap_functions: tuple[Callable[..., Any], ...] = ()
     name: str | None = None
     fallback: str = "leaf"
+    verify_inputs: tuple[Any, ...] = ()
+    dynamic: Any = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PrepareOptions:
@@ -61,4 +69,22 @@ class PrepareOptions:
                 raise InvalidInput(f"{tol} must be a non-negative number, not {value!r}.")
         if not isinstance(opts.autowrap_functions, (tuple, list)) or not all(callable(f) for f in opts.autowrap_functions):
             raise InvalidInput("autowrap_functions must be a tuple of functions.")
-        return dataclasses.replace(opts, autowrap_functions=tuple(opts.autowrap_functions))
+        _check_dynamic(opts.dynamic)
+        if not isinstance(opts.verify_inputs, (tuple, list)):
+            raise InvalidInput("verify_inputs must be a list of example inputs (each a tensor, tuple or dict).")
+        return dataclasses.replace(opts, autowrap_functions=tuple(opts.autowrap_functions),
+                                   verify_inputs=tuple(opts.verify_inputs))
+
+
+def _check_dynamic(dynamic: Any) -> None:
+    if dynamic is None or dynamic is False or dynamic == "batch":
+        return
+    shape = 'dynamic must be "batch" or {argument name: {dim (int): name (str)}}'
+    if not isinstance(dynamic, dict):
+        raise InvalidInput(f"{shape}, not {dynamic!r}.")
+    for arg, dims in dynamic.items():
+        if not isinstance(arg, str) or not isinstance(dims, dict):
+            raise InvalidInput(f"{shape}; got {arg!r}: {dims!r}.")
+        for dim in dims:
+            if not isinstance(dim, int) or isinstance(dim, bool):
+                raise InvalidInput(f"{shape}; dimension {dim!r} of {arg!r} is not an int.")

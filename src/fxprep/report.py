@@ -64,6 +64,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     issues: list[Any] = field(default_factory=list)
     verification: Verification = field(default_factory=lambda: Verification("skipped", detail="not run"))
+    extra_verifications: list[Verification] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     inputs: str = ""
 
@@ -95,6 +96,7 @@ class Report:
             "notes": list(self.notes),
             "issues": [i.to_dict() if hasattr(i, "to_dict") else str(i) for i in self.issues],
             "verification": asdict(self.verification),
+            "extra_verifications": [asdict(v) for v in self.extra_verifications],
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
         }
 
@@ -121,6 +123,8 @@ class Report:
         for a in self.attempts:
             lines.append(f"    - {a.tracer}: {'ok' if a.ok else 'failed'} in {a.seconds:.2f}s" + (f" - {a.error}" if a.error else ""))
         lines.append(f"  verification: {self._verification_line()}")
+        for i, v in enumerate(self.extra_verifications, 1):
+            lines.append(f"    + verify_inputs[{i - 1}]: {v.status}, max |diff| = {v.max_abs_diff:.3g}")
         lines.append(f"  modules added: {len(self.added)}")
         for m in self.added:
             lines.append(f"    + {m.name} ({m.cls}): {m.reason}")

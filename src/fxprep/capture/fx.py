@@ -24,6 +24,7 @@ import contextlib
 import functools
 import inspect
 import math
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx._symbolic_trace import PH
 
 from ..errors import TraceFailure
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
@@ -132,6 +134,35 @@ def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
             undo()
 
 
+@contextlib.contextmanager
+def restored_attributes(model: nn.Module, changed: list[str]) -> Iterator[None]:
+    """Undo whatever tracing wrote onto the user's modules.
+
+    Some forwards cache values on ``self`` (``self.scales = ...``); during tracing those values
+    are Proxies, and leaving them there would break the user's model. Each module's attribute dict
+    (and its parameter/buffer/child registries) is restored; the names that changed are reported.
+    """
+    saved = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        saved.append((name, m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules)))
+    try:
+        yield
+    finally:
+        for name, m, attrs, params, buffers, children in saved:
+            for registry, before in ((m._parameters, params), (m._buffers, buffers), (m._modules, children)):
+                if registry.keys() != before.keys() or any(registry[k] is not v for k, v in before.items()):
+                    registry.clear()
+                    registry.update(before)
+            now = m.__dict__
+            diff = [k for k in set(now) | set(attrs) if k not in attrs or k not in now or now[k] is not attrs[k]]
+            for k in diff:
+                if k in attrs:
+                    now[k] = attrs[k]
+                else:
+                    del now[k]
+                changed.append(f"{name + '.' if name else ''}{k}")
+
+
 class FxprepTracer(fx.Tracer):
     """``torch.fx.Tracer`` with fxprep's leaf policy; remembers what it decided and traced."""
 
@@ -140,6 +171,18 @@ class FxprepTracer(fx.Tracer):
         self.policy = policy
         self.extra_leaves: dict[str, str] = {}
         self.traced_classes: dict[type, str] = {}
+
+    def make_graph_module(self, graph: fx.Graph, class_name: str) -> fx.GraphModule:
+        return fx.GraphModule(self.root, graph, class_name)
+
+    def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *rest: Any, **kw: Any) -> Any:
+        """A split into a known number of pieces is a tuple of traced pieces, so ``list(x.split(
+        sizes))`` and ``a, b = x.chunk(2)`` work (plain fx refuses to iterate the result)."""
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
+        pieces = _known_pieces(kind, target, args, kwargs)
+        if pieces is None:
+            return proxy
+        return tuple(proxy[i] for i in range(pieces))
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         reason = self.policy.reason(m)
@@ -151,6 +194,15 @@ class FxprepTracer(fx.Tracer):
         if not leaf:
             self.traced_classes.setdefault(type(m), module_qualified_name)
         return leaf
+
+
+def _known_pieces(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """How many tensors a split/chunk returns, when the call itself says so."""
+    if kind == "call_method" and target in ("split", "split_with_sizes") or kind == "call_function" and target in (torch.split, torch.functional.split):
+        sections = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("split_sizes"))
+        if isinstance(sections, (list, tuple)):
+            return len(sections)
+    return None
 
 
 def _forward_globals(model: nn.Module) -> list[dict[str, Any]]:
@@ -190,10 +242,56 @@ def mode_notes(tracer: FxprepTracer, training: bool) -> list[str]:
     return notes
 
 
+class _PyTreeCodeGenWithDefaults(fx.graph._PyTreeCodeGen):
+    """fx's pytree code generator, plus defaults for arguments fixed by ``concrete_args``.
+
+    When inputs are flattened (a list of images becomes one placeholder per image), fx writes
+    ``def forward(self, images, targets)`` and a fixed ``targets=None`` turns into a required
+    argument. This puts the default back so the prepared module is called like the original.
+    """
+
+    def __init__(self, pytree_info: Any, defaults: dict[str, Any]):
+        super().__init__(pytree_info)
+        self.defaults = defaults
+
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, **kwargs: Any) -> str:
+        text = super().gen_fn_def(free_vars, maybe_return_annotation, **kwargs)
+        head, sep, rest = text.partition("\n")
+        for name, value in self.defaults.items():
+            head = re.sub(rf"(?<=[(,\s]){name}(?=\s*[,)])", f"{name}={value!r}", head, count=1)
+        return head + sep + rest
+
+
+def flatten_container_inputs(model: nn.Module, example: Any, concrete_args: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``concrete_args`` that give list/tuple/dict inputs one placeholder per tensor (fx ``PH``), so
+    ``for img in images`` iterates real Python lists of traced tensors instead of failing."""
+    if example is None:
+        return concrete_args
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*example.args, **example.kwargs)
+    except (TypeError, ValueError):
+        return concrete_args
+    out = dict(concrete_args or {})
+    for name, value in bound.arguments.items():
+        if name in out or not isinstance(value, (list, tuple, dict)):
+            continue
+        leaves = torch.utils._pytree.tree_leaves(value)
+        if leaves and all(isinstance(v, torch.Tensor) for v in leaves):
+            out[name] = torch.utils._pytree.tree_map(lambda _: PH, value)
+    return out or concrete_args
+
+
 def _name_concrete_placeholders(gm: fx.GraphModule, model: nn.Module, concrete_args: dict[str, Any]) -> None:
     """fx renames a concrete argument ``flag`` to a required ``flag_1``; give it back its name and
     make the concrete value its default, so ``gm(x)`` and ``gm(x, flag=True)`` both work."""
     params = inspect.signature(model.forward).parameters
+    codegen = gm.graph._codegen
+    if isinstance(codegen, fx.graph._PyTreeCodeGen):
+        defaults = {k: v for k, v in concrete_args.items()
+                    if k in params and v is not PH and isinstance(v, (bool, int, float, str, type(None)))}
+        gm.graph._codegen = _PyTreeCodeGenWithDefaults(codegen.pytree_info, defaults)
+        gm.recompile()
+        return
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
@@ -211,18 +309,24 @@ def capture_fx(
     policy: LeafPolicy,
     concrete_args: dict[str, Any] | None = None,
     autowrap_functions: tuple[Callable[..., Any], ...] = (),
+    tracer: FxprepTracer | None = None,
 ) -> tuple[CaptureResult | None, CaptureAttempt]:
-    """Trace ``model`` with :class:`FxprepTracer`. Never raises for a trace failure: the failure is
+    """Trace ``model`` with :class:`FxprepTracer` (or the given subclass instance). Never raises for a trace failure: the failure is
     returned in the :class:`CaptureAttempt` so the cascade can go on and the report can show it."""
     from ..diagnose import describe_exception
 
     start = time.perf_counter()
-    tracer = FxprepTracer(policy, autowrap_functions)
+    tracer = tracer or FxprepTracer(policy, autowrap_functions)
     tracer.traced_classes[type(model)] = ""  # the root is traced without asking is_leaf_module
+    changed: list[str] = []
     try:
-        with _tracing_patches(_forward_globals(model)):
+        with restored_attributes(model, changed), _tracing_patches(_forward_globals(model)):
             graph = tracer.trace(model, concrete_args=concrete_args)
-        gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+        if isinstance(graph._codegen, fx.graph._PyTreeCodeGen):
+            for node in graph.nodes:  # fx writes `x = None,` into the unpacking line otherwise
+                if node.op == "placeholder":
+                    node.args = ()
+        gm = tracer.make_graph_module(graph, model.__class__.__name__)
     except Exception as err:  # noqa: BLE001 - every tracer failure is reported, not raised
         attempt = CaptureAttempt(
             "fx", False, time.perf_counter() - start, describe_exception(err), type(err).__name__, err
@@ -231,6 +335,11 @@ def capture_fx(
     if concrete_args:
         _name_concrete_placeholders(gm, model, concrete_args)
     notes = mode_notes(tracer, model.training)
+    if changed:
+        notes.append(
+            f"forward() wrote to module attributes while being traced ({', '.join(sorted(set(changed))[:8])}); "
+            f"fxprep restored them. Values cached this way are not part of the graph."
+        )
     result = CaptureResult(gm, "fx", notes=notes, extra_leaves=dict(tracer.extra_leaves))
     return result, CaptureAttempt("fx", True, time.perf_counter() - start)
 

@@ -1,0 +1,419 @@
+"""Hybrid capture: when a model cannot be captured whole, make only its untraceable parts opaque.
+
+The loop: trace with fx; on failure, find the innermost *site* in the user's code that was running
+(:func:`failure_site`): a submodule's ``forward`` (that submodule becomes an opaque leaf) or another
+method of a submodule, e.g. ``rpn.filter_proposals`` (that method alone becomes an opaque call, so
+the module's layers around it stay module-level). Trace again, until it succeeds or the failure is
+in the root's own ``forward`` (nothing smaller is left to make opaque).
+
+The result is ONE GraphModule: each opaque part is a ``call_module`` node that runs the original
+code eagerly. An opaque part's *output structure* is recorded from one eager run on the example
+inputs, so code after it sees a real tuple/list/dict of traced values (``images, targets =
+self.transform(...)`` then ``if targets is not None``) instead of an opaque Proxy it cannot branch on.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..diagnose import Issue, diagnose
+from ..inputs import ExampleInputs
+from .common import CaptureAttempt, CaptureResult, LeafPolicy
+from .fx import FxprepTracer, _find_proxy, capture_fx, flatten_container_inputs
+
+MAX_ROUNDS = 40
+_MISSING = object()
+
+
+class OpaqueMethod(nn.Module):
+    """Calls ``owner.<method>`` eagerly: one method of a module kept out of the trace.
+
+    The owner is held by reference without being registered as a child, so its parameters are not
+    listed twice; ``owner_path`` says where it lives in the original model.
+    """
+
+    def __init__(self, owner: nn.Module, method: str, owner_path: str):
+        super().__init__()
+        object.__setattr__(self, "owner", owner)
+        self.method = method
+        self.owner_path = owner_path
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(type(self.owner), self.method)(self.owner, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{self.owner_path or 'root'}.{self.method} (opaque: runs eagerly)"
+
+
+class OpaqueFunction(nn.Module):
+    """Calls a user function eagerly: a free function kept out of the trace."""
+
+    def __init__(self, fn: Any):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{self.fn.__module__}.{self.fn.__qualname__} (opaque: runs eagerly)"
+
+
+@dataclass(frozen=True)
+class Site:
+    """An opaque part: a module (``method == 'forward'``), one method of a module, or one method of
+    a plain helper object held by a module (``attr``, e.g. ``rpn.box_coder.decode``)."""
+
+    path: str
+    method: str = "forward"
+    attr: str | None = None
+    func: str | None = None  # "module.function" for a free function called from ``path``
+
+    @property
+    def qualname(self) -> str:
+        if self.func is not None:
+            return f"{self.path + '.' if self.path else ''}{self.method}"
+        if self.method == "forward" and self.attr is None:
+            return self.path
+        return ".".join(p for p in (self.path, self.attr, self.method) if p)
+
+    def owner(self, model: nn.Module) -> Any:
+        module = model.get_submodule(self.path)
+        return module if self.attr is None else getattr(module, self.attr)
+
+    def original(self, model: nn.Module) -> Any:
+        """The un-patched callable this site stands for."""
+        if self.func is not None:
+            return FUNCTIONS[self][0]
+        owner = self.owner(model)
+        return functools.partial(getattr(type(owner), self.method), owner)
+
+
+def _helper_objects(model: nn.Module) -> dict[int, tuple[str, str]]:
+    """``id(obj) -> (module path, attribute)`` for plain Python objects modules hold (box coders,
+    anchor matchers): their methods can be made opaque like a module's."""
+    out: dict[int, tuple[str, str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        for attr, value in m.__dict__.items():
+            if attr.startswith("_") or isinstance(value, (nn.Module, torch.Tensor, type)) or callable(value):
+                continue
+            if isinstance(value, (int, float, str, bool, bytes, tuple, list, dict, set, type(None))):
+                continue
+            if hasattr(value, "__dict__"):
+                out.setdefault(id(value), (name, attr))
+    return out
+
+
+# Free functions made opaque: site → (function, the globals dicts where its name is patched).
+FUNCTIONS: dict[Site, tuple[Any, list[dict[str, Any]]]] = {}
+
+
+def _function_of(frame: Any, caller_globals: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]] | None:
+    """The function object running in ``frame`` and the globals its callers find it in."""
+    name = frame.f_code.co_name
+    places = []
+    fn = None
+    for g in (caller_globals, frame.f_globals):
+        candidate = g.get(name)
+        if getattr(candidate, "__code__", None) is frame.f_code:
+            fn = candidate
+            if all(g is not p for p in places):
+                places.append(g)
+    return (fn, places) if fn is not None else None
+
+
+def failure_site(err: BaseException, model: nn.Module) -> Site | None:
+    """The innermost method of the model (or of a helper object it holds) running when ``err`` was
+    raised, or the user function that method called when the failure is inside that function."""
+    from ..diagnose import is_user_file
+
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    helpers: dict[int, tuple[str, str]] | None = None
+    site = None
+    site_globals: dict[str, Any] | None = None
+    function_site = None
+    for frame, _ in traceback.walk_tb(err.__traceback__):
+        owner = frame.f_locals.get("self")
+        method = frame.f_code.co_name
+        is_method = owner is not None and not method.startswith(("<", "__")) and callable(getattr(type(owner), method, None))
+        if is_method and id(owner) in names:
+            site, site_globals, function_site = Site(names[id(owner)], method), frame.f_globals, None
+            continue
+        if is_method:
+            if helpers is None:
+                helpers = _helper_objects(model)
+            if id(owner) in helpers and hasattr(owner, "__dict__"):
+                path, attr = helpers[id(owner)]
+                site, site_globals, function_site = Site(path, method, attr), frame.f_globals, None
+                continue
+        if (site is not None and function_site is None and owner is None and site_globals is not None
+                and not method.startswith("<") and is_user_file(frame.f_code.co_filename)):
+            found = _function_of(frame, site_globals)
+            if found is not None:
+                fn = found[0]
+                function_site = Site(site.path if site.attr is None else site.path, method, None,
+                                     f"{fn.__module__}.{fn.__qualname__}")
+                FUNCTIONS[function_site] = found
+    return function_site or site
+
+
+# --- output structure --------------------------------------------------------------------------
+def structure_of(value: Any) -> Any:
+    """A template of ``value``: containers kept, tensors → ``...``, plain constants kept,
+    anything else (a custom class) → ``...`` too (it stays one traced value)."""
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+        return type(value)(structure_of(v) for v in value)
+    if type(value) is dict:
+        return {k: structure_of(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    return ...
+
+
+def _apply_structure(proxy: fx.Proxy, template: Any) -> Any:
+    if template is ...:
+        return proxy
+    if isinstance(template, (tuple, list)):
+        return type(template)(_apply_structure(proxy[i], t) for i, t in enumerate(template))
+    if isinstance(template, dict):
+        return {k: _apply_structure(proxy[k], t) for k, t in template.items()}
+    return template
+
+
+def record_structures(model: nn.Module, example: ExampleInputs, sites: list[Site]) -> dict[Site, Any]:
+    """Run the model once and note each site's first output structure."""
+    from ..verify import preserved_state, run_model
+
+    found: dict[Site, Any] = {}
+    handles = []
+    patched: list[tuple[nn.Module, str]] = []
+    restore: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for site in sites:
+            if site.func is not None:
+                owner = None
+            else:
+                owner = site.owner(model)
+            if site.func is not None:
+                fn, places = FUNCTIONS[site]
+
+                def recording_fn(*args: Any, _site: Site = site, _fn: Any = fn, **kwargs: Any) -> Any:
+                    out = _fn(*args, **kwargs)
+                    found.setdefault(_site, structure_of(out))
+                    return out
+
+                for g in places:
+                    g[site.method] = recording_fn
+                    restore.append((g, site.method, fn))
+            elif site.method == "forward" and site.attr is None:
+                def hook(m: nn.Module, i: Any, o: Any, _site: Site = site) -> None:
+                    found.setdefault(_site, structure_of(o))  # returns None: a hook's value would replace o
+
+                handles.append(owner.register_forward_hook(hook))
+            else:
+                original = getattr(type(owner), site.method)
+
+                def recording(*args: Any, _site: Site = site, _orig: Any = original, _owner: Any = owner, **kwargs: Any) -> Any:
+                    out = _orig(_owner, *args, **kwargs)
+                    found.setdefault(_site, structure_of(out))
+                    return out
+
+                owner.__dict__[site.method] = recording
+                patched.append((owner, site.method))
+        with preserved_state(model):
+            run_model(model, example)
+    except Exception:  # noqa: BLE001 - without structures the sites stay single opaque values
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+        for owner, name in patched:
+            owner.__dict__.pop(name, None)
+        for g, name, fn in restore:
+            g[name] = fn
+    return found
+
+
+class HybridTracer(FxprepTracer):
+    """FxprepTracer that calls the given sites instead of tracing them."""
+
+    def __init__(self, policy: LeafPolicy, sites: list[Site], model: nn.Module, structures: dict[Site, Any],
+                 autowrap_functions: tuple[Any, ...] = ()):
+        super().__init__(policy, autowrap_functions)
+        self.module_sites = {id(model.get_submodule(s.path)): s for s in sites
+                             if s.method == "forward" and s.attr is None and s.func is None}
+        self.method_sites = [s for s in sites if s not in self.module_sites.values()]
+        self.targets: dict[Site, str] = {}
+        self.model = model
+        self.structures = structures
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if id(m) in self.module_sites and module_qualified_name:
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        site = self.module_sites.get(id(m))
+        result = super().call_module(m, forward, args, kwargs)
+        if site is not None and site in self.structures and isinstance(result, fx.Proxy):
+            return _apply_structure(result, self.structures[site])
+        return result
+
+    def target_for(self, site: Site) -> str:
+        """Where the site's module goes in the prepared graph: under its owner's path when that
+        owner is traced through (a plain container in the GraphModule), else a flat name at the
+        root, because a leaf owner is the user's own object and must not gain children."""
+        if site not in self.targets:
+            owner = self.model.get_submodule(site.path)
+            leaf = (
+                id(owner) in self.module_sites or self.policy.reason(owner) is not None
+                or fx.Tracer.is_leaf_module(self, owner, site.path)
+            )
+            tail = f"{site.attr}_{site.method}" if site.attr else site.method
+            if leaf and site.path:
+                self.targets[site] = f"{site.path.replace('.', '_')}_{tail}"
+            else:
+                self.targets[site] = f"{site.path}.{tail}" if site.path else tail
+        return self.targets[site]
+
+    def _call_site(self, site: Site, *args: Any, **kwargs: Any) -> Any:
+        if _find_proxy((args, kwargs)) is None:
+            return site.original(self.model)(*args, **kwargs)
+        proxy = self.create_proxy("call_module", self.target_for(site), args, kwargs)
+        if site in self.structures:
+            return _apply_structure(proxy, self.structures[site])
+        return proxy
+
+    def make_graph_module(self, graph: fx.Graph, class_name: str) -> fx.GraphModule:
+        """Install the user's objects (and the opaque-method modules) under the graph's targets."""
+        gm = fx.GraphModule(nn.Module(), fx.Graph(), class_name)
+        by_target = {self.target_for(s): s for s in self.method_sites}
+        for node in graph.nodes:
+            if node.op not in ("call_module", "get_attr") or _has_attr(gm, str(node.target)):
+                continue
+            target = str(node.target)
+            site = by_target.get(target)
+            if site is not None and site.func is not None:
+                value: Any = OpaqueFunction(FUNCTIONS[site][0])
+            elif site is not None:
+                value = OpaqueMethod(site.owner(self.model), site.method, site.qualname.rpartition(".")[0])
+            else:
+                value = _resolve(self.model, target)
+            _install(gm, target, value)
+        gm.graph = graph
+        return gm
+
+    def patch_methods(self) -> list[tuple[dict[str, Any], str, Any]]:
+        """Route each method/function site through :meth:`_call_site`; returns what to restore."""
+        patched: list[tuple[dict[str, Any], str, Any]] = []
+        for site in self.method_sites:
+            call = functools.partial(self._call_site, site)
+            if site.func is not None:
+                fn, places = FUNCTIONS[site]
+                for g in places:
+                    patched.append((g, site.method, g.get(site.method, _MISSING)))
+                    g[site.method] = call
+                continue
+            owner = site.owner(self.model)
+            if not hasattr(owner, "__dict__"):
+                continue
+            patched.append((owner.__dict__, site.method, owner.__dict__.get(site.method, _MISSING)))
+            owner.__dict__[site.method] = call
+        return patched
+
+
+def _has_attr(root: nn.Module, path: str) -> bool:
+    obj: Any = root
+    for atom in path.split("."):
+        if not hasattr(obj, atom):
+            return False
+        obj = getattr(obj, atom)
+    return True
+
+
+def _resolve(model: nn.Module, path: str) -> Any:
+    obj: Any = model
+    for atom in path.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _install(gm: nn.Module, path: str, value: Any) -> None:
+    """Put ``value`` at ``path`` in ``gm``, creating plain containers on the way (never touching
+    the user's modules), registering tensors as parameters or buffers like ``torch.fx`` does."""
+    *parents, leaf = path.split(".")
+    module = gm
+    for atom in parents:
+        child = module._modules.get(atom)
+        if child is None:
+            child = nn.Module()
+            module.add_module(atom, child)
+        module = child
+    if isinstance(value, nn.Module):
+        module.add_module(leaf, value)
+    elif isinstance(value, nn.Parameter):
+        module.register_parameter(leaf, value)
+    elif isinstance(value, torch.Tensor):
+        module.register_buffer(leaf, value)
+    else:
+        setattr(module, leaf, value)
+
+
+def capture_hybrid(
+    model: nn.Module,
+    policy: LeafPolicy,
+    concrete_args: dict[str, Any] | None,
+    example: ExampleInputs | None,
+    autowrap_functions: tuple[Any, ...] = (),
+) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
+    """Capture with the smallest opaque parts that make fx succeed.
+
+    Returns the result (or None), the attempt for the report, and each opaque site with the issue
+    that made it opaque (or, on failure, the issue nothing smaller could fix).
+    """
+    start = time.perf_counter()
+    concrete = flatten_container_inputs(model, example, concrete_args)
+    sites: list[Site] = []
+    found: list[tuple[Site, Issue]] = []
+    structures: dict[Site, Any] = {}
+    last_error: BaseException | None = None
+    for _ in range(MAX_ROUNDS):
+        if example is not None and any(s not in structures for s in sites):
+            structures.update(record_structures(model, example, [s for s in sites if s not in structures]))
+        tracer = HybridTracer(policy, sites, model, structures, autowrap_functions)
+        patched = tracer.patch_methods()
+        try:
+            result, attempt = capture_fx(model, policy, concrete, autowrap_functions, tracer=tracer)
+        finally:
+            for place, name, before in reversed(patched):
+                if before is _MISSING:
+                    place.pop(name, None)
+                else:
+                    place[name] = before
+        if result is not None:
+            result.tracer = "fx+leaves"
+            for site, issue in found:
+                result.extra_leaves[site.qualname] = f"opaque: {issue.category} at {issue.location}"
+            return result, CaptureAttempt("fx+leaves", True, time.perf_counter() - start), found
+        last_error = attempt.exception
+        assert last_error is not None
+        site = failure_site(last_error, model)
+        issue = diagnose(last_error, "fx", model)[0]
+        if site is None or (site.path == "" and site.method == "forward") or site in sites:
+            found.append((site or Site(""), issue))
+            break
+        sites.append(site)
+        found.append((site, issue))
+    error = f"{type(last_error).__name__}: {str(last_error).splitlines()[0] if str(last_error) else ''}"
+    return None, CaptureAttempt("fx+leaves", False, time.perf_counter() - start, error, type(last_error).__name__, last_error), found
+
+
+__all__ = ["capture_hybrid", "OpaqueMethod", "Site", "failure_site"]

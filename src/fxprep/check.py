@@ -1,0 +1,178 @@
+"""``check_traceability``: what each tracer makes of a model, before preparing it.
+
+It runs every tracer on its own (not as a cascade), diagnoses each failure into located
+:class:`~fxprep.diagnose.Issue` objects, and, when no tracer captures the whole model, says which
+parts the hybrid capture would make opaque. When Dynamo fails, ``torch.export.draft_export`` is run
+once to list every remaining data-dependent site in a single pass instead of one error at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture.common import CaptureAttempt
+from .capture.fx import capture_fx
+from .capture.leaves import capture_hybrid
+from .diagnose import CUSTOM_OP, DATA_DEPENDENT_BRANCH, FIXES, SPECIALISATION, Issue, diagnose, is_user_file
+from .inputs import normalize_example_inputs
+
+
+@dataclass
+class TraceReport:
+    """Per-tracer outcome, the issues found, and the parts that would become opaque."""
+
+    model: str
+    attempts: list[CaptureAttempt] = field(default_factory=list)
+    issues: list[Issue] = field(default_factory=list)
+    opaque: dict[str, Issue] = field(default_factory=dict)
+    hybrid_ok: bool | None = None
+
+    @property
+    def traceable(self) -> bool:
+        """True when at least one tracer captures the whole model."""
+        return any(a.ok for a in self.attempts if a.tracer in ("dynamo", "fx"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "traceable": self.traceable,
+            "attempts": [a.to_dict() for a in self.attempts],
+            "issues": [i.to_dict() for i in self.issues],
+            "opaque": {k: v.to_dict() for k, v in self.opaque.items()},
+            "hybrid_ok": self.hybrid_ok,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def _verdict(self) -> str:
+        if self.traceable:
+            ok = [a.tracer for a in self.attempts if a.ok and a.tracer in ("dynamo", "fx")]
+            return f"traceable whole by {', '.join(ok)}"
+        if self.hybrid_ok:
+            return f"not traceable whole; prepares with {len(self.opaque)} opaque part(s)"
+        return "not traceable, even with opaque parts: the root module's own forward must change"
+
+    def to_text(self) -> str:
+        lines = [f"fxprep check: {self.model}", f"  verdict: {self._verdict()}"]
+        for a in self.attempts:
+            lines.append(f"  - {a.tracer}: {'ok' if a.ok else 'failed'} ({a.seconds:.2f}s)" + (f" - {a.error}" if a.error else ""))
+        if self.opaque:
+            lines.append("  would become opaque:")
+            for name, issue in self.opaque.items():
+                lines.append(f"    = {name or '(root)'}: {issue.category} at {issue.location}")
+        if self.issues:
+            lines.append(f"  issues ({len(self.issues)}):")
+            for issue in self.issues:
+                lines.extend("    " + t for t in issue.to_text().splitlines())
+        return "\n".join(lines)
+
+    def to_markdown(self) -> str:
+        md = [f"### fxprep check: `{self.model}`", "", f"**Verdict:** {self._verdict()}", "",
+              "| tracer | result | seconds | error |", "|---|---|---|---|"]
+        for a in self.attempts:
+            md.append(f"| {a.tracer} | {'ok' if a.ok else 'failed'} | {a.seconds:.2f} | {(a.error or '').replace('|', '/')} |")
+        if self.opaque:
+            md += ["", "| opaque part | category | where |", "|---|---|---|"]
+            md += [f"| `{k or '(root)'}` | {v.category} | `{v.location}` |" for k, v in self.opaque.items()]
+        if self.issues:
+            md += ["", "| category | module | where | code | fix |", "|---|---|---|---|---|"]
+            for i in self.issues:
+                md.append(f"| {i.category} | `{i.module or ''}` | `{i.location}` | `{(i.code or '').replace('|', '/')}` | {i.fix} |")
+        return "\n".join(md)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def _draft_export_issues(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Issue]:
+    """Every data-dependent site torch.export.draft_export finds, in one run."""
+    try:
+        ep = torch.export.draft_export(model, args, kwargs)
+    except Exception:  # noqa: BLE001 - draft_export is a best-effort extra
+        return []
+    report = getattr(ep, "_report", None)
+    if report is None:
+        return []
+    names = getattr(report, "str_to_filename", {})
+    issues = []
+    for failure in report.failures:
+        data = failure.data
+        kind = str(getattr(failure.failure_type, "name", failure.failure_type))
+        frame = None
+        for entry in data.get("user_stack", []) or []:
+            filename = entry.get("filename") if isinstance(entry, dict) else getattr(entry, "filename", None)
+            filename = names.get(filename, filename) if isinstance(filename, int) else filename
+            line = entry.get("line") if isinstance(entry, dict) else getattr(entry, "lineno", None)
+            if filename and is_user_file(str(filename)):
+                frame = (str(filename), line)
+        if "FAKE_KERNEL" in kind:
+            category = CUSTOM_OP
+            message = f"torch.ops.{data.get('op')}: {kind.lower().replace('_', ' ')}"
+        elif kind == "GUARD_ADDED":
+            category = SPECIALISATION
+            message = f"guard added: {data.get('expr')}"
+        else:
+            category = DATA_DEPENDENT_BRANCH
+            message = f"data-dependent expression `{data.get('expr')}` specialised to {data.get('result')}"
+        code = None
+        if frame:
+            import linecache
+
+            code = linecache.getline(frame[0], int(frame[1] or 0)).strip() or None
+        issues.append(Issue(category, message, FIXES[category], "draft_export", None,
+                            frame[0] if frame else None, int(frame[1]) if frame and frame[1] else None, code))
+    return issues
+
+
+def check_traceability(
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    modules_to_exclude: list[nn.Module] | None = None,
+    module_classes_to_exclude: list[type] | None = None,
+    concrete_args: dict[str, Any] | None = None,
+    draft_export: bool = True,
+) -> TraceReport:
+    """Run each tracer on ``model`` and say what can be captured, what cannot, where and why."""
+    from .api import (
+        _check_concrete_args,
+        _check_model,
+        _defaults_as_concrete,
+        _dynamo_available,
+        _leaf_policy,
+    )
+    from .report import Report
+
+    model = _check_model(model)
+    policy = _leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
+    concrete = _check_concrete_args(model, concrete_args)
+    example = normalize_example_inputs(example_inputs)
+    concrete = _defaults_as_concrete(model, example, concrete, Report(type(model).__name__))
+    out = TraceReport(type(model).__name__)
+    if example is not None and _dynamo_available():
+        from .capture.dynamo import capture_dynamo
+
+        _, attempt = capture_dynamo(model, policy, example, concrete)
+        out.attempts.append(attempt)
+        if attempt.exception is not None:
+            out.issues += diagnose(attempt.exception, "dynamo", model)
+    _, attempt = capture_fx(model, policy, concrete)
+    out.attempts.append(attempt)
+    if attempt.exception is not None:
+        out.issues += diagnose(attempt.exception, "fx", model)
+    if not out.traceable:
+        result, attempt, sites = capture_hybrid(model, policy, concrete, example)
+        out.attempts.append(attempt)
+        out.hybrid_ok = result is not None
+        for site, issue in sites:
+            out.opaque[site.qualname] = issue
+        if draft_export and example is not None:
+            fresh = example.fresh_copy()
+            out.issues += _draft_export_issues(model, fresh.args, fresh.kwargs)
+    return out
