@@ -80,19 +80,35 @@ def qualified_name(fn: Any) -> str:
     autograd_fn = getattr(fn, "autograd_function", None)
     if autograd_fn is not None:
         return f"autograd:{autograd_fn.__module__}.{autograd_fn.__qualname__}"
-    if fn in _OPERATOR_NAMES:
-        return _OPERATOR_NAMES[fn]
+    try:
+        if fn in _OPERATOR_NAMES:
+            return _OPERATOR_NAMES[fn]
+    except TypeError:  # unhashable callable
+        pass
     module = getattr(fn, "__module__", None) or ""
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
-    if module.startswith("torch._C") or module in ("", "torch._VariableFunctions"):
-        for prefix, namespace in (("torch.nn.functional", torch.nn.functional), ("torch", torch), ("torch.special", torch.special), ("torch.linalg", torch.linalg), ("torch.fft", torch.fft)):
-            if getattr(namespace, getattr(fn, "__name__", ""), None) is fn:
-                return f"{prefix}.{fn.__name__}"
-        for prefix in ("torch._C._nn", "torch._C._linalg", "torch._C._special", "torch._C._fft"):
-            ns = _import_attr(prefix)
-            if ns is not None and getattr(ns, getattr(fn, "__name__", ""), None) is fn:
-                return f"{prefix}.{fn.__name__}"
+    short = getattr(fn, "__name__", "")
+    if short and (module == "torch" or module.startswith("torch.") or not module):
+        # torch's builtins report where they are implemented (``torch._VariableFunctionsClass.add``,
+        # ``torch._C._nn.gelu``), which is not importable: name the public namespace holding them.
+        for prefix in _PUBLIC_NAMESPACES + _PRIVATE_NAMESPACES:
+            ns = _namespace(prefix)
+            # torch.special.erf is named "special_erf", torch.linalg.vector_norm "linalg_vector_norm"
+            for attr in dict.fromkeys((short, short.removeprefix(prefix.rpartition(".")[2] + "_"))):
+                if ns is not None and getattr(ns, attr, None) is fn:
+                    return f"{prefix}.{attr}"
     return f"{module}.{name}" if module else name
+
+
+_PUBLIC_NAMESPACES = ("torch.nn.functional", "torch", "torch.special", "torch.linalg", "torch.fft")
+_PRIVATE_NAMESPACES = ("torch._C._nn", "torch._C._linalg", "torch._C._special", "torch._C._fft")
+
+
+def _namespace(path: str) -> Any:
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        return _import_attr(path)  # torch._C._nn and friends are attributes, not importable modules
 
 
 _OPERATOR_NAMES = {getattr(operator, n): f"operator.{n}" for n in dir(operator) if not n.startswith("_")}

@@ -8,23 +8,30 @@ keyword arguments stay keyword arguments (see :class:`fxprep.ops.BoundOp`).
 Three kinds of replacement, tried in order:
 
 1. A layer that owns its weights: ``F.linear(x, self.weight, self.bias)``, ``F.conv2d(x, self.w)``
-   (any kernel shape), ``F.layer_norm``, ``F.group_norm``, ``F.embedding``, ``F.prelu`` whose weights
-   are module Parameters become the real ``torch.nn`` layer holding the *same* Parameter objects.
+   (any kernel shape), ``F.layer_norm``, ``F.group_norm``, ``F.embedding``, ``F.prelu`` /
+   ``x.prelu(w)`` whose weights are module Parameters become the real ``torch.nn`` layer holding the
+   *same* Parameter objects.
 2. Activations and dropout with a ``torch.nn`` twin (``F.relu`` → ``nn.ReLU``, ``x.softmax(-1)`` →
-   ``nn.Softmax(-1)``, ``F.gelu(x, approximate='tanh')`` → ``nn.GELU('tanh')``). Dropout whose
-   ``training`` flag equals the mode the model was captured in becomes ``nn.Dropout``, so it keeps
-   following ``.train()``/``.eval()``.
-3. Everything else tensor-valued: a named :class:`~fxprep.ops.BoundOp` (``Add``, ``MatMul``, ...).
+   ``nn.Softmax(-1)``, ``F.gelu(x, approximate='tanh')`` → ``nn.GELU('tanh')``). Dropout (and
+   ``F.rrelu``, torchvision's ``stochastic_depth``) whose ``training`` flag, bound with *that
+   function's* default, equals the mode the model was captured in becomes ``nn.Dropout`` (``RReLU``,
+   ``StochasticDepth``), so it keeps following ``.train()``/``.eval()``.
+3. Everything else tensor-valued: a named :class:`~fxprep.ops.BoundOp` (``Add``, ``MatMul``, ...),
+   one input slot per tensor argument (``x * x`` has two), in-place calls marked impure so fx's
+   dead-code elimination keeps them.
 
 Left functional: the view / metadata / constructor allow-list below (silently), Python-value
 arithmetic (shapes, never a module), and non-torch functions (``torch.fx.wrap``-ped or
-``fxprep.opaque``): those are listed in the report with the reason.
+``fxprep.opaque``; "torch" means the ``torch``/``torchvision``/``torchaudio`` packages, not any
+module whose name starts with it): those are listed in the report with the reason.
 """
 
 from __future__ import annotations
 
 import builtins
+import functools
 import inspect
+import keyword
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,6 +107,7 @@ def remaining_compute_ops(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 # --- binding ------------------------------------------------------------------------------------
+@functools.cache
 def _signature(spec: str) -> inspect.Signature:
     namespace: dict[str, Any] = {}
     exec(f"def f({spec}): pass", {}, namespace)  # noqa: S102 - fixed strings from this module only
@@ -164,6 +172,10 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("softsign", nn.Softsign, "input", _none),
         Activation("tanhshrink", nn.Tanhshrink, "input", _none),
         Activation("glu", nn.GLU, "input, dim=-1", lambda b: {"dim": b["dim"]}),
+        Activation("threshold", nn.Threshold, "input, threshold, value, inplace=False",
+                   lambda b: {"threshold": b["threshold"], "value": b["value"], "inplace": bool(b["inplace"])}),
+        Activation("hardshrink", nn.Hardshrink, "input, lambd=0.5", lambda b: {"lambd": b["lambd"]}),
+        Activation("softshrink", nn.Softshrink, "input, lambd=0.5", lambda b: {"lambd": b["lambd"]}),
         Activation("softmax", nn.Softmax, "input, dim=None, dtype=None", _softmax_ctor,
                    spec_f="input, dim=None, _stacklevel=3, dtype=None"),
         Activation("log_softmax", nn.LogSoftmax, "input, dim=None, dtype=None", _softmax_ctor,
@@ -190,7 +202,12 @@ DROPOUTS: dict[Any, type[nn.Module]] = {
     F.dropout: nn.Dropout, F.dropout1d: nn.Dropout1d, F.dropout2d: nn.Dropout2d, F.dropout3d: nn.Dropout3d,
     F.alpha_dropout: nn.AlphaDropout, F.feature_alpha_dropout: nn.FeatureAlphaDropout,
 }
-_DROPOUT_SPEC = "input, p=0.5, training=True, inplace=False"
+# F.alpha_dropout / F.feature_alpha_dropout default to training=False, the others to True: a call
+# that leaves ``training`` out must be bound with *its own* default.
+_DROPOUT_SPECS: dict[Any, str] = {
+    fn: f"input, p=0.5, training={fn not in (F.alpha_dropout, F.feature_alpha_dropout)}, inplace=False"
+    for fn in DROPOUTS
+}
 
 
 # --- named BoundOp table ------------------------------------------------------------------------
@@ -210,8 +227,9 @@ _TABLE: list[tuple[str | None, type[ops.BoundOp], list[Any], list[str]]] = [
     ("pow", ops.Pow, [torch.pow, torch.float_power, operator.pow, operator.ipow], ["pow", "pow_", "float_power", "__pow__", "__rpow__"]),
     ("neg", ops.Neg, [torch.neg, torch.negative, operator.neg], ["neg", "neg_", "negative", "__neg__"]),
     ("abs", ops.Abs, [torch.abs, torch.absolute, operator.abs], ["abs", "abs_", "absolute"]),
-    ("exp", ops.Exp, _fns("exp", "exp2", "expm1"), ["exp", "exp_", "exp2", "expm1"]),
-    ("log", ops.Log, _fns("log", "log2", "log10", "log1p"), ["log", "log_", "log2", "log10", "log1p"]),
+    ("exp", ops.Exp, _fns("exp", "exp2", "expm1") + _fns("exp2", "expm1", ns=torch.special), ["exp", "exp_", "exp2", "expm1"]),
+    ("log", ops.Log, _fns("log", "log2", "log10", "log1p") + _fns("log1p", ns=torch.special),
+     ["log", "log_", "log2", "log10", "log1p"]),
     ("sqrt", ops.Sqrt, [torch.sqrt], ["sqrt", "sqrt_"]),
     ("rsqrt", ops.Rsqrt, [torch.rsqrt], ["rsqrt", "rsqrt_"]),
     ("square", ops.Square, [torch.square], ["square", "square_"]),
@@ -231,7 +249,8 @@ _TABLE: list[tuple[str | None, type[ops.BoundOp], list[Any], list[str]]] = [
     (None, ops.Unary,
      _fns("sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc",
           "erfinv", "floor", "ceil", "round", "trunc", "frac", "sign", "sgn", "lerp", "addcmul", "addcdiv", "hypot", "logit",
-          "signbit", "heaviside", "xlogy", "nan_to_num", "copysign", "deg2rad", "rad2deg"),
+          "signbit", "heaviside", "xlogy", "nan_to_num", "copysign", "deg2rad", "rad2deg")
+     + _fns("erf", "erfc", "erfinv", "logit", "round", "xlogy", "sinc", "i0", ns=torch.special),
      ["sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "erf", "erfc", "erfinv", "floor", "ceil", "round",
       "trunc", "frac", "sign", "sgn", "lerp", "addcmul", "addcdiv", "logit", "nan_to_num", "sin_", "cos_", "floor_", "round_"]),
     ("matmul", ops.MatMul, [torch.matmul, torch.mm, torch.mv, operator.matmul, torch.dot, torch.inner, torch.outer],
@@ -257,16 +276,19 @@ _TABLE: list[tuple[str | None, type[ops.BoundOp], list[Any], list[str]]] = [
     (None, ops.FunctionalLinear, [F.linear, F.bilinear], []),
     (None, ops.FunctionalConv, [F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d], []),
     (None, ops.FunctionalNorm,
-     [F.layer_norm, F.group_norm, F.batch_norm, F.instance_norm, F.local_response_norm, *_fns("rms_norm", ns=F)], []),
+     [F.layer_norm, F.group_norm, F.batch_norm, F.instance_norm, F.local_response_norm, *_fns("rms_norm", ns=F),
+      *_fns("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm")], []),
     (None, ops.FunctionalEmbedding, [F.embedding, F.embedding_bag], []),
     ("prelu", ops.PReLUOp, [F.prelu, torch.prelu], ["prelu"]),
     (None, ops.Interpolate, [F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear, F.grid_sample, F.affine_grid], []),
-    ("pad", ops.Pad, [F.pad], []),
+    # Dynamo inlines the Python F.pad / F.rms_norm wrappers and records the builtins they call
+    ("pad", ops.Pad, [F.pad, *_fns("pad", ns=torch._C._nn)], []),
+    # Every pooling function of F (max/avg/adaptive/lp/fractional/unpool, their ``_with_indices`` forms
+    # that ``return_indices=True`` dispatches to, and the private halves of ``boolean_dispatch``).
     (None, ops.Pool,
-     [F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
-      F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
-      F.max_pool1d_with_indices, F.max_pool2d_with_indices, F.max_pool3d_with_indices, F.lp_pool1d, F.lp_pool2d,
-      F.adaptive_max_pool2d_with_indices, *_fns("max_pool2d", "avg_pool1d", "adaptive_avg_pool1d")], []),
+     [*_fns(*sorted(n for n in dir(F) if "pool" in n and not n.startswith(("_check", "_unpool"))), ns=F),
+      *_fns("max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "adaptive_avg_pool1d", "adaptive_max_pool1d",
+            "max_pool1d_with_indices", "max_pool2d_with_indices")], []),
     ("scaled_dot_product_attention", ops.ScaledDotProductAttention, [F.scaled_dot_product_attention], []),
 ]
 
@@ -350,9 +372,17 @@ def _contains_node(value: Any) -> bool:
     return bool(found)
 
 
+_OWNED_LAYER_METHODS: dict[str, Any] = {"prelu": F.prelu}
+
+
 def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
     """``F.linear``/``conv``/``norm``/``embedding``/``prelu`` on module Parameters → the real layer."""
     t, args, kwargs = node.target, tuple(node.args), dict(node.kwargs)
+    if node.op == "call_method":
+        # ``x.prelu(self.weight)``: the Tensor method binds like the function, ``self`` being the input
+        t = _OWNED_LAYER_METHODS.get(str(t))
+        if t is None:
+            return None
 
     def finish(layer: nn.Module, weights: dict[str, nn.Parameter | None], name: str, x: Any) -> Replacement:
         for attr, p in weights.items():
@@ -479,11 +509,20 @@ def _dropout(node: fx.Node, training: bool) -> Replacement | None:
     except TypeError:
         return None
     if cls is not None:
-        b = _bind(_DROPOUT_SPEC, tuple(node.args), dict(node.kwargs))
+        b = _bind(_DROPOUT_SPECS[node.target], tuple(node.args), dict(node.kwargs))
         if b is None or not _only_input_is_first(b) or bool(b["training"]) != training:
             return None  # training fixed in the source: a Dropout BoundOp keeps it fixed (reported)
         return Replacement(cls(p=b["p"], inplace=bool(b["inplace"])), [b["input"]], node.target.__name__,
                            f"{_describe_target(node)} → nn.{cls.__name__} (follows .train()/.eval())")
+    if node.target in (F.rrelu, F.rrelu_):
+        # random in training (like dropout): nn.RReLU follows the mode when the call did
+        b = _bind("input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False", tuple(node.args),
+                  dict(node.kwargs))
+        if b is None or not _only_input_is_first(b) or bool(b["training"]) != training:
+            return None
+        inplace = bool(b["inplace"]) or node.target is F.rrelu_
+        return Replacement(nn.RReLU(b["lower"], b["upper"], inplace=inplace), [b["input"]], "rrelu",
+                           f"{_describe_target(node)} → nn.RReLU (follows .train()/.eval())")
     sd = _stochastic_depth_target()
     if sd is not None and node.target is sd:
         b = _bind("input, p, mode, training=True", tuple(node.args), dict(node.kwargs))
@@ -510,11 +549,15 @@ def _describe_target(node: fx.Node) -> str:
 
 
 def _short_name(node: fx.Node, key: str | None) -> str:
+    """Base of the new module's attribute name. ``operator.and_`` / ``or_`` / ``not_`` would strip
+    to a Python keyword, and ``self.and(x)`` is a syntax error in the generated forward."""
     if key:
-        return key
-    if node.op == "call_method":
-        return str(node.target).strip("_")
-    return getattr(node.target, "__name__", "op").strip("_")
+        name = key
+    elif node.op == "call_method":
+        name = str(node.target).strip("_")
+    else:
+        name = getattr(node.target, "__name__", "op").strip("_")
+    return f"{name}_op" if keyword.iskeyword(name) else name
 
 
 def _named(node: fx.Node) -> Replacement | None:
@@ -530,13 +573,32 @@ def _named(node: fx.Node) -> Replacement | None:
     if entry is None:
         return None
     key, cls = entry
+    if cls in (ops.Amax, ops.Amin) and _is_binary_max_min(node):
+        # torch.max(a, b) / a.min(b) is the element-wise maximum / minimum, not a reduction
+        key, cls = ("maximum", ops.Maximum) if cls is ops.Amax else ("minimum", ops.Minimum)
     if cls is ops.FunctionalLinear or cls is ops.FunctionalConv:
         reason = f"{_describe_target(node)} with weights passed as inputs → {cls.__name__}"
-    elif cls in (ops.Amax, ops.Amin) and node.op == "call_function" and node.target in (torch.max, torch.min):
-        reason = f"{_describe_target(node)} → {cls.__name__}"
     else:
         reason = f"{_describe_target(node)} → {cls.__name__}"
     return _bound_op(cls, fn, node, _short_name(node, key), reason)
+
+
+def _is_binary_max_min(node: fx.Node) -> bool:
+    """``max``/``min`` called with a second *tensor* (``other``) rather than a ``dim``."""
+    if str(getattr(node.target, "__name__", node.target)) not in ("max", "min"):
+        return False
+    other = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+    return isinstance(other, fx.Node) and other.meta.get("fxprep_kind") != OTHER
+
+
+_TORCH_PACKAGES = ("torch", "torchvision", "torchaudio")
+
+
+def _is_torch_callable(target: Any) -> bool:
+    """Defined in torch (or torchvision/torchaudio): a package merely *named* like it
+    (``torch_utils``, a user's ``torchmodels``) is user code, and its functions stay calls."""
+    module = getattr(target, "__module__", "") or ""
+    return module.partition(".")[0] in _TORCH_PACKAGES
 
 
 def _special(node: fx.Node, training: bool) -> Replacement | None:
@@ -547,6 +609,11 @@ def _special(node: fx.Node, training: bool) -> Replacement | None:
         if autograd_fn is not None:
             return _bound_op(ops.AutogradFunction, target, node, autograd_fn.__name__,  # type: ignore[arg-type]
                              f"autograd.Function {autograd_fn.__name__} → AutogradFunction (its backward still runs)")
+        if target is getattr(torch.ops.higher_order, "autograd_function_apply", None):
+            # Dynamo's form of a custom autograd.Function: (fwd_body, bwd_body, *inputs), one call
+            return _bound_op(ops.AutogradFunction, target, node, "autograd_function",  # type: ignore[arg-type]
+                             "autograd_function_apply (Dynamo's autograd.Function) → AutogradFunction "
+                             "(its backward still runs)")
         try:
             act = _ACTIVATION_FUNCTIONS.get(target)
         except TypeError:
@@ -557,8 +624,10 @@ def _special(node: fx.Node, training: bool) -> Replacement | None:
         if target in DROPOUTS:
             return _bound_op(ops.Dropout, target, node, target.__name__,  # type: ignore[union-attr]
                              f"{_describe_target(node)} with training fixed in the source (not self.training) → Dropout, mode fixed")
-        module = getattr(target, "__module__", "") or ""
-        if module.startswith("torch") or target in ops._OPERATOR_NAMES:
+        if target in (F.rrelu, F.rrelu_):
+            return _bound_op(ops.Activation, target, node, "rrelu",  # type: ignore[arg-type]
+                             f"{_describe_target(node)} with training fixed in the source → Activation, mode fixed")
+        if _is_torch_callable(target) or target in ops._OPERATOR_NAMES:
             return _bound_op(ops.Functional, target, node, _short_name(node, None), f"{_describe_target(node)} → Functional")  # type: ignore[arg-type]
         return None
     m_act = _ACTIVATION_METHODS.get(target)  # type: ignore[arg-type]
@@ -577,12 +646,38 @@ def replacement_for(gm: fx.GraphModule, node: fx.Node, training: bool) -> Replac
     if node.meta.get("fxprep_kind") == OTHER:
         return None  # Python-value arithmetic (shapes, flags): never a module
     return (
-        (_owned_layer(gm, node) if node.op == "call_function" else None)
+        _owned_layer(gm, node)
         or _activation(node)
         or _dropout(node, training)
         or _named(node)
         or _special(node, training)
     )
+
+
+_INPLACE_OPERATORS = frozenset(
+    getattr(operator, n) for n in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",
+                                   "iand", "ior", "ixor", "ilshift", "irshift")
+)
+
+
+def mutates_input(node: fx.Node) -> bool:
+    """True for in-place calls: ``x.add_(y)``, ``torch.relu_(x)``, ``operator.iadd``, ``inplace=True``."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        name = str(node.target)
+        if name.startswith("__i") and name.endswith("__"):  # x.__iadd__(y)
+            return getattr(operator, name[2:-2], None) in _INPLACE_OPERATORS
+    elif node.op == "call_function":
+        try:
+            if node.target in ops._OPERATOR_NAMES:  # operator.and_ / or_ / not_ are not in place
+                return node.target in _INPLACE_OPERATORS
+        except TypeError:
+            return False
+        name = getattr(node.target, "__name__", "")
+    else:
+        return False
+    return name.endswith("_") and not name.endswith("__") and not name.startswith("_")
 
 
 def _left_reason(node: fx.Node) -> str:
@@ -611,6 +706,10 @@ def run(gm: fx.GraphModule, *, training: bool = False, original: nn.Module | Non
                     and node.meta.get("fxprep_kind") != OTHER and report is not None:
                 report.left_functional(node.name, _describe_target(node), scope_of(node), _left_reason(node))
             continue
+        if mutates_input(node) or getattr(rep.module, "inplace", False) is True:
+            # fx's dead-code elimination keeps a call_module only if the module says it is impure:
+            # ``x.add_(y)`` whose result is unused must survive ``graph.eliminate_dead_code()``.
+            rep.module._is_impure = True
         qualname = fresh_name(gm, original, scope_of(node), rep.name, taken)
         add_module(gm, qualname, rep.module)
         with gm.graph.inserting_before(node):
