@@ -146,8 +146,8 @@ def test_flag_without_concrete_args_fails_clearly():
 
 
 def test_wrap_len_and_sqrt_at_module_scope():
-    gm = fxprep.prepare_model(fx_docs.NormalizeModel(), example_inputs=torch.rand(3, 4))
-    x = torch.rand(5, 4)
+    gm = fxprep.prepare_model(fx_docs.NormalizeModel(), example_inputs=torch.rand(3, 4), tracer="fx")
+    x = torch.rand(5, 4)  # another batch size: fx records len(), so it is not baked in
     torch.testing.assert_close(gm(x), x / (5 ** 0.5))
     assert any(isinstance(m, ops.Div) for m in gm.modules())
 
@@ -363,9 +363,15 @@ def test_aimet_modules_to_exclude():
     assert "modules_to_exclude" in prepared_model.fxprep_report.leaves["custom"]
 
 
+def test_dynamo_default_states_its_static_shapes():
+    gm = fxprep.prepare_model(fx_docs.ArangeWrapped(), example_inputs=(torch.randn(3, 3),))
+    if gm.fxprep_report.tracer == "dynamo":
+        assert any("static shapes" in n for n in gm.fxprep_report.notes)
+
+
 def test_aimet_arange_wrapped_and_unwrapped():
     x = torch.randn(3, 3)
-    gm = fxprep.prepare_model(fx_docs.ArangeWrapped(), example_inputs=(x,))
+    gm = fxprep.prepare_model(fx_docs.ArangeWrapped(), example_inputs=(x,), tracer="fx")
     torch.testing.assert_close(gm(x), fx_docs.ArangeWrapped()(x))
     y = torch.randn(7, 7)
     torch.testing.assert_close(gm(y), y + torch.arange(7))

@@ -15,7 +15,7 @@ from torch import nn
 
 from .capture import huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
-from .capture.fx import capture_fx, trace_failure
+from .capture.fx import capture_fx, mode_notes, restored_attributes, trace_failure
 from .capture.leaves import capture_hybrid
 from .errors import InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs
@@ -165,7 +165,9 @@ def capture(
                 call = normalize_example_inputs(built) if built is not None else None
             if call is None:
                 continue
-            result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=opts.dynamic)
+            changed: list[str] = []
+            with restored_attributes(model, changed):  # Dynamo marks the root (_is_torch_compile)
+                result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=opts.dynamic)
         attempts.append(attempt)
         if result is not None:
             return result, attempts
@@ -251,6 +253,13 @@ def prepare_model(
     report.leaves.update(result.extra_leaves)
     for note in result.notes:
         report.note(note)
+    for note in mode_notes(gm, model):
+        report.note(note)
+    if result.tracer == "dynamo" and not opts.dynamic and example is not None:
+        report.note(
+            f"Dynamo captured with static shapes: the graph is valid for inputs shaped like the example "
+            f"({example.describe()}). Pass dynamic=... (or tracer='fx') to run it on other sizes."
+        )
 
     t2 = time.perf_counter()
     with preserved_state(model):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .capture.common import CaptureAttempt
-from .capture.fx import capture_fx
+from .capture.fx import capture_fx, restored_attributes
 from .capture.leaves import capture_hybrid
 from .diagnose import CUSTOM_OP, DATA_DEPENDENT_BRANCH, FIXES, SPECIALISATION, Issue, diagnose, is_user_file
 from .inputs import normalize_example_inputs
@@ -158,7 +158,8 @@ def check_traceability(
     if example is not None and _dynamo_available():
         from .capture.dynamo import capture_dynamo
 
-        _, attempt = capture_dynamo(model, policy, example, concrete)
+        with restored_attributes(model, []):
+            _, attempt = capture_dynamo(model, policy, example, concrete)
         out.attempts.append(attempt)
         if attempt.exception is not None:
             out.issues += diagnose(attempt.exception, "dynamo", model)

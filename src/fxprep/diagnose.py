@@ -166,39 +166,41 @@ def module_of_failure(err: BaseException, model: nn.Module | None) -> str | None
 
 
 def categorise(err: BaseException, code: str | None) -> str:
+    """The category of a tracer exception, from its type and message and the user's source line."""
     text = str(err)
     code = code or ""
     gb_type = str(getattr(err, "gb_type", "") or "")
     low = (text + " " + gb_type).lower()
-    if isinstance(err, (torch.fx.proxy.TraceError,)) and "control flow" in low:
-        return DATA_DEPENDENT_BRANCH
-    if "data-dependent" in low or "data dependent" in low or "guard on data" in low:
-        if ".item()" in code or "int(" in code or "float(" in code:
-            return DATA_DEPENDENT_VALUE
-        return DATA_DEPENDENT_BRANCH
-    if "dynamic control flow" in low or "generic_jump" in low or "jump" in gb_type.lower():
-        return DATA_DEPENDENT_BRANCH
-    if ".item()" in code or "item()" in low or "tolist" in low:
-        return DATA_DEPENDENT_VALUE
-    if "'len' is not supported" in text:
-        return DATA_DEPENDENT_VALUE
-    if "iter" in low and "proxy" in low or "for " in code and "in " in code and "proxy" in low:
-        return ITERATION
-    if "cannot be interpreted as an integer" in low:
-        if "range(" in code:
-            return ITERATION
-        return CONSTRUCTOR if any(f"torch.{c}(" in code for c in ("zeros", "ones", "full", "empty", "arange", "rand")) else DATA_DEPENDENT_VALUE
-    if "received an invalid combination of arguments" in low or "must be tuple of ints" in low:
-        return CONSTRUCTOR
-    if "numpy" in low or "math." in code or "np." in code:
-        return NON_TORCH_CALL
-    if "side effect" in low or "print" in code or "logging" in low:
+    stripped = code.lstrip()
+    is_branch_line = stripped.startswith(("if ", "elif ", "while ", "assert ")) or " if " in code
+    if "print(" in code or "logging." in code or "logger." in code or "side effect" in low:
         return SIDE_EFFECT
+    if "cannot be iterated" in low or "iteration over" in low or (
+        "cannot be interpreted as an integer" in low and ("range(" in code or "for " in code)
+    ):
+        return ITERATION
+    if "fake" in low and ("custom op" in low or "operator" in low or "kernel" in low or "impl" in low):
+        return CUSTOM_OP
     if "autograd.function" in low or "autograd function" in low:
         return AUTOGRAD_FUNCTION
-    if "fake" in low and ("custom op" in low or "operator" in low):
-        return CUSTOM_OP
-    if "unsupported" in low:
+    if "constraint" in low and ("violat" in low or "specializ" in low) or "specialized" in low and "dynamic" in low:
+        return SPECIALISATION
+    if "must be tuple of ints" in low or "received an invalid combination of arguments" in low or (
+        "proxy" in low and "torch." in code and ("shape" in code or "size(" in code)
+        and any(f"torch.{c}" in code for c in ("Tensor(", "zeros", "ones", "full", "empty", "arange", "rand", "window", "eye", "linspace"))
+    ):
+        return CONSTRUCTOR
+    value_call = any(t in code for t in (".item()", "int(", "float(", "bool(", ".tolist()"))
+    if "not 'proxy'" in low or "'len' is not supported" in text:
+        return DATA_DEPENDENT_VALUE
+    if "control flow" in low or "data-dependent" in low or "data dependent" in low or "guard on data" in low \
+            or "dynamic control flow" in low or "jump" in gb_type.lower():
+        return DATA_DEPENDENT_BRANCH if is_branch_line or not value_call else DATA_DEPENDENT_VALUE
+    if value_call and ("proxy" in low or "item" in low):
+        return DATA_DEPENDENT_VALUE
+    if "numpy" in low or "__array" in low or "np." in code or "math." in code:
+        return NON_TORCH_CALL
+    if "unsupported" in low or "not supported" in low:
         return UNSUPPORTED
     return OTHER
 

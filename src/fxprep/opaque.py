@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 _MARK = "__fxprep_opaque__"
@@ -33,7 +34,9 @@ def opaque(obj: T) -> T:
         wrapped: Any = record_as_call(obj)
         functools.update_wrapper(wrapped, obj)
         setattr(wrapped, _MARK, True)
-        return wrapped
+        # Dynamo: one call in the graph (it runs the function on fake tensors for shapes; a function
+        # that cannot run that way makes Dynamo fail, and the cascade goes on to fx).
+        return torch.compiler.allow_in_graph(wrapped)
     raise TypeError(f"fxprep.opaque expects a function, a module or a module class, not {type(obj).__name__}")
 
 

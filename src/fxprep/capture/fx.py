@@ -24,6 +24,7 @@ import contextlib
 import functools
 import inspect
 import math
+import operator
 import re
 import time
 import weakref
@@ -91,6 +92,19 @@ def autograd_function_caller(fn_cls: type[torch.autograd.Function]) -> Callable[
     return caller
 
 
+# ``x += y`` on a traced tensor must stay in place: fx.Proxy has no __iadd__, so Python falls back
+# to ``x = x + y`` and a view taken earlier would miss the update.
+INPLACE_OPERATORS = ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+                     "imatmul", "ilshift", "irshift")
+
+
+def _inplace_operator(op: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: fx.Proxy, other: Any) -> Any:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
 def _traced_len(obj: Any) -> Any:
     if isinstance(obj, fx.Proxy):
         return obj.tracer.create_proxy("call_function", builtins.len, (obj,), {})
@@ -120,6 +134,12 @@ def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
 
         function_cls.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
         restore.append(functools.partial(setattr, function_cls, "apply", orig_apply))
+
+        for name in INPLACE_OPERATORS:
+            if f"__{name}__" in fx.Proxy.__dict__:
+                continue
+            setattr(fx.Proxy, f"__{name}__", _inplace_operator(getattr(operator, name)))
+            restore.append(functools.partial(delattr, fx.Proxy, f"__{name}__"))
 
         seen: set[int] = set()
         for g in globals_dicts:
@@ -227,13 +247,22 @@ def _training_reads(cls: type) -> tuple[str, ...]:
     return tuple(f"{filename}:{start + i}" for i, line in enumerate(lines) if "self.training" in line)
 
 
-def mode_notes(tracer: FxprepTracer, training: bool) -> list[str]:
-    """Notes on code that read ``self.training`` while being traced: its branch is now fixed."""
-    mode = "train" if training else "eval"
-    notes = []
-    for cls, qualname in tracer.traced_classes.items():
-        if cls.__module__.startswith("torch."):
+def mode_notes(gm: fx.GraphModule, model: nn.Module) -> list[str]:
+    """Notes on traced-through code that reads ``self.training``: its branch is now fixed.
+
+    Works for any tracer: a module whose object is called by the graph (a leaf) still reads its
+    mode at run time; every other module of the user's own classes was traced into, so a
+    ``self.training`` branch in its forward was resolved once, for the capture mode.
+    """
+    called = {id(gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
+    called |= {id(getattr(m, "owner", None)) for m in gm.modules()}
+    mode = "train" if model.training else "eval"
+    notes, seen = [], set()
+    for qualname, m in model.named_modules():
+        cls = type(m)
+        if id(m) in called or cls in seen or cls.__module__.startswith("torch."):
             continue
+        seen.add(cls)
         for where in _training_reads(cls):
             notes.append(
                 f"{cls.__name__} ({qualname or 'root'}) reads self.training at {where}: that branch was "
@@ -334,7 +363,7 @@ def capture_fx(
         return None, attempt
     if concrete_args:
         _name_concrete_placeholders(gm, model, concrete_args)
-    notes = mode_notes(tracer, model.training)
+    notes = []
     if changed:
         notes.append(
             f"forward() wrote to module attributes while being traced ({', '.join(sorted(set(changed))[:8])}); "

@@ -1,0 +1,156 @@
+"""transformers specifics: cache off, attention implementation, example inputs from the config.
+
+Nothing here imports ``transformers`` unless the model already is a transformers model (the
+module is looked up in ``sys.modules``), so fxprep works without it installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+CAPTURE_ATTENTION = ("eager", "sdpa")
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """True for a ``transformers.PreTrainedModel`` (without importing transformers)."""
+    tf = sys.modules.get("transformers")
+    base = getattr(tf, "PreTrainedModel", None) if tf is not None else None
+    return base is not None and isinstance(model, base)
+
+
+def _forward_params(model: nn.Module) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def capture_concrete_args(model: nn.Module, concrete_args: dict[str, Any] | None, example: Any) -> dict[str, Any] | None:
+    """``concrete_args`` plus ``use_cache=False`` for transformers models whose forward takes
+    ``use_cache`` and where the user fixed it nowhere: a KV cache is not part of a graph to quantize,
+    and ``DynamicCache`` outputs cannot be captured. The original is verified with the same value."""
+    if not is_hf_model(model):
+        return concrete_args
+    params = _forward_params(model)
+    if "use_cache" not in params:
+        return concrete_args
+    given = set(concrete_args or {})
+    if example is not None:
+        given |= set(getattr(example, "kwargs", {}) or {})
+    if "use_cache" in given:
+        return concrete_args
+    return {**(concrete_args or {}), "use_cache": False}
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    out = [config]
+    for name in ("text_config", "vision_config", "audio_config", "encoder", "decoder"):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            out.append(sub)
+    return out
+
+
+@contextlib.contextmanager
+def capture_context(model: nn.Module, notes: list[str] | None = None) -> Iterator[None]:
+    """During capture: attention implementations Dynamo cannot capture (flash, flex, paged) are
+    switched to ``sdpa`` and put back afterwards. A no-op for other models."""
+    if not is_hf_model(model):
+        yield
+        return
+    changed: list[tuple[Any, Any]] = []
+    try:
+        for config in _configs(model):
+            impl = getattr(config, "_attn_implementation", None)
+            if impl is not None and impl not in CAPTURE_ATTENTION:
+                changed.append((config, impl))
+                config._attn_implementation = "sdpa"
+        if changed and notes is not None:
+            notes.append(
+                f"attention implementation {changed[0][1]!r} cannot be captured; captured with 'sdpa' instead."
+            )
+        yield
+    finally:
+        for config, impl in changed:
+            config._attn_implementation = impl
+
+
+def _get(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def example_inputs_for(model: nn.Module, batch: int = 2, seq_len: int = 8) -> dict[str, torch.Tensor] | None:
+    """Keyword example inputs built from a transformers model's config (None for other models):
+    ``input_ids``/``attention_mask``, ``pixel_values``, ``input_values``, ``input_features``,
+    ``decoder_input_ids``, whichever its forward takes, on the model's device."""
+    if not is_hf_model(model):
+        return None
+    config = model.config
+    params = _forward_params(model)
+    main = getattr(model, "main_input_name", "input_ids")
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    text = _get(config, "text_config", default=config)
+    vision = _get(config, "vision_config", default=config)
+    vocab = int(_get(text, "vocab_size", default=100) or 100)
+    inputs: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(length: int) -> torch.Tensor:
+        low = 1 if vocab > 2 else 0
+        return torch.randint(low, max(vocab, low + 1), (batch, length), generator=gen).to(device)
+
+    if main == "input_ids" or "input_ids" in params and main not in params:
+        inputs["input_ids"] = ids(seq_len)
+        if "attention_mask" in params:
+            inputs["attention_mask"] = torch.ones(batch, seq_len, dtype=torch.long, device=device)
+    if main == "pixel_values" or ("pixel_values" in params and main == "pixel_values"):
+        size = _get(vision, "image_size", default=32)
+        size = size[0] if isinstance(size, (tuple, list)) else size
+        if isinstance(size, dict):
+            size = size.get("height", 32)
+        channels = int(_get(vision, "num_channels", default=3))
+        inputs["pixel_values"] = torch.randn(batch, channels, int(size), int(size), generator=gen).to(device)
+    if main == "input_values":
+        inputs["input_values"] = torch.randn(batch, 1600, generator=gen).to(device)
+    if main == "input_features":
+        bins = int(_get(config, "num_mel_bins", "feature_size", default=80))
+        frames = int(_get(config, "max_source_positions", default=1500)) * 2
+        inputs["input_features"] = torch.randn(batch, bins, frames, generator=gen).to(device)
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        inputs["decoder_input_ids"] = ids(max(2, seq_len // 2))
+    return inputs or None
+
+
+def hf_symbolic_trace(model: nn.Module, input_names: list[str] | None = None) -> Any:
+    """transformers < 5's own fx tracer when it exists (it was removed in transformers 5), else None."""
+    try:
+        from transformers.utils.fx import symbolic_trace  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 - absent in transformers 5, or transformers not installed
+        return None
+    return symbolic_trace(model, input_names=input_names)
+
+
+__all__ = [
+    "capture_concrete_args",
+    "capture_context",
+    "example_inputs_for",
+    "hf_symbolic_trace",
+    "is_hf_model",
+]

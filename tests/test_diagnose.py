@@ -1,0 +1,140 @@
+"""Each diagnostic category: a small model that triggers it, with category, file, line and fix."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fxprep
+from fxprep import diagnose as d
+
+
+def _line_of(fn, text: str) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    for i, line in enumerate(lines):
+        if text in line:
+            return start + i
+    raise AssertionError(text)
+
+
+class Branch(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+class Value(nn.Module):
+    def forward(self, x):
+        return x * float(x.mean())
+
+
+class Iterate(nn.Module):
+    def forward(self, x):
+        return sum(row for row in x)
+
+
+class Constructor(nn.Module):
+    def forward(self, x):
+        return x * torch.Tensor(x.shape[0], 1).fill_(1)
+
+
+class NonTorch(nn.Module):
+    def forward(self, x):
+        return torch.from_numpy(np.tanh(x.numpy()))
+
+
+class Outer(nn.Module):
+    """The failing code sits in a submodule: the issue names that submodule."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(self.pre(x))
+
+
+FX_CASES = [
+    (Branch, "if x.sum() > 0:", d.DATA_DEPENDENT_BRANCH, "torch.where"),
+    (Value, "float(x.mean())", d.DATA_DEPENDENT_VALUE, "torch._check"),
+    (Iterate, "for row in x", d.ITERATION, "fxprep.opaque"),
+    (Constructor, "torch.Tensor(x.shape[0], 1)", d.CONSTRUCTOR, "zeros_like"),
+    (NonTorch, "np.tanh", d.NON_TORCH_CALL, "torch equivalent"),
+]
+
+
+@pytest.mark.parametrize(("cls", "code", "category", "fix"), FX_CASES, ids=[c[2] for c in FX_CASES])
+def test_fx_categories(cls, code, category, fix):
+    model = Outer(cls())
+    with pytest.raises(fxprep.TraceFailure) as info:
+        fxprep.prepare_model(model, tracer="fx", fallback="error", example_inputs=torch.randn(3, 4))
+    issue = info.value.issues[0]
+    assert issue.category == category
+    assert issue.module == "inner"
+    assert issue.file == __file__
+    assert issue.line == _line_of(cls.forward, code)
+    assert code in issue.code
+    assert fix in issue.fix
+    assert issue.tracer == "fx"
+    text = str(info.value)
+    assert f"test_diagnose.py:{issue.line}" in text and category in text
+
+
+class Printing(nn.Module):
+    def forward(self, x):
+        print("mean is", x.mean().item())
+        return x * 2
+
+
+@torch.library.custom_op("fxprep_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class CustomOp(nn.Module):
+    def forward(self, x):
+        return torch.ops.fxprep_test.twice(x) + 1
+
+
+DYNAMO_CASES = [
+    (Printing, "print(", d.SIDE_EFFECT, "out of forward()"),
+    (CustomOp, "torch.ops.fxprep_test.twice", d.CUSTOM_OP, "register_fake"),
+]
+
+
+@pytest.mark.parametrize(("cls", "code", "category", "fix"), DYNAMO_CASES, ids=[c[2] for c in DYNAMO_CASES])
+def test_dynamo_categories(cls, code, category, fix):
+    check = fxprep.check_traceability(Outer(cls()), example_inputs=torch.randn(3, 4), draft_export=False)
+    dynamo = [i for i in check.issues if i.tracer == "dynamo"]
+    assert dynamo, check.to_text()
+    issue = dynamo[0]
+    assert issue.category == category
+    assert issue.file == __file__
+    assert issue.line == _line_of(cls.forward, code)
+    assert fix in issue.fix
+    # fx records both as plain calls, so the model still prepares and verifies
+    gm = fxprep.prepare_model(Outer(cls()), example_inputs=torch.randn(3, 4))
+    assert gm.fxprep_report.verification.status == "passed"
+    assert any(a.tracer == "dynamo" and not a.ok for a in gm.fxprep_report.attempts)
+
+
+def test_user_code_includes_site_packages_models():
+    import torchvision
+
+    assert d.is_user_file(inspect.getsourcefile(torchvision.models.detection.transform.GeneralizedRCNNTransform))
+    assert not d.is_user_file(torch.__file__)
+    assert not d.is_user_file(inspect.getsourcefile(inspect))
+    assert d.is_user_file(__file__)
+
+
+def test_every_category_has_a_fix():
+    categories = [d.DATA_DEPENDENT_BRANCH, d.DATA_DEPENDENT_VALUE, d.ITERATION, d.CONSTRUCTOR, d.NON_TORCH_CALL,
+                  d.SIDE_EFFECT, d.AUTOGRAD_FUNCTION, d.CUSTOM_OP, d.SPECIALISATION, d.UNSUPPORTED, d.OTHER]
+    for c in categories:
+        assert c in d.FIXES and d.FIXES[c]
