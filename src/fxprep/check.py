@@ -9,6 +9,7 @@ once to list every remaining data-dependent site in a single pass instead of one
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,16 @@ from torch import nn
 from .capture.common import CaptureAttempt
 from .capture.fx import capture_fx, restored_attributes
 from .capture.leaves import capture_hybrid
-from .diagnose import CUSTOM_OP, DATA_DEPENDENT_BRANCH, FIXES, SPECIALISATION, Issue, diagnose, is_user_file
+from .diagnose import (
+    CUSTOM_OP,
+    DATA_DEPENDENT_BRANCH,
+    FIXES,
+    SPECIALISATION,
+    Issue,
+    diagnose,
+    is_user_file,
+    module_at,
+)
 from .inputs import normalize_example_inputs
 
 
@@ -92,14 +102,26 @@ class TraceReport:
 
 def _draft_export_issues(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Issue]:
     """Every data-dependent site torch.export.draft_export finds, in one run."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its own banner would repeat what the report says
     try:
         ep = torch.export.draft_export(model, args, kwargs)
     except Exception:  # noqa: BLE001 - draft_export is a best-effort extra
         return []
+    finally:
+        logger.setLevel(level)
     report = getattr(ep, "_report", None)
     if report is None:
         return []
-    names = getattr(report, "str_to_filename", {})
+    names = dict(getattr(report, "str_to_filename", {}) or {})
+    try:  # the ids are interned globally; the report's own table can miss some
+        from torch._logging.structured import INTERN_TABLE
+
+        for text, number in INTERN_TABLE.items():
+            names.setdefault(number, text)
+    except ImportError:
+        pass
     issues = []
     for failure in report.failures:
         data = failure.data
@@ -107,10 +129,10 @@ def _draft_export_issues(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
         frame = None
         for entry in data.get("user_stack", []) or []:
             filename = entry.get("filename") if isinstance(entry, dict) else getattr(entry, "filename", None)
-            filename = names.get(filename, filename) if isinstance(filename, int) else filename
+            filename = names.get(filename) if isinstance(filename, int) else filename
             line = entry.get("line") if isinstance(entry, dict) else getattr(entry, "lineno", None)
-            if filename and is_user_file(str(filename)):
-                frame = (str(filename), line)
+            if isinstance(filename, str) and is_user_file(filename):
+                frame = (filename, line)
         if "FAKE_KERNEL" in kind:
             category = CUSTOM_OP
             message = f"torch.ops.{data.get('op')}: {kind.lower().replace('_', ' ')}"
@@ -125,7 +147,8 @@ def _draft_export_issues(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
             import linecache
 
             code = linecache.getline(frame[0], int(frame[1] or 0)).strip() or None
-        issues.append(Issue(category, message, FIXES[category], "draft_export", None,
+        issues.append(Issue(category, message, FIXES[category], "draft_export",
+                            module_at(model, frame[0], int(frame[1] or 0)) if frame else None,
                             frame[0] if frame else None, int(frame[1]) if frame and frame[1] else None, code))
     return issues
 

@@ -152,6 +152,29 @@ def user_frame(err: BaseException) -> tuple[str, int, str] | None:
     return found
 
 
+def _code_span(fn: object) -> tuple[str, int, int] | None:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
+    return os.path.normcase(os.path.abspath(code.co_filename)), code.co_firstlineno, last
+
+
+def module_at(model: nn.Module | None, filename: str, line: int) -> str | None:
+    """The module whose class's ``forward`` contains ``filename:line`` (the deepest one, first in
+    module order). Used where no live frames are left to look at (Dynamo, draft_export)."""
+    if model is None:
+        return None
+    target = os.path.normcase(os.path.abspath(filename))
+    best: str | None = None
+    for name, m in model.named_modules():
+        span = _code_span(getattr(type(m), "forward", None))
+        if span and span[0] == target and span[1] <= line <= span[2]:
+            if best is None or name.count(".") > best.count("."):
+                best = name
+    return best
+
+
 def module_of_failure(err: BaseException, model: nn.Module | None) -> str | None:
     """Qualified name of the innermost module whose forward was running when ``err`` was raised."""
     if model is None:
@@ -210,13 +233,16 @@ def diagnose(err: BaseException, tracer: str, model: nn.Module | None = None) ->
     frame = user_frame(err)
     file, line, code = frame if frame else (None, None, None)
     category = categorise(err, code)
+    module = module_of_failure(err, model)
+    if module is None and file is not None and line is not None:
+        module = module_at(model, file, line)
     return [
         Issue(
             category=category,
             message=f"{type(err).__name__}: {_first_line(err)}",
             fix=FIXES[category],
             tracer=tracer,
-            module=module_of_failure(err, model),
+            module=module,
             file=file,
             line=line,
             code=code,
