@@ -18,10 +18,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-zoo: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m zoo
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m zoo
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check src tests benchmarks

@@ -94,7 +94,7 @@ class Issue:
         where = f"module '{self.module}'" if self.module is not None else "unknown module"
         if self.module == "":
             where = "the root module"
-        lines = [f"[{self.category}] in {where} at {self.location} ({self.tracer})"]
+        lines = [f"{self.category.upper()} in {where} at {self.location} ({self.tracer})"]
         if self.code:
             lines.append(f"    {self.code}")
         lines.append(f"  {self.message}")
