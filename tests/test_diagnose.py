@@ -138,3 +138,25 @@ def test_every_category_has_a_fix():
                   d.SIDE_EFFECT, d.AUTOGRAD_FUNCTION, d.CUSTOM_OP, d.SPECIALISATION, d.UNSUPPORTED, d.OTHER]
     for c in categories:
         assert c in d.FIXES and d.FIXES[c]
+
+
+class ShapeBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] == 3:
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+def test_specialisation_of_a_dynamic_dimension():
+    with pytest.raises(fxprep.TraceFailure) as info:
+        fxprep.prepare_model(ShapeBranch(), example_inputs=torch.randn(3, 4), tracer="dynamo", dynamic="batch",
+                             fallback="error")
+    issue = info.value.issues[0]
+    assert issue.category == d.SPECIALISATION
+    assert issue.file == __file__ and issue.line == _line_of(ShapeBranch.forward, "if x.shape[0] == 3")
+    assert "dynamic" in issue.fix
+    assert issue.module == ""

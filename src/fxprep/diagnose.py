@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import sysconfig
 import traceback
 import types
@@ -105,6 +106,7 @@ class Issue:
         return asdict(self)
 
 
+_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 _STDLIB = os.path.normcase(sysconfig.get_paths()["stdlib"])
 _TORCH = os.path.normcase(os.path.dirname(torch.__file__))
 _FXPREP = os.path.normcase(os.path.dirname(__file__))
@@ -149,6 +151,10 @@ def user_frame(err: BaseException) -> tuple[str, int, str] | None:
             found = (frame.f_code.co_filename, lineno, linecache.getline(frame.f_code.co_filename, lineno).strip())
     if found is None and err.__cause__ is not None and err.__cause__ is not err:
         return user_frame(err.__cause__)
+    if found is None:  # Dynamo's shape errors carry the user stack only in their text
+        for filename, lineno in reversed(_FILE_LINE.findall(str(err))):
+            if is_user_file(filename):
+                return filename, int(lineno), linecache.getline(filename, int(lineno)).strip()
     return found
 
 
