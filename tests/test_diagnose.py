@@ -160,3 +160,32 @@ def test_specialisation_of_a_dynamic_dimension():
     assert issue.file == __file__ and issue.line == _line_of(ShapeBranch.forward, "if x.shape[0] == 3")
     assert "dynamic" in issue.fix
     assert issue.module == ""
+
+
+class DataDependentBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.sum() > 0:
+            return grad * 2
+        return grad
+
+
+class UsesFunction(nn.Module):
+    def forward(self, x):
+        return DataDependentBackward.apply(x)
+
+
+def test_autograd_function_category_and_fx_keeps_it_one_call():
+    x = torch.randn(3, requires_grad=True)
+    check = fxprep.check_traceability(UsesFunction(), example_inputs=(x,), draft_export=False)
+    issue = [i for i in check.issues if i.tracer == "dynamo"][0]
+    assert issue.category == d.AUTOGRAD_FUNCTION
+    assert issue.line == _line_of(DataDependentBackward.backward, "if grad.sum() > 0")
+    assert "fxprep.opaque" in issue.fix
+    gm = fxprep.prepare_model(UsesFunction(), example_inputs=(x,), verify="grad")
+    assert gm.fxprep_report.tracer == "fx"
+    assert gm.fxprep_report.verification.grad

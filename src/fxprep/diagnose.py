@@ -208,10 +208,10 @@ def categorise(err: BaseException, code: str | None) -> str:
         "cannot be interpreted as an integer" in low and ("range(" in code or "for " in code)
     ):
         return ITERATION
+    if any(t in low for t in ("autograd.function", "autograd function", "applytemplate", "autograd_function")):
+        return AUTOGRAD_FUNCTION
     if "fake" in low and ("custom op" in low or "operator" in low or "kernel" in low or "impl" in low):
         return CUSTOM_OP
-    if "autograd.function" in low or "autograd function" in low:
-        return AUTOGRAD_FUNCTION
     if "constraint" in low and ("violat" in low or "specializ" in low) or "specialized" in low and "dynamic" in low:
         return SPECIALISATION
     if "must be tuple of ints" in low or "received an invalid combination of arguments" in low or (
