@@ -127,12 +127,14 @@ def _draft_export_issues(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
         data = failure.data
         kind = str(getattr(failure.failure_type, "name", failure.failure_type))
         frame = None
+        owner: str | None = None
         for entry in data.get("user_stack", []) or []:
             filename = entry.get("filename") if isinstance(entry, dict) else getattr(entry, "filename", None)
             filename = names.get(filename) if isinstance(filename, int) else filename
             line = entry.get("line") if isinstance(entry, dict) else getattr(entry, "lineno", None)
             if isinstance(filename, str) and is_user_file(filename):
                 frame = (filename, line)
+                owner = module_at(model, filename, int(line or 0)) or owner
         if "FAKE_KERNEL" in kind:
             category = CUSTOM_OP
             message = f"torch.ops.{data.get('op')}: {kind.lower().replace('_', ' ')}"
@@ -147,8 +149,7 @@ def _draft_export_issues(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
             import linecache
 
             code = linecache.getline(frame[0], int(frame[1] or 0)).strip() or None
-        issues.append(Issue(category, message, FIXES[category], "draft_export",
-                            module_at(model, frame[0], int(frame[1] or 0)) if frame else None,
+        issues.append(Issue(category, message, FIXES[category], "draft_export", owner,
                             frame[0] if frame else None, int(frame[1]) if frame and frame[1] else None, code))
     return issues
 

@@ -242,6 +242,10 @@ def diagnose(err: BaseException, tracer: str, model: nn.Module | None = None) ->
     module = module_of_failure(err, model)
     if module is None and file is not None and line is not None:
         module = module_at(model, file, line)
+    if module is None:  # a free function: the innermost module forward on Dynamo's user stack
+        for frame in getattr(err, "real_stack", None) or []:
+            found = module_at(model, frame.filename, frame.lineno or 0)
+            module = found if found is not None else module
     return [
         Issue(
             category=category,
