@@ -1139,9 +1139,6 @@ def _iadd_seen_through_a_view(s: nn.Module, x: torch.Tensor, y: torch.Tensor) ->
     return z * 1
 
 
-@pytest.mark.xfail(strict=True, raises=fxprep.EquivalenceError,
-                   reason="capture/fx.py: fx.Proxy has no __iadd__, so `x += y` is recorded as the out-of-place "
-                          "operator.add and a view taken before it no longer sees the update")
 def test_iadd_seen_through_an_earlier_view() -> None:
     run_case(Case("iadd-alias", _iadd_seen_through_a_view, X2, [ops.Add, ops.Mul]))
 

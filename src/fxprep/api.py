@@ -122,7 +122,7 @@ def _defaults_as_concrete(model: nn.Module, example: ExampleInputs | None, concr
 def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report,
              model: nn.Module | None = None) -> list[str]:
     if opts.tracer != "auto":
-        if opts.tracer == "dynamo" and example is None:
+        if opts.tracer == "dynamo" and example is None and huggingface.example_inputs_for(model) is None:
             raise InvalidInput("tracer='dynamo' needs example_inputs: Dynamo traces by running the model.")
         return [opts.tracer]
     if example is None:
@@ -229,7 +229,8 @@ def prepare_model(
     original_call = prepared_call = example
     if example is not None:
         original_call, prepared_call = _calls(model, example, concrete)
-        reference = run_original(model, original_call)
+        if opts.verify:  # the reference run doubles as the check that the inputs suit the model
+            reference = run_original(model, original_call)
 
     t1 = time.perf_counter()
     tracers = _tracers(opts, example, report, model)
@@ -265,12 +266,13 @@ def prepare_model(
     with preserved_state(model):
         values.annotate(gm, prepared_call)
     if opts.convert_functionals:
-        functional_to_module.run(gm, training=model.training, original=model, report=report)
+        functional_to_module.run(gm, training=model.training, original=model, report=report, recompile=False)
     if opts.unroll:
-        unroll.run(gm, share_parameters=opts.share_parameters, original=model, report=report)
+        unroll.run(gm, share_parameters=opts.share_parameters, original=model, report=report, recompile=False)
     if opts.share_parameters:
         state_dict.run(gm, model)
     _match_modes(gm, model)
+    gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
     report.timings["passes"] = time.perf_counter() - t2
 
     if example is not None and opts.verify:

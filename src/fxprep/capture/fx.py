@@ -349,13 +349,17 @@ def capture_fx(
     tracer.traced_classes[type(model)] = ""  # the root is traced without asking is_leaf_module
     changed: list[str] = []
     try:
-        with restored_attributes(model, changed), _tracing_patches(_forward_globals(model)):
-            graph = tracer.trace(model, concrete_args=concrete_args)
-        if isinstance(graph._codegen, fx.graph._PyTreeCodeGen):
-            for node in graph.nodes:  # fx writes `x = None,` into the unpacking line otherwise
-                if node.op == "placeholder":
-                    node.args = ()
-        gm = tracer.make_graph_module(graph, model.__class__.__name__)
+        with restored_attributes(model, changed):
+            with _tracing_patches(_forward_globals(model)):
+                graph = tracer.trace(model, concrete_args=concrete_args)
+            if isinstance(graph._codegen, fx.graph._PyTreeCodeGen):
+                for node in graph.nodes:  # fx writes `x = None,` into the unpacking line otherwise
+                    if node.op == "placeholder":
+                        node.args = ()
+            # Built before the user's attributes are restored: fx parks the tensor constants it
+            # creates (``_tensor_constant0``) on the root, and the GraphModule must copy them.
+            gm = tracer.make_graph_module(graph, model.__class__.__name__)
+        changed = [c for c in changed if not c.rpartition(".")[2].startswith("_tensor_constant")]
     except Exception as err:  # noqa: BLE001 - every tracer failure is reported, not raised
         attempt = CaptureAttempt(
             "fx", False, time.perf_counter() - start, describe_exception(err), type(err).__name__, err

@@ -690,7 +690,7 @@ def _left_reason(node: fx.Node) -> str:
 
 
 def run(gm: fx.GraphModule, *, training: bool = False, original: nn.Module | None = None,
-        report: Report | None = None) -> fx.GraphModule:
+        report: Report | None = None, recompile: bool = True) -> fx.GraphModule:
     """Replace every tensor-computing functional node of ``gm`` by a ``call_module``.
 
     ``training`` is the mode the graph was captured in (decides which dropouts follow the module
@@ -725,5 +725,6 @@ def run(gm: fx.GraphModule, *, training: bool = False, original: nn.Module | Non
         if not attr_node.users:
             gm.graph.erase_node(attr_node)  # the Parameter stays on the module; only the read goes
     gm.graph.lint()
-    gm.recompile()
+    if recompile:  # the orchestrator recompiles once after all passes
+        gm.recompile()
     return gm

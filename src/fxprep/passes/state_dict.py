@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 ALIASES_ATTR = "_fxprep_state_aliases"
+METADATA_ATTR = "_fxprep_state_metadata"
 
 
 def _container(gm: nn.Module, path: str) -> nn.Module:
@@ -43,6 +44,33 @@ def _fill_aliases(module: nn.Module, state_dict: dict[str, Any], prefix: str, *a
     for alias, canonical in getattr(module, ALIASES_ATTR, {}).items():
         if prefix + alias not in state_dict and prefix + canonical in state_dict:
             state_dict[prefix + alias] = state_dict[prefix + canonical]
+
+
+def _restore_metadata(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """Give the prepared state_dict the original's per-module ``version`` entries: a module class
+    reads them to upgrade old checkpoints (MNASNet rebuilds its stem for version 1)."""
+    target = getattr(state_dict, "_metadata", None)
+    if target is None:
+        return
+    for key, meta in getattr(module, METADATA_ATTR, {}).items():
+        full = f"{prefix}{key}" if key else prefix[:-1] if prefix else ""
+        target[full] = dict(meta)
+
+
+def _reorder(gm_module: nn.Module, original: nn.Module, user_ids: set[int]) -> None:
+    """Children, parameters and buffers in the original's order (optimizer states and checkpoints
+    that rely on ``parameters()`` order keep working); what fxprep added goes last."""
+    for registry, reference in ((gm_module._modules, original._modules), (gm_module._parameters, original._parameters),
+                                (gm_module._buffers, original._buffers)):
+        order = [k for k in reference if k in registry] + [k for k in registry if k not in reference]
+        if list(registry) != order:
+            items = [(k, registry[k]) for k in order]
+            registry.clear()
+            registry.update(items)
+    for name, child in gm_module._modules.items():
+        theirs = original._modules.get(name)
+        if child is not None and theirs is not None and id(child) not in user_ids:
+            _reorder(child, theirs, user_ids)
 
 
 def aliases(gm: nn.Module) -> dict[str, str]:
@@ -75,16 +103,26 @@ def run(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
             if key in non_persistent:
                 module._non_persistent_buffers_set.add(b)
 
+    _reorder(gm, original, {id(m) for m in original.modules()})
+
     # Everything else in the prepared state_dict is an alias of an original key.
     canonical_by_id = {}
     for key, tensor in original_state.items():
         canonical_by_id.setdefault(id(tensor), key)
     found: dict[str, str] = {}
     for key, tensor in gm.state_dict(keep_vars=True).items():
-        if key not in original_state and id(tensor) in canonical_by_id:
+        if key in original_state:
+            continue
+        if id(tensor) in canonical_by_id:
             found[key] = canonical_by_id[id(tensor)]
-    if found:
-        setattr(gm, ALIASES_ATTR, found)
-        gm.register_state_dict_post_hook(_drop_aliases)
-        gm.register_load_state_dict_pre_hook(_fill_aliases)
+            continue
+        path, _, leaf = key.rpartition(".")
+        owner = gm.get_submodule(path) if path else gm
+        if leaf in owner._buffers:  # a constant the tracer made (``_tensor_constant0``): not state
+            owner._non_persistent_buffers_set.add(leaf)
+    setattr(gm, ALIASES_ATTR, found)
+    setattr(gm, METADATA_ATTR, {k: dict(v) for k, v in getattr(original_state, "_metadata", {}).items()})
+    gm.register_state_dict_post_hook(_drop_aliases)
+    gm.register_state_dict_post_hook(_restore_metadata)
+    gm.register_load_state_dict_pre_hook(_fill_aliases)
     return gm

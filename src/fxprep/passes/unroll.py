@@ -36,7 +36,7 @@ def shared_copy(module: nn.Module) -> nn.Module:
 
 
 def run(gm: fx.GraphModule, *, share_parameters: bool = True, original: nn.Module | None = None,
-        report: Report | None = None) -> fx.GraphModule:
+        report: Report | None = None, recompile: bool = True) -> fx.GraphModule:
     """Give every ``call_module`` node its own module object (identity decides reuse, not names)."""
     calls: dict[int, list[fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -58,5 +58,6 @@ def run(gm: fx.GraphModule, *, share_parameters: bool = True, original: nn.Modul
             copies.append(name)
         if report is not None:
             report.module_unrolled(str(first.target), copies, share_parameters)
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return gm
