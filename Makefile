@@ -29,5 +29,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/prepare_bench.py
 
+survey: $(STAMP)
+	$(BIN)/fxprep survey --zoo torchvision --jobs 1 -o docs/survey-torchvision.md
+
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -334,3 +334,15 @@ def test_structured_outputs_are_compared():
     assert set(out) == {"logits", "extra"}
     assert isinstance(gm.get_submodule("sigmoid"), nn.Sigmoid)
     assert isinstance(gm.get_submodule("mul"), ops.Mul)
+
+
+def test_fx_path_keeps_ordereddict_output():
+    import collections
+
+    import torchvision
+
+    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None).eval()
+    x = torch.randn(1, 3, 64, 64)
+    gm = fxprep.prepare_model(model, tracer="fx", example_inputs=x)
+    assert type(gm(x)) is collections.OrderedDict
+    assert gm.fxprep_report.verification.status == "passed"

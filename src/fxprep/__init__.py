@@ -8,6 +8,8 @@ Public API::
 
 from .api import get_report, prepare_model
 from .check import TraceReport, check_traceability
+from .export import export_onnx, export_program
+from .io import load, save
 from .errors import (
     EquivalenceError,
     ExportError,
@@ -29,6 +31,10 @@ __all__ = [
     "prepare_model",
     "check_traceability",
     "TraceReport",
+    "save",
+    "load",
+    "export_onnx",
+    "export_program",
     "get_report",
     "opaque",
     "Report",

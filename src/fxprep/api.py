@@ -5,6 +5,7 @@ This module only orchestrates; every step lives in its own module and can be use
 
 from __future__ import annotations
 
+import collections
 import inspect
 import time
 from typing import Any
@@ -174,6 +175,21 @@ def capture(
     return None, attempts
 
 
+def _restore_output_type(gm: fx.GraphModule, reference: Any) -> None:
+    """fx returns the dict literal it traced; a model returning an ``OrderedDict`` (torchvision
+    segmentation) must still return one, so the output is wrapped in the original's type."""
+    if type(reference) is not collections.OrderedDict:
+        return
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    value = output.args[0]
+    if isinstance(value, dict):  # fx stores it as its immutable_dict
+        value = dict(value)
+        with gm.graph.inserting_before(output):
+            wrapped = gm.graph.call_function(collections.OrderedDict, (value,))
+        wrapped.meta["fxprep_kind"] = "other"
+        output.args = (wrapped,)
+
+
 def _match_modes(gm: fx.GraphModule, model: nn.Module) -> None:
     """Give modules fxprep created the training flag of the scope they came from; the user's own
     module objects are left exactly as they are (setting gm.train() would flip them)."""
@@ -272,6 +288,7 @@ def prepare_model(
     if opts.share_parameters:
         state_dict.run(gm, model)
     _match_modes(gm, model)
+    _restore_output_type(gm, reference)
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
     report.timings["passes"] = time.perf_counter() - t2
 

@@ -29,6 +29,7 @@ module whose name starts with it): those are listed in the report with the reaso
 from __future__ import annotations
 
 import builtins
+import collections
 import functools
 import inspect
 import keyword
@@ -66,7 +67,7 @@ VIEW_AND_METADATA_METHODS = frozenset(
 VIEW_AND_METADATA_FUNCTIONS = frozenset(
     f
     for f in [
-        operator.getitem, operator.setitem, builtins.getattr, builtins.len, torch._assert,
+        operator.getitem, operator.setitem, builtins.getattr, builtins.len, torch._assert, collections.OrderedDict,
         torch.flatten, torch.reshape, torch.permute, torch.transpose, torch.t, torch.squeeze,
         torch.unsqueeze, torch.split, torch.chunk, torch.unbind, torch.narrow, torch.select,
         torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims, torch.unflatten,
