@@ -8,8 +8,6 @@ Public API::
 
 from .api import get_report, prepare_model
 from .check import TraceReport, check_traceability
-from .export import export_onnx, export_program
-from .io import load, save
 from .errors import (
     EquivalenceError,
     ExportError,
@@ -22,6 +20,8 @@ from .errors import (
     TraceFailure,
     UnknownOption,
 )
+from .export import export_onnx, export_program
+from .io import load, save
 from .opaque import opaque
 from .report import Report
 

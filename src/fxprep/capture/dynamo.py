@@ -41,13 +41,11 @@ Nothing here raises for a capture failure: :func:`capture_dynamo` returns it in 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import operator
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +78,8 @@ class ReliftError(RuntimeError):
 
 def flag_available() -> bool:
     """Whether this torch has the private Dynamo flag the ``"flag"`` route needs."""
+    import torch._dynamo
+
     return hasattr(torch._dynamo.config, FLAG)
 
 
@@ -167,6 +167,20 @@ def dynamic_shapes_spec(model: nn.Module, call: ExampleInputs, dynamic: Any) -> 
             spec[name] = dynamic.get(name) if isinstance(dynamic, dict) else None
             if spec[name] is not None:
                 spec[name] = {int(d): dim(n) for d, n in spec[name].items()}
+    if isinstance(dynamic, dict):
+        unknown = sorted(set(dynamic) - set(inputs))
+        if unknown:
+            raise ValueError(f"dynamic names {unknown} that are not inputs of this call (inputs: {list(inputs)})")
+    for name, dims_of in spec.items():
+        value = inputs[name]
+        for d in dims_of or {}:
+            if not isinstance(value, torch.Tensor) or not -value.dim() <= d < value.dim():
+                raise ValueError(f"dynamic dimension {d} of {name!r} does not exist")
+            if value.shape[d] < 2:
+                raise ValueError(
+                    f"dynamic dimension {d} of {name!r} has size {value.shape[d]} in the example: Dynamo "
+                    f"specializes sizes 0 and 1, so give an example with size >= 2 there"
+                )
     return spec
 
 
@@ -222,15 +236,58 @@ def tensor_caches(model: nn.Module) -> list[tuple[nn.Module, str, dict[Any, Any]
     return found
 
 
-@contextlib.contextmanager
-def _emptied(caches: list[tuple[nn.Module, str, dict[Any, Any]]]) -> Iterator[None]:
-    try:
-        for module, key, _ in caches:
-            module.__dict__[key] = {}
-        yield
-    finally:
-        for module, key, value in caches:
-            module.__dict__[key] = value
+class AttributeGuard:
+    """Keeps the user's modules exactly as they were across a capture.
+
+    Dynamo replays what ``forward`` writes to module attributes (``self.saved = y``,
+    ``self.cache[k] = y``) onto the real objects, with *fake* tensors. Inside the guard every plain
+    dict/list attribute is a copy (``caches`` ones start empty, see :func:`tensor_caches`), and on
+    exit every module's ``__dict__`` gets its original entries back (new ones removed).
+    :meth:`reset` re-establishes the capture-time state, e.g. before running the model eagerly
+    after Dynamo has left fake tensors behind.
+    """
+
+    def __init__(self, model: nn.Module, caches: list[tuple[nn.Module, str, dict[Any, Any]]]):
+        self.modules = [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
+        self.caches = {(id(m), key) for m, key, _ in caches}
+        self.snapshots: list[tuple[nn.Module, dict[str, Any]]] = []
+        self.written: set[str] = set()
+
+    def __enter__(self) -> AttributeGuard:
+        self.snapshots = [(m, dict(m.__dict__)) for m in self.modules]
+        self._swap()
+        return self
+
+    def _swap(self) -> None:
+        for module, snapshot in self.snapshots:
+            for key, value in snapshot.items():
+                if key.startswith("_"):
+                    continue
+                if type(value) is dict:
+                    module.__dict__[key] = {} if (id(module), key) in self.caches else dict(value)
+                elif type(value) is list:
+                    module.__dict__[key] = list(value)
+
+    def _restore(self) -> None:
+        for module, snapshot in self.snapshots:
+            current = module.__dict__
+            for key in list(current):
+                if key not in snapshot:
+                    if not key.startswith("_"):
+                        self.written.add(key)
+                    del current[key]
+            for key, value in snapshot.items():
+                if current.get(key, _MISSING) is not value:
+                    if not key.startswith("_") and type(value) not in (dict, list):
+                        self.written.add(key)
+                    current[key] = value
+
+    def reset(self) -> None:
+        self._restore()
+        self._swap()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._restore()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -445,10 +502,33 @@ class _Stacks:
         return frames
 
 
+_TORCH_NN = ("torch.nn", "torch.ao.nn")
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
 def default_leaf(module: nn.Module) -> bool:
-    """``torch.fx``'s default leaf rule (``torch.nn``/``torch.ao.nn`` modules but Sequential)."""
-    mod = type(module).__module__
-    return (mod.startswith("torch.nn") or mod.startswith("torch.ao.nn")) and not isinstance(module, nn.Sequential)
+    """``torch.fx``'s default leaf rule (``torch.nn``/``torch.ao.nn`` modules but Sequential), plus
+    subclasses that keep such a layer's ``forward`` (torchvision's ``Conv3DSimple(nn.Conv3d)``,
+    transformers' ``PoolFormerGroupNorm(nn.GroupNorm)``): they compute exactly that layer, and Dynamo
+    calls them as modules on one route and inlines them on the other, so both routes agree only if
+    they are leaves."""
+    cls = type(module)
+    if isinstance(module, _CONTAINERS):
+        return False  # never called as such (fx calls ModuleList a leaf, but nothing calls it)
+    if cls.__module__.startswith(_TORCH_NN):
+        return True
+    return inherited_torch_forward(cls)
+
+
+def inherited_torch_forward(cls: type) -> bool:
+    """Whether ``cls`` (a user class) runs the ``forward`` of a ``torch.nn`` layer it subclasses."""
+    owner = next((k for k in cls.__mro__ if "forward" in k.__dict__), None)
+    return (
+        owner is not None
+        and owner is not nn.Module
+        and owner.__module__.startswith(_TORCH_NN)
+        and not issubclass(owner, _CONTAINERS)
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -715,8 +795,7 @@ class _Regrouper:
             if g.leaf.module is not None:
                 leaves.setdefault(id(g.leaf.module), g.leaf.module)
         calls = _record_calls(self.model, leaves, self.call, self.names)
-        if groups:
-            self.values = _record_values(self.dgm, self.model, self.call, set(self.graph.nodes))
+        self.values = _record_values(self.dgm, self.model, self.call, set(self.graph.nodes))
         units: dict[int, list[Any]] = {}
         for g in groups:
             units.setdefault(id(g.leaf.module), []).append(g)
@@ -805,16 +884,22 @@ class _Regrouper:
         pool = [c for c in candidates if c not in used and _matches(c, t)]
         if len(pool) > 1:
             pool = [c for c in pool if _equal(self.values.get(c), t)] or pool
+            if len(pool) > 1:
+                self.notes.append(
+                    f"leaf '{self.names.module_name(rec.module)}': {len(pool)} same-shaped values could be argument "
+                    f"{index}; bound by order of use (no example values to tell them apart)."
+                )
         if pool:
             return pool[0]
         if node is not None:
             return node
-        # An argument the call never reads inside the graph: the latest node in the window
-        # before the call that holds this very value.
+        # An argument the call never reads inside the graph: the latest node before the call that
+        # holds this very value (nodes since the previous leaf call first).
         lo, hi = window
-        earlier = [n for n in self.graph.nodes if lo <= self.order.get(n, -1.0) < hi and n.op != "output"
+        earlier = [n for n in self.graph.nodes if self.order.get(n, hi) < hi and n.op != "output"
                    and _matches(n, t) and _equal(self.values.get(n), t)]
-        return earlier[-1] if earlier else None
+        recent = [n for n in earlier if self.order.get(n, -1.0) >= lo]
+        return (recent or earlier)[-1] if earlier else None
 
     def _get_attr(self, qualname: str) -> fx.Node:
         anchor = next(iter(self.graph.nodes))
@@ -1060,6 +1145,35 @@ def remove_noise(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _NOISE and not node.users:
             graph.erase_node(node)
+
+
+def module_method_calls(dgm: fx.GraphModule, names: _Names, stacks: _Stacks) -> dict[fx.Node, str]:
+    """``get_attr(module).forward(x)`` (Dynamo's form for some ``torch.nn`` subclasses that keep the
+    parent's forward, e.g. transformers' ``PoolFormerGroupNorm(nn.GroupNorm)``) → ``call_module``."""
+    graph = dgm.graph
+    found: dict[fx.Node, str] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target not in ("forward", "__call__") or not node.args:
+            continue
+        owner = node.args[0]
+        if not isinstance(owner, fx.Node) or owner.op != "get_attr":
+            continue
+        obj = _get(dgm, str(owner.target))
+        if not isinstance(obj, nn.Module):
+            continue
+        name = names.module_name(obj)
+        if name is None:
+            frames = [f for f in stacks.of(node) if f.module is not None and type(f.module) is type(obj)]
+            name = names.module_name(frames[-1].module) if frames else None
+        if name is None:
+            continue
+        with graph.inserting_before(node):
+            call = graph.call_module(name, tuple(node.args[1:]), dict(node.kwargs))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        found[call] = name
+    return found
 
 
 def rewrite_sym_ops(graph: fx.Graph) -> None:
@@ -1320,8 +1434,12 @@ def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, calls: _Ca
     remove_noise(graph)
 
     # Leaf calls: re-target Dynamo's call_module nodes, collapse inlined leaves.
+    method_calls = module_method_calls(dgm, names, stacks)
     regrouper = _Regrouper(dgm, model, policy, names, stacks, calls.capture, list(placeholders))
     regrouper.run()
+    for node, name in method_calls.items():
+        if not getattr(node, "_erased", False):  # not collapsed into an enclosing leaf
+            regrouper.targets.setdefault(node, name)
     notes.extend(regrouper.notes)
 
     # Inputs: keep those of the prepared call; bake concrete_args in.
@@ -1431,12 +1549,18 @@ def capture_dynamo(
 
     caches = tensor_caches(model)
     first_error: BaseException | None = None
+    written: set[str] = set()
     while routes:
         current = routes.pop(0)
+        guard = AttributeGuard(model, caches)
+        attempt_notes: list[str] = []
         try:
-            with huggingface.capture_context(model, notes), _emptied(caches):
+            with huggingface.capture_context(model, attempt_notes), guard:
                 result = _export(model, calls.capture, current, spec)
-                gm, extra = relift(result.graph_module, model, policy, calls, current, notes)
+                guard.reset()  # Dynamo left fake tensors in attributes forward() writes
+                gm, extra = relift(result.graph_module, model, policy, calls, current, attempt_notes)
+            written = guard.written
+            notes.extend(attempt_notes)
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
             if caches:
                 # Maybe the model cannot run with its caches emptied: try once with them in place.
@@ -1457,6 +1581,11 @@ def capture_dynamo(
         notes.append(
             f"{len(caches)} tensor cache(s) ({', '.join(sorted({k for _, k, _ in caches}))}) were emptied during "
             f"capture so the graph computes them from the parameters instead of baking in cached values."
+        )
+    if written:
+        notes.append(
+            f"forward() writes module attributes ({', '.join(sorted(written)[:6])}); they were restored after "
+            f"capture, and values kept this way are not part of the graph."
         )
     unused = unreferenced_parameters(gm, model)
     consts = gm.meta.get("fxprep_constants", [])

@@ -116,11 +116,11 @@ def example_inputs_for(model: nn.Module, batch: int = 2, seq_len: int = 8) -> di
         low = 1 if vocab > 2 else 0
         return torch.randint(low, max(vocab, low + 1), (batch, length), generator=gen).to(device)
 
-    if main == "input_ids" or "input_ids" in params and main not in params:
+    if main == "input_ids" or ("input_ids" in params and main not in params):
         inputs["input_ids"] = ids(seq_len)
         if "attention_mask" in params:
             inputs["attention_mask"] = torch.ones(batch, seq_len, dtype=torch.long, device=device)
-    if main == "pixel_values" or ("pixel_values" in params and main == "pixel_values"):
+    if main == "pixel_values":
         size = _get(vision, "image_size", default=32)
         size = size[0] if isinstance(size, (tuple, list)) else size
         if isinstance(size, dict):
