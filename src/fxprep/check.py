@@ -134,7 +134,8 @@ def _draft_export_issues(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
             line = entry.get("line") if isinstance(entry, dict) else getattr(entry, "lineno", None)
             if isinstance(filename, str) and is_user_file(filename):
                 frame = (filename, line)
-                owner = module_at(model, filename, int(line or 0)) or owner
+                found = module_at(model, filename, int(line or 0))
+                owner = found if found is not None else owner
         if "FAKE_KERNEL" in kind:
             category = CUSTOM_OP
             message = f"torch.ops.{data.get('op')}: {kind.lower().replace('_', ' ')}"
