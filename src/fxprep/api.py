@@ -114,9 +114,10 @@ def _defaults_as_concrete(model: nn.Module, example: ExampleInputs | None, concr
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is p.empty:
             continue
         extra[name] = p.default
-        report.note(f"argument '{name}' is not in example_inputs: captured with its default {p.default!r}.")
     if not extra:
         return concrete
+    listed = ", ".join(f"{k}={v!r}" for k, v in extra.items())
+    report.note(f"arguments not in example_inputs were captured with their defaults: {listed}.")
     return {**(concrete or {}), **extra}
 
 
