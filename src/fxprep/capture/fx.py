@@ -164,6 +164,8 @@ def restored_attributes(model: nn.Module, changed: list[str]) -> Iterator[None]:
     """
     saved = []
     for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, torch.jit.ScriptModule):
+            continue  # TorchScript modules cannot be written to by Python code anyway
         saved.append((name, m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules)))
     try:
         yield

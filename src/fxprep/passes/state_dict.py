@@ -83,6 +83,7 @@ def run(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
     non_persistent = {
         f"{name}.{b}" if name else b
         for name, m in original.named_modules(remove_duplicate=False)
+        if not isinstance(m, torch.jit.ScriptModule)
         for b in m._non_persistent_buffers_set
     }
 
@@ -98,6 +99,8 @@ def run(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
         elif isinstance(tensor, torch.Tensor):
             container.register_buffer(leaf, tensor, persistent=True)
     for name, module in gm.named_modules(remove_duplicate=False):
+        if isinstance(module, torch.jit.ScriptModule):
+            continue  # TorchScript keeps its own buffer registry; it is the user's object anyway
         for b in list(module._buffers):
             key = f"{name}.{b}" if name else b
             if key in non_persistent:
