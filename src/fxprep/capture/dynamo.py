@@ -790,12 +790,19 @@ class _Regrouper:
         policy_leaves = any(self.policy.reason(m) is not None for m in self.model.modules() if m is not self.model)
         if not groups and not policy_leaves:
             return  # flag route, nothing inlined: Dynamo's call_module nodes are all there is
-        leaves = self.outermost_leaves()
-        for g in groups:  # a leaf reached outside the module tree (e.g. kept in a plain list)
-            if g.leaf.module is not None:
-                leaves.setdefault(id(g.leaf.module), g.leaf.module)
+        # Which leaf calls to record eagerly: all of them when Dynamo inlined everything (regroup
+        # route); on the flag route only the inlined ones and the policy's (a leaf whose call left no
+        # node can only be one of those), which keeps memory flat on big inputs.
+        outermost = self.outermost_leaves()
+        if direct:
+            leaves = {id(g.leaf.module): g.leaf.module for g in groups if g.leaf.module is not None}
+            leaves.update({k: m for k, m in outermost.items() if self.policy.reason(m) is not None})
+        else:
+            leaves = dict(outermost)
+            for g in groups:  # a leaf reached outside the module tree (e.g. kept in a plain list)
+                if g.leaf.module is not None:
+                    leaves.setdefault(id(g.leaf.module), g.leaf.module)
         calls = _record_calls(self.model, leaves, self.call, self.names)
-        self.values = _record_values(self.dgm, self.model, self.call, set(self.graph.nodes))
         units: dict[int, list[Any]] = {}
         for g in groups:
             units.setdefault(id(g.leaf.module), []).append(g)
@@ -805,6 +812,17 @@ class _Regrouper:
         for mid, recs in calls.items():
             for rec, unit in self._pair(recs, units.get(mid, [])):
                 pairs[rec.seq] = (rec, unit)
+        # Example values only for the nodes matching could need: what groups read and return, and
+        # same-shaped candidates for the inputs of calls that left no node.
+        wanted: set[fx.Node] = set(self.inputs_nodes())
+        for g in groups:
+            wanted.update(self._ext_inputs(g.nodes))
+            wanted.update(self._ext_outputs(g.nodes))
+        probes = [t for rec, unit in pairs.values() if unit is None
+                  for t in pytree.tree_leaves((rec.args, rec.kwargs)) if isinstance(t, torch.Tensor)]
+        if probes:
+            wanted.update(n for n in self.graph.nodes if any(_matches(n, t) for t in probes))
+        self.values = _record_values(self.dgm, self.model, self.call, wanted)
         self.next_start: dict[int, float] = {}
         upcoming = float(len(self.order))
         for seq in sorted(pairs, reverse=True):
@@ -822,6 +840,9 @@ class _Regrouper:
                 self._collapse(rec, unit)
             else:
                 self._insert_empty(rec)
+
+    def inputs_nodes(self) -> list[fx.Node]:
+        return [n for n in self.inputs if n is not None]
 
     def _pair(self, recs: list[_Call], units: list[Any]) -> list[tuple[_Call, Any]]:
         """Eager calls of one module ↔ its groups in the graph (None: the call left no node)."""
@@ -1381,6 +1402,31 @@ def unreferenced_parameters(gm: fx.GraphModule, model: nn.Module) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 # Capture
 # --------------------------------------------------------------------------------------------------
+class _DynamoGlobalState:
+    """Dynamo remembers across calls that a module *class* is "dynamic" once it met one instance
+    with hooks (``GenerationTracker.mark_class_dynamic``); every later capture then inlines that
+    class and, on the flag route, fails on its parameters. Undo what one capture added (private
+    state, feature-detected: without it this is a no-op)."""
+
+    def __enter__(self) -> _DynamoGlobalState:
+        try:
+            from torch._dynamo.mutation_guard import GenerationTracker
+
+            self.tables = [GenerationTracker.dynamic_classes, GenerationTracker.generation_values]
+            self.before = [set(t.values) for t in self.tables]
+        except Exception:  # noqa: BLE001
+            self.tables = []
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for table, before in zip(self.tables, getattr(self, "before", [])):
+            try:
+                for idx in set(table.values) - before:
+                    table._remove_id(idx)
+            except Exception:  # noqa: BLE001
+                pass
+
+
 def _export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spec: dict[str, Any] | None) -> Any:
     import torch._dynamo as dynamo
 
@@ -1394,7 +1440,7 @@ def _export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spec: dic
     kwargs: dict[str, Any] = {"assume_static_by_default": True}
     if dynamic_spec is not None:
         kwargs["dynamic_shapes"] = dynamic_spec
-    with dynamo.config.patch(**patches):
+    with dynamo.config.patch(**patches), _DynamoGlobalState():
         return dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
 
 

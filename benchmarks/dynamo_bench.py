@@ -1,0 +1,212 @@
+"""Dynamo-path ``prepare_model`` against raw ``torch.export`` (non-strict and strict): time and RAM.
+
+    python benchmarks/dynamo_bench.py [--runs 3] [--models resnet50,vit_b_16,llama8]
+
+Each measurement runs in a fresh subprocess (one thread) so peak-RSS numbers are not polluted by an
+earlier run: the child builds the model and its inputs, runs one eager forward, resets the peak-RSS
+counter (``/proc/self/clear_refs``; a 2 ms sampler where that is not allowed), then times the one
+call being measured. "RSS growth" is the peak resident set during that call minus the resident set
+just before it. The table shows the median of ``--runs`` runs and each method's ratio to fxprep's.
+
+fxprep is measured end to end with ``verify=False`` and ``tracer="dynamo"`` (capture, re-lifting,
+functional → module, unrolling, state-dict parity, plus the reference forward ``prepare_model``
+always runs); the export columns are the bare ``torch.export.export`` call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+METHODS = ("fxprep", "export_nonstrict", "export_strict")
+MODELS = ("resnet50", "vit_b_16", "llama8")
+
+
+# --------------------------------------------------------------------------------------------------
+# child: one measurement
+# --------------------------------------------------------------------------------------------------
+def _rss_kb(field: str = "VmRSS") -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakRss:
+    """Peak RSS during a block: the kernel's high-water mark after a reset, else a sampler."""
+
+    def __enter__(self) -> PeakRss:
+        self.before = _rss_kb()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.kernel = True
+        except OSError:
+            self.kernel = False
+        self.peak = self.before
+        self._stop = threading.Event()
+        if not self.kernel:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_kb())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self.kernel:
+            self.peak = max(self.peak, _rss_kb("VmHWM"))
+        else:
+            self._thread.join()
+            self.peak = max(self.peak, _rss_kb())
+
+    @property
+    def growth_mb(self) -> float:
+        return (self.peak - self.before) / 1024
+
+
+def build(name: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    import torch
+
+    torch.manual_seed(0)
+    if name in ("resnet50", "vit_b_16"):
+        import torchvision
+
+        model = torchvision.models.get_model(name, weights=None).eval()
+        return model, (torch.randn(1, 3, 224, 224),), {}
+    if name == "llama8":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+            num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
+        )
+        model = LlamaForCausalLM(config).eval()
+        ids = torch.randint(0, 32000, (1, 16), generator=torch.Generator().manual_seed(0))
+        return model, (), {"input_ids": ids, "attention_mask": torch.ones(1, 16, dtype=torch.long)}
+    raise SystemExit(f"unknown model {name}")
+
+
+def child(model_name: str, method: str) -> dict[str, Any]:
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    model, args, kwargs = build(model_name)
+    with torch.no_grad():
+        model(*args, **kwargs)  # warm-up: lazy inits and allocator pools are not the capture's cost
+    params = sum(p.numel() for p in model.parameters())
+    if method != "fxprep" and "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs = {**kwargs, "use_cache": False}  # fxprep does this itself for transformers models
+    with PeakRss() as rss:
+        start = time.perf_counter()
+        if method == "fxprep":
+            import fxprep
+
+            example = kwargs if kwargs else args
+            gm = fxprep.prepare_model(model, example_inputs=example, verify=False, tracer="dynamo")
+            extra = {"route": gm.meta.get("fxprep_dynamo_route"), "modules": sum(1 for n in gm.graph.nodes if n.op == "call_module")}
+        else:
+            ep = torch.export.export(model, args, kwargs, strict=method == "export_strict")
+            extra = {"nodes": len(ep.graph.nodes)}
+        seconds = time.perf_counter() - start
+    return {"model": model_name, "method": method, "seconds": seconds, "rss_growth_mb": rss.growth_mb,
+            "params_m": params / 1e6, "kernel_peak": rss.kernel, **extra}
+
+
+# --------------------------------------------------------------------------------------------------
+# parent: the table
+# --------------------------------------------------------------------------------------------------
+def measure(model_name: str, method: str, timeout: float) -> dict[str, Any] | None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", model_name, method]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout:g}s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+    return {"error": tail[0][:200]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--json", help="also write every raw measurement to this file")
+    ns = parser.parse_args(argv)
+    if ns.child:
+        print(json.dumps(child(*ns.child)))
+        return 0
+
+    import platform
+
+    import torch
+
+    models = [m for m in ns.models.split(",") if m]
+    methods = [m for m in ns.methods.split(",") if m]
+    raw: list[dict[str, Any]] = []
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for model_name in models:
+        for method in methods:
+            runs = []
+            for i in range(ns.runs):
+                result = measure(model_name, method, ns.timeout)
+                raw.append({"run": i, "model": model_name, "method": method, **(result or {})})
+                print(f"  {model_name:9s} {method:17s} run {i + 1}: "
+                      + (f"{result['seconds']:.2f}s, +{result['rss_growth_mb']:.0f} MB" if "seconds" in result else result["error"]),
+                      file=sys.stderr, flush=True)
+                if "seconds" in result:
+                    runs.append(result)
+            if runs:
+                rows[(model_name, method)] = {
+                    "seconds": statistics.median(r["seconds"] for r in runs),
+                    "rss": statistics.median(r["rss_growth_mb"] for r in runs),
+                    "params": runs[0]["params_m"],
+                    "n": len(runs),
+                }
+            else:
+                rows[(model_name, method)] = {"error": raw[-1].get("error", "failed")}
+    print(f"\nDynamo-path prepare_model vs torch.export (median of {ns.runs} runs, each in a fresh process, 1 thread)")
+    print(f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cores visible\n")
+    print("| model | params | method | time (s) | time / fxprep | peak RSS growth (MB) | RSS / fxprep |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for model_name in models:
+        base = rows.get((model_name, "fxprep"), {})
+        for method in methods:
+            row = rows[(model_name, method)]
+            if "error" in row:
+                print(f"| {model_name} | | {method} | failed: {row['error']} | | | |")
+                continue
+            t_ratio = f"{row['seconds'] / base['seconds']:.2f}x" if base.get("seconds") else ""
+            r_ratio = f"{row['rss'] / base['rss']:.2f}x" if base.get("rss") and base["rss"] > 0 else ""
+            print(f"| {model_name} | {row['params']:.1f}M | {method} | {row['seconds']:.2f} | {t_ratio} | "
+                  f"{row['rss']:.0f} | {r_ratio} |")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(raw, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,520 @@
+"""Dynamo capture re-lifted to module level (``fxprep.capture.dynamo``).
+
+Both re-lifting routes are exercised on every model here: ``"flag"`` (Dynamo's private
+``install_free_tensors_for_export=False`` emits ``call_module`` for torch.nn leaves) and
+``"regroup"`` (no private flag: leaf calls are collapsed from ``nn_module_stack``). They must agree
+with each other and with the fx capture on which modules are called, in which order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxprep
+from fxprep.capture import dynamo as D
+from fxprep.capture import huggingface as hf
+from fxprep.capture.common import LeafPolicy
+from fxprep.capture.fx import capture_fx
+from fxprep.inputs import ExampleInputs
+from fxprep.passes.functional_to_module import remaining_compute_ops
+
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+ROUTES = ["flag", "regroup"] if D.flag_available() else ["regroup"]
+
+
+def targets(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+
+
+def capture(model: nn.Module, example: ExampleInputs, route: str, policy: LeafPolicy | None = None, **kw):
+    result, attempt = D.capture_dynamo(model, policy or LeafPolicy(), example, route=route, **kw)
+    assert result is not None, attempt.error
+    return result
+
+
+@pytest.fixture
+def force_route(monkeypatch: pytest.MonkeyPatch):
+    def force(route: str) -> None:
+        monkeypatch.setattr(D, "default_route", lambda: route)
+
+    return force
+
+
+# --------------------------------------------------------------------------------------------------
+# A model with most of what makes re-lifting hard
+# --------------------------------------------------------------------------------------------------
+GLOBAL_BIAS = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
+class ScaledNorm(nn.Module):
+    """A user leaf with a positional scalar and a keyword-only tensor argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, *, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight * scale
+        return y if bias is None else y + bias
+
+
+class Kitchen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.idn = nn.Identity()
+        self.drop = nn.Dropout(0.1)
+        self.norm = ScaledNorm()
+        self.lin = nn.Linear(4, 4)
+        self.lstm = nn.LSTM(4, 4, batch_first=True)
+        self.plain = torch.full((4,), 0.5)  # a tensor attribute, neither parameter nor buffer
+        self.register_buffer("offset", torch.linspace(0, 1, 4))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, object]:
+        a, _ = self.mha(x, x, x, need_weights=False)
+        z = x + self.idn(a)
+        z = self.drop(z)
+        z = self.norm(z, 2.0, bias=GLOBAL_BIAS if mask is None else mask)
+        with torch.no_grad():
+            c = torch.arange(4, device=x.device).float()
+        z = z + c + self.plain + self.offset
+        o, (h, _) = self.lstm(z)
+        F.relu(o, inplace=True)
+        return {"out": self.lin(o) + self.lin(h.transpose(0, 1)), "aux": (z.sum(),)}
+
+
+def kitchen_example() -> ExampleInputs:
+    g = torch.Generator().manual_seed(0)
+    return ExampleInputs((), {"x": torch.randn(2, 3, 4, generator=g), "mask": torch.randn(4, generator=g)})
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("leaf_norm", [False, True])
+def test_kitchen_prepares_on_each_route(route: str, leaf_norm: bool, force_route) -> None:
+    force_route(route)
+    model = Kitchen().eval()
+    ex = kitchen_example()
+    kwargs = {"module_classes_to_exclude": [ScaledNorm]} if leaf_norm else {}
+    gm = fxprep.prepare_model(model, example_inputs=ex.kwargs, tracer="dynamo", **kwargs)
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo" and report.verification.status == "passed"
+    assert gm.meta[D.ROUTE_META] == route
+    assert not remaining_compute_ops(gm)
+    calls = targets(gm)
+    assert calls[:4] == ["mha", "idn", "add", "drop"]
+    assert "lstm" in calls and "lin" in calls and "lin_1" in calls  # the reused Linear was unrolled
+    if leaf_norm:
+        assert "norm" in calls and report.leaves == {"norm": "module_classes_to_exclude"}
+        assert gm.get_submodule("norm") is model.norm
+    for name in ("mha", "idn", "drop", "lstm", "lin"):
+        assert gm.get_submodule(name) is model.get_submodule(name)
+    for name, p in model.named_parameters():
+        assert gm.get_parameter(name) is p
+    assert list(gm.state_dict()) == list(model.state_dict())  # 'plain' is no buffer: not a key
+    out = gm(**ex.kwargs)
+    assert isinstance(out, dict) and list(out) == ["out", "aux"] and isinstance(out["aux"], tuple)
+    # calling convention: positional works too, and the graph reads the user's tensors
+    torch.testing.assert_close(gm(ex.kwargs["x"], ex.kwargs["mask"])["out"], model(**ex.kwargs)["out"])
+    assert any("no_grad" in n for n in report.notes)
+    assert any("device literal" in n for n in report.notes)
+    assert not any(isinstance(a, torch.device) for n in gm.graph.nodes for a in (*n.args, *n.kwargs.values()))
+
+
+def test_routes_agree_with_each_other_and_fx() -> None:
+    model = Kitchen().eval()
+    ex = kitchen_example()
+    policy = LeafPolicy(classes=(ScaledNorm,))
+    got = {route: targets(capture(model, ex, route, policy).gm) for route in ROUTES}
+    assert len({tuple(t) for t in got.values()}) == 1, got
+    assert got[ROUTES[0]][:5] == ["mha", "idn", "drop", "norm", "lstm"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_resnet_routes_match_fx(route: str) -> None:
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(weights=None).eval()
+    ex = ExampleInputs((torch.randn(1, 3, 32, 32),), {})
+    fx_targets = targets(capture_fx(model, LeafPolicy())[0].gm)
+    result = capture(model, ex, route)
+    assert targets(result.gm) == fx_targets
+    assert not result.notes
+    # reused ReLU ('layer1.0.relu' called twice): two calls, the second keyed '@1' in the stack
+    relu_calls = [n for n in result.gm.graph.nodes if n.op == "call_module" and n.target == "layer1.0.relu"]
+    assert len(relu_calls) == 2
+    assert list(relu_calls[1].meta["nn_module_stack"])[-1] == "layer1.0.relu@1"
+    assert relu_calls[0].meta["nn_module_stack"]["layer1.0"] == ("layer1.0", torchvision.models.resnet.BasicBlock)
+    torch.testing.assert_close(result.gm(*ex.args), model(*ex.args))
+    # user-named leaf classes: the blocks are called whole, the same way on every route and in fx
+    policy = LeafPolicy(classes=(torchvision.models.resnet.BasicBlock,))
+    blocks = targets(capture(model, ex, route, policy).gm)
+    assert blocks == targets(capture_fx(model, policy)[0].gm)
+    assert "layer1.0" in blocks and "layer1.0.conv1" not in blocks
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers
+# --------------------------------------------------------------------------------------------------
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def llama_inputs(batch: int = 2, seq: int = 5) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones(batch, seq, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_llama_rmsnorm_leaf_on_each_route(route: str, force_route) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    force_route(route)
+    model = tiny_llama()
+    ex = llama_inputs()
+    gm = fxprep.prepare_model(model, module_classes_to_exclude=[LlamaRMSNorm], example_inputs=ex, tracer="dynamo")
+    report = gm.fxprep_report
+    assert report.verification.status == "passed"
+    calls = targets(gm)
+    for name in ("model.layers.0.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"):
+        assert name in calls and gm.get_submodule(name) is model.get_submodule(name)
+        assert report.leaves[name] == "module_classes_to_exclude"
+    assert not remaining_compute_ops(gm)
+    out = gm(**ex)
+    assert type(out) is type(model(**ex, use_cache=False))
+    assert set(gm.state_dict()) == set(model.state_dict())
+    # the non-persistent rotary buffer stays out of the state_dict
+    assert "model.rotary_emb.inv_freq" not in gm.state_dict()
+
+
+def test_llama_dynamic_batch_and_sequence() -> None:
+    model = tiny_llama()
+    dims = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+    gm = fxprep.prepare_model(model, example_inputs=llama_inputs(2, 5), tracer="dynamo", dynamic=dims)
+    report = gm.fxprep_report
+    assert any(n.startswith("verified on a second input size") for n in report.notes)
+    bigger = llama_inputs(3, 9)
+    torch.testing.assert_close(gm(**bigger).logits, model(**bigger, use_cache=False).logits)
+
+
+def test_dynamic_batch_shorthand_and_validation() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5)).eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 3, 8, 8), tracer="dynamo", dynamic="batch")
+    assert any("second input size" in n for n in gm.fxprep_report.notes)
+    x = torch.randn(7, 3, 8, 8)
+    torch.testing.assert_close(gm(x), model(x))
+    with pytest.raises(fxprep.InvalidInput):
+        fxprep.prepare_model(model, example_inputs=x, dynamic={"x": {"0": "batch"}})
+    with pytest.raises(fxprep.InvalidInput):
+        fxprep.prepare_model(model, example_inputs=x, dynamic="everything")
+
+
+def test_grown_example_keeps_values_valid() -> None:
+    model = tiny_llama()
+    ex = ExampleInputs((), llama_inputs(2, 5))
+    grown = D.grown_example(model, ex, {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}})
+    assert grown.kwargs["input_ids"].shape == (2, 6)
+    assert torch.equal(grown.kwargs["input_ids"][:, :5], ex.kwargs["input_ids"])
+    assert grown.kwargs["attention_mask"].shape == (2, 6)
+
+
+def test_hf_helpers() -> None:
+    model = tiny_llama()
+    inputs = hf.example_inputs_for(model, batch=1, seq_len=4)
+    assert set(inputs) == {"input_ids", "attention_mask"} and inputs["input_ids"].shape == (1, 4)
+    assert hf.capture_concrete_args(model, None, None) == {"use_cache": False}
+    assert hf.capture_concrete_args(model, None, ExampleInputs((), {"use_cache": True})) is None
+    assert hf.capture_concrete_args(nn.Linear(2, 2), None, None) is None
+    assert hf.example_inputs_for(nn.Linear(2, 2)) is None
+    assert hf.hf_symbolic_trace(model) is None  # transformers 5 has no transformers.utils.fx
+    model.config._attn_implementation = "flash_attention_2"
+    notes: list[str] = []
+    with hf.capture_context(model, notes):
+        assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "flash_attention_2" and notes
+    model.config._attn_implementation = "sdpa"
+
+
+def test_hf_without_example_inputs_uses_config_inputs() -> None:
+    model = tiny_llama()
+    gm = fxprep.prepare_model(model)
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo"
+    assert report.verification.status == "skipped"
+    assert any("built from the model config" in n for n in report.notes)
+    ex = llama_inputs(2, 8)
+    torch.testing.assert_close(gm(**ex).logits, model(**ex, use_cache=False).logits)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters must never silently become constants
+# --------------------------------------------------------------------------------------------------
+class BiasCache(nn.Module):
+    """The timm LeViT / EfficientFormer pattern: a tensor computed from a parameter on the first
+    eval call, cached in a plain dict attribute, and reused afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.attention_biases = nn.Parameter(torch.randn(4))
+        self.attention_bias_cache: dict[str, torch.Tensor] = {}
+
+    def biases(self, device: torch.device) -> torch.Tensor:
+        if self.training:
+            return self.attention_biases * 2
+        key = str(device)
+        if key not in self.attention_bias_cache:
+            self.attention_bias_cache[key] = self.attention_biases * 2
+        return self.attention_bias_cache[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.biases(x.device)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_parameter_cache_is_recomputed_not_baked(route: str, force_route) -> None:
+    force_route(route)
+    model = BiasCache().eval()
+    x = torch.randn(2, 4)
+    model(x)  # fills the cache, as the reference run of prepare_model would
+    gm = fxprep.prepare_model(model, example_inputs=x, tracer="dynamo")
+    reads = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert "attention_biases" in reads, reads
+    assert any("cache" in n and "emptied" in n for n in gm.fxprep_report.notes)
+    assert model.attention_bias_cache  # the user's cache is back
+    with torch.no_grad():
+        model.attention_biases.add_(1.0)
+    model.attention_bias_cache.clear()
+    torch.testing.assert_close(gm(x), model(x))  # the prepared module follows the parameter
+
+
+class GlobalConstant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + GLOBAL_BIAS
+
+
+def test_constants_are_reported_and_kept_out_of_state_dict() -> None:
+    model = GlobalConstant().eval()
+    result = capture(model, ExampleInputs((torch.randn(2, 4),), {}), "regroup")
+    assert result.gm.meta["fxprep_constants"]
+    assert any("baked into the graph as constants" in n for n in result.notes)
+    assert set(result.gm.state_dict()) == set(model.state_dict())
+
+
+def test_unreferenced_parameters() -> None:
+    model = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)})
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_module("a", (x,)))
+    gm = torch.fx.GraphModule(model, graph)
+    assert D.unreferenced_parameters(gm, model) == ["b.weight", "b.bias"]
+
+
+# --------------------------------------------------------------------------------------------------
+# What Dynamo cannot take goes to fx, and the report keeps Dynamo's error
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Pair:
+    y: torch.Tensor
+    z: torch.Tensor
+
+
+class DataclassOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Pair:
+        y = self.lin(x)
+        return Pair(y, y * 2)
+
+
+class Timed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        y = self.lin(x)
+        self.elapsed = time.perf_counter() - start
+        return y
+
+
+class WithScripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.sub(x))
+
+
+@pytest.mark.parametrize("cls", [DataclassOut, Timed, WithScripted])
+def test_dynamo_failures_fall_back_to_fx(cls: type[nn.Module]) -> None:
+    model = cls().eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 4))
+    report = gm.fxprep_report
+    assert report.tracer == "fx"
+    assert report.verification.status == "passed"
+    dynamo_attempt = report.attempts[0]
+    assert dynamo_attempt.tracer == "dynamo" and not dynamo_attempt.ok and dynamo_attempt.error
+    assert type(gm(torch.randn(2, 4))) is type(model(torch.randn(2, 4)))
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if y.sum() > 0:
+            return y
+        return -y
+
+
+def test_untraceable_model_fails_with_trace_failure() -> None:
+    options = {"fallback": "error"} if "fallback" in {f.name for f in dataclasses.fields(fxprep.api.PrepareOptions)} else {}
+    with pytest.raises(fxprep.TraceFailure) as info:
+        fxprep.prepare_model(DataDependent().eval(), example_inputs=torch.randn(2, 4), **options)
+    text = str(info.value)
+    assert "dynamo:" in text and "fx:" in text
+
+
+def test_capture_dynamo_never_raises_for_capture_failures() -> None:
+    result, attempt = D.capture_dynamo(DataDependent().eval(), LeafPolicy(), ExampleInputs((torch.randn(2, 4),), {}))
+    assert result is None and not attempt.ok and attempt.exception is not None and attempt.tracer == "dynamo"
+
+
+# --------------------------------------------------------------------------------------------------
+# Pieces
+# --------------------------------------------------------------------------------------------------
+def test_resolve_source_forms() -> None:
+    root = nn.Module()
+    root.layers = nn.ModuleList([nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(3)])
+    root.blocks = nn.ModuleDict({"a": nn.Identity()})
+    assert D.resolve_source("L['self'].layers", root) is root.layers
+    assert D.resolve_source("getattr(L['self'].layers, '1')", root) is root.layers[1]
+    assert D.resolve_source("getattr(getattr(L['self'].layers, '1'), '0')", root) is root.layers[1][0]
+    assert D.resolve_source("L['self'].layers[slice(None, 2, None)].1", root) is root.layers[1]
+    assert D.resolve_source("L['self'].layers[slice(1, None, None)].0", root) is root.layers[1]
+    assert D.resolve_source("L['self'].layers[-1]", root) is root.layers[2]
+    assert D.resolve_source("L['s'].blocks['a']", root) is root.blocks["a"]
+    assert D.resolve_source("G['something']", root) is None
+    assert D.resolve_source("L['self'].missing", root) is None
+
+
+class GradRegion(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            frozen = self.a(x) * 2
+        return self.b(x) + frozen
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_no_grad_region_keeps_gradients(route: str, force_route) -> None:
+    force_route(route)
+    model = GradRegion()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 4), tracer="dynamo", verify="grad")
+    assert gm.fxprep_report.verification.grad
+    assert not any(n.op == "call_function" and n.target is torch._C._set_grad_enabled for n in gm.graph.nodes)
+    gm(torch.randn(2, 4)).sum().backward()
+    assert model.a.weight.grad is None and model.b.weight.grad is not None
+
+
+def test_route_argument() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError):
+        D.capture_dynamo(model, LeafPolicy(), ExampleInputs((torch.randn(1, 2),), {}), route="bogus")
+    assert D.default_route() == ("flag" if D.flag_available() else "regroup")
+
+
+def test_modules_to_exclude_instance_and_hooks() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.GELU()), nn.Linear(4, 2)).eval()
+    seen = []
+    handle = model[2].register_forward_hook(lambda m, i, o: seen.append(1))
+    try:
+        for route in ROUTES:
+            result = capture(model, ExampleInputs((torch.randn(3, 4),), {}), route,
+                             LeafPolicy(modules=(model[1],)))
+            assert targets(result.gm) == ["0", "1", "2"]
+            assert result.extra_leaves == {"1": "modules_to_exclude", "2": "has forward hooks"}
+            seen.clear()
+            result.gm(torch.randn(3, 4))
+            assert seen == [1]  # the hook still runs: the hooked module is called, not inlined
+    finally:
+        handle.remove()
+
+
+def test_meta_device_capture() -> None:
+    with torch.device("meta"):
+        model = Kitchen().eval()
+    model.plain = torch.full((4,), 0.5, device="meta")
+    ex = ExampleInputs((), {"x": torch.randn(2, 3, 4, device="meta"), "mask": torch.randn(4, device="meta")})
+    for route in ROUTES:
+        gm = capture(model, ex, route, LeafPolicy(classes=(ScaledNorm,))).gm
+        assert targets(gm)[:4] == ["mha", "idn", "drop", "norm"]
+        assert gm.get_submodule("lstm") is model.lstm
+
+
+class WritesAttributes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.history: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.saved = y * 2
+        self.history["last"] = y + 1
+        return y
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_user_model_attributes_are_not_left_fake(route: str) -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    model = WritesAttributes().eval()
+    x = torch.randn(2, 4)
+    model(x)
+    before = (model.saved, dict(model.history), model.history)
+    result = capture(model, ExampleInputs((x,), {}), route)
+    assert any("writes module attributes" in n and "saved" in n for n in result.notes)
+    assert model.saved is before[0] and model.history is before[2] and model.history == before[1]
+    assert not any(isinstance(v, FakeTensor) for v in [model.saved, *model.history.values()])
+
+
+@pytest.mark.skipif("flag" not in ROUTES, reason="needs Dynamo's call_module flag")
+def test_hooked_module_does_not_poison_later_captures() -> None:
+    hooked = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    handle = hooked[0].register_forward_hook(lambda m, i, o: None)
+    try:
+        capture(hooked, ExampleInputs((torch.randn(2, 4),), {}), "flag")
+    finally:
+        handle.remove()
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    result = capture(plain, ExampleInputs((torch.randn(2, 4),), {}), "flag")
+    assert targets(result.gm) == ["0", "1"]
