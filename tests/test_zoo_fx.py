@@ -15,6 +15,7 @@ architecture accepts, so a full zoo run stays CPU-friendly.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -204,6 +205,16 @@ def check_model(name: str, training: bool) -> None:
     assert len(ref_flat) == len(got_flat)
     for r, g in zip(ref_flat, got_flat):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+    if not training:  # save -> load -> the same outputs, without pickle (issue: deliver)
+        with tempfile.TemporaryDirectory() as tmp:
+            fxprep.save(gm, tmp)
+            loaded = fxprep.load(tmp, trusted_modules=("torchvision",))
+        loaded.eval()
+        with torch.no_grad():
+            again = loaded(x.clone())
+        for r, g in zip(ref_flat, _flat(again)):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
 def _flat(value: Any) -> list[Any]:
