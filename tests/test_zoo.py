@@ -73,6 +73,20 @@ def assert_prepared(model: nn.Module, gm: torch.fx.GraphModule, example: Any) ->
     assert type(out_gm) is type(out_model)
     if hasattr(out_model, "keys") and not isinstance(out_model, torch.Tensor):
         assert list(out_gm.keys()) == list(out_model.keys())
+    # save -> load -> the same outputs (no pickle; the model libraries are trusted explicitly)
+    import tempfile
+
+    from fxprep.verify import flatten_output
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fxprep.save(gm, tmp)
+        loaded = fxprep.load(tmp, trusted_modules=("torchvision", "timm", "transformers"))
+    out_loaded = call(loaded.eval(), example)
+    got, want = flatten_output(out_loaded), flatten_output(out_gm)
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        if isinstance(b, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def run_zoo_case(build: Any, name: str, known: dict[str, str]) -> None:
