@@ -518,3 +518,23 @@ def test_hooked_module_does_not_poison_later_captures() -> None:
     plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     result = capture(plain, ExampleInputs((torch.randn(2, 4),), {}), "flag")
     assert targets(result.gm) == ["0", "1"]
+
+
+def test_in_place_on_an_input_still_captures_with_dynamo() -> None:
+    """Capture marks float inputs as requiring grad (to keep autograd.Functions); a model that
+    writes into its input in place cannot run that way, and must still prepare on Dynamo."""
+
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2)
+            return self.fc(x)
+
+    model = InPlace()
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 4),), tracer="dynamo")
+    assert gm.fxprep_report.tracer == "dynamo"
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(gm(x.clone()), model(x.clone()))

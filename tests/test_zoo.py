@@ -20,9 +20,11 @@ from typing import Any
 
 import pytest
 import torch
+import torchvision.models as tv_models
 from torch import nn
 
 import fxprep
+from fxprep.capture.dynamo import unreferenced_parameters
 from fxprep.capture.huggingface import capture_concrete_args
 from fxprep.inputs import normalize_example_inputs
 from fxprep.options import PrepareOptions
@@ -32,6 +34,11 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 # Never let the hybrid/leaf fallback (another issue) turn a capture failure into a partial success.
 _NO_FALLBACK = {"fallback": "error"} if "fallback" in {f.name for f in dataclasses.fields(PrepareOptions)} else {}
+
+
+# Parameters the original forward itself does not use on these inputs (eval-mode auxiliary heads,
+# mask tokens without a mask, ESM's contact head without return_contacts).
+UNUSED_IN_EVAL = ("aux1.", "aux2.", "AuxLogits.", "mask_token", "masked_spec_embed", "contact_head.")
 
 
 def _image(*shape: int) -> torch.Tensor:
@@ -67,6 +74,9 @@ def assert_prepared(model: nn.Module, gm: torch.fx.GraphModule, example: Any) ->
     for name, param in model.named_parameters():
         assert gm.get_parameter(name) is param, f"parameter {name} is not the user's object"
     assert set(gm.state_dict()) == set(model.state_dict())
+    # No parameter silently became a constant (timm's attention-bias caches are the classic case).
+    unused = [n for n in unreferenced_parameters(gm, model) if not any(a in n for a in UNUSED_IN_EVAL)]
+    assert not unused, f"parameters the prepared graph never reads: {unused}"
     fixed = capture_concrete_args(model, None, normalize_example_inputs(example)) or {}
     out_model = call(model, {**example, **fixed}) if fixed else call(model, example)  # use_cache=False (HF)
     out_gm = call(gm, example)
@@ -104,25 +114,28 @@ def run_zoo_case(build: Any, name: str, known: dict[str, str]) -> None:
 # --------------------------------------------------------------------------------------------------
 # torchvision
 # --------------------------------------------------------------------------------------------------
-TV_CLASSIFICATION = [
-    "alexnet", "convnext_tiny", "densenet121", "efficientnet_b0", "efficientnet_v2_s", "googlenet",
-    "inception_v3", "maxvit_t", "mnasnet0_5", "mobilenet_v2", "mobilenet_v3_small", "regnet_x_400mf",
-    "regnet_y_400mf", "resnet18", "resnext50_32x4d", "shufflenet_v2_x0_5", "squeezenet1_1", "swin_t",
-    "swin_v2_t", "vgg11_bn", "vit_b_16", "wide_resnet50_2",
-]
-TV_SEGMENTATION = ["fcn_resnet50", "deeplabv3_mobilenet_v3_large", "lraspp_mobilenet_v3_large"]
-TV_VIDEO = ["r3d_18", "mc3_18", "r2plus1d_18", "s3d", "mvit_v2_s", "swin3d_t"]
-TV_FLOW = ["raft_small"]
+TV_CLASSIFICATION = sorted(tv_models.list_models(module=tv_models))  # all 80
+TV_SEGMENTATION = sorted(tv_models.list_models(module=tv_models.segmentation))
+TV_VIDEO = sorted(tv_models.list_models(module=tv_models.video))
+TV_FLOW = sorted(tv_models.list_models(module=tv_models.optical_flow))
 TV_DETECTION = ["fasterrcnn_mobilenet_v3_large_320_fpn", "retinanet_resnet50_fpn", "ssdlite320_mobilenet_v3_large"]
 
 TV_INPUT = {"inception_v3": 75, "maxvit_t": 224, "alexnet": 64}
-TV_KWARGS: dict[str, dict[str, Any]] = {"vit_b_16": {"image_size": 32}}
+# ViTs take their image size as an argument: a few patches instead of 224x224 (vit_h_14: 632M params).
+TV_KWARGS: dict[str, dict[str, Any]] = {
+    "vit_b_16": {"image_size": 32},
+    "vit_b_32": {"image_size": 64},
+    "vit_l_16": {"image_size": 32},
+    "vit_l_32": {"image_size": 64},
+    "vit_h_14": {"image_size": 28},
+}
 TV_KNOWN_FAILURES: dict[str, str] = {}
 
 
 def build_torchvision(name: str) -> tuple[nn.Module, Any]:
     from torchvision import models
 
+    torch.manual_seed(0)
     kwargs: dict[str, Any] = {"weights": None, **TV_KWARGS.get(name, {})}
     if name in TV_SEGMENTATION or name in TV_DETECTION:
         kwargs["weights_backbone"] = None
@@ -132,13 +145,16 @@ def build_torchvision(name: str) -> tuple[nn.Module, Any]:
     if name in TV_DETECTION:
         return model, ([_image(3, 64, 64)],)
     if name in TV_VIDEO:
-        t, hw = {"mvit_v2_s": (16, 224), "s3d": (16, 224), "swin3d_t": (4, 64)}.get(name, (4, 32))
+        # MViT's positional embeddings fix 16x224x224; S3D pools over 16 frames; Swin3D needs 64 px.
+        t, hw = (16, 224) if name.startswith(("mvit", "s3d")) else (4, 64) if name.startswith("swin3d") else (4, 32)
         return model, (_image(1, 3, t, hw, hw),)
     if name in TV_FLOW:
         return model, (_image(1, 3, 128, 128), _image(1, 3, 128, 128))
     size = TV_INPUT.get(name, 64 if name in TV_SEGMENTATION else 32)
     if name.startswith(("swin", "convnext", "regnet", "efficientnet", "mnasnet", "mobilenet", "densenet")):
         size = 64
+    if "image_size" in TV_KWARGS.get(name, {}):
+        size = TV_KWARGS[name]["image_size"]
     return model, (_image(1, 3, size, size),)
 
 
@@ -422,8 +438,18 @@ def assert_routes_agree(model: nn.Module, example: Any) -> None:
         assert _call_targets(fx_result.gm) == next(iter(got.values()))
 
 
+# The smallest model of every torchvision family, plus segmentation and the small video models.
+TV_ROUTES = [
+    "alexnet", "convnext_tiny", "densenet121", "efficientnet_b0", "efficientnet_v2_s", "googlenet",
+    "inception_v3", "maxvit_t", "mnasnet0_5", "mobilenet_v2", "mobilenet_v3_small", "regnet_x_400mf",
+    "regnet_y_400mf", "resnet18", "resnext50_32x4d", "shufflenet_v2_x0_5", "squeezenet1_1", "swin_t",
+    "swin_v2_t", "vgg11_bn", "vit_b_16", "wide_resnet50_2", *TV_SEGMENTATION,
+    "r3d_18", "mc3_18", "r2plus1d_18", "s3d", "mvit_v2_s", "swin3d_t",
+]
+
+
 @pytest.mark.zoo
-@pytest.mark.parametrize("name", TV_CLASSIFICATION + TV_SEGMENTATION + TV_VIDEO)
+@pytest.mark.parametrize("name", TV_ROUTES)
 def test_routes_agree_torchvision(name: str) -> None:
     assert_routes_agree(*build_torchvision(name))
 

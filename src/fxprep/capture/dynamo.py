@@ -8,7 +8,8 @@ parameters are attributes with mangled names, the call signature is flattened, `
 regions are ``_set_grad_enabled`` calls and devices are baked in as literals. This module turns
 that graph back into one that looks like an fx capture of the user's model:
 
-* every leaf module (``torch.nn``/``torch.ao.nn`` layers, as in fx, plus what the
+* every leaf module (``torch.nn``/``torch.ao.nn`` layers, as in fx; user subclasses that keep such a
+  layer's ``forward``, e.g. torchvision's ``Conv3DSimple(nn.Conv3d)``; plus what the
   :class:`~fxprep.capture.common.LeafPolicy` names) is ONE ``call_module`` bound to the user's own
   module object under its original qualified name (``layer1.0.conv1``), found by identity through
   ``named_modules(remove_duplicate=False)``;
@@ -34,6 +35,11 @@ Two routes lead there, both tested:
     are re-inserted where they were called. The same regrouping turns user-named leaves
     (``module_classes_to_exclude``, e.g. transformers' ``LlamaRMSNorm``) into modules on both
     routes, since Dynamo always inlines non-``torch.nn`` modules.
+
+Around each capture the user's model is protected: attributes ``forward`` writes (Dynamo replays
+them with *fake* tensors) are restored, tensor caches in dict attributes (timm LeViT's
+``attention_bias_cache``) are emptied so the graph computes them from the parameters instead of
+baking them in as constants, and Dynamo's process-wide "dynamic class" marks are undone.
 
 Nothing here raises for a capture failure: :func:`capture_dynamo` returns it in the
 :class:`~fxprep.capture.common.CaptureAttempt` so the cascade can fall back to fx.
@@ -1444,6 +1450,24 @@ def _export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spec: dic
         return dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
 
 
+def requiring_grad(call: ExampleInputs) -> ExampleInputs:
+    """``call`` with its floating-point tensors requiring grad (``detach()`` views: no copy).
+
+    Why: with inputs that do not require grad, Dynamo runs a custom ``autograd.Function`` as its
+    forward alone and inlines it (``STE.apply(x)`` becomes ``torch.round(x)``), silently dropping the
+    backward a quantization-aware user relies on. With a grad-requiring input it records the
+    Function as one call, which the re-lifting keeps as a module.
+    """
+
+    def mark(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and not t.requires_grad and t.is_leaf:
+            return t.detach().requires_grad_(True)
+        return t
+
+    args, kwargs = pytree.tree_map_only(torch.Tensor, mark, (call.args, call.kwargs))
+    return ExampleInputs(tuple(args), dict(kwargs))
+
+
 def _placeholders(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
@@ -1596,18 +1620,27 @@ def capture_dynamo(
     caches = tensor_caches(model)
     first_error: BaseException | None = None
     written: set[str] = set()
+    grad_inputs = True
     while routes:
         current = routes.pop(0)
         guard = AttributeGuard(model, caches)
         attempt_notes: list[str] = []
         try:
             with huggingface.capture_context(model, attempt_notes), guard:
-                result = _export(model, calls.capture, current, spec)
+                capture_call = requiring_grad(calls.capture) if grad_inputs else calls.capture
+                result = _export(model, capture_call, current, spec)
                 guard.reset()  # Dynamo left fake tensors in attributes forward() writes
                 gm, extra = relift(result.graph_module, model, policy, calls, current, attempt_notes)
             written = guard.written
             notes.extend(attempt_notes)
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
+            if grad_inputs and "grad" in str(err):
+                # e.g. an in-place op on an input: "a leaf Variable that requires grad is being used
+                # in an in-place operation". Capture as given instead.
+                grad_inputs = False
+                routes.insert(0, current)
+                first_error = first_error or err
+                continue
             if caches:
                 # Maybe the model cannot run with its caches emptied: try once with them in place.
                 caches = []
