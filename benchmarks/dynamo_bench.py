@@ -9,8 +9,10 @@ call being measured. "RSS growth" is the peak resident set during that call minu
 just before it. The table shows the median of ``--runs`` runs and each method's ratio to fxprep's.
 
 fxprep is measured end to end with ``verify=False`` and ``tracer="dynamo"`` (capture, re-lifting,
-functional → module, unrolling, state-dict parity, plus the reference forward ``prepare_model``
-always runs); the export columns are the bare ``torch.export.export`` call.
+functional → module, unrolling, state-dict parity); the export columns are the bare
+``torch.export.export`` call. Each configuration runs twice: *cold* (the first capture in the
+process, paying imports and one-time set-up) and *warm* (after capturing a tiny MLP the same way),
+so the per-model cost can be told from the fixed one.
 """
 
 from __future__ import annotations
@@ -99,7 +101,29 @@ def build(name: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     raise SystemExit(f"unknown model {name}")
 
 
-def child(model_name: str, method: str) -> dict[str, Any]:
+class _Tiny:
+    """A two-layer MLP: capturing it first pays the one-time costs (imports, Dynamo/export set-up)."""
+
+    @staticmethod
+    def build() -> tuple[Any, tuple[Any, ...]]:
+        import torch
+
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), (torch.randn(2, 8),)
+
+
+def _capture(method: str, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    if method == "fxprep":
+        import fxprep
+
+        gm = fxprep.prepare_model(model, example_inputs=kwargs if kwargs else args, verify=False, tracer="dynamo")
+        return {"route": gm.meta.get("fxprep_dynamo_route"), "modules": sum(1 for n in gm.graph.nodes if n.op == "call_module")}
+    ep = torch.export.export(model, args, kwargs, strict=method == "export_strict")
+    return {"nodes": len(ep.graph.nodes)}
+
+
+def child(model_name: str, method: str, warm: bool = False) -> dict[str, Any]:
     import warnings
 
     import torch
@@ -111,30 +135,27 @@ def child(model_name: str, method: str) -> dict[str, Any]:
         model(*args, **kwargs)  # warm-up: lazy inits and allocator pools are not the capture's cost
     params = sum(p.numel() for p in model.parameters())
     if method == "fxprep":
-        import fxprep  # importing the package (rich, safetensors, ...) is not the capture's cost
+        import fxprep  # noqa: F401  # importing the package (rich, safetensors, ...) is not the capture's cost
+    if warm:
+        _capture(method, *_Tiny.build(), {})
     if method != "fxprep" and "use_cache" in inspect.signature(model.forward).parameters:
         kwargs = {**kwargs, "use_cache": False}  # fxprep does this itself for transformers models
     with PeakRss() as rss:
         start = time.perf_counter()
-        if method == "fxprep":
-            example = kwargs if kwargs else args
-            gm = fxprep.prepare_model(model, example_inputs=example, verify=False, tracer="dynamo")
-            extra = {"route": gm.meta.get("fxprep_dynamo_route"), "modules": sum(1 for n in gm.graph.nodes if n.op == "call_module")}
-        else:
-            ep = torch.export.export(model, args, kwargs, strict=method == "export_strict")
-            extra = {"nodes": len(ep.graph.nodes)}
+        extra = _capture(method, model, args, kwargs)
         seconds = time.perf_counter() - start
-    return {"model": model_name, "method": method, "seconds": seconds, "rss_growth_mb": rss.growth_mb,
-            "params_m": params / 1e6, "kernel_peak": rss.kernel, **extra}
+    param_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    return {"model": model_name, "method": method, "warm": warm, "seconds": seconds, "rss_growth_mb": rss.growth_mb,
+            "params_m": params / 1e6, "param_mb": param_mb, "kernel_peak": rss.kernel, **extra}
 
 
 # --------------------------------------------------------------------------------------------------
 # parent: the table
 # --------------------------------------------------------------------------------------------------
-def measure(model_name: str, method: str, timeout: float) -> dict[str, Any] | None:
+def measure(model_name: str, method: str, timeout: float, warm: bool) -> dict[str, Any] | None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
            "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", model_name, method]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", model_name, method] + (["--warm"] if warm else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -154,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", help="also write every raw measurement to this file")
+    parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.child:
-        print(json.dumps(child(*ns.child)))
+        print(json.dumps(child(*ns.child, warm=ns.warm)))
         return 0
 
     import platform
@@ -166,42 +188,48 @@ def main(argv: list[str] | None = None) -> int:
     models = [m for m in ns.models.split(",") if m]
     methods = [m for m in ns.methods.split(",") if m]
     raw: list[dict[str, Any]] = []
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    rows: dict[tuple[str, str, bool], dict[str, Any]] = {}
     for model_name in models:
         for method in methods:
-            runs = []
-            for i in range(ns.runs):
-                result = measure(model_name, method, ns.timeout)
-                raw.append({"run": i, "model": model_name, "method": method, **(result or {})})
-                print(f"  {model_name:9s} {method:17s} run {i + 1}: "
-                      + (f"{result['seconds']:.2f}s, +{result['rss_growth_mb']:.0f} MB" if "seconds" in result else result["error"]),
-                      file=sys.stderr, flush=True)
-                if "seconds" in result:
-                    runs.append(result)
-            if runs:
-                rows[(model_name, method)] = {
+            for warm in (False, True):
+                runs = []
+                for i in range(ns.runs):
+                    result = measure(model_name, method, ns.timeout, warm) or {"error": "no result"}
+                    raw.append({"run": i, "model": model_name, "method": method, "warm": warm, **result})
+                    print(f"  {model_name:9s} {method:17s} {'warm' if warm else 'cold'} run {i + 1}: "
+                          + (f"{result['seconds']:.2f}s, +{result['rss_growth_mb']:.0f} MB" if "seconds" in result
+                             else result["error"]),
+                          file=sys.stderr, flush=True)
+                    if "seconds" in result:
+                        runs.append(result)
+                rows[(model_name, method, warm)] = {
                     "seconds": statistics.median(r["seconds"] for r in runs),
                     "rss": statistics.median(r["rss_growth_mb"] for r in runs),
-                    "params": runs[0]["params_m"],
-                    "n": len(runs),
-                }
-            else:
-                rows[(model_name, method)] = {"error": raw[-1].get("error", "failed")}
+                    "params": runs[0]["params_m"], "param_mb": runs[0]["param_mb"],
+                } if runs else {"error": raw[-1].get("error", "failed")}
     print(f"\nDynamo-path prepare_model vs torch.export (median of {ns.runs} runs, each in a fresh process, 1 thread)")
-    print(f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cores visible\n")
-    print("| model | params | method | time (s) | time / fxprep | peak RSS growth (MB) | RSS / fxprep |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print(f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cores visible")
+    print("cold: the first capture in the process (pays imports and one-time set-up); warm: after capturing a tiny MLP")
+    print("with the same method. 'x non-strict': time / torch.export(strict=False) time in the same mode.\n")
+    print("| model | params | method | cold (s) | x non-strict | warm (s) | x non-strict | RSS growth cold (MB) "
+          "| warm (MB) | warm, % of param bytes |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for model_name in models:
-        base = rows.get((model_name, "fxprep"), {})
         for method in methods:
-            row = rows[(model_name, method)]
-            if "error" in row:
-                print(f"| {model_name} | | {method} | failed: {row['error']} | | | |")
-                continue
-            t_ratio = f"{row['seconds'] / base['seconds']:.2f}x" if base.get("seconds") else ""
-            r_ratio = f"{row['rss'] / base['rss']:.2f}x" if base.get("rss") and base["rss"] > 0 else ""
-            print(f"| {model_name} | {row['params']:.1f}M | {method} | {row['seconds']:.2f} | {t_ratio} | "
-                  f"{row['rss']:.0f} | {r_ratio} |")
+            cells = []
+            for warm in (False, True):
+                row = rows[(model_name, method, warm)]
+                base = rows.get((model_name, "export_nonstrict", warm), {})
+                if "error" in row:
+                    cells.append(("failed", "", "", ""))
+                    continue
+                ratio = f"{row['seconds'] / base['seconds']:.2f}x" if base.get("seconds") else ""
+                cells.append((f"{row['seconds']:.2f}", ratio, f"{row['rss']:.0f}",
+                              f"{100 * row['rss'] / row['param_mb']:.1f}%"))
+            first = rows[(model_name, method, False)]
+            params = f"{first['params']:.1f}M" if "params" in first else ""
+            (c_t, c_r, c_m, _), (w_t, w_r, w_m, w_p) = cells
+            print(f"| {model_name} | {params} | {method} | {c_t} | {c_r} | {w_t} | {w_r} | {c_m} | {w_m} | {w_p} |")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(raw, f, indent=2)

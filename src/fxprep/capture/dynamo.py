@@ -732,7 +732,8 @@ class _Regrouper:
         self.targets: dict[fx.Node, str] = {}  # call_module node -> user qualname
         self.produced: dict[tuple[int, int], fx.Node] = {}  # (call seq, flat output index) -> node
         self.placed: dict[int, fx.Node] = {}  # call seq -> its call_module node
-        self.values: dict[fx.Node, Any] = {}
+        self._values: dict[fx.Node, Any] | None = None  # example values, recorded on first need
+        self._wanted: set[fx.Node] = set()
         self.order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(self.graph.nodes)}
 
     def is_leaf(self, module: nn.Module | None) -> bool:
@@ -828,7 +829,7 @@ class _Regrouper:
                   for t in pytree.tree_leaves((rec.args, rec.kwargs)) if isinstance(t, torch.Tensor)]
         if probes:
             wanted.update(n for n in self.graph.nodes if any(_matches(n, t) for t in probes))
-        self.values = _record_values(self.dgm, self.model, self.call, wanted)
+        self._wanted = wanted
         self.next_start: dict[int, float] = {}
         upcoming = float(len(self.order))
         for seq in sorted(pairs, reverse=True):
@@ -846,6 +847,13 @@ class _Regrouper:
                 self._collapse(rec, unit)
             else:
                 self._insert_empty(rec)
+
+    def value(self, node: fx.Node) -> Any:
+        """The example value of ``node``, to break a tie between same-shaped candidates. The graph
+        is run (one more forward) only the first time a tie needs it: most models have none."""
+        if self._values is None:
+            self._values = _record_values(self.dgm, self.model, self.call, self._wanted)
+        return self._values.get(node)
 
     def inputs_nodes(self) -> list[fx.Node]:
         return [n for n in self.inputs if n is not None]
@@ -910,7 +918,7 @@ class _Regrouper:
         # changed it since: the graph node the call actually reads wins.
         pool = [c for c in candidates if c not in used and _matches(c, t)]
         if len(pool) > 1:
-            pool = [c for c in pool if _equal(self.values.get(c), t)] or pool
+            pool = [c for c in pool if _equal(self.value(c), t)] or pool
             if len(pool) > 1:
                 self.notes.append(
                     f"leaf '{self.names.module_name(rec.module)}': {len(pool)} same-shaped values could be argument "
@@ -924,7 +932,7 @@ class _Regrouper:
         # holds this very value (nodes since the previous leaf call first).
         lo, hi = window
         earlier = [n for n in self.graph.nodes if self.order.get(n, hi) < hi and n.op != "output"
-                   and _matches(n, t) and _equal(self.values.get(n), t)]
+                   and _matches(n, t) and _equal(self.value(n), t)]
         recent = [n for n in earlier if self.order.get(n, -1.0) >= lo]
         return (recent or earlier)[-1] if earlier else None
 
@@ -945,9 +953,14 @@ class _Regrouper:
         used: set[fx.Node] = set()
         out: list[Any] = []
         index = 0
+        by_id: dict[int, fx.Node] = {}  # the same tensor object passed twice (MHA's x, x, x)
+        arg_ids = getattr(rec, "_arg_ids", [])
         for leaf in flat:
             if isinstance(leaf, torch.Tensor):
-                node = self._tensor_node(rec, index, leaf, candidates, used, window)
+                same = by_id.get(arg_ids[index]) if index < len(arg_ids) else None
+                node = same or self._tensor_node(rec, index, leaf, candidates, used, window)
+                if node is not None and index < len(arg_ids):
+                    by_id.setdefault(arg_ids[index], node)
                 index += 1
                 if node is None:
                     return None
@@ -970,7 +983,7 @@ class _Regrouper:
         for node in outs:
             pool = [i for i, (_, t) in enumerate(leaves) if i not in taken and _matches(node, t)]
             if len(pool) > 1:
-                pool = [i for i in pool if _equal(self.values.get(node), leaves[i][1])] or pool
+                pool = [i for i in pool if _equal(self.value(node), leaves[i][1])] or pool
             if not pool:
                 return None
             taken.add(pool[0])
