@@ -538,3 +538,60 @@ def test_in_place_on_an_input_still_captures_with_dynamo() -> None:
     assert gm.fxprep_report.tracer == "dynamo"
     x = torch.randn(2, 4)
     torch.testing.assert_close(gm(x.clone()), model(x.clone()))
+
+
+def test_transformers_fx_tracer_is_one_more_fx_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``transformers < 5`` installed, its own ``transformers.utils.fx.symbolic_trace`` is tried
+    when fxprep's fx tracer fails. transformers 5 has no such module, so a stand-in with the same
+    signature is installed; what is checked is the cascade, the report and the result."""
+    import sys
+    import types
+
+    import transformers
+
+    class Gate(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x if x.sum() > 0 else -x  # data-dependent: fxprep's fx tracer stops here
+
+    class TinyModel(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, config: transformers.PretrainedConfig) -> None:
+            super().__init__(config)
+            self.proj = nn.Linear(4, 4)
+            self.gate = Gate()
+            self.post_init()
+
+        def forward(self, input_embeds: torch.Tensor) -> torch.Tensor:
+            return self.gate(self.proj(input_embeds))
+
+    calls: list[list[str] | None] = []
+
+    def symbolic_trace(model: nn.Module, input_names: list[str] | None = None) -> torch.fx.GraphModule:
+        calls.append(input_names)
+
+        class HFTracer(torch.fx.Tracer):  # the real HFTracer keeps such modules as leaves too
+            def is_leaf_module(self, m: nn.Module, name: str) -> bool:
+                return isinstance(m, Gate) or super().is_leaf_module(m, name)
+
+        return torch.fx.GraphModule(model, HFTracer().trace(model))
+
+    fake = types.ModuleType("transformers.utils.fx")
+    fake.symbolic_trace = symbolic_trace  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers.utils.fx", fake)
+    model = TinyModel(transformers.PretrainedConfig()).eval()
+    example = {"input_embeds": torch.randn(2, 4)}
+    gm = fxprep.prepare_model(model, example_inputs=example, tracer="fx", fallback="error")
+    report = gm.fxprep_report
+    assert [(a.tracer, a.ok) for a in report.attempts] == [("fx", False), ("hf_fx", True)]
+    assert calls == [["input_embeds"]]
+    assert report.verification.status == "passed"
+    assert gm.get_submodule("proj") is model.proj
+    x = -torch.ones(2, 4)
+    torch.testing.assert_close(gm(input_embeds=x), model(input_embeds=x))
+
+
+def test_without_transformers_fx_the_fx_failure_is_reported_alone() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    result, attempt = hf.capture_hf_fx(model, ExampleInputs((torch.randn(1, 4),)))
+    assert result is None and attempt is None  # not a transformers model: nothing to add

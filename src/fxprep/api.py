@@ -158,6 +158,11 @@ def capture(
     for name in tracers:
         if name == "fx":
             result, attempt = capture_fx(model, policy, concrete_args, opts.autowrap_functions)
+            if result is None and not concrete_args:  # transformers < 5: its own tracer, if installed
+                hf_result, hf_attempt = huggingface.capture_hf_fx(model, example)
+                if hf_attempt is not None:
+                    attempts.append(attempt)
+                    result, attempt = hf_result, hf_attempt
         else:
             from .capture.dynamo import capture_dynamo
 

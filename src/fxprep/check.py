@@ -45,7 +45,7 @@ class TraceReport:
     @property
     def traceable(self) -> bool:
         """True when at least one tracer captures the whole model."""
-        return any(a.ok for a in self.attempts if a.tracer in ("dynamo", "fx"))
+        return any(a.ok for a in self.attempts if a.tracer in ("dynamo", "fx", "hf_fx"))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,7 +62,7 @@ class TraceReport:
 
     def _verdict(self) -> str:
         if self.traceable:
-            ok = [a.tracer for a in self.attempts if a.ok and a.tracer in ("dynamo", "fx")]
+            ok = [a.tracer for a in self.attempts if a.ok and a.tracer in ("dynamo", "fx", "hf_fx")]
             return f"traceable whole by {', '.join(ok)}"
         if self.hybrid_ok:
             return f"not traceable whole; prepares with {len(self.opaque)} opaque part(s)"

@@ -147,9 +147,39 @@ def hf_symbolic_trace(model: nn.Module, input_names: list[str] | None = None) ->
     return symbolic_trace(model, input_names=input_names)
 
 
+def capture_hf_fx(model: nn.Module, example: Any) -> tuple[Any, Any]:
+    """One more fx-path option for ``transformers < 5``: its own ``HFTracer`` knows that library's
+    dynamic code (masks, ``len()`` of shapes) better than a generic tracer. Returns
+    ``(CaptureResult | None, CaptureAttempt | None)``; ``(None, None)`` when it does not apply
+    (not a transformers model, or transformers 5, which removed ``transformers.utils.fx``)."""
+    import time
+
+    from ..diagnose import describe_exception
+    from .common import CaptureAttempt, CaptureResult
+
+    if not is_hf_model(model):
+        return None, None
+    try:
+        import transformers.utils.fx  # type: ignore[import-not-found]  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return None, None
+    names = list(example.kwargs) if example is not None and example.kwargs else None
+    if names is None and example is not None and example.args:
+        names = list(_forward_params(model))[: len(example.args)]
+    start = time.perf_counter()
+    try:
+        gm = hf_symbolic_trace(model, input_names=names)
+    except Exception as err:  # noqa: BLE001 - reported like every tracer failure
+        return None, CaptureAttempt("hf_fx", False, time.perf_counter() - start, describe_exception(err),
+                                    type(err).__name__, err)
+    note = "traced with transformers.utils.fx.symbolic_trace (transformers < 5's HFTracer)."
+    return CaptureResult(gm, "fx", notes=[note]), CaptureAttempt("hf_fx", True, time.perf_counter() - start)
+
+
 __all__ = [
     "capture_concrete_args",
     "capture_context",
+    "capture_hf_fx",
     "example_inputs_for",
     "hf_symbolic_trace",
     "is_hf_model",
