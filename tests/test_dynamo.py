@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -595,3 +596,39 @@ def test_without_transformers_fx_the_fx_failure_is_reported_alone() -> None:
     model = nn.Sequential(nn.Linear(4, 4))
     result, attempt = hf.capture_hf_fx(model, ExampleInputs((torch.randn(1, 4),)))
     assert result is None and attempt is None  # not a transformers model: nothing to add
+
+
+class _RoundSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def test_dynamo_autograd_function_is_the_users_class_and_saves(tmp_path: Any) -> None:
+    """Dynamo records a custom Function as a higher-order op over traced bodies; the prepared graph
+    must call the user's class instead (its backward runs, and it saves by name)."""
+
+    class Quant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _RoundSTE.apply(self.fc(x) * 4) / 4
+
+    model = Quant()
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 4),), tracer="dynamo", verify="grad")
+    assert gm.fxprep_report.tracer == "dynamo"
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert not [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule) and m is not gm]
+    functions = [m for m in gm.modules() if type(m).__name__ == "AutogradFunction"]
+    assert len(functions) == 1
+    fxprep.save(gm, tmp_path / "q")
+    loaded = fxprep.load(tmp_path / "q", trusted_modules=(__name__,))
+    x = torch.randn(2, 4, requires_grad=True)
+    loaded(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0  # round() alone would give zero gradients

@@ -572,3 +572,16 @@ def test_inspect_saved_reads_json_only(saved):
     relu = next(n for n in view["nodes"] if n["what"] == "relu: ReLU")
     conv2 = next(n for n in view["nodes"] if n["what"] == "conv2: Conv2d")
     assert conv2["inputs"] == [relu["name"]]
+
+
+def test_trusting_a_library_trusts_its_custom_op_namespace():
+    """transformers' MoE layers call torch.ops.transformers.*: trusting 'transformers' covers them,
+    while another library's namespace and a look-alike prefix stay refused."""
+    policy = io.TrustPolicy(("transformers",))
+    policy.check_function("torch.ops.transformers.grouped_mm_fallback")
+    for name in ("torch.ops.other.op", "torch.ops.transformersx.op"):
+        with pytest.raises(SerializationError, match="refusing to load"):
+            policy.check_function(name)
+    with pytest.raises(SerializationError, match="refusing to load"):
+        io.TrustPolicy().check_function("torch.ops.transformers.grouped_mm_fallback")
+    io.TrustPolicy().check_function("torch.amp.autocast_mode._enter_autocast")  # disabled-autocast regions

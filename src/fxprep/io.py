@@ -86,7 +86,11 @@ _TORCH_NAMESPACES = (
     "torch._C._nn.", "torch._C._linalg.", "torch._C._special.", "torch._C._fft.", "torch._C._VariableFunctions.",
     "torch.ops.aten.", "torch.ops.prims.",
 )
-_TORCH_EXTRA = frozenset({"torch.fx._symbolic_trace._assert_is_none", "torch._C._set_grad_enabled", "torch._assert"})
+_TORCH_EXTRA = frozenset({
+    "torch.fx._symbolic_trace._assert_is_none", "torch._C._set_grad_enabled", "torch._assert",
+    # `with torch.autocast(..., enabled=False):` regions as Dynamo records them (timm EfficientViT)
+    "torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast",
+})
 # Top-level torch callables that touch files, compile code or change global state.
 _TORCH_DENY = re.compile(
     r"^(load|save|compile|from_file|import_ir_module.*|set_.*|use_deterministic.*|manual_seed|seed|"
@@ -141,6 +145,12 @@ class TrustPolicy:
             return
         if self._trusted(name, DEFAULT_TRUSTED_FUNCTIONS):
             return
+        if name.startswith("torch.ops.") and name.count(".") >= 3:
+            # A library's custom ops live under its own namespace (transformers' MoE kernels are
+            # torch.ops.transformers.*): trusting the library trusts the ops it registers.
+            namespace = name.split(".")[2]
+            if any(m.rstrip(".") == namespace for m in self.modules):
+                return
         raise SerializationError(
             f"refusing to load: the graph calls {name!r}, which is not a torch tensor op fxprep trusts. "
             f"If you trust the module it comes from, pass trusted_modules=[{name.rpartition('.')[0]!r}] to fxprep.load."

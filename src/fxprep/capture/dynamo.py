@@ -830,6 +830,11 @@ class _Regrouper:
         if probes:
             wanted.update(n for n in self.graph.nodes if any(_matches(n, t) for t in probes))
         self._wanted = wanted
+        # The rewriting below changes the graph; a tie found later is broken with values of the
+        # graph as captured, so keep a copy of it (nodes only, no tensors) until then.
+        self._pristine_map: dict[fx.Node, fx.Node] = {}
+        self._pristine = fx.Graph()
+        self._pristine.output(self._pristine.graph_copy(self.dgm.graph, self._pristine_map))
         self.next_start: dict[int, float] = {}
         upcoming = float(len(self.order))
         for seq in sorted(pairs, reverse=True):
@@ -852,7 +857,10 @@ class _Regrouper:
         """The example value of ``node``, to break a tie between same-shaped candidates. The graph
         is run (one more forward) only the first time a tie needs it: most models have none."""
         if self._values is None:
-            self._values = _record_values(self.dgm, self.model, self.call, self._wanted)
+            copy = fx.GraphModule(self.dgm, self._pristine)
+            wanted = {self._pristine_map[n] for n in self._wanted if n in self._pristine_map}
+            values = _record_values(copy, self.model, self.call, wanted)
+            self._values = {old: values[new] for old, new in self._pristine_map.items() if new in values}
         return self._values.get(node)
 
     def inputs_nodes(self) -> list[fx.Node]:
@@ -1227,6 +1235,94 @@ def rewrite_sym_ops(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
+_APPLY_CALL = re.compile(r"([A-Za-z_][\w.]*)\.apply\s*\(")
+
+
+def _user_autograd_function(node: fx.Node, stacks: _Stacks) -> type | None:
+    """The ``autograd.Function`` class a Dynamo ``autograd_function_apply`` node came from.
+
+    Dynamo keeps only the traced forward/backward bodies, not the class. The source line it records
+    (``return GeLUFunction.apply(x)``) names it, and the module whose ``forward`` made the call
+    gives the globals to resolve that name in. None when that does not lead to exactly one class.
+    """
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()
+             if ln.strip() and not ln.strip().startswith("File ") and set(ln.strip()) - set("^~ ")]
+    found = _APPLY_CALL.findall(lines[-1]) if lines else []
+    if len(found) != 1:
+        return None
+    frames = stacks.of(node)
+    owner = frames[-1].module if frames and frames[-1].module is not None else stacks.model
+    scope: Any = getattr(type(owner).forward, "__globals__", {})
+    head, *rest = found[0].split(".")
+    value = scope.get(head)
+    for part in rest:
+        value = getattr(value, part, None)
+    if isinstance(value, type) and issubclass(value, torch.autograd.Function):
+        return value
+    return None
+
+
+def restore_autograd_functions(graph: fx.Graph, stacks: _Stacks) -> int:
+    """``autograd_function_apply(fwd_body, bwd_body, *inputs)`` → a call of the user's Function.
+
+    Dynamo records a custom ``autograd.Function`` as a higher-order op over two traced graph bodies;
+    those bodies are Dynamo internals (no saved form, not the user's code). Where the class can be
+    found, the call becomes ``Cls.apply(*inputs)``, as an fx capture has it, so the Function's own
+    forward and backward run. Only single-output Functions are rewritten (all users take ``[0]``)."""
+    from .fx import autograd_function_caller
+
+    hop = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+    count = 0
+    for node in list(graph.nodes):
+        if hop is None or node.op != "call_function" or node.target is not hop:
+            continue
+        users = list(node.users)
+        if not users or not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0
+                                for u in users):
+            continue
+        cls = _user_autograd_function(node, stacks)
+        if cls is None:
+            continue
+        bodies = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        with graph.inserting_before(node):
+            call = graph.call_function(autograd_function_caller(cls), tuple(node.args[2:]))
+        call.meta = {k: v for k, v in node.meta.items() if k != "source_fn_stack"}
+        if users:
+            call.meta["example_value"] = users[0].meta.get("example_value")
+        for user in users:
+            user.replace_all_uses_with(call)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        for body in bodies:
+            if not body.users:
+                graph.erase_node(body)
+        count += 1
+    return count
+
+
+def fold_numpy_constants(graph: fx.Graph) -> int:
+    """Dynamo traces NumPy calls through ``torch._numpy`` wrappers (``np.sqrt(head_dim)`` in
+    transformers' CTRL becomes a call to ``<Wrapped function <original sqrt>>``). On constant
+    arguments the result is a constant: put the Python number back, as the user's code computed it,
+    so no Dynamo-internal callable stays in the prepared graph."""
+    from torch._dynamo.utils import numpy_to_tensor_wrapper
+
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, numpy_to_tensor_wrapper):
+            continue
+        if any(isinstance(a, fx.Node) for a in pytree.tree_leaves((node.args, node.kwargs))):
+            continue  # on traced values: left as is (save refuses it with the reason)
+        value = node.target(*node.args, **node.kwargs)
+        if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+            continue
+        node.replace_all_uses_with(value.item())  # type: ignore[arg-type]
+        graph.erase_node(node)
+        count += 1
+    return count
+
+
 def replace_device_literals(graph: fx.Graph, anchor: fx.Node | None, device: torch.device | None) -> int:
     """Turn ``torch.device`` literals equal to the inputs' device into ``anchor.device``, so the
     prepared module follows ``.to(device)`` (Dynamo bakes ``x.device`` in as a constant)."""
@@ -1514,6 +1610,8 @@ def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, calls: _Ca
             f"grad are detached where they leave the region, so gradients are unchanged."
         )
     rewrite_sym_ops(graph)
+    fold_numpy_constants(graph)
+    restore_autograd_functions(graph, stacks)
     remove_noise(graph)
 
     # Leaf calls: re-target Dynamo's call_module nodes, collapse inlined leaves.
