@@ -58,7 +58,15 @@ def call(module: nn.Module, example: Any) -> Any:
         return module(example)
 
 
-def assert_prepared(model: nn.Module, gm: torch.fx.GraphModule, example: Any) -> None:
+# Models whose prepared graph save() refuses, with the text its SerializationError must contain.
+SAVE_UNSUPPORTED: dict[str, str] = {
+    # weight_norm parametrization (a generated Parametrized* class with torch's own state-dict hook)
+    "wav2vec2": "ParametrizedConv1d",
+    "hubert": "ParametrizedConv1d",
+}
+
+
+def assert_prepared(model: nn.Module, gm: torch.fx.GraphModule, example: Any, save_error: str | None = None) -> None:
     """The contract every prepared zoo model must meet."""
     report = gm.fxprep_report
     assert report.tracer == "dynamo", report.attempts
@@ -89,6 +97,10 @@ def assert_prepared(model: nn.Module, gm: torch.fx.GraphModule, example: Any) ->
     from fxprep.verify import flatten_output
 
     with tempfile.TemporaryDirectory() as tmp:
+        if save_error is not None:  # a known limitation of save(): it must say so clearly, not crash
+            with pytest.raises(fxprep.SerializationError, match=save_error):
+                fxprep.save(gm, tmp)
+            return
         fxprep.save(gm, tmp)
         loaded = fxprep.load(tmp, trusted_modules=("torchvision", "timm", "transformers"))
     out_loaded = call(loaded.eval(), example)
@@ -108,7 +120,7 @@ def run_zoo_case(build: Any, name: str, known: dict[str, str]) -> None:
             pytest.xfail(known[name])
         pytest.fail(f"{name} is listed as failing ({known[name]}) but now prepares: remove it from the list")
     gm = prepare(model, example)
-    assert_prepared(model, gm, example)
+    assert_prepared(model, gm, example, SAVE_UNSUPPORTED.get(name))
 
 
 # --------------------------------------------------------------------------------------------------
