@@ -632,3 +632,18 @@ def test_dynamo_autograd_function_is_the_users_class_and_saves(tmp_path: Any) ->
     x = torch.randn(2, 4, requires_grad=True)
     loaded(x).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0  # round() alone would give zero gradients
+
+
+def test_prepared_model_is_freed_after_use() -> None:
+    """Dynamo keeps the backends it compiled with in a process-wide table; export's holds the graph
+    and so the user's modules. A prepared model must not stay alive once the user drops it."""
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 8),), tracer="dynamo")
+    assert gm.fxprep_report.tracer == "dynamo"
+    weight = weakref.ref(model[0].weight)
+    del model, gm
+    gc.collect()
+    assert weight() is None, [type(r).__name__ for r in gc.get_referrers(weight())]
