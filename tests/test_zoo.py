@@ -356,6 +356,12 @@ HF_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "convnext": ("AutoModelForImageClassification", {"hidden_sizes": [8, 16], "depths": [1, 1]}),
     "resnet": ("AutoModelForImageClassification", {"hidden_sizes": [8, 16], "depths": [1, 1], "embedding_size": 8}),
     "mobilevit": ("AutoModelForImageClassification", {"image_size": 64, "hidden_sizes": [16, 24, 32], "neck_hidden_sizes": [8, 8, 16, 16, 24, 32, 64]}),
+    "clip": ("AutoModel", {  # CLIPModel: text and vision towers, both inputs, CLIPOutput
+        "text_config": {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                        "num_attention_heads": 2, "max_position_embeddings": 64, **TOKEN_IDS},
+        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+        "projection_dim": 16}),
     "segformer": ("AutoModel", {"num_encoder_blocks": 2, "depths": [1, 1], "sr_ratios": [2, 1], "hidden_sizes": [8, 16],
                                 "patch_sizes": [7, 3], "strides": [4, 2], "num_attention_heads": [1, 2], "mlp_ratios": [2, 2]}),
     "dinov2": ("AutoModel", {}), "regnet": ("AutoModelForImageClassification", {"hidden_sizes": [8, 16], "depths": [1, 1], "embedding_size": 8, "groups_width": 8}),

@@ -120,7 +120,8 @@ def example_inputs_for(model: nn.Module, batch: int = 2, seq_len: int = 8) -> di
         inputs["input_ids"] = ids(seq_len)
         if "attention_mask" in params:
             inputs["attention_mask"] = torch.ones(batch, seq_len, dtype=torch.long, device=device)
-    if main == "pixel_values":
+    # Vision models, and text-image models (CLIP) whose forward needs both towers' inputs.
+    if main == "pixel_values" or ("pixel_values" in params and _get(config, "vision_config") is not None):
         size = _get(vision, "image_size", default=32)
         size = size[0] if isinstance(size, (tuple, list)) else size
         if isinstance(size, dict):
