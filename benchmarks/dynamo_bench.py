@@ -101,14 +101,11 @@ def build(name: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     raise SystemExit(f"unknown model {name}")
 
 
-class _Tiny:
+def _tiny() -> tuple[Any, tuple[Any, ...]]:
     """A two-layer MLP: capturing it first pays the one-time costs (imports, Dynamo/export set-up)."""
+    import torch
 
-    @staticmethod
-    def build() -> tuple[Any, tuple[Any, ...]]:
-        import torch
-
-        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), (torch.randn(2, 8),)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), (torch.randn(2, 8),)
 
 
 def _capture(method: str, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +134,7 @@ def child(model_name: str, method: str, warm: bool = False) -> dict[str, Any]:
     if method == "fxprep":
         import fxprep  # noqa: F401  # importing the package (rich, safetensors, ...) is not the capture's cost
     if warm:
-        _capture(method, *_Tiny.build(), {})
+        _capture(method, *_tiny(), {})
     if method != "fxprep" and "use_cache" in inspect.signature(model.forward).parameters:
         kwargs = {**kwargs, "use_cache": False}  # fxprep does this itself for transformers models
     with PeakRss() as rss:

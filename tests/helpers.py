@@ -1,6 +1,8 @@
-"""Checks shared by the test files: what every prepared module must satisfy."""
+"""Checks and fixtures shared by the test files: what every prepared module must satisfy."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -59,3 +61,26 @@ def assert_clean(gm: fx.GraphModule, model: nn.Module) -> None:
 def fresh_like(*tensors: torch.Tensor, seed: int = 1) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(t.shape, generator=g, dtype=t.dtype) for t in tensors)
+
+
+class STE(torch.autograd.Function):
+    """Straight-through rounding: forward rounds, backward passes the gradient unchanged (the
+    quantization-aware-training pattern a custom autograd.Function exists for)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+# ViTs take their image size as an argument: a few patches instead of 224x224 (vit_h_14: 632M params).
+TV_VIT_KWARGS: dict[str, dict[str, Any]] = {
+    "vit_b_16": {"image_size": 32},
+    "vit_b_32": {"image_size": 64},
+    "vit_l_16": {"image_size": 32},
+    "vit_l_32": {"image_size": 64},
+    "vit_h_14": {"image_size": 28},
+}

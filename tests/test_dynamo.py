@@ -26,6 +26,8 @@ from fxprep.capture.fx import capture_fx
 from fxprep.inputs import ExampleInputs
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
+from .helpers import STE
+
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 ROUTES = ["flag", "regroup"] if D.flag_available() else ["regroup"]
@@ -598,16 +600,6 @@ def test_without_transformers_fx_the_fx_failure_is_reported_alone() -> None:
     assert result is None and attempt is None  # not a transformers model: nothing to add
 
 
-class _RoundSTE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
 def test_dynamo_autograd_function_is_the_users_class_and_saves(tmp_path: Any) -> None:
     """Dynamo records a custom Function as a higher-order op over traced bodies; the prepared graph
     must call the user's class instead (its backward runs, and it saves by name)."""
@@ -618,7 +610,7 @@ def test_dynamo_autograd_function_is_the_users_class_and_saves(tmp_path: Any) ->
             self.fc = nn.Linear(4, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return _RoundSTE.apply(self.fc(x) * 4) / 4
+            return STE.apply(self.fc(x) * 4) / 4
 
     model = Quant()
     gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 4),), tracer="dynamo", verify="grad")
@@ -628,7 +620,7 @@ def test_dynamo_autograd_function_is_the_users_class_and_saves(tmp_path: Any) ->
     functions = [m for m in gm.modules() if type(m).__name__ == "AutogradFunction"]
     assert len(functions) == 1
     fxprep.save(gm, tmp_path / "q")
-    loaded = fxprep.load(tmp_path / "q", trusted_modules=(__name__,))
+    loaded = fxprep.load(tmp_path / "q", trusted_modules=(STE.__module__,))
     x = torch.randn(2, 4, requires_grad=True)
     loaded(x).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0  # round() alone would give zero gradients

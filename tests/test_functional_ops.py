@@ -25,6 +25,8 @@ import fxprep
 from fxprep import ops
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
+from .helpers import STE
+
 
 def _scaled(x: torch.Tensor) -> torch.Tensor:
     return x * 0.5
@@ -38,18 +40,6 @@ torch.fx.wrap("_scaled")
 def add_2(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """A user function whose name looks like an fx node name of ``torch.add``: it is not an add."""
     return x * 3 + y
-
-
-class STE(torch.autograd.Function):
-    """Straight-through rounding: forward rounds, backward passes the gradient unchanged."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
 
 
 # --- helpers ------------------------------------------------------------------------------------

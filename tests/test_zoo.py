@@ -30,6 +30,8 @@ from fxprep.inputs import normalize_example_inputs
 from fxprep.options import PrepareOptions
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
+from .helpers import TV_VIT_KWARGS
+
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 # Never let the hybrid/leaf fallback (another issue) turn a capture failure into a partial success.
@@ -133,14 +135,6 @@ TV_FLOW = sorted(tv_models.list_models(module=tv_models.optical_flow))
 TV_DETECTION = ["fasterrcnn_mobilenet_v3_large_320_fpn", "retinanet_resnet50_fpn", "ssdlite320_mobilenet_v3_large"]
 
 TV_INPUT = {"inception_v3": 75, "maxvit_t": 224, "alexnet": 64}
-# ViTs take their image size as an argument: a few patches instead of 224x224 (vit_h_14: 632M params).
-TV_KWARGS: dict[str, dict[str, Any]] = {
-    "vit_b_16": {"image_size": 32},
-    "vit_b_32": {"image_size": 64},
-    "vit_l_16": {"image_size": 32},
-    "vit_l_32": {"image_size": 64},
-    "vit_h_14": {"image_size": 28},
-}
 TV_KNOWN_FAILURES: dict[str, str] = {}
 
 
@@ -148,7 +142,7 @@ def build_torchvision(name: str) -> tuple[nn.Module, Any]:
     from torchvision import models
 
     torch.manual_seed(0)
-    kwargs: dict[str, Any] = {"weights": None, **TV_KWARGS.get(name, {})}
+    kwargs: dict[str, Any] = {"weights": None, **TV_VIT_KWARGS.get(name, {})}
     if name in TV_SEGMENTATION or name in TV_DETECTION:
         kwargs["weights_backbone"] = None
     if name in ("googlenet", "inception_v3"):
@@ -165,8 +159,8 @@ def build_torchvision(name: str) -> tuple[nn.Module, Any]:
     size = TV_INPUT.get(name, 64 if name in TV_SEGMENTATION else 32)
     if name.startswith(("swin", "convnext", "regnet", "efficientnet", "mnasnet", "mobilenet", "densenet")):
         size = 64
-    if "image_size" in TV_KWARGS.get(name, {}):
-        size = TV_KWARGS[name]["image_size"]
+    if "image_size" in TV_VIT_KWARGS.get(name, {}):
+        size = TV_VIT_KWARGS[name]["image_size"]
     return model, (_image(1, 3, size, size),)
 
 

@@ -29,6 +29,8 @@ from torch import nn
 import fxprep
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
+from .helpers import TV_VIT_KWARGS
+
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 ALL_MODELS: list[str] = sorted(torchvision.models.list_models(module=torchvision.models))
@@ -46,15 +48,6 @@ INPUT_SIZE: dict[str, int] = {
 }
 # In train mode inception_v3's auxiliary head pools 5x5 over Mixed_6e, which is 17x17 only at 299.
 TRAIN_INPUT_SIZE: dict[str, int] = {"inception_v3": 299}
-# ViTs hard-code their image size; the constructor takes it as an argument, so build them for a
-# single-digit number of patches instead of paying for 224x224 (vit_h_14 has 632M parameters).
-MODEL_KWARGS: dict[str, dict[str, Any]] = {
-    "vit_b_16": {"image_size": 32},
-    "vit_b_32": {"image_size": 64},
-    "vit_l_16": {"image_size": 32},
-    "vit_l_32": {"image_size": 64},
-    "vit_h_14": {"image_size": 28},
-}
 
 # Default run: one of each family that exercises something different (~40 s on one core).
 SUBSET: list[str] = [
@@ -140,11 +133,11 @@ def build(name: str, training: bool = False) -> tuple[nn.Module, torch.Tensor]:
     """The model (weights=None, seeded init, in the requested mode) and its smallest valid input;
     batch 2 in train mode, where BatchNorm needs more than one value per channel."""
     torch.manual_seed(0)
-    model = torchvision.models.get_model(name, weights=None, **MODEL_KWARGS.get(name, {})).train(training)
+    model = torchvision.models.get_model(name, weights=None, **TV_VIT_KWARGS.get(name, {})).train(training)
     size = (TRAIN_INPUT_SIZE if training else INPUT_SIZE).get(name, INPUT_SIZE.get(name, 64))
     batch = 2 if training else 1
-    if "image_size" in MODEL_KWARGS.get(name, {}):
-        size = MODEL_KWARGS[name]["image_size"]
+    if "image_size" in TV_VIT_KWARGS.get(name, {}):
+        size = TV_VIT_KWARGS[name]["image_size"]
     return model, torch.randn(batch, 3, size, size)
 
 
@@ -250,7 +243,7 @@ def test_zoo_full_train(name: str) -> None:
 def test_model_lists_name_real_models() -> None:
     """A renamed or removed torchvision model must not silently drop out of the subset or the overrides."""
     names = set(ALL_MODELS)
-    for listed in (SUBSET, TRAIN_SUBSET, FX_UNTRACEABLE, INPUT_SIZE, TRAIN_INPUT_SIZE, MODEL_KWARGS):
+    for listed in (SUBSET, TRAIN_SUBSET, FX_UNTRACEABLE, INPUT_SIZE, TRAIN_INPUT_SIZE, TV_VIT_KWARGS):
         assert set(listed) <= names, set(listed) - names
     assert len(ALL_MODELS) >= 80
 

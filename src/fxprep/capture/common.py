@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,14 @@ class CaptureAttempt:
     error: str | None = None
     error_type: str | None = None
     exception: BaseException | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def failed(cls, tracer: str, err: BaseException, start: float) -> CaptureAttempt:
+        """The attempt of ``tracer`` (started at ``time.perf_counter()`` value ``start``) that
+        raised ``err``, with the error described for people (file:line, category)."""
+        from ..diagnose import describe_exception
+
+        return cls(tracer, False, time.perf_counter() - start, describe_exception(err), type(err).__name__, err)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -549,6 +549,7 @@ class _Call:
     output: Any = None
     # identity facts, taken before anything could mutate or free the tensors
     arg_origin: list[tuple[str, Any]] = field(default_factory=list)  # per flat arg tensor leaf
+    arg_ids: list[int] = field(default_factory=list)  # id() of each flat arg tensor leaf as passed
     output_is_arg: list[int | None] = field(default_factory=list)  # per flat output tensor leaf
 
 
@@ -589,7 +590,7 @@ def _record_calls(
             *pytree.tree_map_only(torch.Tensor, _clone, (tuple(args), dict(kwargs))),
         )
         rec.arg_origin = [origin(t) for t in leaves_in]
-        rec._arg_ids = [id(t) for t in leaves_in]  # type: ignore[attr-defined]
+        rec.arg_ids = [id(t) for t in leaves_in]
         counter[0] += 1
         calls.setdefault(id(module), []).append(rec)
         active.append(rec)
@@ -599,7 +600,7 @@ def _record_calls(
         if rec is None or active:
             return
         out_leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-        arg_ids = rec._arg_ids  # type: ignore[attr-defined]
+        arg_ids = rec.arg_ids
         rec.output_is_arg = [arg_ids.index(id(t)) if id(t) in arg_ids else None for t in out_leaves]
         for i, t in enumerate(out_leaves):
             produced[id(t)] = (rec.seq, i)
@@ -962,13 +963,11 @@ class _Regrouper:
         out: list[Any] = []
         index = 0
         by_id: dict[int, fx.Node] = {}  # the same tensor object passed twice (MHA's x, x, x)
-        arg_ids = getattr(rec, "_arg_ids", [])
         for leaf in flat:
             if isinstance(leaf, torch.Tensor):
-                same = by_id.get(arg_ids[index]) if index < len(arg_ids) else None
-                node = same or self._tensor_node(rec, index, leaf, candidates, used, window)
-                if node is not None and index < len(arg_ids):
-                    by_id.setdefault(arg_ids[index], node)
+                node = by_id.get(rec.arg_ids[index]) or self._tensor_node(rec, index, leaf, candidates, used, window)
+                if node is not None:
+                    by_id.setdefault(rec.arg_ids[index], node)
                 index += 1
                 if node is None:
                     return None
@@ -1288,8 +1287,7 @@ def restore_autograd_functions(graph: fx.Graph, stacks: _Stacks) -> int:
         with graph.inserting_before(node):
             call = graph.call_function(autograd_function_caller(cls), tuple(node.args[2:]))
         call.meta = {k: v for k, v in node.meta.items() if k != "source_fn_stack"}
-        if users:
-            call.meta["example_value"] = users[0].meta.get("example_value")
+        call.meta["example_value"] = users[0].meta.get("example_value")
         for user in users:
             user.replace_all_uses_with(call)
             graph.erase_node(user)
@@ -1706,10 +1704,7 @@ def _rename(node: fx.Node, name: str) -> None:
 
 
 def _failure(err: BaseException, start: float) -> tuple[None, CaptureAttempt]:
-    from ..diagnose import describe_exception
-
-    return None, CaptureAttempt("dynamo", False, time.perf_counter() - start, describe_exception(err),
-                                type(err).__name__, err)
+    return None, CaptureAttempt.failed("dynamo", err, start)
 
 
 _RETRY_ON_REGROUP = ("neither buffers/parameters/constants", "install_free_tensors")
@@ -1737,7 +1732,7 @@ def capture_dynamo(
     if route == "flag" and not flag_available():
         err = RuntimeError(f"this torch has no torch._dynamo.config.{FLAG}; use route='regroup'")
         return _failure(err, start)
-    routes = [default_route()] if route == "auto" else [route]
+    current = default_route() if route == "auto" else route
     calls = _split_calls(model, example, concrete_args)
     notes: list[str] = []
     try:
@@ -1747,11 +1742,8 @@ def capture_dynamo(
     from . import huggingface
 
     caches = tensor_caches(model)
-    first_error: BaseException | None = None
-    written: set[str] = set()
     grad_inputs = True
-    while routes:
-        current = routes.pop(0)
+    while True:  # each failure below relaxes one thing and tries again, or gives up
         guard = AttributeGuard(model, caches)
         attempt_notes: list[str] = []
         try:
@@ -1760,31 +1752,21 @@ def capture_dynamo(
                 result = _export(model, capture_call, current, spec)
                 guard.reset()  # Dynamo left fake tensors in attributes forward() writes
                 gm, extra = relift(result.graph_module, model, policy, calls, current, attempt_notes)
-            written = guard.written
             notes.extend(attempt_notes)
+            break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
             if grad_inputs and "grad" in str(err):
                 # e.g. an in-place op on an input: "a leaf Variable that requires grad is being used
-                # in an in-place operation". Capture as given instead.
+                # in an in-place operation". Capture the inputs as given instead.
                 grad_inputs = False
-                routes.insert(0, current)
-                first_error = first_error or err
-                continue
-            if caches:
-                # Maybe the model cannot run with its caches emptied: try once with them in place.
-                caches = []
-                routes.insert(0, current)
-                first_error = first_error or err
-                continue
-            if route == "auto" and current == "flag" and any(s in str(err) for s in _RETRY_ON_REGROUP):
+            elif caches:
+                caches = []  # maybe the model cannot run with its caches emptied: keep them in place
+            elif route == "auto" and current == "flag" and any(s in str(err) for s in _RETRY_ON_REGROUP):
                 notes.append(f"Dynamo's call_module route failed ({type(err).__name__}); used the regroup route.")
-                routes.append("regroup")
-                first_error = first_error or err
-                continue
-            return _failure(err, start)
-        break
-    else:  # pragma: no cover - the loop always breaks or returns
-        return _failure(first_error or RuntimeError("no Dynamo route ran"), start)
+                current = "regroup"
+            else:
+                return _failure(err, start)
+    written = guard.written
     if caches:
         notes.append(
             f"{len(caches)} tensor cache(s) ({', '.join(sorted({k for _, k, _ in caches}))}) were emptied during "

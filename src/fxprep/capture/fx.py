@@ -344,8 +344,6 @@ def capture_fx(
 ) -> tuple[CaptureResult | None, CaptureAttempt]:
     """Trace ``model`` with :class:`FxprepTracer` (or the given subclass instance). Never raises for a trace failure: the failure is
     returned in the :class:`CaptureAttempt` so the cascade can go on and the report can show it."""
-    from ..diagnose import describe_exception
-
     start = time.perf_counter()
     tracer = tracer or FxprepTracer(policy, autowrap_functions)
     tracer.traced_classes[type(model)] = ""  # the root is traced without asking is_leaf_module
@@ -363,10 +361,7 @@ def capture_fx(
             gm = tracer.make_graph_module(graph, model.__class__.__name__)
         changed = [c for c in changed if not c.rpartition(".")[2].startswith("_tensor_constant")]
     except Exception as err:  # noqa: BLE001 - every tracer failure is reported, not raised
-        attempt = CaptureAttempt(
-            "fx", False, time.perf_counter() - start, describe_exception(err), type(err).__name__, err
-        )
-        return None, attempt
+        return None, CaptureAttempt.failed("fx", err, start)
     if concrete_args:
         _name_concrete_placeholders(gm, model, concrete_args)
     notes = []

@@ -155,7 +155,6 @@ def capture_hf_fx(model: nn.Module, example: Any) -> tuple[Any, Any]:
     (not a transformers model, or transformers 5, which removed ``transformers.utils.fx``)."""
     import time
 
-    from ..diagnose import describe_exception
     from .common import CaptureAttempt, CaptureResult
 
     if not is_hf_model(model):
@@ -171,8 +170,7 @@ def capture_hf_fx(model: nn.Module, example: Any) -> tuple[Any, Any]:
     try:
         gm = hf_symbolic_trace(model, input_names=names)
     except Exception as err:  # noqa: BLE001 - reported like every tracer failure
-        return None, CaptureAttempt("hf_fx", False, time.perf_counter() - start, describe_exception(err),
-                                    type(err).__name__, err)
+        return None, CaptureAttempt.failed("hf_fx", err, start)
     note = "traced with transformers.utils.fx.symbolic_trace (transformers < 5's HFTracer)."
     return CaptureResult(gm, "fx", notes=[note]), CaptureAttempt("hf_fx", True, time.perf_counter() - start)
 
