@@ -639,3 +639,20 @@ def test_prepared_model_is_freed_after_use() -> None:
     del model, gm
     gc.collect()
     assert weight() is None, [type(r).__name__ for r in gc.get_referrers(weight())]
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_llama_eager_and_sdpa_attention(attention: str) -> None:
+    """Both attention implementations prepare on Dynamo: eager's softmax/matmul become modules,
+    SDPA's fused call becomes one; the output is the same ModelOutput as the original's."""
+    model = tiny_llama()
+    model.config._attn_implementation = attention
+    ex = llama_inputs()
+    gm = fxprep.prepare_model(model, example_inputs=ex, tracer="dynamo")
+    assert gm.fxprep_report.tracer == "dynamo" and gm.fxprep_report.verification.status == "passed"
+    assert not remaining_compute_ops(gm)
+    sdpa_calls = [n for n in gm.graph.nodes if n.op == "call_module" and "scaled_dot_product" in n.target]
+    assert bool(sdpa_calls) == (attention == "sdpa"), [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    out = gm(**ex)
+    assert type(out) is type(model(**ex, use_cache=False))
+    torch.testing.assert_close(out.logits, model(**ex, use_cache=False).logits)
