@@ -127,7 +127,6 @@ def test_prepare_json(tmp_path):
 
 
 def test_prepare_with_onnx(tmp_path):
-    pytest.importorskip("onnxruntime")
     result = invoke("prepare", "demo:ModelWithFunctionalReLU", "--onnx", str(tmp_path / "m.onnx"), "--json")
     assert result.exit_code == 0, result.output
     assert as_json(result)["onnx"]["max_abs_diff"] < 1e-4

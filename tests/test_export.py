@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+import onnx
+import onnxruntime  # noqa: F401  # a test dependency: missing, it must fail, not skip
 import pytest
 import torch
+import torchvision
 from torch import nn
 
 import fxprep
 from fxprep import export
 from fxprep.demo import ModelWithReusedReLU
 from fxprep.errors import ExportError
-
-onnx = pytest.importorskip("onnx")
-pytest.importorskip("onnxruntime")
-torchvision = pytest.importorskip("torchvision")
 
 
 def _onnx_nodes(path):
@@ -72,7 +71,8 @@ def test_small_vit_exports(tmp_path):
 
 
 def _tiny_hf(kind: str):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     common = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
                   max_position_embeddings=64)
     if kind == "bert":

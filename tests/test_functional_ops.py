@@ -868,7 +868,8 @@ def test_rrelu_with_literal_training_stays_fixed() -> None:
 
 
 def test_torchvision_stochastic_depth_follows_mode() -> None:
-    torchvision_ops = pytest.importorskip("torchvision.ops")
+    import torchvision.ops as torchvision_ops
+
     # StochasticDepth is traced into (not a torch.nn leaf); its fx-wrapped stochastic_depth call comes back
     model = build(lambda s, x: s.sd(x) + x, 1, {"sd": torchvision_ops.StochasticDepth(0.5, "row")}).eval()
     x = torch.randn(16, 4)
@@ -1232,7 +1233,6 @@ def _by_id(*names: str) -> list[Case]:
 def test_dynamo_capture_gets_the_same_modules(case: Case) -> None:
     """Dynamo records other targets for the same op (``torch._C._nn.pad`` for ``F.pad``, no
     ``_stacklevel``): the pass must still produce the same modules."""
-    pytest.importorskip("fxprep.capture.dynamo")
     model = build(case.fn, len(case.inputs), case.members() if case.members else None).train(case.training)
     gm = fxprep.prepare_model(model, example_inputs=make_inputs(case.inputs, 0), tracer="dynamo")
     assert gm.fxprep_report.tracer == "dynamo"
@@ -1262,7 +1262,6 @@ class _QuantConst(nn.Module):
     _QuantConst,  # inputs do not require grad: Dynamo would inline the forward alone
 ])
 def test_dynamo_autograd_function_is_one_call_with_its_backward(cls: type[nn.Module]) -> None:
-    pytest.importorskip("fxprep.capture.dynamo")
     model = cls()
     gm = fxprep.prepare_model(model, example_inputs=(torch.randn(4, 5),), tracer="dynamo", verify="grad")
     assert gm.fxprep_report.verification.grad

@@ -49,7 +49,8 @@ def test_seed_models_round_trip(tmp_path, cls, n_inputs):
 
 
 def test_resnet18_round_trip_and_files(tmp_path):
-    torchvision = pytest.importorskip("torchvision")
+    import torchvision
+
     model = torchvision.models.resnet18(weights=None).eval()
     x = torch.randn(1, 3, 64, 64)
     gm = fxprep.prepare_model(model, example_inputs=x)
@@ -225,7 +226,8 @@ def test_functional_ops_round_trip(tmp_path):
 
 
 def test_small_vision_transformer_round_trip(tmp_path):
-    torchvision = pytest.importorskip("torchvision")
+    import torchvision
+
     model = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
                                                  hidden_dim=32, mlp_dim=64).eval()
     torch.nn.init.normal_(model.heads.head.weight)  # torchvision zero-initialises the head: outputs would be all 0
@@ -237,7 +239,8 @@ def test_small_vision_transformer_round_trip(tmp_path):
 
 
 def test_tiny_bert_round_trip(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=37, max_position_embeddings=64)
     model = transformers.BertModel(config).eval()

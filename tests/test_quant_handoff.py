@@ -161,8 +161,7 @@ def test_reused_module_gets_one_quantizer_per_call():
 
 
 def test_torch_ao_fx_quantization_accepts_the_prepared_graph():
-    quantize_fx = pytest.importorskip("torch.ao.quantization.quantize_fx")
-    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization import get_default_qconfig_mapping, quantize_fx
 
     torch.backends.quantized.engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "qnnpack"
     model = ModelWithElementwiseAddOp().eval()

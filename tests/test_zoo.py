@@ -14,7 +14,6 @@ one starts passing.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -27,7 +26,6 @@ import fxprep
 from fxprep.capture.dynamo import unreferenced_parameters
 from fxprep.capture.huggingface import capture_concrete_args
 from fxprep.inputs import normalize_example_inputs
-from fxprep.options import PrepareOptions
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
 from .helpers import TV_VIT_KWARGS
@@ -35,7 +33,7 @@ from .helpers import TV_VIT_KWARGS
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 # Never let the hybrid/leaf fallback (another issue) turn a capture failure into a partial success.
-_NO_FALLBACK = {"fallback": "error"} if "fallback" in {f.name for f in dataclasses.fields(PrepareOptions)} else {}
+_NO_FALLBACK = {"fallback": "error"}
 
 
 # Parameters the original forward itself does not use on these inputs (eval-mode auxiliary heads,
