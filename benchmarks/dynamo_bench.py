@@ -10,7 +10,10 @@ just before it. The table shows the median of ``--runs`` runs and each method's 
 
 fxprep is measured end to end with ``verify=False`` and ``tracer="dynamo"`` (capture, re-lifting,
 functional → module, unrolling, state-dict parity); the export columns are the bare
-``torch.export.export`` call. Each configuration runs twice: *cold* (the first capture in the
+``torch.export.export`` call. ``dynamo_export`` is the bare ``torch._dynamo.export`` call with the
+settings fxprep's capture uses (the ``install_free_tensors_for_export=False`` route where this torch
+has it, static shapes): the floor for any capture that starts with Dynamo, so what fxprep adds on
+top of Dynamo can be told from what Dynamo costs against non-strict export. Each configuration runs twice: *cold* (the first capture in the
 process, paying imports and one-time set-up) and *warm* (after capturing a tiny MLP the same way),
 so the per-model cost can be told from the fixed one.
 """
@@ -28,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-METHODS = ("fxprep", "export_nonstrict", "export_strict")
+METHODS = ("fxprep", "dynamo_export", "export_nonstrict", "export_strict")
 MODELS = ("resnet50", "vit_b_16", "llama8")
 
 
@@ -116,6 +119,13 @@ def _capture(method: str, model: Any, args: tuple[Any, ...], kwargs: dict[str, A
 
         gm = fxprep.prepare_model(model, example_inputs=kwargs if kwargs else args, verify=False, tracer="dynamo")
         return {"route": gm.meta.get("fxprep_dynamo_route"), "modules": sum(1 for n in gm.graph.nodes if n.op == "call_module")}
+    if method == "dynamo_export":
+        import torch._dynamo as dynamo
+
+        flag = "install_free_tensors_for_export"
+        with dynamo.config.patch(**({flag: False} if hasattr(dynamo.config, flag) else {})):
+            result = dynamo.export(model, assume_static_by_default=True)(*args, **kwargs)
+        return {"nodes": len(result.graph_module.graph.nodes)}
     ep = torch.export.export(model, args, kwargs, strict=method == "export_strict")
     return {"nodes": len(ep.graph.nodes)}
 
@@ -227,6 +237,17 @@ def main(argv: list[str] | None = None) -> int:
             params = f"{first['params']:.1f}M" if "params" in first else ""
             (c_t, c_r, c_m, _), (w_t, w_r, w_m, w_p) = cells
             print(f"| {model_name} | {params} | {method} | {c_t} | {c_r} | {w_t} | {w_r} | {c_m} | {w_m} | {w_p} |")
+    if "fxprep" in methods and "dynamo_export" in methods:
+        print("\nWhat fxprep adds to the bare Dynamo capture (fxprep / dynamo_export; RSS: fxprep minus dynamo_export):\n")
+        print("| model | cold time | warm time | warm RSS growth (MB) |")
+        print("|---|---:|---:|---:|")
+        for model_name in models:
+            ours = [rows[(model_name, "fxprep", w)] for w in (False, True)]
+            floor = [rows[(model_name, "dynamo_export", w)] for w in (False, True)]
+            if any("error" in r for r in ours + floor):
+                continue
+            cold, warm = (o["seconds"] / f["seconds"] for o, f in zip(ours, floor))
+            print(f"| {model_name} | {cold:.2f}x | {warm:.2f}x | {ours[1]['rss'] - floor[1]['rss']:+.1f} |")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(raw, f, indent=2)

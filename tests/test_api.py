@@ -173,6 +173,24 @@ def test_unused_parameters_and_nonpersistent_buffers_keep_state_dict_parity():
     assert_clean(gm, model)
 
 
+
+def test_garbage_collector_left_as_found():
+    """prepare_model freezes the heap it finds for speed; it must thaw it again, and must not thaw
+    what the caller had frozen itself (a pre-fork server's shared objects)."""
+    import gc
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    assert gc.get_freeze_count() == 0
+    fxprep.prepare_model(model, example_inputs=(torch.randn(2, 4),))
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        fxprep.prepare_model(model, example_inputs=(torch.randn(2, 4),))
+        assert gc.get_freeze_count() > 0  # still frozen (the count only drops as frozen objects die)
+    finally:
+        gc.unfreeze()
+
+
 # --- unrolling, tied weights ---------------------------------------------------------------------
 class ReusedLinear(nn.Module):
     def __init__(self):

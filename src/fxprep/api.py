@@ -6,8 +6,11 @@ This module only orchestrates; every step lives in its own module and can be use
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import inspect
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -237,6 +240,34 @@ def prepare_model(
 
     Options are keyword-only; see :class:`fxprep.options.PrepareOptions`.
     """
+    with _frozen_heap():
+        return _prepare(model, modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs, options)
+
+
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """Keep the objects that exist before preparing out of the garbage collector's full passes.
+
+    Why: capture allocates hundreds of thousands of short-lived objects, which sets off a full
+    (oldest-generation) collection, and that pass walks every object in the process: with
+    ``transformers`` imported and a Llama model built, one pass took 0.3 s of a 3 s prepare
+    (measured on the 2-core dev machine). ``gc.freeze()`` moves what already exists to the
+    permanent generation, so a full pass only walks what preparing created; ``gc.unfreeze()``
+    puts it back. Left alone when the caller has frozen objects itself (a pre-fork server does):
+    unfreezing would undo their freeze.
+    """
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclude: Any, concrete_args: Any,
+             example_inputs: Any, options: dict[str, Any]) -> fx.GraphModule:
     t0 = time.perf_counter()
     model = _check_model(model)
     opts = PrepareOptions.from_kwargs(options)

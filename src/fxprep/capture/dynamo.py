@@ -52,6 +52,7 @@ import math
 import operator
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -540,21 +541,68 @@ def inherited_torch_forward(cls: type) -> bool:
 # --------------------------------------------------------------------------------------------------
 # Eager recording of leaf calls (regroup route)
 # --------------------------------------------------------------------------------------------------
+_SAMPLES = 64  # values sampled per fingerprint, spread evenly over the tensor
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    """What the regrouping keeps of a tensor seen in the eager run: its shape, dtype and a
+    fingerprint of its values (their float64 sum and a few evenly spread elements).
+
+    Why not the values: the only use of values is telling same-shaped candidates apart, and
+    cloning the inputs and outputs of every recorded leaf call made RAM grow by a fifth of
+    vit_b_16's parameter bytes. A fingerprint is a few numbers, taken when the hook runs (so a
+    later in-place op cannot change it).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    total: float | None = None  # None: no values to compare (meta, sparse, ...)
+    samples: tuple[Any, ...] = ()
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _TensorSpec:
+        shape, dtype = tuple(t.shape), t.dtype
+        if t.is_meta or t.layout != torch.strided:
+            return cls(shape, dtype)
+        try:
+            with torch.no_grad():
+                v = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
+                total = float(v.sum(dtype=torch.float64)) if v.dtype != torch.bool else float(v.sum())
+                n = v.numel()
+                samples: tuple[Any, ...] = ()
+                if n:
+                    flat_idx = torch.linspace(0, n - 1, steps=min(n, _SAMPLES), device=v.device).long()
+                    samples = tuple(v[torch.unravel_index(flat_idx, v.shape)].tolist()) if v.dim() else (v.item(),)
+        except Exception:  # noqa: BLE001 - a tensor subclass without these ops: shape and dtype only
+            return cls(shape, dtype)
+        return cls(shape, dtype, total, samples)
+
+    def same_values(self, other: _TensorSpec | None) -> bool:
+        """Whether ``other`` holds the same values (sums may differ in the last bits when the two
+        tensors were summed in a different order, e.g. one contiguous and one a view)."""
+        return (
+            other is not None and self.total is not None and other.total is not None
+            and self.shape == other.shape and self.dtype == other.dtype and self.samples == other.samples
+            and math.isclose(self.total, other.total, rel_tol=1e-9, abs_tol=1e-9)
+        )
+
+
+def _specs(tree: Any) -> Any:
+    return pytree.tree_map_only(torch.Tensor, _TensorSpec.of, tree)
+
+
 @dataclass
 class _Call:
     module: nn.Module
     seq: int
-    args: tuple[Any, ...]
+    args: tuple[Any, ...]  # tensors are _TensorSpecs, everything else as passed
     kwargs: dict[str, Any]
     output: Any = None
     # identity facts, taken before anything could mutate or free the tensors
     arg_origin: list[tuple[str, Any]] = field(default_factory=list)  # per flat arg tensor leaf
     arg_ids: list[int] = field(default_factory=list)  # id() of each flat arg tensor leaf as passed
     output_is_arg: list[int | None] = field(default_factory=list)  # per flat output tensor leaf
-
-
-def _clone(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
 
 
 def _record_calls(
@@ -565,8 +613,9 @@ def _record_calls(
 
     calls: dict[int, list[_Call]] = {}
     active: list[_Call] = []
-    produced: dict[int, tuple[int, int]] = {}  # id(tensor) -> (seq, flat output index)
-    keep: list[Any] = []  # keeps produced tensors alive so ids stay unique
+    # id(tensor) -> (seq, flat output index, weakref). An entry goes when its tensor dies, so a
+    # new tensor reusing the id is not taken for it; the tensors themselves are not kept alive.
+    produced: dict[int, tuple[int, int, Any]] = {}
     counter = [0]
     fresh = call.fresh_copy()
     inputs = {id(t): i for i, t in enumerate(pytree.tree_leaves((fresh.args, fresh.kwargs))) if isinstance(t, torch.Tensor)}
@@ -577,7 +626,7 @@ def _record_calls(
         if id(t) in names.tensors:
             return ("tensor", names.tensors[id(t)][0])
         if id(t) in produced:
-            return ("call", produced[id(t)])
+            return ("call", produced[id(t)][:2])
         return ("other", None)
 
     def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -585,10 +634,7 @@ def _record_calls(
             active.append(None)  # type: ignore[arg-type]  # nested leaf call: not recorded
             return
         leaves_in = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        rec = _Call(
-            module, counter[0],
-            *pytree.tree_map_only(torch.Tensor, _clone, (tuple(args), dict(kwargs))),
-        )
+        rec = _Call(module, counter[0], *_specs((tuple(args), dict(kwargs))))
         rec.arg_origin = [origin(t) for t in leaves_in]
         rec.arg_ids = [id(t) for t in leaves_in]
         counter[0] += 1
@@ -603,9 +649,8 @@ def _record_calls(
         arg_ids = rec.arg_ids
         rec.output_is_arg = [arg_ids.index(id(t)) if id(t) in arg_ids else None for t in out_leaves]
         for i, t in enumerate(out_leaves):
-            produced[id(t)] = (rec.seq, i)
-            keep.append(t)
-        rec.output = pytree.tree_map_only(torch.Tensor, _clone, output)
+            produced[id(t)] = (rec.seq, i, _forget_when_dead(t, produced))
+        rec.output = _specs(output)
 
     handles = []
     try:
@@ -621,6 +666,19 @@ def _record_calls(
     return calls
 
 
+def _forget_when_dead(t: torch.Tensor, table: dict[int, tuple[int, int, Any]]) -> Any:
+    key = id(t)
+
+    def forget(ref: Any) -> None:
+        if key in table and table[key][2] is ref:
+            del table[key]
+
+    try:
+        return weakref.ref(t, forget)
+    except TypeError:  # not weak-referenceable: the id may be reused, so do not trust it later
+        return None
+
+
 class _ValueRecorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, wanted: set[fx.Node]):
         super().__init__(gm)
@@ -630,11 +688,12 @@ class _ValueRecorder(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         if n in self.wanted and isinstance(result, torch.Tensor):
-            self.values[n] = _clone(result)
+            self.values[n] = _TensorSpec.of(result)
         return result
 
 
-def _record_values(gm: fx.GraphModule, model: nn.Module, call: ExampleInputs, wanted: set[fx.Node]) -> dict[fx.Node, Any]:
+def _record_values(gm: fx.GraphModule, model: nn.Module, call: ExampleInputs,
+                   wanted: set[fx.Node]) -> dict[fx.Node, _TensorSpec]:
     from ..verify import preserved_state
 
     fresh = call.fresh_copy()
@@ -687,18 +746,9 @@ def _fake_dtype(node: fx.Node) -> torch.dtype | None:
     return ev.dtype if isinstance(ev, torch.Tensor) else None
 
 
-def _matches(node: fx.Node, t: torch.Tensor) -> bool:
+def _matches(node: fx.Node, t: _TensorSpec) -> bool:
     shape = _fake_shape(node)
-    return shape is not None and tuple(shape) == tuple(t.shape) and _fake_dtype(node) == t.dtype
-
-
-def _equal(a: Any, b: torch.Tensor) -> bool:
-    if not isinstance(a, torch.Tensor) or a.is_meta or b.is_meta:
-        return False
-    try:
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
-    except Exception:  # noqa: BLE001
-        return False
+    return shape is not None and tuple(shape) == t.shape and _fake_dtype(node) == t.dtype
 
 
 @dataclass
@@ -827,7 +877,7 @@ class _Regrouper:
             wanted.update(self._ext_inputs(g.nodes))
             wanted.update(self._ext_outputs(g.nodes))
         probes = [t for rec, unit in pairs.values() if unit is None
-                  for t in pytree.tree_leaves((rec.args, rec.kwargs)) if isinstance(t, torch.Tensor)]
+                  for t in pytree.tree_leaves((rec.args, rec.kwargs)) if isinstance(t, _TensorSpec)]
         if probes:
             wanted.update(n for n in self.graph.nodes if any(_matches(n, t) for t in probes))
         self._wanted = wanted
@@ -854,7 +904,7 @@ class _Regrouper:
             else:
                 self._insert_empty(rec)
 
-    def value(self, node: fx.Node) -> Any:
+    def value(self, node: fx.Node) -> _TensorSpec | None:
         """The example value of ``node``, to break a tie between same-shaped candidates. The graph
         is run (one more forward) only the first time a tie needs it: most models have none."""
         if self._values is None:
@@ -918,7 +968,7 @@ class _Regrouper:
             return self.produced.get(value)
         return None
 
-    def _tensor_node(self, rec: _Call, index: int, t: torch.Tensor, candidates: list[fx.Node],
+    def _tensor_node(self, rec: _Call, index: int, t: _TensorSpec, candidates: list[fx.Node],
                      used: set[fx.Node], window: tuple[float, float]) -> fx.Node | None:
         node = self._by_origin(rec, index)
         if node is not None and (node in candidates or not candidates):
@@ -927,7 +977,7 @@ class _Regrouper:
         # changed it since: the graph node the call actually reads wins.
         pool = [c for c in candidates if c not in used and _matches(c, t)]
         if len(pool) > 1:
-            pool = [c for c in pool if _equal(self.value(c), t)] or pool
+            pool = [c for c in pool if t.same_values(self.value(c))] or pool
             if len(pool) > 1:
                 self.notes.append(
                     f"leaf '{self.names.module_name(rec.module)}': {len(pool)} same-shaped values could be argument "
@@ -941,7 +991,7 @@ class _Regrouper:
         # holds this very value (nodes since the previous leaf call first).
         lo, hi = window
         earlier = [n for n in self.graph.nodes if self.order.get(n, hi) < hi and n.op != "output"
-                   and _matches(n, t) and _equal(self.value(n), t)]
+                   and _matches(n, t) and t.same_values(self.value(n))]
         recent = [n for n in earlier if self.order.get(n, -1.0) >= lo]
         return (recent or earlier)[-1] if earlier else None
 
@@ -964,7 +1014,7 @@ class _Regrouper:
         index = 0
         by_id: dict[int, fx.Node] = {}  # the same tensor object passed twice (MHA's x, x, x)
         for leaf in flat:
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, _TensorSpec):
                 node = by_id.get(rec.arg_ids[index]) or self._tensor_node(rec, index, leaf, candidates, used, window)
                 if node is not None:
                     by_id.setdefault(rec.arg_ids[index], node)
@@ -981,16 +1031,16 @@ class _Regrouper:
         return tuple(args), dict(kwargs)
 
     def _output_paths(self, rec: _Call, outs: list[fx.Node]) -> tuple[dict[fx.Node, int], list[Any]] | None:
-        if isinstance(rec.output, torch.Tensor):
-            leaves: list[tuple[Any, torch.Tensor]] = [((), rec.output)]
+        if isinstance(rec.output, _TensorSpec):
+            leaves: list[tuple[Any, _TensorSpec]] = [((), rec.output)]
         else:
-            leaves = [(tuple(p), t) for p, t in pytree.tree_flatten_with_path(rec.output)[0] if isinstance(t, torch.Tensor)]
+            leaves = [(tuple(p), t) for p, t in pytree.tree_flatten_with_path(rec.output)[0] if isinstance(t, _TensorSpec)]
         result: dict[fx.Node, int] = {}
         taken: set[int] = set()
         for node in outs:
             pool = [i for i, (_, t) in enumerate(leaves) if i not in taken and _matches(node, t)]
             if len(pool) > 1:
-                pool = [i for i in pool if _equal(self.value(node), leaves[i][1])] or pool
+                pool = [i for i in pool if leaves[i][1].same_values(self.value(node))] or pool
             if not pool:
                 return None
             taken.add(pool[0])
@@ -1000,15 +1050,15 @@ class _Regrouper:
     # -- rewriting -----------------------------------------------------------------------------
     def _register_direct(self, rec: _Call, node: fx.Node) -> None:
         self.placed[rec.seq] = node
-        if isinstance(rec.output, torch.Tensor):
+        if isinstance(rec.output, _TensorSpec):
             self.produced[(rec.seq, 0)] = node
             return
         if isinstance(rec.output, (tuple, list)):
             for user in node.users:
                 if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
                     idx = user.args[1]
-                    if 0 <= idx < len(rec.output) and isinstance(rec.output[idx], torch.Tensor):
-                        flat_index = sum(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(list(rec.output)[:idx]))
+                    if 0 <= idx < len(rec.output) and isinstance(rec.output[idx], _TensorSpec):
+                        flat_index = sum(isinstance(x, _TensorSpec) for x in pytree.tree_leaves(list(rec.output)[:idx]))
                         self.produced[(rec.seq, flat_index)] = user
 
     @staticmethod
@@ -1055,13 +1105,13 @@ class _Regrouper:
             call = self.graph.call_module(name, args, kwargs)
         call.meta["nn_module_stack"] = self._frames_meta(group.frames)
         call.meta["fxprep_regrouped"] = True
-        if isinstance(rec.output, torch.Tensor) and len(ext_out) == 1:
+        if isinstance(rec.output, _TensorSpec) and len(ext_out) == 1:
             call.meta["example_value"] = ext_out[0].meta.get("example_value")
         self.targets[call] = name
         self.order[call] = self.order[last] + 0.5
         self.placed[rec.seq] = call
         self._note_leaf(rec.module)
-        if isinstance(rec.output, torch.Tensor):
+        if isinstance(rec.output, _TensorSpec):
             self.produced[(rec.seq, 0)] = call
         parent = self._frames_meta(group.frames[:-1])
         members = set(nodes)
@@ -1087,11 +1137,11 @@ class _Regrouper:
     def _insert_empty(self, rec: _Call) -> None:
         """A leaf call that left no node (``nn.Identity``): put the call back where it happened."""
         name = self.names.module_name(rec.module)
-        index = rec.output_is_arg[0] if isinstance(rec.output, torch.Tensor) and rec.output_is_arg else None
+        index = rec.output_is_arg[0] if isinstance(rec.output, _TensorSpec) and rec.output_is_arg else None
         if name is None or index is None:
             return self._give_up(rec, "it left no node in the captured graph and does not return its input")
         window = self._window(rec.seq)
-        flat_args = [t for t in pytree.tree_leaves((rec.args, rec.kwargs)) if isinstance(t, torch.Tensor)]
+        flat_args = [t for t in pytree.tree_leaves((rec.args, rec.kwargs)) if isinstance(t, _TensorSpec)]
         source = self._tensor_node(rec, index, flat_args[index], [], set(), window)
         bound = self._bind(rec, [source] if source is not None else [], window) if source is not None else None
         if source is None or bound is None:
