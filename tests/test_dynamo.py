@@ -663,7 +663,7 @@ def test_llama_eager_and_sdpa_attention(attention: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # Regrouping without copies: what the eager run keeps of its tensors
 # --------------------------------------------------------------------------------------------------
-class Pair(nn.Module):
+class BReadFirst(nn.Module):
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return b * 2 - a  # reads b first: order of use would bind ``a`` to b
 
@@ -671,7 +671,7 @@ class Pair(nn.Module):
 class PairUser(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.pair = Pair()
+        self.pair = BReadFirst()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.pair(x.sin(), x.cos())
@@ -683,7 +683,7 @@ def test_same_shaped_arguments_are_told_apart_by_value(route: str, force_route) 
     order the leaf reads them in says it wrong, so the values recorded in the eager run decide."""
     force_route(route)
     model = PairUser().eval()
-    gm = fxprep.prepare_model(model, None, [Pair], example_inputs=(torch.randn(3, 5),), tracer="dynamo")
+    gm = fxprep.prepare_model(model, None, [BReadFirst], example_inputs=(torch.randn(3, 5),), tracer="dynamo")
     report = gm.fxprep_report
     assert report.tracer == "dynamo" and report.verification.status == "passed"
     assert not any("order of use" in n for n in report.notes)
