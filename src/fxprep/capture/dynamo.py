@@ -31,7 +31,8 @@ Two routes lead there, both tested:
     collapsed into one ``call_module``. The call's arguments (several inputs, keyword arguments,
     non-tensor flags such as ``need_weights=False``) and output structure are taken from one eager
     run with hooks on the leaves, and tied to graph nodes by identity (model inputs, parameters,
-    other leaves' outputs), then shape, then value. Leaves that compute nothing (``nn.Identity``)
+    other leaves' outputs), then shape, then value. That run keeps no tensors: only shapes, dtypes,
+    identities and a fingerprint of the values, so its memory stays flat. Leaves that compute nothing (``nn.Identity``)
     are re-inserted where they were called. The same regrouping turns user-named leaves
     (``module_classes_to_exclude``, e.g. transformers' ``LlamaRMSNorm``) into modules on both
     routes, since Dynamo always inlines non-``torch.nn`` modules.
