@@ -734,3 +734,35 @@ def test_fingerprint_tells_layouts_alike_and_values_apart() -> None:
             assert not spec.same_values(D._TensorSpec.of(changed)), (shape, i)
         assert not spec.same_values(D._TensorSpec.of(t.double()))
     assert not D._TensorSpec.of(torch.empty(2, 2, device="meta")).same_values(D._TensorSpec.of(torch.zeros(2, 2)))
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln(x)
+        y, _ = self.attn(y, y, y, need_weights=False)
+        return x + y
+
+
+@pytest.mark.skipif(not D.flag_available(), reason="this torch has no install_free_tensors_for_export flag")
+def test_flag_route_keeps_attention_without_an_eager_run(force_route, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the flag route Dynamo emits MultiheadAttention as one call_module, but files the getitem
+    unpacking its output under the attention's own stack: that is still one call, and must not
+    cost an eager recording run (a whole extra forward on vit_b_16)."""
+    force_route("flag")
+    recorded: list[int] = []
+    real = D._record_calls
+    monkeypatch.setattr(D, "_record_calls", lambda *a, **k: recorded.append(1) or real(*a, **k))
+    model = Attention().eval()
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 5, 16),), tracer="dynamo")
+    assert gm.fxprep_report.verification.status == "passed" and gm.meta[D.ROUTE_META] == "flag"
+    assert recorded == []
+    assert targets(gm)[:2] == ["ln", "attn"] and gm.get_submodule("attn") is model.attn
+    (call,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "attn"]
+    assert call.kwargs.get("need_weights") is False
+    for user in call.users:  # the unpacking belongs to the caller, not inside the attention
+        assert not any("attn" in str(k) for k in user.meta.get("nn_module_stack", {})), user.meta["nn_module_stack"]

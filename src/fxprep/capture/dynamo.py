@@ -830,12 +830,32 @@ class _Regrouper:
                     break
         collapse, direct = [], []
         for group in groups.values():
-            only = group.nodes[0] if len(group.nodes) == 1 else None
-            if only is not None and only.op == "call_module" and len(self.stacks.of(only)) == len(group.frames):
-                direct.append(only)
+            call = self._direct_call(group)
+            if call is not None:
+                direct.append(call)
             else:
                 collapse.append(group)
         return collapse, direct
+
+    def _direct_call(self, group: _Group) -> fx.Node | None:
+        """The ``call_module`` node that is the whole of ``group``, if Dynamo made one.
+
+        Dynamo files the ``getitem`` that unpacks a leaf's tuple output (``nn.MultiheadAttention``'s
+        ``out, _ = attn(x, x, x)``) under the leaf's own stack entry. Such a group is still one call:
+        it needs no eager recording (which costs a forward), only the accesses moved to the caller's
+        stack.
+        """
+        calls = [n for n in group.nodes if n.op == "call_module" and len(self.stacks.of(n)) == len(group.frames)]
+        if len(calls) != 1:
+            return None
+        call = calls[0]
+        accesses = [n for n in group.nodes if n is not call]
+        if not all(n.op == "call_function" and n.target is operator.getitem and n.args[0] is call for n in accesses):
+            return None
+        parent = self._frames_meta(group.frames[:-1])
+        for n in accesses:
+            n.meta["nn_module_stack"] = dict(parent)
+        return call
 
     def run(self) -> None:
         groups, direct = self.groups()
