@@ -32,8 +32,8 @@ Two routes lead there, both tested:
     non-tensor flags such as ``need_weights=False``) and output structure are taken from one eager
     run with hooks on the leaves, and tied to graph nodes by identity (model inputs, parameters,
     other leaves' outputs), then shape, then value. That run keeps no tensors: only shapes, dtypes,
-    identities and a fingerprint of the values, so its memory stays flat. Leaves that compute nothing (``nn.Identity``)
-    are re-inserted where they were called. The same regrouping turns user-named leaves
+    identities and a fingerprint of the values, so its memory stays flat. Leaves that compute
+    nothing (``nn.Identity``) are re-inserted where they were called. The same regrouping turns user-named leaves
     (``module_classes_to_exclude``, e.g. transformers' ``LlamaRMSNorm``) into modules on both
     routes, since Dynamo always inlines non-``torch.nn`` modules.
 
@@ -667,17 +667,16 @@ def _record_calls(
     return calls
 
 
-def _forget_when_dead(t: torch.Tensor, table: dict[int, tuple[int, int, Any]]) -> Any:
+def _forget_when_dead(t: torch.Tensor, table: dict[int, tuple[int, int, Any]]) -> weakref.ref[torch.Tensor]:
+    """A weak reference to ``t`` whose death removes ``t``'s entry from ``table`` (unless a newer
+    tensor with the same id has replaced it by then)."""
     key = id(t)
 
-    def forget(ref: Any) -> None:
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
         if key in table and table[key][2] is ref:
             del table[key]
 
-    try:
-        return weakref.ref(t, forget)
-    except TypeError:  # not weak-referenceable: the id may be reused, so do not trust it later
-        return None
+    return weakref.ref(t, forget)
 
 
 class _ValueRecorder(fx.Interpreter):
