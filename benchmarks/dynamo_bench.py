@@ -6,16 +6,17 @@ Each measurement runs in a fresh subprocess (one thread) so peak-RSS numbers are
 earlier run: the child builds the model and its inputs, runs one eager forward, resets the peak-RSS
 counter (``/proc/self/clear_refs``; a 2 ms sampler where that is not allowed), then times the one
 call being measured. "RSS growth" is the peak resident set during that call minus the resident set
-just before it. The table shows the median of ``--runs`` runs and each method's ratio to fxprep's.
+just before it. The table shows the median of ``--runs`` runs and each method's ratio to
+non-strict export's.
 
 fxprep is measured end to end with ``verify=False`` and ``tracer="dynamo"`` (capture, re-lifting,
 functional → module, unrolling, state-dict parity); the export columns are the bare
-``torch.export.export`` call. ``dynamo_export`` is the bare ``torch._dynamo.export`` call with the
-settings fxprep's capture uses (the ``install_free_tensors_for_export=False`` route where this torch
-has it, static shapes): the floor for any capture that starts with Dynamo, so what fxprep adds on
-top of Dynamo can be told from what Dynamo costs against non-strict export. Each configuration runs twice: *cold* (the first capture in the
-process, paying imports and one-time set-up) and *warm* (after capturing a tiny MLP the same way),
-so the per-model cost can be told from the fixed one.
+``torch.export.export`` call. ``dynamo_export`` is the ``torch._dynamo.export`` call fxprep's
+capture makes (``fxprep.capture.dynamo._export``: same settings, same route) and nothing else: the
+floor for any capture that starts with Dynamo, so what fxprep adds on top of Dynamo can be told
+from what Dynamo costs against non-strict export. Each configuration runs twice: *cold* (the first
+capture in the process, paying imports and one-time set-up) and *warm* (after capturing a tiny MLP
+the same way), so the per-model cost can be told from the fixed one.
 """
 
 from __future__ import annotations
@@ -120,11 +121,10 @@ def _capture(method: str, model: Any, args: tuple[Any, ...], kwargs: dict[str, A
         gm = fxprep.prepare_model(model, example_inputs=kwargs if kwargs else args, verify=False, tracer="dynamo")
         return {"route": gm.meta.get("fxprep_dynamo_route"), "modules": sum(1 for n in gm.graph.nodes if n.op == "call_module")}
     if method == "dynamo_export":
-        import torch._dynamo as dynamo
+        from fxprep.capture.dynamo import _export, default_route
+        from fxprep.inputs import ExampleInputs
 
-        flag = "install_free_tensors_for_export"
-        with dynamo.config.patch(**({flag: False} if hasattr(dynamo.config, flag) else {})):
-            result = dynamo.export(model, assume_static_by_default=True)(*args, **kwargs)
+        result = _export(model, ExampleInputs(args, kwargs), default_route(), None)
         return {"nodes": len(result.graph_module.graph.nodes)}
     ep = torch.export.export(model, args, kwargs, strict=method == "export_strict")
     return {"nodes": len(ep.graph.nodes)}
@@ -141,7 +141,7 @@ def child(model_name: str, method: str, warm: bool = False) -> dict[str, Any]:
     with torch.no_grad():
         model(*args, **kwargs)  # warm-up: lazy inits and allocator pools are not the capture's cost
     params = sum(p.numel() for p in model.parameters())
-    if method == "fxprep":
+    if method in ("fxprep", "dynamo_export"):
         import fxprep  # noqa: F401  # importing the package (rich, safetensors, ...) is not the capture's cost
     if warm:
         _capture(method, *_tiny(), {})

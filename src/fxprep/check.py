@@ -31,6 +31,9 @@ from .diagnose import (
 )
 from .inputs import normalize_example_inputs
 
+# Tracers that capture the model whole (the hybrid leaf fallback is reported apart).
+WHOLE_MODEL_TRACERS = ("dynamo", "fx", "hf_fx")
+
 
 @dataclass
 class TraceReport:
@@ -45,7 +48,7 @@ class TraceReport:
     @property
     def traceable(self) -> bool:
         """True when at least one tracer captures the whole model."""
-        return any(a.ok for a in self.attempts if a.tracer in ("dynamo", "fx", "hf_fx"))
+        return any(a.ok for a in self.attempts if a.tracer in WHOLE_MODEL_TRACERS)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,7 +65,7 @@ class TraceReport:
 
     def _verdict(self) -> str:
         if self.traceable:
-            ok = [a.tracer for a in self.attempts if a.ok and a.tracer in ("dynamo", "fx", "hf_fx")]
+            ok = [a.tracer for a in self.attempts if a.ok and a.tracer in WHOLE_MODEL_TRACERS]
             return f"traceable whole by {', '.join(ok)}"
         if self.hybrid_ok:
             return f"not traceable whole; prepares with {len(self.opaque)} opaque part(s)"

@@ -33,9 +33,9 @@ Two routes lead there, both tested:
     run with hooks on the leaves, and tied to graph nodes by identity (model inputs, parameters,
     other leaves' outputs), then shape, then value. That run keeps no tensors: only shapes, dtypes,
     identities and a fingerprint of the values, so its memory stays flat. Leaves that compute
-    nothing (``nn.Identity``) are re-inserted where they were called. The same regrouping turns user-named leaves
-    (``module_classes_to_exclude``, e.g. transformers' ``LlamaRMSNorm``) into modules on both
-    routes, since Dynamo always inlines non-``torch.nn`` modules.
+    nothing (``nn.Identity``) are re-inserted where they were called. The same regrouping turns
+    user-named leaves (``module_classes_to_exclude``, e.g. transformers' ``LlamaRMSNorm``) into
+    modules on both routes, since Dynamo always inlines non-``torch.nn`` modules.
 
 Around each capture the user's model is protected: attributes ``forward`` writes (Dynamo replays
 them with *fake* tensors) are restored, tensor caches in dict attributes (timm LeViT's
@@ -568,13 +568,10 @@ class _TensorSpec:
             return cls(shape, dtype)
         try:
             with torch.no_grad():
-                v = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
-                total = float(v.sum(dtype=torch.float64)) if v.dtype != torch.bool else float(v.sum())
-                n = v.numel()
-                samples: tuple[Any, ...] = ()
-                if n:
-                    flat_idx = torch.linspace(0, n - 1, steps=min(n, _SAMPLES), device=v.device).long()
-                    samples = tuple(v[torch.unravel_index(flat_idx, v.shape)].tolist()) if v.dim() else (v.item(),)
+                v = torch.atleast_1d(torch.view_as_real(t.detach()) if t.is_complex() else t.detach())
+                total = float(v.sum(dtype=torch.float64))
+                picks = torch.linspace(0, v.numel() - 1, steps=min(v.numel(), _SAMPLES), device=v.device).long()
+                samples = tuple(v[torch.unravel_index(picks, v.shape)].tolist())
         except Exception:  # noqa: BLE001 - a tensor subclass without these ops: shape and dtype only
             return cls(shape, dtype)
         return cls(shape, dtype, total, samples)
@@ -614,9 +611,9 @@ def _record_calls(
 
     calls: dict[int, list[_Call]] = {}
     active: list[_Call] = []
-    # id(tensor) -> (seq, flat output index, weakref). An entry goes when its tensor dies, so a
-    # new tensor reusing the id is not taken for it; the tensors themselves are not kept alive.
-    produced: dict[int, tuple[int, int, Any]] = {}
+    # id(tensor) -> (seq, flat output index). The tensors are not kept alive: an entry goes when
+    # its tensor dies, so a new tensor reusing the id is not taken for it.
+    produced: dict[int, tuple[int, int]] = {}
     counter = [0]
     fresh = call.fresh_copy()
     inputs = {id(t): i for i, t in enumerate(pytree.tree_leaves((fresh.args, fresh.kwargs))) if isinstance(t, torch.Tensor)}
@@ -627,7 +624,7 @@ def _record_calls(
         if id(t) in names.tensors:
             return ("tensor", names.tensors[id(t)][0])
         if id(t) in produced:
-            return ("call", produced[id(t)][:2])
+            return ("call", produced[id(t)])
         return ("other", None)
 
     def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -650,7 +647,8 @@ def _record_calls(
         arg_ids = rec.arg_ids
         rec.output_is_arg = [arg_ids.index(id(t)) if id(t) in arg_ids else None for t in out_leaves]
         for i, t in enumerate(out_leaves):
-            produced[id(t)] = (rec.seq, i, _forget_when_dead(t, produced))
+            produced[id(t)] = (rec.seq, i)
+            _forget_when_dead(t, produced)
         rec.output = _specs(output)
 
     handles = []
@@ -667,16 +665,10 @@ def _record_calls(
     return calls
 
 
-def _forget_when_dead(t: torch.Tensor, table: dict[int, tuple[int, int, Any]]) -> weakref.ref[torch.Tensor]:
-    """A weak reference to ``t`` whose death removes ``t``'s entry from ``table`` (unless a newer
-    tensor with the same id has replaced it by then)."""
-    key = id(t)
-
-    def forget(ref: weakref.ref[torch.Tensor]) -> None:
-        if key in table and table[key][2] is ref:
-            del table[key]
-
-    return weakref.ref(t, forget)
+def _forget_when_dead(t: torch.Tensor, table: dict[int, Any]) -> None:
+    """Drop ``t``'s entry from ``table`` when ``t`` dies. Its id cannot be reused before then, so the
+    entry found at that moment is ``t``'s own."""
+    weakref.finalize(t, table.pop, id(t), None).atexit = False
 
 
 class _ValueRecorder(fx.Interpreter):
@@ -748,7 +740,7 @@ def _fake_dtype(node: fx.Node) -> torch.dtype | None:
 
 def _matches(node: fx.Node, t: _TensorSpec) -> bool:
     shape = _fake_shape(node)
-    return shape is not None and tuple(shape) == t.shape and _fake_dtype(node) == t.dtype
+    return shape is not None and shape == t.shape and _fake_dtype(node) == t.dtype
 
 
 @dataclass
@@ -783,8 +775,11 @@ class _Regrouper:
         self.targets: dict[fx.Node, str] = {}  # call_module node -> user qualname
         self.produced: dict[tuple[int, int], fx.Node] = {}  # (call seq, flat output index) -> node
         self.placed: dict[int, fx.Node] = {}  # call seq -> its call_module node
-        self._values: dict[fx.Node, Any] | None = None  # example values, recorded on first need
-        self._wanted: set[fx.Node] = set()
+        self._values: dict[fx.Node, _TensorSpec] | None = None  # example values, recorded on first need
+        self._wanted: set[fx.Node] = set()  # the nodes whose values a tie could need
+        self._pristine = fx.Graph()  # the graph as captured (nodes only), for those values
+        self._pristine_map: dict[fx.Node, fx.Node] = {}
+        self.next_start: dict[int, float] = {}  # call seq -> where the next placed call starts
         self.order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(self.graph.nodes)}
 
     def is_leaf(self, module: nn.Module | None) -> bool:
@@ -903,10 +898,7 @@ class _Regrouper:
         self._wanted = wanted
         # The rewriting below changes the graph; a tie found later is broken with values of the
         # graph as captured, so keep a copy of it (nodes only, no tensors) until then.
-        self._pristine_map: dict[fx.Node, fx.Node] = {}
-        self._pristine = fx.Graph()
         self._pristine.output(self._pristine.graph_copy(self.dgm.graph, self._pristine_map))
-        self.next_start: dict[int, float] = {}
         upcoming = float(len(self.order))
         for seq in sorted(pairs, reverse=True):
             self.next_start[seq] = upcoming
@@ -1778,6 +1770,9 @@ def _failure(err: BaseException, start: float) -> tuple[None, CaptureAttempt]:
 
 
 _RETRY_ON_REGROUP = ("neither buffers/parameters/constants", "install_free_tensors")
+# Inputs made to require grad cannot be written in place, turned into NumPy, ...: "a leaf Variable
+# that requires grad is being used in an in-place operation".
+_RETRY_WITHOUT_GRAD = ("requires grad",)
 
 
 def capture_dynamo(
@@ -1825,10 +1820,8 @@ def capture_dynamo(
             notes.extend(attempt_notes)
             break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
-            if grad_inputs and "grad" in str(err):
-                # e.g. an in-place op on an input: "a leaf Variable that requires grad is being used
-                # in an in-place operation". Capture the inputs as given instead.
-                grad_inputs = False
+            if grad_inputs and any(s in str(err) for s in _RETRY_WITHOUT_GRAD):
+                grad_inputs = False  # capture the inputs as given instead
             elif caches:
                 caches = []  # maybe the model cannot run with its caches emptied: keep them in place
             elif route == "auto" and current == "flag" and any(s in str(err) for s in _RETRY_ON_REGROUP):

@@ -9,11 +9,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from ..inputs import ExampleInputs
+from .common import CaptureAttempt, CaptureResult
 
 CAPTURE_ATTENTION = ("eager", "sdpa")
 
@@ -148,15 +152,11 @@ def hf_symbolic_trace(model: nn.Module, input_names: list[str] | None = None) ->
     return symbolic_trace(model, input_names=input_names)
 
 
-def capture_hf_fx(model: nn.Module, example: Any) -> tuple[Any, Any]:
+def capture_hf_fx(model: nn.Module, example: ExampleInputs | None) -> tuple[CaptureResult | None, CaptureAttempt | None]:
     """One more fx-path option for ``transformers < 5``: its own ``HFTracer`` knows that library's
-    dynamic code (masks, ``len()`` of shapes) better than a generic tracer. Returns
-    ``(CaptureResult | None, CaptureAttempt | None)``; ``(None, None)`` when it does not apply
-    (not a transformers model, or transformers 5, which removed ``transformers.utils.fx``)."""
-    import time
-
-    from .common import CaptureAttempt, CaptureResult
-
+    dynamic code (masks, ``len()`` of shapes) better than a generic tracer. ``(None, None)`` when it
+    does not apply (not a transformers model, or transformers 5, which removed
+    ``transformers.utils.fx``)."""
     if not is_hf_model(model):
         return None, None
     try:
