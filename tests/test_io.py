@@ -30,6 +30,8 @@ def roundtrip(gm, tmp_path: Path, example, **load_kwargs):
     assert list(loaded.state_dict()) == list(gm.state_dict())
     for key, value in gm.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
+    for key, value in loaded.state_dict().items():  # misaligned data makes CPU kernels differ in the last bits
+        assert value.numel() == 0 or value.data_ptr() % 64 == 0, key
     assert [(n, type(m).__qualname__) for n, m in loaded.named_modules()] == \
            [(n, type(m).__qualname__) for n, m in gm.named_modules()][:1] + \
            [(n, type(m).__qualname__) for n, m in gm.named_modules()][1:]
