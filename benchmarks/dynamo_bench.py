@@ -12,7 +12,7 @@ non-strict export's.
 fxprep is measured end to end with ``verify=False`` and ``tracer="dynamo"`` (capture, re-lifting,
 functional → module, unrolling, state-dict parity); the export columns are the bare
 ``torch.export.export`` call. ``dynamo_export`` is the ``torch._dynamo.export`` call fxprep's
-capture makes (``fxprep.capture.dynamo._export``: same settings, same route) and nothing else: the
+capture makes (``fxprep.capture.dynamo.export.dynamo_export``: same settings, same route) and nothing else: the
 floor for any capture that starts with Dynamo, so what fxprep adds on top of Dynamo can be told
 from what Dynamo costs against non-strict export. Each configuration runs twice: *cold* (the first
 capture in the process, paying imports and one-time set-up) and *warm* (after capturing a tiny MLP
@@ -121,10 +121,10 @@ def _capture(method: str, model: Any, args: tuple[Any, ...], kwargs: dict[str, A
         gm = fxprep.prepare_model(model, example_inputs=kwargs if kwargs else args, verify=False, tracer="dynamo")
         return {"route": gm.meta.get("fxprep_dynamo_route"), "modules": sum(1 for n in gm.graph.nodes if n.op == "call_module")}
     if method == "dynamo_export":
-        from fxprep.capture.dynamo import _export, default_route
+        from fxprep.capture.dynamo.export import default_route, dynamo_export
         from fxprep.inputs import ExampleInputs
 
-        result = _export(model, ExampleInputs(args, kwargs), default_route(), None)
+        result = dynamo_export(model, ExampleInputs(args, kwargs), default_route(), None)
         return {"nodes": len(result.graph_module.graph.nodes)}
     ep = torch.export.export(model, args, kwargs, strict=method == "export_strict")
     return {"nodes": len(ep.graph.nodes)}

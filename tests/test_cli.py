@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from fxprep import cli, io
-from fxprep.zoo import SpecError, inputs_from_strings, parse_input, resolve, zoo_specs
+from fxprep.cli.specs import SpecError, inputs_from_strings, parse_input, resolve, zoo_specs
 
 runner = CliRunner()
 
@@ -240,14 +240,14 @@ def test_survey_writes_markdown_and_json(tmp_path):
 
 
 def test_survey_timeout_is_a_row(tmp_path):
-    from fxprep.zoo import run_in_subprocess
+    from fxprep.cli.survey import run_in_subprocess
 
     result = run_in_subprocess("demo:ModelWithReusedReLU", timeout=0.5)
     assert result.status == "timeout"
 
 
 def test_survey_crash_is_a_row(tmp_path):
-    from fxprep.zoo import run_in_subprocess
+    from fxprep.cli.survey import run_in_subprocess
 
     spec = _write(tmp_path, """
         import os

@@ -22,6 +22,8 @@ import fxprep
 from fxprep.capture import dynamo as D
 from fxprep.capture import huggingface as hf
 from fxprep.capture.common import LeafPolicy
+from fxprep.capture.dynamo import names as dynamo_names
+from fxprep.capture.dynamo import record, regroup
 from fxprep.capture.fx import capture_fx
 from fxprep.inputs import ExampleInputs
 from fxprep.passes.functional_to_module import remaining_compute_ops
@@ -697,11 +699,11 @@ def test_recorded_leaf_calls_hold_no_tensors() -> None:
     from torch.utils import _pytree as pytree
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    calls = D._record_calls(model, {id(m): m for m in model}, ExampleInputs((torch.randn(3, 4),), {}), D._Names(model))
+    calls = record.record_calls(model, {id(m): m for m in model}, ExampleInputs((torch.randn(3, 4),), {}), dynamo_names.Names(model))
     recs = [rec for recs in calls.values() for rec in recs]
     assert len(recs) == 3
     leaves = pytree.tree_leaves([(rec.args, rec.kwargs, rec.output) for rec in recs])
-    assert leaves and all(isinstance(leaf, D._TensorSpec) for leaf in leaves)
+    assert leaves and all(isinstance(leaf, record.TensorSpec) for leaf in leaves)
     relu = calls[id(model[1])][0]
     assert relu.arg_origin == [("call", (0, 0))]  # identity survives: ReLU reads the first Linear's output
     assert relu.args[0].shape == (3, 4) and relu.args[0].total is not None
@@ -713,7 +715,7 @@ def test_produced_tensor_ids_are_forgotten_when_the_tensor_dies() -> None:
 
     table: dict[int, Any] = {}
     t = torch.ones(2)
-    table[id(t)] = (0, 0, D._forget_when_dead(t, table))
+    table[id(t)] = (0, 0, record.forget_when_dead(t, table))
     assert id(t) in table
     del t
     gc.collect()
@@ -724,16 +726,16 @@ def test_fingerprint_tells_layouts_alike_and_values_apart() -> None:
     torch.manual_seed(0)
     for shape in [(), (1,), (7,), (3, 5), (4, 1, 6), (65, 3)]:
         t = torch.randn(shape)
-        spec = D._TensorSpec.of(t)
-        assert spec.same_values(D._TensorSpec.of(t.clone()))
+        spec = record.TensorSpec.of(t)
+        assert spec.same_values(record.TensorSpec.of(t.clone()))
         if t.dim() >= 2:
-            assert spec.same_values(D._TensorSpec.of(t.mT.contiguous().mT))  # same values, other strides
+            assert spec.same_values(record.TensorSpec.of(t.mT.contiguous().mT))  # same values, other strides
         for i in range(t.numel()):  # any single changed element is seen, sampled or not
             changed = t.clone()
             changed.view(-1)[i] += 1.0
-            assert not spec.same_values(D._TensorSpec.of(changed)), (shape, i)
-        assert not spec.same_values(D._TensorSpec.of(t.double()))
-    assert not D._TensorSpec.of(torch.empty(2, 2, device="meta")).same_values(D._TensorSpec.of(torch.zeros(2, 2)))
+            assert not spec.same_values(record.TensorSpec.of(changed)), (shape, i)
+        assert not spec.same_values(record.TensorSpec.of(t.double()))
+    assert not record.TensorSpec.of(torch.empty(2, 2, device="meta")).same_values(record.TensorSpec.of(torch.zeros(2, 2)))
 
 
 class Attention(nn.Module):
@@ -755,8 +757,8 @@ def test_flag_route_keeps_attention_without_an_eager_run(force_route, monkeypatc
     cost an eager recording run (a whole extra forward on vit_b_16)."""
     force_route("flag")
     recorded: list[int] = []
-    real = D._record_calls
-    monkeypatch.setattr(D, "_record_calls", lambda *a, **k: recorded.append(1) or real(*a, **k))
+    real = regroup.record_calls
+    monkeypatch.setattr(regroup, "record_calls", lambda *a, **k: recorded.append(1) or real(*a, **k))
     model = Attention().eval()
     gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 5, 16),), tracer="dynamo")
     assert gm.fxprep_report.verification.status == "passed" and gm.meta[D.ROUTE_META] == "flag"

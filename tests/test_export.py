@@ -11,7 +11,7 @@ from torch import nn
 
 import fxprep
 from fxprep import export
-from fxprep.demo import ModelWithReusedReLU
+from fxprep.cli.demo import ModelWithReusedReLU
 from fxprep.errors import ExportError
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import fxprep
 from fxprep import io, ops
-from fxprep.demo import ModelWithElementwiseAddOp, ModelWithFunctionalReLU, ModelWithReusedReLU
+from fxprep.cli.demo import ModelWithElementwiseAddOp, ModelWithFunctionalReLU, ModelWithReusedReLU
 from fxprep.errors import SerializationError
 
 
@@ -277,7 +277,7 @@ def test_saved_module_loads_in_a_fresh_process(tmp_path):
         f"gm = io.load({str(directory)!r})\n"
         f"x = torch.load({str(tmp_path / 'x.pt')!r})\n"
         f"torch.save(gm(x), {str(tmp_path / 'y.pt')!r})\n"
-        "assert 'fxprep.demo' not in sys.modules\n"
+        "assert 'fxprep.cli' not in sys.modules\n"
     )
     import subprocess
     import sys
@@ -393,7 +393,7 @@ def _edit(directory: Path, name: str, change) -> None:
     change(data)
     path.write_text(json.dumps(data))
     manifest = json.loads((directory / io.MANIFEST).read_text())
-    manifest["sha256"][name] = io._sha256(path)
+    manifest["sha256"][name] = io.format.sha256(path)
     (directory / io.MANIFEST).write_text(json.dumps(manifest))
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxprep
-from fxprep.demo import ModelWithElementwiseAddOp, ModelWithFunctionalReLU, ModelWithReusedReLU
+from fxprep.cli.demo import ModelWithElementwiseAddOp, ModelWithFunctionalReLU, ModelWithReusedReLU
 from fxprep.passes.functional_to_module import is_allowed_functional, remaining_compute_ops
 
 

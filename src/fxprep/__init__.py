@@ -24,10 +24,10 @@ from .export import export_onnx, export_program
 from .io import load, save
 from .opaque import opaque
 from .report import Report
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
+    "__version__",
     "prepare_model",
     "check_traceability",
     "TraceReport",

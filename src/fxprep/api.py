@@ -8,120 +8,27 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
-import inspect
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch import nn
 
-from .capture import huggingface
+from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
+from .capture import dynamo_available, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
 from .capture.fx import capture_fx, mode_notes, restored_attributes, trace_failure
 from .capture.leaves import capture_hybrid
 from .errors import InvalidInput
-from .inputs import ExampleInputs, normalize_example_inputs
+from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
 from .passes import functional_to_module, state_dict, unroll, values
 from .report import Report, Verification
-from .verify import preserved_state, run_original, verify
+from .runs import preserved_state
+from .verify import run_original, verify
 
 REPORT_ATTR = "fxprep_report"
-
-
-def _check_model(model: Any) -> nn.Module:
-    if not isinstance(model, nn.Module):
-        raise InvalidInput(
-            f"model must be a torch.nn.Module, not {type(model).__name__}. "
-            f"Wrap a plain function in an nn.Module whose forward() calls it."
-        )
-    if isinstance(model, torch.jit.ScriptModule):
-        raise InvalidInput("model is a TorchScript module; pass the original nn.Module it was scripted from.")
-    return model
-
-
-def _leaf_policy(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclude: Any) -> LeafPolicy:
-    modules = list(modules_to_exclude or [])
-    classes = list(module_classes_to_exclude or [])
-    inside = {id(m) for m in model.modules()}
-    for m in modules:
-        if not isinstance(m, nn.Module):
-            raise InvalidInput(f"modules_to_exclude must hold nn.Module instances; got {type(m).__name__}.")
-        if id(m) not in inside:
-            raise InvalidInput(
-                f"modules_to_exclude holds a {type(m).__name__} that is not a submodule of the model "
-                f"(pass the instance itself, e.g. modules_to_exclude=[model.custom])."
-            )
-        if m is model:
-            raise InvalidInput("modules_to_exclude cannot hold the model itself: nothing would be left to trace.")
-    for c in classes:
-        if not isinstance(c, type):
-            raise InvalidInput(
-                f"module_classes_to_exclude must hold classes (e.g. [MyBlock]); got {c!r}. "
-                f"To exclude one instance use modules_to_exclude."
-            )
-    return LeafPolicy(tuple(modules), tuple(classes))
-
-
-def _check_concrete_args(model: nn.Module, concrete_args: Any) -> dict[str, Any] | None:
-    if concrete_args is None:
-        return None
-    if not isinstance(concrete_args, dict):
-        raise InvalidInput(f"concrete_args must be a dict {{argument name: value}}, not {type(concrete_args).__name__}.")
-    params = inspect.signature(model.forward).parameters
-    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    unknown = [k for k in concrete_args if k not in params and not has_var_kw]
-    if unknown:
-        raise InvalidInput(
-            f"concrete_args names {unknown} are not arguments of {type(model).__name__}.forward "
-            f"(its arguments: {list(params)})."
-        )
-    return dict(concrete_args)
-
-
-def _calls(model: nn.Module, example: ExampleInputs, concrete_args: dict[str, Any] | None) -> tuple[ExampleInputs, ExampleInputs]:
-    """How to call the original and the prepared module. ``concrete_args`` are fixed into the graph,
-    so the prepared module is called without them while the original needs them."""
-    if not concrete_args:
-        return example, example
-    try:
-        bound = inspect.signature(model.forward).bind_partial(*example.args, **example.kwargs)
-    except TypeError:
-        return example, example
-    extra = {k: v for k, v in concrete_args.items() if k not in bound.arguments}
-    original_call = ExampleInputs(example.args, {**example.kwargs, **extra})
-    prepared_call = ExampleInputs(example.args, {k: v for k, v in example.kwargs.items() if k not in concrete_args})
-    return original_call, prepared_call
-
-
-def _defaults_as_concrete(model: nn.Module, example: ExampleInputs | None, concrete: dict[str, Any] | None,
-                          report: Report) -> dict[str, Any] | None:
-    """Arguments the example does not give and that have a default are fixed to that default.
-
-    Symbolic tracing otherwise turns ``y=None`` into a tensor placeholder and traces the branch for a
-    tensor (``x + y``), which is wrong for the call the user actually makes. Each one is reported.
-    """
-    if example is None:
-        return concrete
-    try:
-        params = inspect.signature(model.forward).parameters
-        bound = inspect.signature(model.forward).bind_partial(*example.args, **example.kwargs)
-    except (TypeError, ValueError):
-        return concrete
-    extra = {}
-    for name, p in params.items():
-        if name in bound.arguments or (concrete and name in concrete):
-            continue
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is p.empty:
-            continue
-        extra[name] = p.default
-    if not extra:
-        return concrete
-    listed = ", ".join(f"{k}={v!r}" for k, v in extra.items())
-    report.note(f"arguments not in example_inputs were captured with their defaults: {listed}.")
-    return {**(concrete or {}), **extra}
 
 
 def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report,
@@ -131,21 +38,13 @@ def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report
             raise InvalidInput("tracer='dynamo' needs example_inputs: Dynamo traces by running the model.")
         return [opts.tracer]
     if example is None:
-        if _dynamo_available() and huggingface.example_inputs_for(model) is not None:
+        if dynamo_available() and huggingface.example_inputs_for(model) is not None:
             report.note("No example_inputs: Dynamo captured with inputs built from the model config "
                         "(input_ids, attention_mask, ...); the result is not verified.")
             return ["dynamo", "fx"]
         report.note("No example_inputs: only the fx tracer can run, and the result is not verified.")
         return ["fx"]
-    return ["dynamo", "fx"] if _dynamo_available() else ["fx"]
-
-
-def _dynamo_available() -> bool:
-    try:
-        from .capture import dynamo  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return ["dynamo", "fx"] if dynamo_available() else ["fx"]
 
 
 def capture(
@@ -269,19 +168,19 @@ def _frozen_heap() -> Iterator[None]:
 def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclude: Any, concrete_args: Any,
              example_inputs: Any, options: dict[str, Any]) -> fx.GraphModule:
     t0 = time.perf_counter()
-    model = _check_model(model)
+    model = check_model(model)
     opts = PrepareOptions.from_kwargs(options)
-    policy = _leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
+    policy = leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
     example = normalize_example_inputs(example_inputs)
-    concrete = huggingface.capture_concrete_args(model, _check_concrete_args(model, concrete_args), example)
+    concrete = huggingface.capture_concrete_args(model, check_concrete_args(model, concrete_args), example)
     report = Report(opts.name or type(model).__name__)
     report.inputs = example.describe() if example is not None else "none"
 
-    concrete = _defaults_as_concrete(model, example, concrete, report)
+    concrete = defaults_as_concrete(model, example, concrete, report)
     reference = None
     original_call = prepared_call = example
     if example is not None:
-        original_call, prepared_call = _calls(model, example, concrete)
+        original_call, prepared_call = split_calls(model, example, concrete)
         if opts.verify:  # the reference run doubles as the check that the inputs suit the model
             reference = run_original(model, original_call)
 
@@ -341,7 +240,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         for extra in opts.verify_inputs:
             extra_example = normalize_example_inputs(extra)
             assert extra_example is not None
-            extra_original, extra_prepared = _calls(model, extra_example, concrete)
+            extra_original, extra_prepared = split_calls(model, extra_example, concrete)
             report.extra_verifications.append(verify(
                 model, gm, extra_original, prepared_example=extra_prepared,
                 rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
@@ -363,7 +262,7 @@ def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleIn
     from .capture.dynamo import grown_example
 
     second = grown_example(model, example, opts.dynamic)
-    original_call, prepared_call = _calls(model, second, concrete)
+    original_call, prepared_call = split_calls(model, second, concrete)
     result = verify(model, gm, original_call, prepared_example=prepared_call,
                     rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad")
     report.note(f"verified on a second input size ({second.describe()}): max |diff| = {result.max_abs_diff:.3g}")

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
+from .capture import dynamo_available
 from .capture.common import CaptureAttempt
 from .capture.fx import capture_fx, restored_attributes
 from .capture.leaves import capture_hybrid
@@ -30,6 +32,7 @@ from .diagnose import (
     module_at,
 )
 from .inputs import normalize_example_inputs
+from .report import Report
 
 # Tracers that capture the model whole (the hybrid leaf fallback is reported apart).
 WHOLE_MODEL_TRACERS = ("dynamo", "fx", "hf_fx")
@@ -168,22 +171,13 @@ def check_traceability(
     draft_export: bool = True,
 ) -> TraceReport:
     """Run each tracer on ``model`` and say what can be captured, what cannot, where and why."""
-    from .api import (
-        _check_concrete_args,
-        _check_model,
-        _defaults_as_concrete,
-        _dynamo_available,
-        _leaf_policy,
-    )
-    from .report import Report
-
-    model = _check_model(model)
-    policy = _leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
-    concrete = _check_concrete_args(model, concrete_args)
+    model = check_model(model)
+    policy = leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
+    concrete = check_concrete_args(model, concrete_args)
     example = normalize_example_inputs(example_inputs)
-    concrete = _defaults_as_concrete(model, example, concrete, Report(type(model).__name__))
+    concrete = defaults_as_concrete(model, example, concrete, Report(type(model).__name__))
     out = TraceReport(type(model).__name__)
-    if example is not None and _dynamo_available():
+    if example is not None and dynamo_available():
         from .capture.dynamo import capture_dynamo
 
         with restored_attributes(model, []):

@@ -8,13 +8,17 @@ calling convention is decided once, here.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .errors import InvalidInput
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -88,3 +92,22 @@ def deepcopy_non_tensors(value: Any) -> Any:
     """Deep-copy a structure but share its tensors (used for concrete args and option values)."""
     memo = {id(t): t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)}
     return copy.deepcopy(value, memo)
+
+
+def split_calls(model: nn.Module, example: ExampleInputs,
+                concrete_args: dict[str, Any] | None) -> tuple[ExampleInputs, ExampleInputs]:
+    """How the original and the prepared module are called on ``example``.
+
+    ``concrete_args`` are fixed into the graph: the original (and a tracer that runs it) needs them
+    as arguments, the prepared module is called without them. Returns ``(original call, prepared call)``.
+    """
+    if not concrete_args:
+        return example, example
+    try:
+        given = set(inspect.signature(model.forward).bind_partial(*example.args, **example.kwargs).arguments)
+    except TypeError:
+        given = set(example.kwargs)
+    extra = {k: v for k, v in concrete_args.items() if k not in given}
+    original = ExampleInputs(example.args, {**example.kwargs, **extra})
+    prepared = ExampleInputs(example.args, {k: v for k, v in example.kwargs.items() if k not in concrete_args})
+    return original, prepared

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from .wrap import record_as_call
+
 _MARK = "__fxprep_opaque__"
 T = TypeVar("T")
 
@@ -28,8 +30,6 @@ def opaque(obj: T) -> T:
         setattr(obj, _MARK, True)
         return obj
     if callable(obj):
-        from .capture.fx import record_as_call
-
         setattr(obj, _MARK, True)  # the recorded node targets obj itself: the report reads the mark
         wrapped: Any = record_as_call(obj)
         functools.update_wrapper(wrapped, obj)

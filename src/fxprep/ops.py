@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .wrap import autograd_function_caller
+
 
 class Slot:
     """Placeholder in a :class:`BoundOp` argument template for the ``index``-th forward input."""
@@ -137,8 +139,6 @@ def resolve_callable(name: str) -> Callable[..., Any]:
     if name.startswith("Tensor."):
         return method_call(name.removeprefix("Tensor."))
     if name.startswith("autograd:"):
-        from .capture.fx import autograd_function_caller
-
         cls = _import_attr(name.removeprefix("autograd:"))
         if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
             raise ImportError(f"cannot import autograd.Function {name!r}")

@@ -82,6 +82,26 @@ class Report:
         if text not in self.notes:
             self.notes.append(text)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        """The inverse of :meth:`to_dict` (issues stay plain dicts); KeyError/TypeError/ValueError
+        when ``data`` is not such a dict."""
+        return cls(
+            str(data.get("model", "unknown")),
+            tracer=data.get("tracer"),
+            attempts=[CaptureAttempt(a["tracer"], bool(a["ok"]), float(a["seconds"]), a.get("error"), a.get("error_type"))
+                      for a in data.get("attempts", [])],
+            added=[AddedModule(**a) for a in data.get("added", [])],
+            left=[LeftFunctional(**x) for x in data.get("left_functional", [])],
+            unrolled=[Unrolled(**u) for u in data.get("unrolled", [])],
+            leaves=dict(data.get("leaves", {})),
+            notes=list(data.get("notes", [])),
+            issues=list(data.get("issues", [])),
+            verification=Verification(**data.get("verification", {"status": "skipped"})),
+            timings=dict(data.get("timings", {})),
+            inputs=str(data.get("inputs", "")),
+        )
+
     # --- rendering ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {

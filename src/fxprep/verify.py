@@ -12,10 +12,8 @@ original (forward hooks) and in the prepared graph (an Interpreter), in call ord
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,28 +23,7 @@ from torch import nn
 from .errors import EquivalenceError, ModelError
 from .inputs import ExampleInputs
 from .report import Verification
-
-SEED = 20260611
-
-
-@contextlib.contextmanager
-def preserved_state(*modules: nn.Module) -> Iterator[None]:
-    """Restore every buffer (and the RNG) of ``modules`` on exit: running a model must not change it."""
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-    seen: set[int] = set()
-    for module in modules:
-        for buf in module.buffers():
-            if id(buf) not in seen:
-                seen.add(id(buf))
-                saved.append((buf, buf.detach().clone()))
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buf, value in saved:
-                    if buf.shape == value.shape:
-                        buf.copy_(value)
+from .runs import SEED, preserved_state, run_model
 
 
 def flatten_output(value: Any, path: str = "out") -> list[tuple[str, Any]]:
@@ -69,15 +46,6 @@ def flatten_output(value: Any, path: str = "out") -> list[tuple[str, Any]]:
             out += flatten_output(v, f"{path}[{i}]")
         return out
     return [(path, value)]
-
-
-def run_model(model: nn.Module, example: ExampleInputs, *, grad: bool = False, what: str = "the model") -> Any:
-    """Run ``model`` on a fresh copy of ``example`` with the fixed seed."""
-    fresh = example.fresh_copy()
-    torch.manual_seed(SEED)
-    ctx = contextlib.nullcontext() if grad else torch.no_grad()
-    with ctx:
-        return model(*fresh.args, **fresh.kwargs)
 
 
 def run_original(model: nn.Module, example: ExampleInputs) -> Any:

@@ -7,4 +7,13 @@ objects and its ``get_attr`` nodes at the user's own tensors.
 
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
 
-__all__ = ["CaptureAttempt", "CaptureResult", "LeafPolicy"]
+__all__ = ["CaptureAttempt", "CaptureResult", "LeafPolicy", "dynamo_available"]
+
+
+def dynamo_available() -> bool:
+    """Whether the Dynamo capture can run in this torch (its import is deferred: it is large)."""
+    try:
+        from . import dynamo  # noqa: F401
+    except ImportError:
+        return False
+    return True

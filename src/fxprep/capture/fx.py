@@ -27,7 +27,6 @@ import math
 import operator
 import re
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,60 +36,8 @@ from torch import nn
 from torch.fx._symbolic_trace import PH
 
 from ..errors import TraceFailure
+from ..wrap import TENSOR_CONSTRUCTORS, autograd_function_caller, find_proxy, record_as_call
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
-
-# Constructors whose sizes (or other arguments) may come from traced shapes.
-TENSOR_CONSTRUCTORS: tuple[str, ...] = (
-    "zeros", "ones", "full", "empty", "arange", "rand", "randn", "randint", "linspace", "eye",
-    "tensor", "as_tensor", "empty_strided", "normal", "randperm", "tril_indices", "triu_indices",
-)
-
-
-def _find_proxy(value: Any) -> fx.Proxy | None:
-    found: list[fx.Proxy] = []
-
-    def visit(v: Any) -> Any:
-        if isinstance(v, fx.Proxy) and not found:
-            found.append(v)
-        return v
-
-    fx.node.map_aggregate(value, visit)
-    return found[0] if found else None
-
-
-def record_as_call(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``fn`` so that, called with traced values, it is recorded as one ``call_function``
-    node targeting ``fn`` itself; called with real values it simply runs."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        proxy = _find_proxy((args, kwargs))
-        if proxy is None:
-            return fn(*args, **kwargs)
-        return proxy.tracer.create_proxy("call_function", fn, args, kwargs)
-
-    return wrapper
-
-
-_CALLERS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
-
-
-def autograd_function_caller(fn_cls: type[torch.autograd.Function]) -> Callable[..., Any]:
-    """A plain function that calls ``fn_cls.apply``; fx cannot use a bound classmethod (or a class
-    argument) as a node target, but it can use this. ``caller.autograd_function`` is ``fn_cls``."""
-    caller = _CALLERS.get(fn_cls)
-    if caller is None:
-
-        def caller(*args: Any, **kwargs: Any) -> Any:
-            return fn_cls.apply(*args, **kwargs)
-
-        caller.__name__ = f"{fn_cls.__name__}_apply"
-        caller.__qualname__ = caller.__name__
-        caller.__module__ = fn_cls.__module__
-        caller.autograd_function = fn_cls  # type: ignore[attr-defined]
-        _CALLERS[fn_cls] = caller
-    return caller
-
 
 # ``x += y`` on a traced tensor must stay in place: fx.Proxy has no __iadd__, so Python falls back
 # to ``x = x + y`` and a view taken earlier would miss the update.
@@ -127,7 +74,7 @@ def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
         orig_apply = function_cls.__dict__["apply"]
 
         def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-            proxy = _find_proxy((args, kwargs))
+            proxy = find_proxy((args, kwargs))
             if proxy is None:
                 return orig_apply.__get__(None, cls)(*args, **kwargs)
             return proxy.tracer.create_proxy("call_function", autograd_function_caller(cls), args, kwargs)

@@ -26,8 +26,9 @@ from torch import nn
 
 from ..diagnose import Issue, diagnose
 from ..inputs import ExampleInputs
+from ..wrap import find_proxy
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
-from .fx import FxprepTracer, _find_proxy, capture_fx, flatten_container_inputs
+from .fx import FxprepTracer, capture_fx, flatten_container_inputs
 
 MAX_ROUNDS = 40
 _MISSING = object()
@@ -190,7 +191,7 @@ def _apply_structure(proxy: fx.Proxy, template: Any) -> Any:
 
 def record_structures(model: nn.Module, example: ExampleInputs, sites: list[Site]) -> dict[Site, Any]:
     """Run the model once and note each site's first output structure."""
-    from ..verify import preserved_state, run_model
+    from ..runs import preserved_state, run_model
 
     found: dict[Site, Any] = {}
     handles = []
@@ -285,7 +286,7 @@ class HybridTracer(FxprepTracer):
         return self.targets[site]
 
     def _call_site(self, site: Site, *args: Any, **kwargs: Any) -> Any:
-        if _find_proxy((args, kwargs)) is None:
+        if find_proxy((args, kwargs)) is None:
             return site.original(self.model)(*args, **kwargs)
         proxy = self.create_proxy("call_module", self.target_for(site), args, kwargs)
         if site in self.structures:

@@ -34,7 +34,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import (
+from ..errors import (
     EquivalenceError,
     ExportError,
     FxprepError,
@@ -132,7 +132,7 @@ TracerOpt = Annotated[str, typer.Option("--tracer", help="auto, dynamo or fx.")]
 def _prepare(spec: str, inputs: list[str] | None, tracer: str) -> tuple[Any, Any]:
     import fxprep
 
-    from .zoo import resolve
+    from .specs import resolve
 
     built = resolve(spec, inputs or ())
     if built.example_inputs is None:
@@ -148,8 +148,8 @@ def _print_report(report: Any) -> None:
     console.print(report.to_text(), markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command()
-def prepare(
+@app.command("prepare")
+def prepare_command(
     spec: Annotated[str, typer.Argument(help="torchvision:NAME, timm:NAME, transformers:TYPE, demo:NAME or file.py:Factory")],
     input: InputOpt = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Save the prepared module to this directory.")] = None,
@@ -161,7 +161,7 @@ def prepare(
     _quiet_libraries()
 
     def body() -> int:
-        from . import export, io
+        from .. import export, io
 
         built, gm = _prepare(spec, input, tracer)
         report = gm.fxprep_report
@@ -188,8 +188,8 @@ def prepare(
     _guarded(body, as_json)
 
 
-@app.command()
-def check(
+@app.command("check")
+def check_command(
     spec: Annotated[str, typer.Argument(help="Model spec, as for prepare.")],
     input: InputOpt = None,
     tracer: TracerOpt = "auto",
@@ -201,7 +201,7 @@ def check(
     def body() -> int:
         import fxprep
 
-        from .zoo import resolve
+        from .specs import resolve
 
         check_traceability = getattr(fxprep, "check_traceability", None)
         built = resolve(spec, input or ())
@@ -227,40 +227,8 @@ def check(
     _guarded(body, as_json)
 
 
-# --- show -------------------------------------------------------------------------------------------
-def _dot(view: dict[str, Any]) -> str:
-    lines = ["digraph fxprep {", '  rankdir=TB; node [shape=box, fontname="Helvetica", fontsize=10];']
-    colors = {"placeholder": "lightblue", "output": "lightblue", "call_module": "white",
-              "call_function": "lightyellow", "call_method": "lightyellow", "get_attr": "lightgrey"}
-    for n in view["nodes"]:
-        label = f"{n['name']}\\n{n['what']}".replace('"', "'")
-        lines.append(f'  "{n["name"]}" [label="{label}", style=filled, fillcolor={colors.get(n["op"], "white")}];')
-        for src in n["inputs"]:
-            lines.append(f'  "{src}" -> "{n["name"]}";')
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
-def _html(view: dict[str, Any], svg: str | None) -> str:
-    from html import escape
-
-    rows = "\n".join(
-        f"<tr><td>{i}</td><td>{escape(n['name'])}</td><td>{n['op']}</td><td>{escape(n['what'])}</td>"
-        f"<td>{escape(', '.join(n['inputs']))}</td></tr>"
-        for i, n in enumerate(view["nodes"])
-    )
-    body = svg or ""
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(view['class_name'])} (fxprep)</title>"
-        "<style>body{font-family:sans-serif}td,th{border:1px solid #ccc;padding:2px 6px}table{border-collapse:collapse}</style>"
-        f"</head><body><h1>{escape(view['class_name'])}</h1><p>{len(view['nodes'])} nodes, saved with fxprep "
-        f"{escape(str(view['manifest'].get('fxprep_version')))}, torch {escape(str(view['manifest'].get('torch_version')))}</p>"
-        f"{body}<table><tr><th>#</th><th>node</th><th>op</th><th>target</th><th>inputs</th></tr>{rows}</table></body></html>\n"
-    )
-
-
-@app.command()
-def show(
+@app.command("show")
+def show_command(
     directory: Annotated[Path, typer.Argument(help="A directory written by `fxprep prepare -o` / fxprep.save.")],
     fmt: Annotated[str, typer.Option("--format", "-f", help="auto, text, dot, svg or html.")] = "auto",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file (format from its suffix).")] = None,
@@ -271,7 +239,8 @@ def show(
     Reads only the JSON files: nothing is imported or run, so it is safe on files from anyone."""
 
     def body() -> int:
-        from .io import inspect_saved
+        from ..io import inspect_saved
+        from .show import render_dot, render_html
 
         view = inspect_saved(directory)
         kind = fmt
@@ -291,13 +260,13 @@ def show(
                 table.add_row(str(i), n["name"], n["op"], n["what"], ", ".join(n["inputs"]))
             console.print(table)
             return EXIT_OK
-        dot = _dot(view)
+        dot = render_dot(view)
         svg = None
         if kind in ("svg", "html") and shutil.which("dot"):
             svg = subprocess.run(["dot", "-Tsvg"], input=dot, capture_output=True, text=True, check=True).stdout
         elif kind == "svg":
             raise InvalidInput("--format svg needs graphviz (`dot` on PATH); use --format dot or html instead.")
-        text = {"dot": dot, "svg": svg, "html": _html(view, svg)}[kind]
+        text = {"dot": dot, "svg": svg, "html": render_html(view, svg)}[kind]
         if output is None:
             print(text)
         else:
@@ -309,8 +278,8 @@ def show(
 
 
 # --- survey -------------------------------------------------------------------------------------
-@app.command()
-def survey(
+@app.command("survey")
+def survey_command(
     zoo: Annotated[str, typer.Option("--zoo", help="torchvision, timm, transformers or demo.")],
     filter: Annotated[str | None, typer.Option("--filter", help="Only specs matching this regex.")] = None,
     jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="Models prepared in parallel.")] = 1,
@@ -324,8 +293,8 @@ def survey(
     def body() -> int:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from .zoo import survey as run_survey
-        from .zoo import zoo_specs
+        from .specs import zoo_specs
+        from .survey import survey as run_survey
 
         specs = zoo_specs(zoo, filter)
         if not specs:
@@ -361,8 +330,8 @@ def survey(
 
 
 # --- demo ---------------------------------------------------------------------------------------
-@app.command()
-def demo(
+@app.command("demo")
+def demo_command(
     only: Annotated[str | None, typer.Option("--only", help="Run only the demos whose name matches this regex.")] = None,
     as_json: JsonOpt = False,
 ) -> None:

@@ -1,0 +1,186 @@
+"""The Dynamo call itself, and what protects the user's model and the process around it.
+
+``torch._dynamo.export`` (``aten_graph=False``) records a torch-level graph (``F.relu``,
+``operator.add``, Tensor methods). Around each call:
+
+* the user's modules are kept exactly as they were (:class:`AttributeGuard`): attributes ``forward``
+  writes (Dynamo replays them with *fake* tensors) are restored, and tensor caches in dict
+  attributes (timm LeViT's ``attention_bias_cache``) are emptied so the graph computes them from the
+  parameters instead of baking them in as constants;
+* Dynamo's process-wide state is put back (:class:`DynamoGlobalState`): its "dynamic class" marks,
+  and the backend-cache entries that would keep every prepared model alive;
+* the private config flag of the flag route is feature-detected (:func:`flag_available`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ...inputs import ExampleInputs
+
+ROUTES = ("auto", "flag", "regroup")
+FLAG = "install_free_tensors_for_export"
+_MISSING = object()
+
+
+def flag_available() -> bool:
+    """Whether this torch has the private Dynamo flag the ``"flag"`` route needs."""
+    import torch._dynamo
+
+    return hasattr(torch._dynamo.config, FLAG)
+
+
+def default_route() -> str:
+    return "flag" if flag_available() else "regroup"
+
+
+def tensor_caches(model: nn.Module) -> list[tuple[nn.Module, str, dict[Any, Any]]]:
+    """Plain dict attributes holding tensors (e.g. timm LeViT's ``attention_bias_cache``): values
+    computed from parameters on a first eval call and reused afterwards. Captured as they are, the
+    parameter would silently become a constant."""
+    found = []
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key.startswith("_") or not isinstance(value, dict) or not value:
+                continue
+            if all(isinstance(v, torch.Tensor) for v in value.values()):
+                found.append((module, key, value))
+    return found
+
+
+class AttributeGuard:
+    """Keeps the user's modules exactly as they were across a capture.
+
+    Dynamo replays what ``forward`` writes to module attributes (``self.saved = y``,
+    ``self.cache[k] = y``) onto the real objects, with *fake* tensors. Inside the guard every plain
+    dict/list attribute is a copy (``caches`` ones start empty, see :func:`tensor_caches`), and on
+    exit every module's ``__dict__`` gets its original entries back (new ones removed).
+    :meth:`reset` re-establishes the capture-time state, e.g. before running the model eagerly
+    after Dynamo has left fake tensors behind.
+    """
+
+    def __init__(self, model: nn.Module, caches: list[tuple[nn.Module, str, dict[Any, Any]]]):
+        self.modules = [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
+        self.caches = {(id(m), key) for m, key, _ in caches}
+        self.snapshots: list[tuple[nn.Module, dict[str, Any]]] = []
+        self.written: set[str] = set()
+
+    def __enter__(self) -> AttributeGuard:
+        self.snapshots = [(m, dict(m.__dict__)) for m in self.modules]
+        self._swap()
+        return self
+
+    def _swap(self) -> None:
+        for module, snapshot in self.snapshots:
+            for key, value in snapshot.items():
+                if key.startswith("_"):
+                    continue
+                if type(value) is dict:
+                    module.__dict__[key] = {} if (id(module), key) in self.caches else dict(value)
+                elif type(value) is list:
+                    module.__dict__[key] = list(value)
+
+    def _restore(self) -> None:
+        for module, snapshot in self.snapshots:
+            current = module.__dict__
+            for key in list(current):
+                if key not in snapshot:
+                    if not key.startswith("_"):
+                        self.written.add(key)
+                    del current[key]
+            for key, value in snapshot.items():
+                if current.get(key, _MISSING) is not value:
+                    if not key.startswith("_") and type(value) not in (dict, list):
+                        self.written.add(key)
+                    current[key] = value
+
+    def reset(self) -> None:
+        self._restore()
+        self._swap()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._restore()
+
+
+class DynamoGlobalState:
+    """Dynamo remembers across calls that a module *class* is "dynamic" once it met one instance
+    with hooks (``GenerationTracker.mark_class_dynamic``); every later capture then inlines that
+    class and, on the flag route, fails on its parameters. Undo what one capture added (private
+    state, feature-detected: without it this is a no-op).
+
+    Dynamo also keeps every backend it compiled with in a process-wide table; export's backend holds
+    the captured graph, and with it the user's leaf modules and their parameters, so each prepared
+    model would stay in memory for the life of the process (about the parameter bytes per call on
+    resnet50). The entries one capture added are dropped too; the user's own ``torch.compile``
+    entries are left alone."""
+
+    def __enter__(self) -> DynamoGlobalState:
+        try:
+            from torch._dynamo import eval_frame
+
+            self.backends: dict[int, Any] | None = eval_frame.cached_backends
+            self.backends_before = set(self.backends)
+        except Exception:  # noqa: BLE001
+            self.backends = None
+        try:
+            from torch._dynamo.mutation_guard import GenerationTracker
+
+            self.tables = [GenerationTracker.dynamic_classes, GenerationTracker.generation_values]
+            self.before = [set(t.values) for t in self.tables]
+        except Exception:  # noqa: BLE001
+            self.tables = []
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.backends is not None:
+            for key in set(self.backends) - self.backends_before:
+                backend = self.backends.pop(key, None)
+                if hasattr(backend, "reset"):
+                    backend.reset()
+        for table, before in zip(self.tables, getattr(self, "before", [])):
+            try:
+                for idx in set(table.values) - before:
+                    table._remove_id(idx)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spec: dict[str, Any] | None) -> Any:
+    """``torch._dynamo.export`` of ``model`` on ``call``, configured for ``route`` (static shapes
+    unless ``dynamic_spec`` names dynamic dimensions), with Dynamo's global state put back after."""
+    import torch._dynamo as dynamo
+
+    patches: dict[str, Any] = {}
+    if route == "flag":
+        patches[FLAG] = False
+    elif flag_available():
+        patches[FLAG] = True
+    if hasattr(dynamo.config, "allow_rnn"):
+        patches["allow_rnn"] = True
+    kwargs: dict[str, Any] = {"assume_static_by_default": True}
+    if dynamic_spec is not None:
+        kwargs["dynamic_shapes"] = dynamic_spec
+    with dynamo.config.patch(**patches), DynamoGlobalState():
+        return dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
+
+
+def requiring_grad(call: ExampleInputs) -> ExampleInputs:
+    """``call`` with its floating-point tensors requiring grad (``detach()`` views: no copy).
+
+    Why: with inputs that do not require grad, Dynamo runs a custom ``autograd.Function`` as its
+    forward alone and inlines it (``STE.apply(x)`` becomes ``torch.round(x)``), silently dropping the
+    backward a quantization-aware user relies on. With a grad-requiring input it records the
+    Function as one call, which the re-lifting keeps as a module.
+    """
+
+    def mark(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and not t.requires_grad and t.is_leaf:
+            return t.detach().requires_grad_(True)
+        return t
+
+    args, kwargs = pytree.tree_map_only(torch.Tensor, mark, (call.args, call.kwargs))
+    return ExampleInputs(tuple(args), dict(kwargs))

@@ -1,0 +1,125 @@
+"""Dynamic shapes: which input dimensions Dynamo may keep symbolic, and a second input to verify them.
+
+The user says ``dynamic="batch"`` or ``{argument: {dim: name}}``; Dynamo wants ``dynamic_shapes``
+keyed by argument name with ``torch.export.Dim`` objects, and verification wants a second example
+whose dynamic dimensions differ (:func:`grown_example`). Both need the names of the positional
+arguments (:func:`positional_names`), which the re-lifting also uses to name the graph's inputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...inputs import ExampleInputs
+
+
+def positional_names(model: nn.Module, count: int) -> list[str]:
+    """Names for the first ``count`` positional arguments of ``model.forward`` (valid identifiers)."""
+    names: list[str] = []
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    for p in params:
+        if len(names) >= count:
+            break
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        elif p.kind is p.VAR_POSITIONAL:
+            while len(names) < count:
+                names.append(f"{p.name}_{len(names)}")
+    while len(names) < count:
+        names.append(f"arg_{len(names)}")
+    return names
+
+
+def _tensor_inputs(model: nn.Module, call: ExampleInputs) -> dict[str, Any]:
+    names = positional_names(model, len(call.args))
+    return {**dict(zip(names, call.args)), **call.kwargs}
+
+
+def dynamic_shapes_spec(model: nn.Module, call: ExampleInputs, dynamic: Any) -> dict[str, Any] | None:
+    """``dynamic`` (``"batch"``, or ``{arg: {dim: name}}``) as a ``dynamic_shapes`` dict for export.
+
+    Dimensions with the same name share one symbol. Arguments not named are static.
+    """
+    if dynamic is None or dynamic is False:
+        return None
+    from torch.export import Dim
+
+    dims: dict[str, Any] = {}
+
+    def dim(name: Any) -> Any:
+        if not isinstance(name, str):
+            return name  # already a Dim (or a hint such as Dim.DYNAMIC)
+        if name not in dims:
+            dims[name] = Dim(re.sub(r"\W", "_", name) or "d")
+        return dims[name]
+
+    inputs = _tensor_inputs(model, call)
+    spec: dict[str, Any] = {}
+    for name, value in inputs.items():
+        if dynamic == "batch":
+            spec[name] = (
+                {0: dim("batch")} if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
+            )
+        else:
+            spec[name] = dynamic.get(name) if isinstance(dynamic, dict) else None
+            if spec[name] is not None:
+                spec[name] = {int(d): dim(n) for d, n in spec[name].items()}
+    if isinstance(dynamic, dict):
+        unknown = sorted(set(dynamic) - set(inputs))
+        if unknown:
+            raise ValueError(f"dynamic names {unknown} that are not inputs of this call (inputs: {list(inputs)})")
+    for name, dims_of in spec.items():
+        value = inputs[name]
+        for d in dims_of or {}:
+            if not isinstance(value, torch.Tensor) or not -value.dim() <= d < value.dim():
+                raise ValueError(f"dynamic dimension {d} of {name!r} does not exist")
+            if value.shape[d] < 2:
+                raise ValueError(
+                    f"dynamic dimension {d} of {name!r} has size {value.shape[d]} in the example: Dynamo "
+                    f"specializes sizes 0 and 1, so give an example with size >= 2 there"
+                )
+    return spec
+
+
+def dynamic_dims(model: nn.Module, call: ExampleInputs, dynamic: Any) -> dict[str, dict[int, str]]:
+    """``{input name: {dim: symbol name}}`` of the dimensions ``dynamic`` makes dynamic."""
+    out: dict[str, dict[int, str]] = {}
+    inputs = _tensor_inputs(model, call)
+    for name, value in inputs.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if dynamic == "batch" and value.dim() >= 1:
+            out[name] = {0: "batch"}
+        elif isinstance(dynamic, dict) and dynamic.get(name):
+            out[name] = {int(d): str(n) for d, n in dynamic[name].items()}
+    return out
+
+
+def grown_example(model: nn.Module, example: ExampleInputs, dynamic: Any, grow: int = 1) -> ExampleInputs:
+    """A second example whose dynamic dimensions are ``grow`` larger (the extra rows repeat the
+    first ones, so token ids and masks stay valid). Dimensions sharing a name grow together."""
+    dims = dynamic_dims(model, example, dynamic)
+
+    def grown(value: Any, spec: dict[int, str] | None) -> Any:
+        if not isinstance(value, torch.Tensor) or not spec:
+            return value
+        for d in sorted(spec):
+            d = d % value.dim()
+            size = value.shape[d]
+            reps = math.ceil((size + grow) / max(size, 1))
+            value = torch.cat([value] * reps, dim=d).narrow(d, 0, size + grow)
+        return value
+
+    names = positional_names(model, len(example.args))
+    args = tuple(grown(a, dims.get(n)) for n, a in zip(names, example.args))
+    kwargs = {k: grown(v, dims.get(k)) for k, v in example.kwargs.items()}
+    return ExampleInputs(args, kwargs)

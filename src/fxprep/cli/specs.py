@@ -1,0 +1,298 @@
+"""Model specs: a model and inputs it accepts from one short string, offline.
+
+``torchvision:resnet50``, ``timm:convnext_atto``, ``transformers:bert``, ``path/to/file.py:Factory``
+and ``demo:ModelWithReusedReLU`` name a model; ``--input`` strings (``1x3x224x224``,
+``input_ids=1x8:int64``) name its inputs. Weights are never downloaded (``weights=None``,
+``pretrained=False``, transformers from a tiny config), and each family gets inputs of the size its
+models need (detectors take a list of images, video models a clip, RAFT two frames).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidInput
+from .demo import DEMOS
+
+ZOOS = ("torchvision", "timm", "transformers", "demo")
+
+
+class SpecError(InvalidInput):
+    """A model spec or an ``--input`` string that cannot be understood (a usage error)."""
+
+
+@dataclass
+class BuiltModel:
+    """A model ready for ``prepare_model``: the module, example inputs, and a display name."""
+
+    name: str
+    model: nn.Module
+    example_inputs: Any
+    note: str = ""
+
+
+# --- inputs --------------------------------------------------------------------------------------
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "float64": torch.float64, "int64": torch.int64, "long": torch.int64,
+           "int32": torch.int32, "int": torch.int64, "bool": torch.bool}
+
+
+_INPUT_RE = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dims>\d+(?:x\d+)*)(?::(?P<dtype>\w+))?$")
+
+
+def parse_input(text: str, *, high: int = 100) -> tuple[str | None, torch.Tensor]:
+    """``1x3x224x224`` → a random float tensor; ``input_ids=1x8:int64`` → a keyword input of random
+    integers below ``high``."""
+    m = _INPUT_RE.match(text.strip())
+    if m is None:
+        raise SpecError(
+            f"cannot read input {text!r}: write DIMS[:DTYPE] or NAME=DIMS[:DTYPE], e.g. 1x3x224x224 or input_ids=1x16:int64."
+        )
+    shape = tuple(int(d) for d in m["dims"].split("x"))
+    dtype = _DTYPES.get(m["dtype"] or "float32")
+    if dtype is None:
+        raise SpecError(f"unknown dtype {m['dtype']!r} in input {text!r}; known: {', '.join(sorted(_DTYPES))}.")
+    gen = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point:
+        tensor = torch.randn(shape, generator=gen).to(dtype)
+    elif dtype == torch.bool:
+        tensor = torch.ones(shape, dtype=torch.bool)
+    else:
+        tensor = torch.randint(0, high, shape, generator=gen, dtype=dtype)
+    return m["name"], tensor
+
+
+def inputs_from_strings(texts: Iterable[str]) -> Any:
+    """Several ``--input`` strings → a tuple of positional tensors or a dict of keyword tensors."""
+    parsed = [parse_input(t) for t in texts]
+    named = [n for n, _ in parsed if n]
+    if named and len(named) != len(parsed):
+        raise SpecError("mix of named and positional --input values: name all of them or none.")
+    if named:
+        return {n: t for n, t in parsed}
+    return tuple(t for _, t in parsed)
+
+
+# --- torchvision -----------------------------------------------------------------------------------
+def _image(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
+def torchvision_models() -> list[str]:
+    from torchvision import models
+
+    return sorted(models.list_models())
+
+
+def _torchvision(name: str) -> BuiltModel:
+    from torchvision import models
+
+    if name not in models.list_models():
+        raise SpecError(f"torchvision has no model {name!r}; `fxprep survey --zoo torchvision` lists them.")
+    kwargs: dict[str, Any] = {"weights": None}
+    detection = name in models.list_models(module=models.detection)
+    if detection or name in models.list_models(module=models.segmentation):
+        kwargs["weights_backbone"] = None
+    if name in models.list_models(module=models.quantization):
+        kwargs["quantize"] = False
+    if name in ("googlenet", "inception_v3", "quantized_googlenet", "quantized_inception_v3"):
+        kwargs["init_weights"] = True  # silences the "default init will change" warning
+    model = models.get_model(name, **kwargs).eval()
+    if detection:
+        size = 320 if "320" in name else 224
+        return BuiltModel(f"torchvision:{name}", model, ([_image(3, size, size)],), "eval mode, a list of one image")
+    if name in models.list_models(module=models.video):
+        t, hw = (16, 224) if name.startswith("mvit") else (8, 112)
+        if name == "s3d":
+            t, hw = 16, 224
+        return BuiltModel(f"torchvision:{name}", model, (_image(1, 3, t, hw, hw),), f"clip 1x3x{t}x{hw}x{hw}")
+    if name in models.list_models(module=models.optical_flow):
+        return BuiltModel(f"torchvision:{name}", model, (_image(1, 3, 128, 128), _image(1, 3, 128, 128)), "two frames")
+    size = 299 if "inception" in name else 224
+    return BuiltModel(f"torchvision:{name}", model, (_image(1, 3, size, size),))
+
+
+# --- timm ------------------------------------------------------------------------------------------
+TIMM_SURVEY = (
+    "resnet18", "resnet50d", "convnext_atto", "efficientnet_b0", "mobilenetv3_small_100", "vit_tiny_patch16_224",
+    "deit_tiny_patch16_224", "swin_tiny_patch4_window7_224", "regnetx_002", "densenet121", "mixer_b16_224",
+    "convmixer_768_32", "levit_128s", "poolformer_s12", "coat_lite_tiny", "edgenext_xx_small", "mobilevit_xxs",
+    "ghostnet_100", "rexnet_100", "dla34", "hrnet_w18_small", "cspresnet50", "dpn68", "tf_efficientnetv2_b0",
+    "repvgg_a0", "mobileone_s0", "fastvit_t8", "efficientformer_l1", "maxvit_nano_rw_256", "eva02_tiny_patch14_224",
+)
+
+
+def _timm(name: str) -> BuiltModel:
+    import timm
+
+    try:
+        model = timm.create_model(name, pretrained=False).eval()
+    except RuntimeError as err:
+        raise SpecError(f"timm cannot build {name!r}: {err}") from err
+    size = tuple(model.pretrained_cfg.get("input_size", (3, 224, 224)))
+    return BuiltModel(f"timm:{name}", model, (_image(1, *size),))
+
+
+# --- transformers ----------------------------------------------------------------------------------
+TINY_CONFIG = dict(
+    vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+    max_position_embeddings=64, num_key_value_heads=1, image_size=32, patch_size=8, d_model=32, d_ff=37,
+    num_layers=2, num_heads=2, d_kv=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+    decoder_attention_heads=2, encoder_ffn_dim=37, decoder_ffn_dim=37, n_embd=32, n_layer=2, n_head=2,
+    n_positions=64, head_dim=16,
+)
+
+
+TRANSFORMERS_SURVEY = ("bert", "gpt2", "llama", "distilbert", "roberta", "vit", "t5", "bart", "mistral", "qwen2", "opt", "albert")
+
+
+def tiny_config(model_type: str) -> Any:
+    """A tiny config of ``model_type`` (2 layers, width 32): builds in milliseconds, runs in a blink."""
+    import transformers
+
+    defaults = transformers.AutoConfig.for_model(model_type)
+    known = set(defaults.to_dict()) | set(getattr(defaults, "attribute_map", {}))
+    return transformers.AutoConfig.for_model(model_type, **{k: v for k, v in TINY_CONFIG.items() if k in known})
+
+
+def _transformers(name: str) -> BuiltModel:
+    import transformers
+
+    if name[:1].isupper():  # a class name: BertForSequenceClassification
+        cls = getattr(transformers, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module) and getattr(cls, "config_class", None)):
+            raise SpecError(f"transformers has no model class {name!r}.")
+        config = tiny_config(cls.config_class.model_type)
+        model = cls(config)
+    else:
+        try:
+            config = tiny_config(name)
+        except (ValueError, KeyError) as err:
+            raise SpecError(f"transformers has no model type {name!r} ({err}).") from err
+        model = transformers.AutoModel.from_config(config)
+    model.eval()
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    main = getattr(model, "main_input_name", "input_ids")
+    gen = torch.Generator().manual_seed(0)
+    if main == "pixel_values":
+        size = getattr(model.config, "image_size", 32)
+        inputs: dict[str, Any] = {"pixel_values": torch.randn(1, getattr(model.config, "num_channels", 3), size, size, generator=gen)}
+    else:
+        inputs = {main: torch.randint(0, int(getattr(model.config, "vocab_size", 99)), (1, 8), generator=gen)}
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = torch.randint(0, int(model.config.vocab_size), (1, 4), generator=gen)
+    return BuiltModel(f"transformers:{name}", model, inputs, "tiny config, random weights")
+
+
+# --- python files and demos ------------------------------------------------------------------------
+def _from_file(path: str, attr: str) -> BuiltModel:
+    file = Path(path)
+    if not file.is_file():
+        raise SpecError(f"no such file {path!r} (spec form: path/to/file.py:ClassOrFactory).")
+    module_name = f"fxprep_user_{abs(hash(str(file.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise SpecError(f"cannot import {path!r} as a Python file.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)  # the user asked to run this file
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise SpecError(f"{path} defines no {attr!r}.")
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"{path}:{attr}() returned a {type(model).__name__}, not an nn.Module.")
+    example = None
+    for holder in (model, factory, module):
+        found = getattr(holder, "example_inputs", None) or getattr(holder, "EXAMPLE_INPUTS", None)
+        if found is not None:
+            example = found() if callable(found) else found
+            break
+    return BuiltModel(f"{file.name}:{attr}", model, example)
+
+
+def _demo(name: str) -> BuiltModel:
+    builders = {d.name: d for d in DEMOS}
+    if name not in builders:
+        raise SpecError(f"no demo model {name!r}; known: {', '.join(builders)}.")
+    model, inputs = builders[name].build()
+    return BuiltModel(f"demo:{name}", model, inputs, builders[name].description)
+
+
+def resolve(spec: str, inputs: Iterable[str] = ()) -> BuiltModel:
+    """Build the model a spec names (offline, random weights), with ``--input`` strings overriding
+    the default example inputs."""
+    source, sep, name = spec.partition(":")
+    if not sep or not name:
+        raise SpecError(
+            f"cannot read model spec {spec!r}: use torchvision:NAME, timm:NAME, transformers:TYPE_OR_CLASS, "
+            f"demo:NAME or path/to/file.py:ClassOrFactory."
+        )
+    builders: dict[str, Callable[[str], BuiltModel]] = {
+        "torchvision": _torchvision, "timm": _timm, "transformers": _transformers, "demo": _demo,
+    }
+    if source.endswith(".py") or "/" in source or os.sep in source:
+        built = _from_file(source, name)
+    elif source in builders:
+        try:
+            built = builders[source](name)
+        except ImportError as err:
+            raise SpecError(f"{source} is not installed: pip install {source}") from err
+    else:
+        raise SpecError(f"unknown model source {source!r} in {spec!r}; known: {', '.join(builders)} or a .py file.")
+    revived = revive_zero_weights(built.model)
+    if revived:
+        built.note = (built.note + "; " if built.note else "") + f"zero-initialised weights re-drawn: {', '.join(revived)}"
+    inputs = list(inputs)
+    if inputs:
+        built.example_inputs = inputs_from_strings(inputs)
+    return built
+
+
+def revive_zero_weights(model: nn.Module) -> list[str]:
+    """Re-draw weight matrices that random init leaves at exactly zero (torchvision's ViT head).
+
+    With a zero head every output is 0 whatever the network computes, and verification would pass
+    for any graph; a small random head makes the comparison mean something.
+    """
+    revived = []
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and p.is_floating_point() and not p.is_meta and not p.any():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
+                revived.append(name)
+    return revived
+
+
+def zoo_specs(zoo: str, pattern: str | None = None) -> list[str]:
+    """Every spec of a zoo (``torchvision`` is the whole torchvision model list), filtered by a regex."""
+    if zoo == "torchvision":
+        names = torchvision_models()
+    elif zoo == "timm":
+        names = list(TIMM_SURVEY)
+    elif zoo == "transformers":
+        names = list(TRANSFORMERS_SURVEY)
+    elif zoo == "demo":
+        names = [d.name for d in DEMOS]
+    else:
+        raise SpecError(f"unknown zoo {zoo!r}; known: {', '.join(ZOOS)}.")
+    specs = [f"{zoo}:{n}" for n in names]
+    if pattern:
+        try:
+            regex = re.compile(pattern)
+        except re.error as err:
+            raise SpecError(f"bad --filter regex {pattern!r}: {err}") from err
+        specs = [s for s in specs if regex.search(s)]
+    return specs

@@ -1,0 +1,418 @@
+"""Save side: a prepared GraphModule as JSON entries and a table of tensors.
+
+:class:`Encoder` turns values into tagged JSON (tensors become keys into the weights file,
+functions importable names checked to resolve to the very function, :func:`function_name`).
+:class:`TreeWriter` describes each module of the tree as one of the :data:`~.format.KINDS`: a
+``torch.nn`` layer by its constructor arguments read back from its attributes (:func:`init_kwargs`,
+checked by rebuilding it on ``meta``), an ``fxprep.ops`` op by its callable and argument template,
+anything else trusted by its plain attributes. :func:`graph_json` writes the node list.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import math
+import operator
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .. import ops
+from ..errors import SerializationError
+from .format import CONTAINERS, HOOK_DICTS, TYPE_NAMES, own_attrs
+from .trust import _resolve_function, class_name
+
+# --- naming functions and classes ----------------------------------------------------------------
+_CANONICAL_NAMESPACES: tuple[tuple[str, Any], ...] = (
+    ("torch", torch), ("torch.nn.functional", torch.nn.functional), ("torch.special", torch.special),
+    ("torch.linalg", torch.linalg), ("torch.fft", torch.fft), ("math", math), ("operator", operator),
+    ("builtins", builtins),
+)
+
+
+def function_name(fn: Any) -> str:
+    """An importable name for a graph target or BoundOp callable, checked to resolve to ``fn`` itself.
+
+    Starts from :func:`fxprep.ops.qualified_name`; OpOverloads are ``torch.ops.<ns>.<op>.<overload>``.
+    """
+    if isinstance(fn, torch._ops.OpOverload):
+        name = f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}"
+    elif isinstance(fn, torch._ops.OpOverloadPacket):
+        name = f"torch.ops.{fn._qualified_op_name.replace('::', '.')}"
+    else:
+        name = ops.qualified_name(fn)
+    if _resolves_to(name, fn):
+        return name
+    short = getattr(fn, "__name__", None)
+    for prefix, namespace in _CANONICAL_NAMESPACES:
+        if short and getattr(namespace, short, None) is fn:
+            return f"{prefix}.{short}"
+    raise SerializationError(
+        f"cannot save a call to {fn!r}: it has no importable name ({name!r} does not resolve to it). "
+        f"Define it at module level, or mark the calling module fxprep.opaque / modules_to_exclude."
+    )
+
+
+def _resolves_to(name: str, fn: Any) -> bool:
+    try:
+        found = _resolve_function(name)
+    except Exception:  # noqa: BLE001 - any failure means "not this name"
+        return False
+    if isinstance(found, ops._MethodCall) and isinstance(fn, ops._MethodCall):
+        return found.name == fn.name
+    if getattr(fn, "autograd_function", None) is not None:
+        return getattr(found, "autograd_function", None) is fn.autograd_function
+    return found is fn
+
+
+@dataclass
+class Encoder:
+    """Turns Python values into tagged JSON. ``tensor_key`` (when given) names a tensor in the
+    weights file; ``where`` says what is being encoded, for error messages."""
+
+    where: str
+    tensor_key: Callable[[torch.Tensor], str] | None = None
+
+    def __call__(self, v: Any) -> Any:
+        if v is None or isinstance(v, (bool, str)):
+            return v
+        if isinstance(v, int) and type(v) in (int, bool):
+            return v
+        if type(v) is float:
+            return v if math.isfinite(v) else {"$": "float", "v": repr(v)}
+        if isinstance(v, fx.Node):
+            return {"$": "node", "v": v.name}
+        if isinstance(v, ops.Slot):
+            return {"$": "slot", "v": v.index}
+        if isinstance(v, torch.Size):
+            return {"$": "size", "v": [int(x) for x in v]}
+        if isinstance(v, tuple) and not hasattr(v, "_fields"):
+            return {"$": "tuple", "v": [self(x) for x in v]}
+        if type(v) is list or isinstance(v, fx.immutable_collections.immutable_list):
+            return [self(x) for x in v]
+        if type(v) is dict or isinstance(v, fx.immutable_collections.immutable_dict):
+            return {"$": "dict", "v": [[self(k), self(x)] for k, x in v.items()]}
+        if isinstance(v, slice):
+            return {"$": "slice", "v": [self(v.start), self(v.stop), self(v.step)]}
+        if v is Ellipsis:
+            return {"$": "ellipsis"}
+        if isinstance(v, complex):
+            return {"$": "complex", "v": [v.real, v.imag]}
+        if isinstance(v, torch.dtype):
+            return {"$": "dtype", "v": str(v).removeprefix("torch.")}
+        if isinstance(v, torch.device):
+            return {"$": "device", "v": str(v)}
+        if isinstance(v, torch.memory_format):
+            return {"$": "memory_format", "v": str(v).removeprefix("torch.")}
+        if isinstance(v, torch.layout):
+            return {"$": "layout", "v": str(v).removeprefix("torch.")}
+        if isinstance(v, torch.Tensor) and self.tensor_key is not None:
+            return {"$": "tensor", "v": self.tensor_key(v)}
+        if isinstance(v, type) and v in TYPE_NAMES:
+            return {"$": "type", "v": TYPE_NAMES[v]}
+        if callable(v) and not isinstance(v, (type, nn.Module)):
+            return {"$": "fn", "v": function_name(v)}
+        raise SerializationError(
+            f"cannot save {self.where}: a {type(v).__qualname__} has no safe saved form (fxprep saves tensors, "
+            f"numbers, strings, dtypes, devices, slices, tuples/lists/dicts of those, and functions with an importable name)."
+        )
+
+
+# Constructor arguments whose value is not stored under their own name.
+_INIT_OVERRIDES: dict[type, Callable[[nn.Module], dict[str, Any]]] = {
+    nn.MultiheadAttention: lambda m: {"bias": m.in_proj_bias is not None, "add_bias_kv": m.bias_k is not None},
+}
+
+
+def init_kwargs(module: nn.Module) -> dict[str, Any] | None:
+    """Constructor arguments of a ``torch.nn`` layer, read back from its attributes (None when some
+    required argument is not stored). Tensor-valued flags (``bias``) become booleans; ``device``,
+    ``dtype`` and private arguments take their defaults (tensors are assigned after construction)."""
+    cls = type(module)
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        if isinstance(module, nn.RNNBase) and cls is not nn.RNNBase:
+            # LSTM/GRU/RNN take (*args, **kwargs) and pass their mode to RNNBase themselves.
+            params = [p for p in list(inspect.signature(nn.RNNBase.__init__).parameters.values())[1:] if p.name != "mode"]
+            if isinstance(module, nn.RNN):
+                params.append(inspect.Parameter("nonlinearity", inspect.Parameter.KEYWORD_ONLY, default="tanh"))
+    except (TypeError, ValueError):
+        return None
+    override = _INIT_OVERRIDES.get(cls, lambda m: {})(module)
+    kwargs: dict[str, Any] = {}
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in ("device", "dtype") or p.name.startswith("_"):
+            continue
+        if p.name in override:
+            kwargs[p.name] = override[p.name]
+            continue
+        try:
+            value = getattr(module, p.name)
+        except AttributeError:
+            if p.default is p.empty:
+                return None
+            continue
+        if isinstance(p.default, bool) and (value is None or isinstance(value, torch.Tensor)):
+            value = value is not None
+        elif isinstance(value, (torch.Tensor, nn.Module)):
+            if p.default is p.empty:
+                return None
+            continue
+        if p.default is not p.empty and _same(value, p.default):
+            continue  # defaults are left out: shorter, and some classes refuse explicit defaults (GRU proj_size)
+        kwargs[p.name] = value
+    return kwargs
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, weakref.ref) and isinstance(b, weakref.ref):
+        return True  # caches of references to tensors (RNN flat weights): rebuilt by the class itself
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _structure_matches(original: nn.Module, rebuilt: nn.Module) -> bool:
+    """Same subtree paths and classes, same tensor slots (names, None-ness, shapes), same buffer
+    persistence and no more hooks than the constructor itself registers."""
+    a = list(original.named_modules(remove_duplicate=False))
+    b = list(rebuilt.named_modules(remove_duplicate=False))
+    if [(n, type(m)) for n, m in a] != [(n, type(m)) for n, m in b]:
+        return False
+    for (_, x), (_, y) in zip(a, b):
+        for slots in ("_parameters", "_buffers"):
+            sx, sy = getattr(x, slots), getattr(y, slots)
+            if sx.keys() != sy.keys():
+                return False
+            for k in sx:
+                if (sx[k] is None) != (sy[k] is None) or (sx[k] is not None and sx[k].shape != sy[k].shape):
+                    return False
+        if x._non_persistent_buffers_set != y._non_persistent_buffers_set:
+            return False
+        if any(len(getattr(x, h)) > len(getattr(y, h)) for h in HOOK_DICTS):
+            return False
+        tensors_x = {k for k, v in own_attrs(x).items() if isinstance(v, torch.Tensor)}
+        tensors_y = {k for k, v in own_attrs(y).items() if isinstance(v, torch.Tensor)}
+        if tensors_x or tensors_y:
+            return False  # plain tensor attributes are not restored by construction
+    return True
+
+
+@dataclass
+class TreeWriter:
+    """Builds the modules.json entries and the tensor table of one GraphModule."""
+
+    gm: fx.GraphModule
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    key_of: dict[int, str] = field(default_factory=dict)
+    slots: list[dict[str, Any]] = field(default_factory=list)
+    entries: list[dict[str, Any]] = field(default_factory=list)
+
+    def tensor_key(self, t: torch.Tensor, suggested: str) -> str:
+        key = self.key_of.get(id(t))
+        if key is None:
+            if t.is_meta:
+                raise SerializationError(
+                    f"cannot save tensor {suggested!r}: it is on the meta device (no data). Load the real "
+                    f"weights into the prepared module first (gm.load_state_dict(..., assign=True))."
+                )
+            if t.layout != torch.strided or t.is_quantized:
+                raise SerializationError(f"cannot save tensor {suggested!r}: {t.layout} / quantized tensors are not supported.")
+            key = suggested
+            while key in self.tensors:
+                key += "_"
+            self.key_of[id(t)] = key
+            self.tensors[key] = t
+        return key
+
+    def write(self) -> None:
+        self._paths_by_id: dict[int, list[str]] = {}
+        for n, m in self.gm.named_modules(remove_duplicate=False):
+            self._paths_by_id.setdefault(id(m), []).append(n)
+        seen: dict[int, str] = {}
+        owned: set[str] = set()
+        for path, module in self.gm.named_modules(remove_duplicate=False):
+            entry: dict[str, Any] = {"path": path, "training": module.training}
+            if id(module) in seen:
+                entry.update(kind="same_as", of=seen[id(module)])
+                self.entries.append(entry)
+                continue
+            seen[id(module)] = path
+            entry["class"] = class_name(type(module))
+            self._record_slots(path, module)  # first, so tensors are keyed by their slot path
+            if module is self.gm:
+                entry["kind"] = "root"
+                self._check_root_hooks()
+            elif path in owned:
+                entry["kind"] = "owned"
+            else:
+                entry.update(self._describe(path, module, owned))
+            self.entries.append(entry)
+
+    def _check_root_hooks(self) -> None:
+        if any(getattr(self.gm, h) for h in HOOK_DICTS):
+            raise SerializationError("cannot save: the prepared module has forward/backward hooks, which have no saved form.")
+
+    def _describe(self, path: str, module: nn.Module, owned: set[str]) -> dict[str, Any]:
+        cls = type(module)
+        where = f"module {path!r} ({class_name(cls)})"
+        if isinstance(module, ops.BoundOp):
+            enc = Encoder(where)
+            return {"kind": "bound_op", "fn": function_name(module.fn), "args": [enc(a) for a in module.args],
+                    "kwargs": {k: enc(v) for k, v in module.kwargs.items()}}
+        if any(getattr(module, h) for h in HOOK_DICTS if not cls.__module__.startswith("torch.")):
+            raise SerializationError(f"cannot save {where}: it has forward/backward hooks, which have no saved form.")
+        if cls in CONTAINERS:
+            if own_attrs(module):
+                return self._state(path, module)
+            return {"kind": "container"}
+        if cls.__module__.startswith(("torch.nn.", "torch.ao.nn.")):
+            described = self._init(path, module, owned)
+            if described is not None:
+                return described
+        return self._state(path, module)
+
+    def _init(self, path: str, module: nn.Module, owned: set[str]) -> dict[str, Any] | None:
+        kwargs = init_kwargs(module)
+        if kwargs is None:
+            return None
+        try:
+            with torch.device("meta"):
+                rebuilt = type(module)(**kwargs)
+        except Exception:  # noqa: BLE001 - not reconstructible this way: fall back to "state"
+            return None
+        if not _structure_matches(module, rebuilt):
+            return None
+        # Everything the constructor creates below this module must not be shared with the outside.
+        for m in module.modules():
+            if any(not (n == path or n.startswith(path + ".")) for n in self._paths_by_id.get(id(m), [])):
+                return None
+        patches: dict[str, dict[str, Any]] = {}
+        for (sub, x), (_, y) in zip(module.named_modules(remove_duplicate=False), rebuilt.named_modules(remove_duplicate=False)):
+            ax, ay = own_attrs(x), own_attrs(y)
+            if not ay.keys() <= ax.keys():
+                return None
+            # attributes set after construction (transformers' _is_hf_initialized) are patched in too
+            diff = {k: v for k, v in ax.items() if k not in ay or not _same(v, ay[k])}
+            if diff:
+                try:
+                    enc = Encoder(f"attributes of {path}.{sub}")
+                    patches[sub] = {k: enc(v) for k, v in diff.items()}
+                except SerializationError:
+                    return None
+        for sub, _ in module.named_modules(remove_duplicate=False):
+            if sub:
+                owned.add(f"{path}.{sub}")
+        enc = Encoder(f"constructor of {path!r}")
+        return {"kind": "init", "init": {k: enc(v) for k, v in kwargs.items()}, "patch": patches}
+
+    def _state(self, path: str, module: nn.Module) -> dict[str, Any]:
+        cls = type(module)
+        where = f"module {path!r} of class {class_name(cls)}"
+        if any(getattr(module, h) for h in (*HOOK_DICTS, "_state_dict_hooks", "_load_state_dict_pre_hooks")):
+            raise SerializationError(f"cannot save {where}: it has hooks, which have no saved form.")
+        attrs = {}
+        for k, v in own_attrs(module).items():
+            if k.startswith("__"):
+                continue
+            try:
+                attrs[k] = Encoder(f"{where}, attribute {k!r}", lambda t, k=k: self.tensor_key(t, f"{path}.{k}"))(v)
+            except SerializationError as err:
+                if cls.__module__ == "fxprep.capture.leaves":
+                    hint = ("it is an opaque part of a model that could not be traced whole: it runs the original "
+                            "Python code, which a saved directory does not contain. Save the original model "
+                            "instead, or make that part traceable (fxprep check shows why it is not)")
+                else:
+                    hint = ("fxprep does not know its constructor, and saves such modules from their plain "
+                            "attributes only. Let fxprep trace into it instead of keeping it as a leaf, or save "
+                            "the original model")
+                raise SerializationError(
+                    f"cannot save {where}: attribute {k!r} holds a {type(v).__qualname__}, which has no safe "
+                    f"saved form; {hint}."
+                ) from err
+        return {"kind": "state", "attrs": attrs}
+
+    def _record_slots(self, path: str, module: nn.Module) -> None:
+        for role, slots in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for name, t in slots.items():
+                key = None if t is None else self.tensor_key(t, f"{path}.{name}" if path else name)
+                slot = {"module": path, "name": name, "role": role, "key": key}
+                if role == "parameter" and t is not None:
+                    slot["requires_grad"] = bool(t.requires_grad)
+                if role == "buffer":
+                    slot["persistent"] = name not in module._non_persistent_buffers_set
+                self.slots.append(slot)
+
+    def constants(self) -> list[dict[str, Any]]:
+        """Plain tensor attributes read by get_attr nodes (fx's ``_tensor_constant0``)."""
+        out = []
+        for node in self.gm.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            owner_path, _, name = str(node.target).rpartition(".")
+            try:
+                owner = self.gm.get_submodule(owner_path)
+            except AttributeError as err:
+                raise SerializationError(f"get_attr {node.target!r} points nowhere.") from err
+            if name in owner._parameters or name in owner._buffers or name in owner._modules:
+                continue
+            value = getattr(owner, name, None)
+            if not isinstance(value, torch.Tensor):
+                raise SerializationError(
+                    f"cannot save get_attr {node.target!r}: a {type(value).__qualname__} (nested graphs such as "
+                    f"torch.cond branches, script objects) has no saved form yet."
+                )
+            out.append({"path": str(node.target), "key": self.tensor_key(value, str(node.target))})
+        return out
+
+
+# --- graph: save side ---------------------------------------------------------------------------
+def graph_json(gm: fx.GraphModule) -> dict[str, Any]:
+    nodes = []
+    for node in gm.graph.nodes:
+        enc = Encoder(f"node {node.name!r} ({node.op} {node.target})")
+        if node.op == "call_function":
+            target: Any = {"fn": function_name(node.target)}
+        else:
+            target = str(node.target)
+        entry = {"name": node.name, "op": node.op, "target": target, "args": [enc(a) for a in node.args],
+                 "kwargs": {k: enc(v) for k, v in node.kwargs.items()}}
+        try:
+            if node.type is not None and node.type in TYPE_NAMES:
+                entry["type"] = TYPE_NAMES[node.type]
+        except TypeError:  # unhashable annotation: left out (it only changes the printed code)
+            pass
+        nodes.append(entry)
+    return {"class_name": type(gm).__name__, "nodes": nodes, "codegen": codegen_json(gm.graph)}
+
+
+def codegen_json(graph: fx.Graph) -> dict[str, Any] | None:
+    codegen = graph._codegen
+    if type(codegen) is fx.graph.CodeGen:
+        return None
+    if isinstance(codegen, fx.graph._PyTreeCodeGen):
+        info = codegen.pytree_info
+        try:
+            return {
+                "kind": "pytree",
+                "orig_args": list(info.orig_args),
+                "in_spec": None if info.in_spec is None else pytree.treespec_dumps(info.in_spec),
+                "out_spec": None if info.out_spec is None else pytree.treespec_dumps(info.out_spec),
+            }
+        except Exception as err:  # noqa: BLE001
+            raise SerializationError(f"cannot save the module's calling convention (pytree spec): {err}") from err
+    raise SerializationError(f"cannot save a graph with custom code generation {type(codegen).__qualname__}.")

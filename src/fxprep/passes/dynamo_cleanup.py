@@ -1,0 +1,232 @@
+"""Clean-ups of a Dynamo graph: what Dynamo records that an fx capture of the same model would not.
+
+Each is a plain ``GraphModule -> GraphModule`` pass that edits ``gm.graph`` in place (the caller
+recompiles once) and, given a ``notes`` list, says in a sentence what it changed:
+
+* :func:`remove_grad_toggles`: ``torch.no_grad`` regions are ``_set_grad_enabled`` calls in the graph;
+* :func:`remove_noise`: logging-only calls (``torch._C._log_api_usage_once``);
+* :func:`rewrite_sym_ops`: ``aten.sym_size.int(x, d)`` under dynamic shapes, back to ``x.size(d)``;
+* :func:`fold_numpy_constants`: NumPy calls on constants, Dynamo-wrapped, back to Python numbers;
+* :func:`restore_autograd_functions`: a custom ``autograd.Function`` recorded as a higher-order op
+  over Dynamo-internal bodies, back to a call of the user's Function;
+* :func:`replace_device_literals`: ``device=`` literals Dynamo baked in, back to the input's device.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..wrap import autograd_function_caller
+
+_GRAD_TOGGLES = {torch._C._set_grad_enabled}
+_SYM_METHODS = {}
+for _name, _method in (("sym_size", "size"), ("sym_stride", "stride")):
+    _packet = getattr(torch.ops.aten, _name, None)
+    if _packet is not None and hasattr(_packet, "int"):
+        _SYM_METHODS[_packet.int] = _method
+if hasattr(torch.ops.aten, "sym_numel"):
+    _SYM_METHODS[torch.ops.aten.sym_numel.default] = "numel"
+
+
+def remove_grad_toggles(gm: fx.GraphModule, *, enabled_at_capture: bool = True,
+                        notes: list[str] | None = None) -> fx.GraphModule:
+    """Drop ``_set_grad_enabled`` calls; values computed with grad disabled and used after the
+    region get an explicit ``.detach()`` so gradients stay exactly what they were."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    toggles = [n for n in nodes if n.op == "call_function" and n.target in _GRAD_TOGGLES]
+    if not toggles:
+        return gm
+    state = enabled_at_capture
+    region: list[fx.Node] = []
+    position = {n: i for i, n in enumerate(nodes)}
+    for node in nodes:
+        if node in toggles:
+            new_state = bool(node.args[0]) if node.args else True
+            if not state and new_state and region:
+                _detach_escaping(graph, region, node, position)
+            region = []
+            state = new_state
+            continue
+        if not state and node.op in ("call_function", "call_method", "call_module"):
+            region.append(node)
+    for node in toggles:
+        graph.erase_node(node)
+    if notes is not None:
+        notes.append(
+            f"{len(toggles)} torch.no_grad/enable_grad toggle(s) removed from the graph; values computed without "
+            f"grad are detached where they leave the region, so gradients are unchanged."
+        )
+    return gm
+
+
+def _detach_escaping(graph: fx.Graph, region: list[fx.Node], end: fx.Node, position: dict[fx.Node, int]) -> None:
+    members = set(region)
+    for node in region:
+        ev = node.meta.get("example_value")
+        if not isinstance(ev, torch.Tensor) or not ev.is_floating_point():
+            continue
+        outside = [u for u in node.users if u not in members and position.get(u, -1) > position[end]]
+        if not outside:
+            continue
+        with graph.inserting_after(end):
+            det = graph.call_method("detach", (node,))
+        det.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "example_value", "stack_trace")}
+        det.meta["fxprep_origin"] = "torch.no_grad region"
+        for u in outside:
+            u.replace_input_with(node, det)
+
+
+_NOISE = {torch._C._log_api_usage_once}
+
+
+def remove_noise(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop calls that only log (``torch._C._log_api_usage_once``)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _NOISE and not node.users:
+            gm.graph.erase_node(node)
+    return gm
+
+
+def rewrite_sym_ops(gm: fx.GraphModule) -> fx.GraphModule:
+    """``aten.sym_size.int(x, d)`` (dynamic shapes) → ``x.size(d)``, a plain fx-level call."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _SYM_METHODS:
+            with graph.inserting_before(node):
+                new = graph.call_method(_SYM_METHODS[node.target], tuple(node.args), dict(node.kwargs))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+    return gm
+
+
+_APPLY_CALL = re.compile(r"([A-Za-z_][\w.]*)\.apply\s*\(")
+
+
+def _user_autograd_function(node: fx.Node, owner: nn.Module) -> type | None:
+    """The ``autograd.Function`` class a Dynamo ``autograd_function_apply`` node came from.
+
+    Dynamo keeps only the traced forward/backward bodies, not the class. The source line it records
+    (``return GeLUFunction.apply(x)``) names it, and the module whose ``forward`` made the call
+    gives the globals to resolve that name in. None when that does not lead to exactly one class.
+    """
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()
+             if ln.strip() and not ln.strip().startswith("File ") and set(ln.strip()) - set("^~ ")]
+    found = _APPLY_CALL.findall(lines[-1]) if lines else []
+    if len(found) != 1:
+        return None
+    scope: Any = getattr(type(owner).forward, "__globals__", {})
+    head, *rest = found[0].split(".")
+    value = scope.get(head)
+    for part in rest:
+        value = getattr(value, part, None)
+    if isinstance(value, type) and issubclass(value, torch.autograd.Function):
+        return value
+    return None
+
+
+def restore_autograd_functions(gm: fx.GraphModule, owner_of: Callable[[fx.Node], nn.Module]) -> fx.GraphModule:
+    """``autograd_function_apply(fwd_body, bwd_body, *inputs)`` → a call of the user's Function.
+
+    Dynamo records a custom ``autograd.Function`` as a higher-order op over two traced graph bodies;
+    those bodies are Dynamo internals (no saved form, not the user's code). Where the class can be
+    found, the call becomes ``Cls.apply(*inputs)``, as an fx capture has it, so the Function's own
+    forward and backward run. Only single-output Functions are rewritten (all users take ``[0]``).
+    ``owner_of(node)`` is the module whose ``forward`` made the call: its globals resolve the name."""
+    graph = gm.graph
+    hop = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+    for node in list(graph.nodes):
+        if hop is None or node.op != "call_function" or node.target is not hop:
+            continue
+        users = list(node.users)
+        if not users or not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0
+                                for u in users):
+            continue
+        cls = _user_autograd_function(node, owner_of(node))
+        if cls is None:
+            continue
+        bodies = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        with graph.inserting_before(node):
+            call = graph.call_function(autograd_function_caller(cls), tuple(node.args[2:]))
+        call.meta = {k: v for k, v in node.meta.items() if k != "source_fn_stack"}
+        call.meta["example_value"] = users[0].meta.get("example_value")
+        for user in users:
+            user.replace_all_uses_with(call)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        for body in bodies:
+            if not body.users:
+                graph.erase_node(body)
+    return gm
+
+
+def fold_numpy_constants(gm: fx.GraphModule) -> fx.GraphModule:
+    """Dynamo traces NumPy calls through ``torch._numpy`` wrappers (``np.sqrt(head_dim)`` in
+    transformers' CTRL becomes a call to ``<Wrapped function <original sqrt>>``). On constant
+    arguments the result is a constant: put the Python number back, as the user's code computed it,
+    so no Dynamo-internal callable stays in the prepared graph."""
+    from torch._dynamo.utils import numpy_to_tensor_wrapper
+
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, numpy_to_tensor_wrapper):
+            continue
+        if any(isinstance(a, fx.Node) for a in pytree.tree_leaves((node.args, node.kwargs))):
+            continue  # on traced values: left as is (save refuses it with the reason)
+        value = node.target(*node.args, **node.kwargs)
+        if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+            continue
+        node.replace_all_uses_with(value.item())  # type: ignore[arg-type]
+        graph.erase_node(node)
+    return gm
+
+
+def replace_device_literals(gm: fx.GraphModule, anchor: fx.Node | None, device: torch.device | None, *,
+                            notes: list[str] | None = None) -> fx.GraphModule:
+    """Turn ``torch.device`` literals equal to the inputs' device into ``anchor.device``, so the
+    prepared module follows ``.to(device)`` (Dynamo bakes ``x.device`` in as a constant)."""
+    if anchor is None or device is None:
+        return gm
+    graph = gm.graph
+    count = 0
+    dev_node: fx.Node | None = None
+
+    def swap(value: Any) -> Any:
+        nonlocal count, dev_node
+        if isinstance(value, torch.device) and value == device:
+            if dev_node is None:
+                with graph.inserting_after(anchor):
+                    dev_node = graph.create_node("call_function", getattr, (anchor, "device"), name="device")
+                dev_node.meta["example_value"] = device
+            count += 1
+            return dev_node
+        if type(value) in (tuple, list):
+            return type(value)(swap(v) for v in value)
+        if type(value) is dict:
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    for node in list(graph.nodes):
+        if node.op not in ("call_function", "call_method", "call_module") or node is dev_node:
+            continue
+        before = count
+        new_args, new_kwargs = swap(tuple(node.args)), swap(dict(node.kwargs))
+        if count != before:
+            node.args, node.kwargs = new_args, new_kwargs
+    if count and notes is not None:
+        notes.append(
+            f"{count} device literal(s) ({device}) baked in by Dynamo now read the device of the first "
+            f"input tensor, so the prepared module follows .to(device)."
+        )
+    return gm
+
