@@ -24,11 +24,10 @@ from .errors import InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
 from .passes import functional_to_module, state_dict, unroll, values
+from .prepared import REPORT, as_prepared, set_preserved
 from .report import Report, Verification
 from .runs import preserved_state
 from .verify import run_original, verify
-
-REPORT_ATTR = "fxprep_report"
 
 
 def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report,
@@ -201,7 +200,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     report.timings["capture"] = time.perf_counter() - t1
     if result is None:
         raise trace_failure(attempts, model)
-    gm = result.gm
+    gm = as_prepared(result.gm)
     report.tracer = result.tracer
     report.leaves.update(result.extra_leaves)
     for note in result.notes:
@@ -251,7 +250,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     else:
         report.verification = Verification("skipped", detail="verify=False")
     report.timings["total"] = time.perf_counter() - t0
-    setattr(gm, REPORT_ATTR, report)
+    set_preserved(gm, REPORT, report)
     return gm
 
 
@@ -270,7 +269,7 @@ def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleIn
 
 def get_report(gm: nn.Module) -> Report:
     """The :class:`Report` of a module returned by :func:`prepare_model`."""
-    report = getattr(gm, REPORT_ATTR, None)
+    report = getattr(gm, REPORT, None)
     if not isinstance(report, Report):
         raise InvalidInput("this module was not produced by fxprep.prepare_model (it has no fxprep report).")
     return report

@@ -27,7 +27,7 @@ import math
 import operator
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -90,11 +90,15 @@ def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
 
         seen: set[int] = set()
         for g in globals_dicts:
-            if id(g) in seen or "len" in g:
+            # a module's own `len` is left alone; fx-generated code names builtins.len explicitly
+            if id(g) in seen or g.get("len", builtins.len) is not builtins.len:
                 continue
             seen.add(id(g))
+            if "len" in g:
+                restore.append(functools.partial(g.__setitem__, "len", g["len"]))
+            else:
+                restore.append(functools.partial(g.pop, "len", None))
             g["len"] = _traced_len
-            restore.append(functools.partial(g.pop, "len", None))
         yield
     finally:
         for undo in reversed(restore):
@@ -133,13 +137,26 @@ def restored_attributes(model: nn.Module, changed: list[str]) -> Iterator[None]:
 
 
 class FxprepTracer(fx.Tracer):
-    """``torch.fx.Tracer`` with fxprep's leaf policy; remembers what it decided and traced."""
+    """``torch.fx.Tracer`` with fxprep's leaf policy and recording patches; remembers what it
+    decided and traced.
 
-    def __init__(self, policy: LeafPolicy, autowrap_functions: tuple[Callable[..., Any], ...] = ()):
+    Constructible without arguments (an empty policy) because ``torch.fx`` re-creates
+    ``gm._tracer_cls()`` to re-trace the generated code when a GraphModule is unpickled
+    (``pickle``, ``torch.load``): a prepared module names this class there, so the code it
+    generated (``len`` calls, constructors sized from shapes) traces again the same way.
+    """
+
+    def __init__(self, policy: LeafPolicy | None = None, autowrap_functions: tuple[Callable[..., Any], ...] = ()):
         super().__init__(autowrap_modules=(math,), autowrap_functions=autowrap_functions)
-        self.policy = policy
+        self.policy = policy if policy is not None else LeafPolicy()
         self.extra_leaves: dict[str, str] = {}
         self.traced_classes: dict[type, str] = {}
+
+    def trace(self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        """``fx.Tracer.trace`` with the recording patches installed for this trace only."""
+        modules = root.modules() if isinstance(root, nn.Module) else ()
+        with _tracing_patches(_forward_globals(modules)):
+            return super().trace(root, concrete_args=concrete_args)
 
     def make_graph_module(self, graph: fx.Graph, class_name: str) -> fx.GraphModule:
         return fx.GraphModule(self.root, graph, class_name)
@@ -174,9 +191,10 @@ def _known_pieces(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[st
     return None
 
 
-def _forward_globals(model: nn.Module) -> list[dict[str, Any]]:
+def _forward_globals(modules: Iterable[nn.Module]) -> list[dict[str, Any]]:
+    """The globals of every module class's ``forward`` (where ``len`` is looked up), torch's excluded."""
     out = []
-    for m in model.modules():
+    for m in modules:
         fwd = getattr(type(m), "forward", None)
         g = getattr(fwd, "__globals__", None)
         if isinstance(g, dict) and not g.get("__name__", "").startswith("torch."):
@@ -297,8 +315,7 @@ def capture_fx(
     changed: list[str] = []
     try:
         with restored_attributes(model, changed):
-            with _tracing_patches(_forward_globals(model)):
-                graph = tracer.trace(model, concrete_args=concrete_args)
+            graph = tracer.trace(model, concrete_args=concrete_args)
             if isinstance(graph._codegen, fx.graph._PyTreeCodeGen):
                 for node in graph.nodes:  # fx writes `x = None,` into the unpacking line otherwise
                     if node.op == "placeholder":

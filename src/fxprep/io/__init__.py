@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import SerializationError
 from ..passes import state_dict as state_dict_pass
+from ..prepared import REPORT, PreparedModule, set_preserved
 from ..version import __version__
 from .decode import (
     Decoder,
@@ -141,7 +142,7 @@ def load(
     class_name_ = str(graph_json.get("class_name", "GraphModule"))
     if not class_name_.isidentifier():
         raise SerializationError(f"bad class name {class_name_!r} in {GRAPH}.")
-    gm = fx.GraphModule(nn.Module(), fx.Graph(), class_name_)
+    gm = PreparedModule(nn.Module(), fx.Graph(), class_name_)
     for attr in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
         setattr(gm, attr, getattr(root, attr))
     for k, v in own_attrs(root).items():
@@ -153,10 +154,10 @@ def load(
     if aliases:
         if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
             raise SerializationError(f"malformed aliases in {MODULES}.")
-        setattr(gm, state_dict_pass.ALIASES_ATTR, dict(aliases))
+        set_preserved(gm, state_dict_pass.ALIASES_ATTR, dict(aliases))
         gm.register_state_dict_post_hook(state_dict_pass._drop_aliases)
         gm.register_load_state_dict_pre_hook(state_dict_pass._fill_aliases)
-    gm.fxprep_report = report_from_dict(manifest.get("report"), directory)  # type: ignore[assignment]
+    set_preserved(gm, REPORT, report_from_dict(manifest.get("report"), directory))
     return gm
 
 

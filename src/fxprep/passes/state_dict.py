@@ -19,6 +19,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..prepared import set_preserved
+
 ALIASES_ATTR = "_fxprep_state_aliases"
 METADATA_ATTR = "_fxprep_state_metadata"
 
@@ -123,8 +125,8 @@ def run(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
         owner = gm.get_submodule(path) if path else gm
         if leaf in owner._buffers:  # a constant the tracer made (``_tensor_constant0``): not state
             owner._non_persistent_buffers_set.add(leaf)
-    setattr(gm, ALIASES_ATTR, found)
-    setattr(gm, METADATA_ATTR, {k: dict(v) for k, v in getattr(original_state, "_metadata", {}).items()})
+    set_preserved(gm, ALIASES_ATTR, found)
+    set_preserved(gm, METADATA_ATTR, {k: dict(v) for k, v in getattr(original_state, "_metadata", {}).items()})
     gm.register_state_dict_post_hook(_drop_aliases)
     gm.register_state_dict_post_hook(_restore_metadata)
     gm.register_load_state_dict_pre_hook(_fill_aliases)
