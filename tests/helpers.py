@@ -84,3 +84,16 @@ TV_VIT_KWARGS: dict[str, dict[str, Any]] = {
     "vit_l_32": {"image_size": 64},
     "vit_h_14": {"image_size": 28},
 }
+
+
+def with_batchnorm_statistics(model: torch.nn.Module, shape: tuple[int, ...]) -> torch.nn.Module:
+    """``model`` in eval mode with BatchNorm statistics of random inputs shaped like ``shape``.
+
+    Randomly initialised networks with BatchNorm at its initial statistics can output ~1e-10
+    everywhere (mobilenet_v2/v3): a quantization error measured on that means nothing."""
+    model.train()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(4, *shape[1:], generator=gen))
+    return model.eval()

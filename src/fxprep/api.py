@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,7 @@ from .capture.leaves import capture_hybrid
 from .errors import InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
-from .passes import functional_to_module, state_dict, unroll, values
+from .passes import aimet_modules, aimet_names, functional_to_module, state_dict, unroll, values
 from .prepared import REPORT, as_prepared, set_preserved
 from .report import Report, Verification
 from .runs import preserved_state
@@ -220,6 +221,9 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         functional_to_module.run(gm, training=model.training, original=model, report=report, recompile=False)
     if opts.unroll:
         unroll.run(gm, share_parameters=opts.share_parameters, original=model, report=report, recompile=False)
+    if opts.style == "aimet":
+        aimet_modules.run(gm, report=report)
+        aimet_names.run(gm, original=model, report=report)
     if opts.share_parameters:
         state_dict.run(gm, model)
     _match_modes(gm, model)
@@ -251,7 +255,18 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         report.verification = Verification("skipped", detail="verify=False")
     report.timings["total"] = time.perf_counter() - t0
     set_preserved(gm, REPORT, report)
+    register_with_toolkits()
     return gm
+
+
+def register_with_toolkits() -> None:
+    """Register fxprep's module classes with the quantization toolkits already imported, so the
+    prepared module goes straight into them (AIMET QuantSim: :mod:`fxprep.compat.aimet_quantsim`).
+    A toolkit that is not imported is not imported here: that would cost seconds."""
+    if sys.modules.get("aimet_torch") is not None:
+        from .compat.aimet_quantsim import register
+
+        register()
 
 
 def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs,

@@ -44,15 +44,17 @@ class Slot:
         return hash(("Slot", self.index))
 
 
-def _fill(template: Any, inputs: tuple[Any, ...]) -> Any:
+def fill_template(template: Any, inputs: tuple[Any, ...]) -> Any:
+    """``template`` with each :class:`Slot` replaced by ``inputs[slot.index]`` (tensors at run time,
+    graph nodes when a pass rewrites a call)."""
     if isinstance(template, Slot):
         return inputs[template.index]
     if type(template) in (tuple, list):
-        return type(template)(_fill(t, inputs) for t in template)
+        return type(template)(fill_template(t, inputs) for t in template)
     if type(template) is dict:
-        return {k: _fill(v, inputs) for k, v in template.items()}
+        return {k: fill_template(v, inputs) for k, v in template.items()}
     if type(template) is slice:
-        return slice(_fill(template.start, inputs), _fill(template.stop, inputs), _fill(template.step, inputs))
+        return slice(fill_template(template.start, inputs), fill_template(template.stop, inputs), fill_template(template.step, inputs))
     return template
 
 
@@ -166,7 +168,7 @@ class BoundOp(nn.Module):
         return qualified_name(self.fn)
 
     def forward(self, *inputs: Any) -> Any:
-        return self.fn(*_fill(self.args, inputs), **_fill(self.kwargs, inputs))
+        return self.fn(*fill_template(self.args, inputs), **fill_template(self.kwargs, inputs))
 
     def extra_repr(self) -> str:
         parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]

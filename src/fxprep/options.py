@@ -10,6 +10,7 @@ from typing import Any
 from .errors import InvalidInput, UnknownOption
 
 TRACERS = ("auto", "dynamo", "fx")
+STYLES = ("fxprep", "aimet")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class PrepareOptions:
         {argument name: {dim: symbol name}} (dimensions sharing a name share one size), e.g.
         {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}. The
         prepared module is then also verified on a second input size.
+    style: "fxprep" (default) or "aimet": the modules fxprep adds get AIMET's names
+        (``module_<fn>_<n>``) and, when ``aimet_torch`` is installed, AIMET's own classes where they
+        compute the same thing (what :func:`fxprep.compat.aimet.prepare_model` sets).
     """
 
     tracer: str = "auto"
@@ -46,6 +50,7 @@ class PrepareOptions:
     fallback: str = "leaf"
     verify_inputs: tuple[Any, ...] = ()
     dynamic: Any = None
+    style: str = "fxprep"
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PrepareOptions:
@@ -59,6 +64,8 @@ class PrepareOptions:
         opts = cls(**kwargs)
         if opts.tracer not in TRACERS:
             raise InvalidInput(f"tracer must be one of {TRACERS}, not {opts.tracer!r}.")
+        if opts.style not in STYLES:
+            raise InvalidInput(f"style must be one of {STYLES}, not {opts.style!r}.")
         if opts.fallback not in ("leaf", "error"):
             raise InvalidInput(f"fallback must be 'leaf' or 'error', not {opts.fallback!r}.")
         if opts.verify not in (True, False, "grad"):

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..api import register_with_toolkits
 from ..errors import SerializationError
 from ..passes import state_dict as state_dict_pass
 from ..prepared import REPORT, PreparedModule, set_preserved
@@ -158,6 +159,7 @@ def load(
         gm.register_state_dict_post_hook(state_dict_pass._drop_aliases)
         gm.register_load_state_dict_pre_hook(state_dict_pass._fill_aliases)
     set_preserved(gm, REPORT, report_from_dict(manifest.get("report"), directory))
+    register_with_toolkits()
     return gm
 
 

@@ -67,7 +67,8 @@ def _signature(spec: str) -> inspect.Signature:
     return inspect.signature(namespace["f"])
 
 
-def _bind(spec: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+def bind(spec: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """``{parameter: value}`` of a call bound to the signature ``spec`` (defaults applied), or None."""
     try:
         bound = _signature(spec).bind(*args, **kwargs)
     except TypeError:
@@ -166,7 +167,7 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
         return Replacement(layer, [x], name, f"F.{name} on module parameters → nn.{type(layer).__name__} sharing them")
 
     if t is F.linear:
-        b = _bind("input, weight, bias=None", args, kwargs)
+        b = bind("input, weight, bias=None", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"], b["bias"])
         if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node):
             return None
@@ -175,7 +176,7 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
         return finish(layer, {"weight": w, "bias": bias}, "linear", b["input"])
     convs = {F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
     if t in convs:
-        b = _bind("input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1", args, kwargs)
+        b = bind("input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"], b["bias"])
         if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
             [b["stride"], b["padding"], b["dilation"], b["groups"]]
@@ -190,7 +191,7 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
         return finish(layer, {"weight": w, "bias": bias}, t.__name__, b["input"])
     tconvs = {F.conv_transpose1d: nn.ConvTranspose1d, F.conv_transpose2d: nn.ConvTranspose2d, F.conv_transpose3d: nn.ConvTranspose3d}
     if t in tconvs:
-        b = _bind("input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1", args, kwargs)
+        b = bind("input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"], b["bias"])
         if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
             [b["stride"], b["padding"], b["output_padding"], b["dilation"], b["groups"]]
@@ -205,7 +206,7 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
         )
         return finish(layer, {"weight": w, "bias": bias}, t.__name__, b["input"])
     if t is F.layer_norm:
-        b = _bind("input, normalized_shape, weight=None, bias=None, eps=1e-05", args, kwargs)
+        b = bind("input, normalized_shape, weight=None, bias=None, eps=1e-05", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"], b["bias"])
         if not b or not ps or not isinstance(b["input"], fx.Node) or _contains_node([b["normalized_shape"], b["eps"]]):
             return None
@@ -216,7 +217,7 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
                              bias=bias is not None, device="meta")
         return finish(layer, {"weight": w, "bias": bias} if w is not None else {}, "layer_norm", b["input"])
     if t is F.group_norm:
-        b = _bind("input, num_groups, weight=None, bias=None, eps=1e-05", args, kwargs)
+        b = bind("input, num_groups, weight=None, bias=None, eps=1e-05", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"], b["bias"])
         if not b or not ps or ps[0] is None or ps[1] is None or not isinstance(b["input"], fx.Node) or _contains_node([b["num_groups"], b["eps"]]):
             return None
@@ -224,7 +225,7 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
         layer = nn.GroupNorm(b["num_groups"], w.shape[0], eps=b["eps"], affine=True, device="meta")
         return finish(layer, {"weight": w, "bias": bias}, "group_norm", b["input"])
     if t is F.embedding:
-        b = _bind("input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False", args, kwargs)
+        b = bind("input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"])
         if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
             [b["padding_idx"], b["max_norm"], b["norm_type"]]
@@ -236,7 +237,7 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
                              device="meta")
         return finish(layer, {"weight": w}, "embedding", b["input"])
     if t in (F.prelu, torch.prelu):
-        b = _bind("input, weight", args, kwargs)
+        b = bind("input, weight", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"])
         if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node):
             return None
@@ -264,7 +265,7 @@ def _activation(node: fx.Node) -> Replacement | None:
         act, inplace = m_entry
         spec = act.spec
         args = tuple(node.args)
-    b = _bind(spec, args, dict(node.kwargs))
+    b = bind(spec, args, dict(node.kwargs))
     if b is None or not _only_input_is_first(b):
         return None
     ctor = act.ctor(b)
@@ -285,14 +286,14 @@ def _dropout(node: fx.Node, training: bool) -> Replacement | None:
     except TypeError:
         return None
     if cls is not None:
-        b = _bind(DROPOUT_SPECS[node.target], tuple(node.args), dict(node.kwargs))
+        b = bind(DROPOUT_SPECS[node.target], tuple(node.args), dict(node.kwargs))
         if b is None or not _only_input_is_first(b) or bool(b["training"]) != training:
             return None  # training fixed in the source: a Dropout BoundOp keeps it fixed (reported)
         return Replacement(cls(p=b["p"], inplace=bool(b["inplace"])), [b["input"]], node.target.__name__,
                            f"{_describe_target(node)} → nn.{cls.__name__} (follows .train()/.eval())")
     if node.target in (F.rrelu, F.rrelu_):
         # random in training (like dropout): nn.RReLU follows the mode when the call did
-        b = _bind("input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False", tuple(node.args),
+        b = bind("input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False", tuple(node.args),
                   dict(node.kwargs))
         if b is None or not _only_input_is_first(b) or bool(b["training"]) != training:
             return None
@@ -301,7 +302,7 @@ def _dropout(node: fx.Node, training: bool) -> Replacement | None:
                            f"{_describe_target(node)} → nn.RReLU (follows .train()/.eval())")
     sd = _stochastic_depth_target()
     if sd is not None and node.target is sd:
-        b = _bind("input, p, mode, training=True", tuple(node.args), dict(node.kwargs))
+        b = bind("input, p, mode, training=True", tuple(node.args), dict(node.kwargs))
         if b is None or not _only_input_is_first(b) or bool(b["training"]) != training:
             return None
         from torchvision.ops import StochasticDepth

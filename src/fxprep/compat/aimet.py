@@ -1,0 +1,74 @@
+"""A drop-in for AIMET's ``prepare_model``, and fxprep's modules registered with AIMET's QuantSim.
+
+AIMET's documentation tells users to call ``prepare_model`` "first and then use the returned model
+as input to all the AIMET Quantization features". :func:`prepare_model` takes AIMET's arguments and
+returns fxprep's graph with AIMET's module names and, when ``aimet_torch`` is installed, AIMET's own
+module classes (``style="aimet"``, see :mod:`fxprep.passes.aimet_names` and
+:mod:`fxprep.passes.aimet_modules`), so code and tests written against AIMET's preparer keep
+working. Where AIMET's preparer does something else, fxprep's behaviour is kept on purpose: reused
+modules are unrolled with *shared* parameters (AIMET deep-copies them: untied weights and new
+state_dict keys), keyword arguments are kept (AIMET drops ``approximate='tanh'`` from ``F.gelu`` and
+SDPA's ``is_causal``), ``masked_fill`` stays out of place (AIMET's writes into its input), dropout
+keeps following ``.train()``/``.eval()``, and models AIMET's preparer cannot trace (transformers 5,
+torchvision detectors) are prepared, with Dynamo when example inputs are given.
+
+:func:`register_quantsim` gives every :mod:`fxprep.ops` class a quantized definition in QuantSim; it
+runs when this module is imported (with ``aimet_torch`` installed), and fxprep also runs it by
+itself at the end of ``prepare_model`` and ``load`` whenever ``aimet_torch`` is already imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from ..api import prepare_model as _fxprep_prepare_model
+from ..capture.huggingface import is_hf_model
+from ..passes.aimet_modules import aimet_available
+
+__all__ = ["prepare_model", "register_quantsim"]
+
+
+def register_quantsim() -> dict[type, type]:
+    """Register fxprep's module classes with AIMET QuantSim; ``{fxprep class: quantized class}``.
+
+    Idempotent. Raises ImportError when ``aimet_torch`` is not installed."""
+    from .aimet_quantsim import register
+
+    return register()
+
+
+def prepare_model(
+    model: nn.Module,
+    modules_to_exclude: list[nn.Module] | None = None,
+    module_classes_to_exclude: list[type] | None = None,
+    concrete_args: dict[str, Any] | None = None,
+    **fxprep_options: Any,
+) -> fx.GraphModule:
+    """AIMET's ``prepare_model(model, modules_to_exclude, module_classes_to_exclude, concrete_args)``,
+    done by fxprep. Any fxprep option may be added (``example_inputs=...`` to capture with Dynamo and
+    verify the result, ``verify_inputs``, ``dynamic``, ...)."""
+    fxprep_options.setdefault("style", "aimet")
+    if aimet_available():
+        register_quantsim()
+    tuple_output = _wants_tuple_output(model, concrete_args, fxprep_options.get("example_inputs"))
+    if tuple_output:
+        concrete_args = {**(concrete_args or {}), "return_dict": False}
+    gm = _fxprep_prepare_model(model, modules_to_exclude, module_classes_to_exclude, concrete_args, **fxprep_options)
+    if tuple_output:
+        gm.fxprep_report.note(
+            "transformers model captured with return_dict=False: QuantSim traces the model with torch.jit, which "
+            "refuses dict outputs (ModelOutput); the prepared module returns the output tuple. Pass "
+            "concrete_args={'return_dict': True} to keep the ModelOutput."
+        )
+    return gm
+
+
+def _wants_tuple_output(model: nn.Module, concrete_args: dict[str, Any] | None, example_inputs: Any) -> bool:
+    """A transformers model whose caller did not choose ``return_dict`` itself."""
+    if not is_hf_model(model):
+        return False
+    chosen = set(concrete_args or {}) | (set(example_inputs) if isinstance(example_inputs, dict) else set())
+    return "return_dict" not in chosen
