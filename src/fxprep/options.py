@@ -32,6 +32,10 @@ class PrepareOptions:
         {argument name: {dim: symbol name}} (dimensions sharing a name share one size), e.g.
         {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}. The
         prepared module is then also verified on a second input size.
+    control_flow: None (default: a Python `if` on a tensor stops capture, as in every tracer) or
+        "rewrite": such an `if` (or conditional expression) in any module's forward is rewritten
+        into torch.where or torch.cond so the model is captured whole; every site is reported
+        (see fxprep.capture.rewrite). The user's code and classes are never changed.
     """
 
     tracer: str = "auto"
@@ -46,6 +50,7 @@ class PrepareOptions:
     fallback: str = "leaf"
     verify_inputs: tuple[Any, ...] = ()
     dynamic: Any = None
+    control_flow: str | None = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PrepareOptions:
@@ -70,6 +75,8 @@ class PrepareOptions:
         if not isinstance(opts.autowrap_functions, (tuple, list)) or not all(callable(f) for f in opts.autowrap_functions):
             raise InvalidInput("autowrap_functions must be a tuple of functions.")
         _check_dynamic(opts.dynamic)
+        if opts.control_flow not in (None, "rewrite"):
+            raise InvalidInput(f"control_flow must be None or 'rewrite', not {opts.control_flow!r}.")
         if not isinstance(opts.verify_inputs, (tuple, list)):
             raise InvalidInput("verify_inputs must be a list of example inputs (each a tensor, tuple or dict).")
         return dataclasses.replace(opts, autowrap_functions=tuple(opts.autowrap_functions),

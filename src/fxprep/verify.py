@@ -61,8 +61,14 @@ def run_original(model: nn.Module, example: ExampleInputs) -> Any:
         ) from err
 
 
-def _compare(ref: Any, got: Any, rtol: float, atol: float) -> tuple[int, float, str | None]:
-    """(tensors compared, max |diff| over finite positions, first problem or None)."""
+def _compare(ref: Any, got: Any, rtol: float, atol: float,
+             broadcast: list[str] | None = None) -> tuple[int, float, str | None]:
+    """(tensors compared, max |diff| over finite positions, first problem or None).
+
+    ``broadcast`` (a list) allows an output whose shape differs from the original's only by
+    size-1 dimensions (a ``torch.where`` rewrite joined two branches of different ranks, and the
+    report says so): it is compared after broadcasting, and the difference is appended to the list.
+    """
     ref_leaves, got_leaves = flatten_output(ref), flatten_output(got)
     if [p for p, _ in ref_leaves] != [p for p, _ in got_leaves]:
         return 0, math.inf, (
@@ -80,6 +86,14 @@ def _compare(ref: Any, got: Any, rtol: float, atol: float) -> tuple[int, float, 
                 problem = problem or f"{path}: {a!r} != {b!r}"
             continue
         count += 1
+        if broadcast is not None and a.shape != b.shape and a.dtype == b.dtype and a.numel() == b.numel():
+            try:
+                joined = torch.broadcast_shapes(a.shape, b.shape) == b.shape
+            except RuntimeError:
+                joined = False
+            if joined:
+                broadcast.append(f"{path}: original shape {tuple(a.shape)}, prepared {tuple(b.shape)}")
+                a = a.reshape(b.shape)
         if a.shape != b.shape or a.dtype != b.dtype:
             problem = problem or f"{path}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
             worst = math.inf
@@ -132,12 +146,15 @@ def verify(
     atol: float | None = None,
     grad: bool = False,
     raise_on_mismatch: bool = True,
+    broadcast: bool = False,
 ) -> Verification:
     """Compare ``prepared`` against ``original`` on ``example``; raise :class:`EquivalenceError` on a
     mismatch (naming the first diverging leaf), else return the measured :class:`Verification`.
 
     ``prepared_example`` is how the prepared module is called when it differs from the original's
-    call (``concrete_args`` removed some arguments, for instance).
+    call (``concrete_args`` removed some arguments, for instance). ``broadcast`` accepts outputs
+    that differ from the original's only by size-1 dimensions, saying so in the result's detail
+    (``control_flow="rewrite"`` joined branches of different ranks with ``torch.where``).
     """
     prepared_example = prepared_example or example
     with preserved_state(original, prepared):
@@ -154,8 +171,12 @@ def verify(
         d_rtol, d_atol = default_tolerances(reference)
         rtol = d_rtol if rtol is None else rtol
         atol = d_atol if atol is None else atol
-    count, worst, problem = _compare(reference, got, rtol, atol)
+    reshaped: list[str] | None = [] if broadcast else None
+    count, worst, problem = _compare(reference, got, rtol, atol, reshaped)
     result = Verification("passed", max_abs_diff=worst, rtol=rtol, atol=atol, outputs_compared=count)
+    if reshaped:
+        result.detail = ("shapes differ, values compared after broadcasting (control-flow rewrite): "
+                         + "; ".join(reshaped))
     if problem is None and grad:
         g_worst, g_problem = _verify_grads(original, prepared, example, prepared_example, rtol, atol)
         result.grad, result.grad_max_abs_diff = True, g_worst
