@@ -205,7 +205,10 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     report.attempts = attempts
     report.timings["capture"] = time.perf_counter() - t1
     if result is None:
-        raise trace_failure(attempts, model)
+        failure = trace_failure(attempts, model)
+        if rewrite is not None:
+            failure.args = (f"{failure.args[0]}\n\n{rewrite.explain()}",)
+        raise failure
     gm = as_prepared(result.gm)
     report.tracer = result.tracer
     report.leaves.update(result.extra_leaves)
@@ -261,7 +264,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     else:
         report.verification = Verification("skipped", detail="verify=False")
     if rewrite is not None:
-        rewrite.report(report, result.extra_leaves)
+        rewrite.report(report, result.extra_leaves, result.tracer)
     report.timings["total"] = time.perf_counter() - t0
     set_preserved(gm, REPORT, report)
     return gm

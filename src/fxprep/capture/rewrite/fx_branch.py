@@ -10,7 +10,6 @@ Dynamo lifts free variables of ``torch.cond`` branches.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,15 +19,16 @@ from torch.utils import _pytree as pytree
 from ...cond import cond
 from .join import RewriteError, where
 
-_counter = itertools.count()
 BRANCH_ATTR = "_fxprep_branch"  # node.meta: the site key of a cond node fxprep built
 
 
 def _free_index(root: Any) -> int:
-    while True:
-        k = next(_counter)
-        if not hasattr(root, f"cond_true_{k}") and not hasattr(root, f"cond_false_{k}"):
-            return k
+    """The first ``k`` with ``cond_true_k`` / ``cond_false_k`` free on the root (branches built
+    earlier in the same trace are parked there)."""
+    k = 0
+    while hasattr(root, f"cond_true_{k}") or hasattr(root, f"cond_false_{k}"):
+        k += 1
+    return k
 
 
 def _trace_arm(tracer: fx.Tracer, fn: Callable[..., Any], operands: tuple[Any, ...], slots: list[int]
@@ -43,6 +43,9 @@ def _trace_arm(tracer: fx.Tracer, fn: Callable[..., Any], operands: tuple[Any, .
             args[i] = tracer.create_proxy("placeholder", operands[i].node.name, (), {})
         result = fn(*args)
         flat, spec = pytree.tree_flatten(result)
+        inputs = {args[i].node for i in slots}
+        # torch.cond (export, compile) refuses a branch returning one of its inputs: return a copy.
+        flat = [v.clone() if isinstance(v, fx.Proxy) and v.node in inputs else v for v in flat]
         graph.output(tuple(tracer.create_arg(v) for v in flat))
     finally:
         tracer.graph = outer

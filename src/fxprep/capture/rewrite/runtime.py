@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .fx_branch import fx_branch
 from .join import Probe, compare_arms, where
@@ -55,13 +56,16 @@ def branch(route: str, key: str, pred: Any, true_fn: Callable[..., Any], false_f
 
 
 def _with_constants(fn: Callable[..., Any], operands: tuple[Any, ...], slots: list[int]) -> Callable[..., Any]:
-    """``fn`` taking only the tensor operands (at ``slots``); the others are fixed to their values."""
+    """``fn`` taking only the tensor operands (at ``slots``); the others are fixed to their values.
+    An output that *is* an input is returned as a copy (``torch.cond`` forbids the aliasing)."""
 
     def arm(*tensors: Any) -> Any:
         args = list(operands)
         for i, t in zip(slots, tensors):
             args[i] = t
-        return fn(*args)
+        # torch.cond refuses a branch returning one of its inputs (aliasing): hand back a copy.
+        return pytree.tree_map_only(
+            torch.Tensor, lambda out: out.clone() if any(out is t for t in tensors) else out, fn(*args))
 
     arm.__name__ = getattr(fn, "__name__", "arm")
     return arm

@@ -92,8 +92,9 @@ def innermost_user_frame(err: BaseException) -> tuple[str, int] | None:
     return None
 
 
-def _source_text(method: Method, node: ast.AST) -> str:
-    first, last = node.lineno, getattr(node, "end_lineno", node.lineno) or node.lineno  # type: ignore[attr-defined]
+def _source_text(method: Method, node: ast.AST, end: int | None = None) -> str:
+    first = node.lineno  # type: ignore[attr-defined]
+    last = end or getattr(node, "end_lineno", first) or first
     lines = [linecache.getline(method.filename, n).rstrip() for n in range(first, last + 1)]
     indent = min((len(x) - len(x.lstrip()) for x in lines if x.strip()), default=0)
     return "\n".join(x[indent:] for x in lines)
@@ -222,10 +223,14 @@ class ControlFlowRewrite:
             changed.route = REFUSED
             changed.reasons.append(f"fxprep's rewrite of it computed something else when run eagerly ({problem})")
             return
+        recorders = [recorder]
+        for i, extra in enumerate(self.extra):  # the untaken side is checked on every input given
+            with contextlib.suppress(Exception):
+                recorders.append(self.record(extra, f"verify_inputs[{i}]")[1])
         for site in self.sites.values():
             if site.route != WHERE:
                 continue
-            probe = recorder.probes.get(site.key)
+            probe = _merged([r.probes[site.key] for r in recorders if site.key in r.probes])
             if probe is None:
                 site.step_down("the example inputs never reached it with a tensor condition, so the two branches "
                                "could not be compared; torch.cond computes only the branch taken")
@@ -270,6 +275,10 @@ class ControlFlowRewrite:
         if known is None and isinstance(node, (ast.If, ast.IfExp)) and method is not None and fdef is not None:
             site = self._new_site(site_key, method, fdef, node)
             self.sites[site_key] = site
+            inner = node
+            while isinstance(inner, ast.If) and len(inner.orelse) == 1 and isinstance(inner.orelse[0], ast.If):
+                inner = inner.orelse[0]  # an elif chain is one decision: its links are planned together
+                self.sites.setdefault(f"{filename}:{inner.lineno}", self._new_site(f"{filename}:{inner.lineno}", method, fdef, inner))
             if site.active:
                 self._compile(method)
                 if site.active:
@@ -315,7 +324,7 @@ class ControlFlowRewrite:
                 end = max([end] + [s.end_lineno or s.lineno for s in rest])
             root_return = "returns" in exits and (top or exits == {"returns"})
         root_return = root_return and method.name == "forward" and any(m is self.model for m in method.instances)
-        site = Site(key, method, node.lineno, end, _source_text(method, node), WHERE, root_return=root_return)
+        site = Site(key, method, node.lineno, end, _source_text(method, node, end), WHERE, root_return=root_return)
         resolver = Resolver(method.raw.__globals__, method.instances, function_locals(fdef))
         found = Effects()
         for arm in arms:
@@ -373,8 +382,31 @@ class ControlFlowRewrite:
             self.constructed.append((label, negated))
         return list(self.constructed)
 
-    def report(self, report: Report, opaque: dict[str, str]) -> None:
-        """Add each site to ``report.control_flow`` (``opaque``: the capture's opaque leaves)."""
+    def explain(self) -> str:
+        """What the rewrite did, for a capture that failed even so."""
+        lines = [f"control_flow='rewrite' tried {self.rounds} capture(s):"]
+        for site in self.sites.values():
+            lines.append(f"  - {site.key}: {site.route}" + (f" ({'; '.join(site.reasons)})" if site.reasons else ""))
+        return "\n".join(lines)
+
+    def report(self, report: Report, opaque: dict[str, str], tracer: str | None = None) -> None:
+        """Add each site to ``report.control_flow`` (``opaque``: the capture's opaque leaves;
+        ``tracer``: the one whose capture was kept; the report's attempts say who failed where)."""
+        for attempt in report.attempts:
+            frame = innermost_user_frame(attempt.exception) if attempt.exception is not None else None
+            if frame is None or attempt.tracer == tracer:
+                continue
+            for site in self.sites.values():
+                if site.active and site.method is not None and site.method.contains(*frame) \
+                        and site.line <= frame[1] <= site.end_line:
+                    site.notes.append(
+                        f"{attempt.tracer} could not capture it as {site.route} ({_first_line(attempt.exception)}); "  # type: ignore[arg-type]
+                        f"{tracer} did: the "
+                        f"prepared module runs it exactly, but torch.export / ONNX export of it may fail the same way")
+        if self.sites:
+            report.note(f"control_flow='rewrite': captured after {self.rounds} capture(s); "
+                        f"{sum(s.active for s in self.sites.values())} of {len(self.sites)} data-dependent site(s) "
+                        f"rewritten (see 'data-dependent control flow').")
         names = {id(m): n for n, m in self.model.named_modules()}
         for site in self.sites.values():
             modules = [names.get(id(m), "?") for m in (site.method.instances if site.method else [])]
@@ -405,6 +437,16 @@ class ControlFlowRewrite:
         return any(s.broadcast for s in self.sites.values() if s.route == WHERE)
 
 
+def _merged(probes: list[runtime.Probe]) -> runtime.Probe | None:
+    if not probes:
+        return None
+    out = runtime.Probe()
+    for p in probes:
+        out.problems += [x for x in p.problems if x not in out.problems]
+        out.broadcast += [x for x in p.broadcast if x not in out.broadcast]
+    return out
+
+
 def _missing(site: Site) -> set[bool]:
     taken: set[bool] = set()
     for t in site.taken.values():
@@ -427,8 +469,12 @@ def _negated(example: ExampleInputs) -> ExampleInputs | None:
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else ""
+    """The line of ``err`` that says what went wrong (past Dynamo's "Got graph break/error:")."""
+    text = [t.strip() for t in str(err).strip().splitlines() if t.strip()]
+    if len(text) > 1 and text[0].endswith("Got graph break/error:"):
+        explanation = next((t for t in text if t.startswith("Explanation:")), "")
+        return f"{text[1]}{' - ' + explanation.removeprefix('Explanation: ') if explanation else ''}"
+    return text[0] if text else type(err).__name__
 
 
 def _differs(ref: Any, got: Any) -> str | None:

@@ -58,6 +58,21 @@ def _def(name: str, params: list[str], body: list[ast.stmt]) -> ast.FunctionDef:
     return node
 
 
+def _tuple_text(names: list[str]) -> str:
+    return f"({', '.join(names)}{',' if len(names) == 1 else ''})"
+
+
+def _value_text(arm: list[ast.stmt], name: str, fn: str) -> str:
+    """How the value an arm leaves in local ``name`` reads in the report."""
+    stores = [s for s in arm if name in {n.id for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}]
+    if not stores:
+        return name
+    if len(stores) == 1 and isinstance(stores[0], ast.Assign) and len(stores[0].targets) == 1 \
+            and isinstance(stores[0].targets[0], ast.Name):
+        return ast.unparse(stores[0].value)
+    return f"{fn}(...).{name}"
+
+
 def _helper_call(helper: str, args: list[ast.expr]) -> ast.Call:
     return ast.Call(func=_name(helper), args=args, keywords=[])
 
@@ -102,6 +117,7 @@ class _Sites:
         self.planned = planned
         self.locals = function_locals(fdef)
         self.became: dict[int, str] = {}
+        self.returned: dict[int, str] = {}  # the expression a returning site became
         self.problems: dict[int, str] = {}
         self.done: set[int] = set()
 
@@ -138,7 +154,7 @@ class _Sites:
             f"torch.where({ast.unparse(node.test)}, {ast.unparse(node.body)}, {ast.unparse(node.orelse)})"
             if plan.route == "where" else
             f"torch.cond({ast.unparse(node.test)}, lambda {', '.join(params)}: {ast.unparse(node.body)}, "
-            f"lambda {', '.join(params)}: {ast.unparse(node.orelse)}, ({', '.join(params)}))"
+            f"lambda {', '.join(params)}: {ast.unparse(node.orelse)}, {_tuple_text(params)})"
         )
         return ast.copy_location(call, node)
 
@@ -206,26 +222,38 @@ class _Sites:
             f_def = _def(f_name, params, orelse + [copy.deepcopy(ret)])
             call = self._call(plan, node.test, t_name, f_name, params)
             last: ast.stmt = ast.Assign(targets=[_tuple(outputs, store=True)], value=call)
-            self.became[line] = (
-                f"{', '.join(outputs)} = torch.{plan.route}({ast.unparse(node.test)}, {t_name}, {f_name}, "
-                f"({', '.join(params)}))"
-            )
+            if plan.route == "where":
+                joined = [f"torch.where({ast.unparse(node.test)}, {_value_text(body, o, t_name)}, "
+                          f"{_value_text(orelse, o, f_name)})" for o in outputs]
+                self.became[line] = f"{', '.join(outputs)} = {', '.join(joined)}"
+            else:
+                self.became[line] = (f"{', '.join(outputs)} = torch.cond({ast.unparse(node.test)}, {t_name}, {f_name}, "
+                                     f"{_tuple_text(params)})")
         else:
             params = self.operands(line, reads)
             t_def, f_def = _def(t_name, params, body), _def(f_name, params, orelse)
             last = ast.Return(value=self._call(plan, node.test, t_name, f_name, params))
-            single = [s for s in (body, orelse) if len(s) == 1 and isinstance(s[0], ast.Return) and s[0].value is not None]
-            if plan.route == "where" and len(single) == 2:
-                self.became[line] = (f"return torch.where({ast.unparse(node.test)}, {ast.unparse(body[0].value)}, "  # type: ignore[union-attr]
-                                     f"{ast.unparse(orelse[0].value)})")  # type: ignore[union-attr]
-            else:
-                self.became[line] = (f"return torch.{plan.route}({ast.unparse(node.test)}, {t_name}, {f_name}, "
-                                     f"({', '.join(params)}))")
+            texts = [self._arm_text(arm, name, params) for arm, name in ((body, t_name), (orelse, f_name))]
+            expr = f"torch.{plan.route}({ast.unparse(node.test)}, {texts[0]}, {texts[1]})"
+            if plan.route == "cond":
+                expr = f"torch.cond({ast.unparse(node.test)}, {t_name}, {f_name}, {_tuple_text(params)})"
+            self.became[line] = f"return {expr}"
+            self.returned[line] = expr
+            last.fxprep_line = line  # type: ignore[attr-defined]
         new = [t_def, f_def, last]
         for stmt in new:
             ast.copy_location(stmt, node)
         self.done.add(line)
         return new, consumed
+
+    def _arm_text(self, arm: list[ast.stmt], name: str, params: list[str]) -> str:
+        """How an arm reads in the report: its expression, or the expression of the site it is."""
+        if len(arm) == 1 and isinstance(arm[0], ast.Return) and arm[0].value is not None:
+            return ast.unparse(arm[0].value)
+        inner = getattr(arm[-1], "fxprep_line", None) if arm else None
+        if inner is not None and all(isinstance(s, ast.FunctionDef) for s in arm[:-1]):
+            return self.returned[inner]
+        return f"{name}({', '.join(params)})"
 
     def _call(self, plan: Planned, test: ast.expr, t_name: str, f_name: str, params: list[str]) -> ast.Call:
         return _helper_call("__fxprep_branch__", [
