@@ -237,13 +237,13 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
     report.timings["passes"] = time.perf_counter() - t2
 
-    broadcast = rewrite is not None and rewrite.broadcasts
+    where_rewrite = rewrite is not None and rewrite.joins_with_where
     if example is not None and opts.verify:
         t3 = time.perf_counter()
         assert original_call is not None
         report.verification = verify(
             model, gm, original_call, reference=reference, prepared_example=prepared_call,
-            rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", broadcast=broadcast,
+            rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite,
         )
         if opts.dynamic:
             _verify_second_size(model, gm, example, concrete, opts, report)
@@ -254,7 +254,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
             extra_original, extra_prepared = split_calls(model, extra_example, concrete)
             checked = verify(
                 model, gm, extra_original, prepared_example=extra_prepared,
-                rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", broadcast=broadcast,
+                rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite,
             )
             checked.label = label or ""
             report.extra_verifications.append(checked)

@@ -60,7 +60,7 @@ class RewrittenSite:
             lines.append(f"    became: {self.became}")
         lines += [f"    why: {r}" for r in self.reasons]
         for side in ("true", "false"):
-            if side in self.branches or self.route != "not rewritten":
+            if self.branches:
                 ran = self.branches.get(side, [])
                 lines.append(f"    {side} branch: " + (f"verified on {', '.join(ran)}" if ran else "NOT exercised by any input"))
         lines += [f"    ! {n}" for n in self.notes]

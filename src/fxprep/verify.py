@@ -146,15 +146,20 @@ def verify(
     atol: float | None = None,
     grad: bool = False,
     raise_on_mismatch: bool = True,
-    broadcast: bool = False,
+    where_rewrite: bool = False,
 ) -> Verification:
     """Compare ``prepared`` against ``original`` on ``example``; raise :class:`EquivalenceError` on a
     mismatch (naming the first diverging leaf), else return the measured :class:`Verification`.
 
     ``prepared_example`` is how the prepared module is called when it differs from the original's
-    call (``concrete_args`` removed some arguments, for instance). ``broadcast`` accepts outputs
-    that differ from the original's only by size-1 dimensions, saying so in the result's detail
-    (``control_flow="rewrite"`` joined branches of different ranks with ``torch.where``).
+    call (``concrete_args`` removed some arguments, for instance).
+
+    ``where_rewrite``: the prepared graph joins data-dependent branches with ``torch.where``
+    (``control_flow="rewrite"``, which reports it site by site). Two differences that follow are
+    then accepted and stated in the result's detail, never hidden: an output that differs from the
+    original's only by size-1 dimensions (the branches had different ranks; compared after
+    broadcasting), and a parameter gradient that is None in the original but all zeros in the
+    prepared module (it was read only by the branch not taken, which ``torch.where`` computes too).
     """
     prepared_example = prepared_example or example
     with preserved_state(original, prepared):
@@ -171,16 +176,15 @@ def verify(
         d_rtol, d_atol = default_tolerances(reference)
         rtol = d_rtol if rtol is None else rtol
         atol = d_atol if atol is None else atol
-    reshaped: list[str] | None = [] if broadcast else None
-    count, worst, problem = _compare(reference, got, rtol, atol, reshaped)
+    accepted: list[str] | None = [] if where_rewrite else None
+    count, worst, problem = _compare(reference, got, rtol, atol, accepted)
     result = Verification("passed", max_abs_diff=worst, rtol=rtol, atol=atol, outputs_compared=count)
-    if reshaped:
-        result.detail = ("shapes differ, values compared after broadcasting (control-flow rewrite): "
-                         + "; ".join(reshaped))
     if problem is None and grad:
-        g_worst, g_problem = _verify_grads(original, prepared, example, prepared_example, rtol, atol)
+        g_worst, g_problem = _verify_grads(original, prepared, example, prepared_example, rtol, atol, accepted)
         result.grad, result.grad_max_abs_diff = True, g_worst
         problem = g_problem
+    if accepted:
+        result.detail = "accepted differences of the torch.where rewrite: " + "; ".join(accepted)
     if problem is not None:
         result.status, result.detail = "failed", problem
         if raise_on_mismatch:
@@ -194,8 +198,10 @@ def verify(
 
 
 def _verify_grads(original: nn.Module, prepared: fx.GraphModule, example: ExampleInputs,
-                  prepared_example: ExampleInputs, rtol: float, atol: float) -> tuple[float, str | None]:
-    """Backpropagate the same random cotangents through both; compare input and parameter grads."""
+                  prepared_example: ExampleInputs, rtol: float, atol: float,
+                  accepted: list[str] | None = None) -> tuple[float, str | None]:
+    """Backpropagate the same random cotangents through both; compare input and parameter grads
+    (``accepted``, a list: a None gradient against an all-zero one is accepted and noted there)."""
     params = [p for p in original.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
 
@@ -226,6 +232,10 @@ def _verify_grads(original: nn.Module, prepared: fx.GraphModule, example: Exampl
     worst, problem = 0.0, None
     for i, (a, b) in enumerate(zip(ref, got)):
         if (a is None) != (b is None):
+            present = b if a is None else a
+            if accepted is not None and a is None and present is not None and not bool(present.any()):
+                accepted.append(f"gradient {i}: None in the original, zeros in the prepared module")
+                continue
             problem = problem or f"gradient {i}: present in one module only"
             continue
         if a is None:

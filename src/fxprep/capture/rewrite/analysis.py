@@ -176,6 +176,16 @@ class Resolver:
         return []
 
 
+def reads_parameters(arm: Any, resolver: Resolver) -> bool:
+    """Whether ``arm`` reads a parameter (directly or by calling a module holding one)."""
+    for node in scoped_walk(arm):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            for obj in resolver.resolve(node):
+                if isinstance(obj, nn.Parameter) or (isinstance(obj, nn.Module) and next(obj.parameters(), None) is not None):
+                    return True
+    return False
+
+
 def _name_of(fn: Any) -> str:
     return str(getattr(fn, "__name__", "") or "")
 
@@ -329,5 +339,5 @@ def _assigned_before(arm: Any, target: ast.Name) -> bool:
 
 __all__ = [
     "Effects", "Resolver", "arm_exit", "effects", "function_locals", "loaded_names", "names_before",
-    "scoped_walk", "stored_names",
+    "reads_parameters", "scoped_walk", "stored_names",
 ]

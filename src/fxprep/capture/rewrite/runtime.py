@@ -72,7 +72,8 @@ def _with_constants(fn: Callable[..., Any], operands: tuple[Any, ...], slots: li
 
 
 def and_(a: Any, b: Callable[[], Any]) -> Any:
-    """``a and b()`` for a site's test; on traced tensors, ``logical_and`` (``b`` then always runs)."""
+    """``a and b()`` for a site's test. On traced tensors ``logical_and`` (``b`` then always
+    runs); otherwise Python's short circuit."""
     if _traced(a):
         right = b()
         return torch.logical_and(_as_bool(a), _as_bool(right) if _traced(right) else bool(right))
@@ -80,7 +81,8 @@ def and_(a: Any, b: Callable[[], Any]) -> Any:
 
 
 def or_(a: Any, b: Callable[[], Any]) -> Any:
-    """``a or b()`` for a site's test; on traced tensors, ``logical_or`` (``b`` then always runs)."""
+    """``a or b()`` for a site's test. On traced tensors ``logical_or`` (``b`` then always runs);
+    otherwise Python's short circuit."""
     if _traced(a):
         right = b()
         return torch.logical_or(_as_bool(a), _as_bool(right) if _traced(right) else bool(right))
@@ -88,8 +90,11 @@ def or_(a: Any, b: Callable[[], Any]) -> Any:
 
 
 def not_(a: Any) -> Any:
-    """``not a`` for a site's test; on a traced tensor, ``logical_not``."""
-    return torch.logical_not(_as_bool(a)) if _traced(a) else not a
+    """``not a`` for a site's test: on a tensor (traced or not) ``logical_not``, whose truth value
+    is Python's, so fxprep's eager runs still see that the site's condition is a tensor."""
+    if isinstance(a, (torch.Tensor, fx.Proxy)):
+        return torch.logical_not(_as_bool(a))
+    return not a
 
 
 HELPERS: dict[str, Any] = {

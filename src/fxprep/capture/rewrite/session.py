@@ -36,7 +36,7 @@ from ...report import Report, RewrittenSite
 from ...runs import preserved_state, run_model
 from ..common import CaptureAttempt, CaptureResult
 from . import runtime
-from .analysis import Effects, Resolver, arm_exit, effects, function_locals, scoped_walk
+from .analysis import Effects, Resolver, arm_exit, effects, function_locals, reads_parameters, scoped_walk
 from .source import Method, SourceUnavailable, bound, compile_function, method_at, parse
 from .transform import Planned, rewrite
 
@@ -58,6 +58,7 @@ class Site:
     reasons: list[str] = field(default_factory=list)
     became: str = ""
     root_return: bool = False
+    reads_parameters: bool = False
     broadcast: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     taken: dict[str, set[bool]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -329,6 +330,7 @@ class ControlFlowRewrite:
         found = Effects()
         for arm in arms:
             found.merge(effects(arm, resolver))
+            site.reads_parameters = site.reads_parameters or reads_parameters(arm, resolver)
         if found.no_cond:
             site.route = REFUSED
             site.reasons.append("a branch cannot be made a pure function of tensors: " + "; ".join(found.no_cond))
@@ -420,7 +422,7 @@ class ControlFlowRewrite:
                 notes.append(f"the branches' results have shapes {shapes}: the prepared module returns the broadcast "
                              f"shape on both branches (values equal; no value repeated); verification compares "
                              f"after broadcasting and says so")
-            if site.route == WHERE:
+            if site.route == WHERE and site.reads_parameters:
                 notes.append("torch.where computes both branches: parameters read only by one branch get zero "
                              "gradients (not None) when the other branch is taken")
             branches: dict[str, list[str]] = {}
@@ -433,8 +435,10 @@ class ControlFlowRewrite:
             ))
 
     @property
-    def broadcasts(self) -> bool:
-        return any(s.broadcast for s in self.sites.values() if s.route == WHERE)
+    def joins_with_where(self) -> bool:
+        """Whether a site became ``torch.where`` (verification then accepts, and states, its
+        documented differences: size-1 broadcasts, zero instead of None gradients)."""
+        return any(s.route == WHERE for s in self.sites.values())
 
 
 def _merged(probes: list[runtime.Probe]) -> runtime.Probe | None:
