@@ -229,15 +229,16 @@ def check_traceability(
         if draft_export and example is not None:
             fresh = example.fresh_copy()
             out.issues += _draft_export_issues(model, fresh.args, fresh.kwargs)
-        if control_flow and any(i.category in (DATA_DEPENDENT_BRANCH, DATA_DEPENDENT_VALUE, DATA_DEPENDENT_LOOP)
-                                for i in out.issues):
-            out.control_flow, out.rewrite_tracer = _rewrite(model, policy, example, concrete)
+        found = [i for i in out.issues if i.category in (DATA_DEPENDENT_BRANCH, DATA_DEPENDENT_VALUE, DATA_DEPENDENT_LOOP)]
+        if control_flow and found:
+            out.control_flow, out.rewrite_tracer = _rewrite(model, policy, example, concrete, found)
     return out
 
 
-def _rewrite(model: nn.Module, policy: Any, example: Any, concrete: dict[str, Any] | None
+def _rewrite(model: nn.Module, policy: Any, example: Any, concrete: dict[str, Any] | None, issues: list[Issue]
              ) -> tuple[list[RewrittenSite], str | None]:
-    """The ``control_flow="rewrite"`` loop over the whole-model tracers (no opaque fallback)."""
+    """The ``control_flow="rewrite"`` loop over the whole-model tracers (no opaque fallback); the
+    data-dependent sites among ``issues`` it did not reach are assessed without capturing."""
     from .capture.rewrite.session import ControlFlowRewrite
 
     session = ControlFlowRewrite(model, example, [], concrete)
@@ -257,6 +258,9 @@ def _rewrite(model: nn.Module, policy: Any, example: Any, concrete: dict[str, An
         return result, attempts
 
     result, attempts = session.capture(run)
+    for issue in issues:
+        if issue.file is not None and issue.line is not None:
+            session.assess(issue.file, issue.line)
     report = Report(type(model).__name__)
     report.attempts = attempts
     session.report(report, {}, result.tracer if result is not None else None)

@@ -37,7 +37,10 @@ def _leaves_at_root(gm: fx.GraphModule, branch: fx.GraphModule, original: nn.Mod
         module = branch.get_submodule(target)
         try:
             if original.get_submodule(target) is not module:
-                continue
+                continue  # not the user's module at that path: it belongs to the branch only
+        except AttributeError:
+            continue
+        try:
             gm.get_submodule(target)
             continue  # something is already there
         except AttributeError:

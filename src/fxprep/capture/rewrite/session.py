@@ -295,6 +295,33 @@ class ControlFlowRewrite:
             self.sites[site_key] = self._unrewritable(site_key, method, node, line, filename)
         return False
 
+    def assess(self, filename: str, line: int) -> None:
+        """Decide for a data-dependent site the capture loop did not reach (``fxprep check`` lists
+        every site ``draft_export`` found): the same analysis and eager check, no capture."""
+        method = method_at(self.model, filename, line)
+        key = (method.cls, method.name) if method is not None else None
+        if method is not None and key not in self.methods:
+            try:
+                self.trees[key] = parse(method)  # type: ignore[index]
+            except SourceUnavailable:
+                self.trees[key] = None  # type: ignore[index,assignment]
+            self.methods[key] = method  # type: ignore[index]
+        if method is not None:
+            method = self.methods[key]  # type: ignore[index]
+        fdef = self.trees.get(key) if key is not None else None  # type: ignore[arg-type]
+        node = _node_at(fdef, line) if fdef is not None else None
+        site_key = f"{filename}:{node.lineno if node is not None else line}"  # type: ignore[attr-defined]
+        if site_key in self.sites:
+            return
+        if isinstance(node, (ast.If, ast.IfExp)) and method is not None and fdef is not None:
+            site = self.sites[site_key] = self._new_site(site_key, method, fdef, node)
+            if site.active:
+                self._compile(method)
+                if site.active:
+                    self._check(site)
+        else:
+            self.sites[site_key] = self._unrewritable(site_key, method, node, line, filename)
+
     def _unrewritable(self, key: str, method: Method | None, node: ast.AST | None, line: int, filename: str) -> Site:
         if isinstance(node, (ast.While, ast.For, ast.comprehension)):
             why = "a loop whose trip count depends on a tensor: it stays as it is (opaque), no sound rewrite"
