@@ -27,7 +27,7 @@ from .seed_models import fx_docs
 # --- the seed document's model (shared/seeds/000), as written ---------------------------------------
 class NonTraceableModel(nn.Module):
     def __init__(self):
-        super(NonTraceableModel, self).__init__()
+        super().__init__()
         self.linear = nn.Linear(10, 10)
 
     def forward(self, x):
@@ -228,6 +228,98 @@ def test_branches_assigning_locals_then_falling_through(tracer):
     assert site.branches == {"true": ["example"], "false": ["verify_inputs[0]"]}
     for inp in (big, small):
         torch.testing.assert_close(gm(inp), model(inp))
+
+
+# --- methods of every shape: super(), decorators, private names, other methods, loops, and/or/not ----
+class Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class WithSuper(Base):
+    def forward(self, x, scale=2.0, *, shift=0.0):
+        y = super().forward(x)
+        if y.sum() > 0:
+            y = y * scale
+        return y + shift
+
+
+class Decorated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.__secret = 3.0
+
+    @torch.no_grad()
+    def forward(self, x):
+        y = self.fc(x)
+        return y * self.__secret if y.mean() > 0 else y
+
+
+class OtherMethod(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def pick(self, y):
+        if y.max() > 1:
+            return y / 2
+        return y
+
+    def forward(self, x):
+        return self.pick(self.fc(x)) + 1
+
+
+class InLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fcs = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x):
+        acc = torch.zeros_like(x)
+        for i, fc in enumerate(self.fcs):
+            h = fc(x)
+            if h.sum() > i:
+                acc = acc + h
+            else:
+                acc = acc - h
+        return acc
+
+
+class BoolOps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.sum() > 0 and y.max() < 10:
+            out = y.relu()
+        else:
+            out = y.sigmoid()
+        if not (out > 0.5).any():
+            out = out * 0
+        return out
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx"])
+@pytest.mark.parametrize("cls", [WithSuper, Decorated, OtherMethod, InLoop, BoolOps])
+def test_methods_of_every_shape(cls, tracer):
+    model = cls()
+    x = torch.randn(2, 4)
+    inputs = [-x, 5 * x, x * 0]
+    before = dict(vars(cls))
+    gm = fxprep.prepare_model(model, example_inputs=x, control_flow="rewrite", tracer=tracer, verify_inputs=inputs)
+    report = gm.fxprep_report
+    assert report.tracer in ("dynamo", "fx") and not report.leaves
+    assert report.control_flow and all(c.route == "torch.where" for c in report.control_flow)
+    for inp in [x, *inputs, 3 * x]:
+        torch.testing.assert_close(gm(inp), model(inp))
+    assert dict(vars(cls)) == before and not {"forward", "pick"} & set(model.__dict__)
 
 
 # --- torch.cond: leaves inside the branches stay the user's modules -----------------------------------

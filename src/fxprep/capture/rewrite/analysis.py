@@ -79,9 +79,9 @@ def scoped_walk(nodes: Any) -> Iterator[ast.AST]:
     while stack:
         node = stack.pop()
         yield node
-        for child in ast.iter_child_nodes(node):
-            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                stack.append(child)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue  # its name is bound here; its body is another scope
+        stack.extend(ast.iter_child_nodes(node))
 
 
 def stored_names(nodes: Any) -> list[str]:

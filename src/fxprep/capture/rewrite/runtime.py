@@ -71,12 +71,21 @@ def _with_constants(fn: Callable[..., Any], operands: tuple[Any, ...], slots: li
     return arm
 
 
+def _join(op: Callable[..., Any], a: Any, right: Any, absorbing: bool) -> Any:
+    """``op(a, right)`` on a traced ``a``; a plain ``right`` either decides (``absorbing``) or drops out.
+    ``logical_*`` take any dtype's truth value (nonzero), as Python's ``if`` does."""
+    if _traced(right) or isinstance(right, torch.Tensor):
+        return op(a, right)
+    if bool(right) == absorbing:
+        return torch.full_like(a, absorbing, dtype=torch.bool)
+    return a
+
+
 def and_(a: Any, b: Callable[[], Any]) -> Any:
     """``a and b()`` for a site's test. On traced tensors ``logical_and`` (``b`` then always
     runs); otherwise Python's short circuit."""
     if _traced(a):
-        right = b()
-        return torch.logical_and(_as_bool(a), _as_bool(right) if _traced(right) else bool(right))
+        return _join(torch.logical_and, a, b(), absorbing=False)
     return a and b()
 
 
@@ -84,8 +93,7 @@ def or_(a: Any, b: Callable[[], Any]) -> Any:
     """``a or b()`` for a site's test. On traced tensors ``logical_or`` (``b`` then always runs);
     otherwise Python's short circuit."""
     if _traced(a):
-        right = b()
-        return torch.logical_or(_as_bool(a), _as_bool(right) if _traced(right) else bool(right))
+        return _join(torch.logical_or, a, b(), absorbing=True)
     return a or b()
 
 
@@ -93,7 +101,7 @@ def not_(a: Any) -> Any:
     """``not a`` for a site's test: on a tensor (traced or not) ``logical_not``, whose truth value
     is Python's, so fxprep's eager runs still see that the site's condition is a tensor."""
     if isinstance(a, (torch.Tensor, fx.Proxy)):
-        return torch.logical_not(_as_bool(a))
+        return torch.logical_not(a)
     return not a
 
 
@@ -125,7 +133,12 @@ class Recorder:
         if not self.speculative:
             self.taken.setdefault(key, set()).add(taken)
         out = true_fn(*operands) if taken else false_fn(*operands)
-        if route == "where" and is_tensor:
+        if route == "where" and is_tensor and pred.dtype != torch.bool:
+            problem = f"the condition is a {pred.dtype} tensor; torch.where needs a bool one"
+            probe = self.probes.setdefault(key, Probe())
+            if problem not in probe.problems:
+                probe.problems.append(problem)
+        elif route == "where" and is_tensor:
             self._probe(key, taken, out, false_fn if taken else true_fn, operands)
         return out
 

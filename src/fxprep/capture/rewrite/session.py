@@ -329,6 +329,10 @@ class ControlFlowRewrite:
             why = "an assert on a tensor (a run-time check, not a value)"
         elif method is None:
             why = "not in a method of one of the model's modules (a free function, or a method outside the model)"
+        elif node is None and self.trees.get((method.cls, method.name)) is None:
+            why = f"the source of {method.qualname} cannot be read"
+        elif node is None:
+            why = "inside a function or lambda nested in the method: fxprep rewrites the method's own code only"
         else:
             why = "not an `if` or conditional expression on a tensor"
         code = _source_text(method, node) if method is not None and node is not None else linecache.getline(filename, line).strip()
