@@ -193,7 +193,8 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         result, attempts = capture(model, tracers, policy, concrete, example, opts)
     if result is None and opts.fallback == "leaf":
         with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
-            result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions)
+            result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions,
+                                                    handled=rewrite.learn if rewrite is not None else None)
         attempts.append(attempt)
         report.issues.extend(issue for _, issue in sites)
         if result is not None and sites:

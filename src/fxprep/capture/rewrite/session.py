@@ -37,7 +37,16 @@ from ...runs import preserved_state, run_model
 from ..common import CaptureAttempt, CaptureResult
 from . import runtime
 from .analysis import Effects, Resolver, arm_exit, effects, function_locals, reads_parameters, scoped_walk
-from .source import Method, SourceUnavailable, bound, compile_function, method_at, parse
+from .source import (
+    Installed,
+    Method,
+    SourceUnavailable,
+    compile_function,
+    install,
+    method_at,
+    parse,
+    uninstall,
+)
 from .transform import Planned, rewrite
 
 MAX_ROUNDS = 24
@@ -139,6 +148,8 @@ class ControlFlowRewrite:
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self.constructed: list[tuple[str, ExampleInputs]] = []
         self.rounds = 0
+        self._depth = 0
+        self._installed: Installed = []
 
     # -- binding --------------------------------------------------------------------------------
     def _compile(self, method: Method) -> Any | None:
@@ -172,14 +183,31 @@ class ControlFlowRewrite:
 
     @contextlib.contextmanager
     def bound(self) -> Iterator[None]:
-        """The model with every active site's method rewritten (on its instances only)."""
+        """The model with every active site's method rewritten (on its instances only). Nested
+        uses share one installation; a plan change inside refreshes it (:meth:`_refresh`)."""
+        self._depth += 1
+        if self._depth == 1:
+            self._install()
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                uninstall(self._installed)
+
+    def _install(self) -> None:
         replacements = []
         for method in self.methods.values():
             fn = self._compile(method)
             if fn is not None:
                 replacements.append((method, fn))
-        with bound(replacements):
-            yield
+        self._installed = install(replacements)
+
+    def _refresh(self) -> None:
+        """Re-install after the plan changed, when inside :meth:`bound`."""
+        if self._depth:
+            uninstall(self._installed)
+            self._install()
 
     # -- eager runs -----------------------------------------------------------------------------
     def _original_call(self, example: ExampleInputs) -> ExampleInputs:
@@ -195,6 +223,7 @@ class ControlFlowRewrite:
         """Run the rewritten model eagerly on ``example`` noting what each site did."""
         recorder = runtime.Recorder(self.model)
         previous, runtime.RECORDER = runtime.RECORDER, recorder
+        self._refresh()
         try:
             with self.bound(), preserved_state(self.model):
                 out = run_model(self.model, self._original_call(example))
@@ -248,7 +277,14 @@ class ControlFlowRewrite:
 
     # -- learning from a failure ------------------------------------------------------------------
     def learn(self, err: BaseException) -> bool:
-        """Adjust the plan for the failure ``err``; False when nothing more can be done."""
+        """Adjust the plan for the failure ``err``; False when nothing more can be done. Inside
+        :meth:`bound` the rewritten methods are re-installed for the new plan."""
+        progress = self._learn(err)
+        if progress:
+            self._refresh()
+        return progress
+
+    def _learn(self, err: BaseException) -> bool:
         frame = innermost_user_frame(err)
         if frame is None:
             return False

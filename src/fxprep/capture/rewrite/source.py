@@ -4,9 +4,10 @@ The rewrite never edits the user's file or class. It reads the method's source
 (``inspect.getsourcelines``), parses it with the original line numbers, and compiles the rewritten
 tree into a new function that shares everything else with the original: its globals (the user's
 module namespace, read live), its closure cells (``super()``'s ``__class__`` included), its
-defaults, and its decorators (re-applied). :func:`bound` installs the new function on the model's
+defaults, and its decorators (re-applied). :func:`install` puts the new function on the model's
 instances that run the original (an entry in the instance ``__dict__``, shadowing the class's
-method) only for the duration of a ``with`` block, and removes exactly what it installed.
+method) and :func:`uninstall` removes exactly what it installed (:func:`bound`: both around a
+``with`` block).
 """
 
 from __future__ import annotations
@@ -174,21 +175,36 @@ def bind(attr: Any, instance: nn.Module) -> Any:
     return attr.__get__(instance, type(instance)) if hasattr(attr, "__get__") else attr
 
 
+Installed = list[tuple[nn.Module, str, Any]]
+
+
+def install(replacements: list[tuple[Method, Any]]) -> Installed:
+    """Install each rewritten method on the instances that run the original (an entry in the
+    instance ``__dict__``; the class is never touched). Returns what :func:`uninstall` removes."""
+    installed: Installed = []
+    for method, attr in replacements:
+        for instance in method.instances:
+            if method.name in instance.__dict__:
+                continue  # the user set this attribute on the instance: leave it
+            value = bind(attr, instance)
+            instance.__dict__[method.name] = value
+            installed.append((instance, method.name, value))
+    return installed
+
+
+def uninstall(installed: Installed) -> None:
+    """Remove exactly the entries :func:`install` made."""
+    for instance, name, value in reversed(installed):
+        if instance.__dict__.get(name) is value:
+            del instance.__dict__[name]
+    installed.clear()
+
+
 @contextlib.contextmanager
 def bound(replacements: list[tuple[Method, Any]]) -> Iterator[None]:
-    """Install each rewritten method on the instances that run the original, for the ``with``
-    block only; on exit exactly those entries are removed (the class is never touched)."""
-    installed: list[tuple[nn.Module, str, Any]] = []
+    """:func:`install` for the ``with`` block only."""
+    installed = install(replacements)
     try:
-        for method, attr in replacements:
-            for instance in method.instances:
-                if method.name in instance.__dict__:
-                    continue  # the user already set this attribute on the instance: leave it
-                value = bind(attr, instance)
-                instance.__dict__[method.name] = value
-                installed.append((instance, method.name, value))
         yield
     finally:
-        for instance, name, value in reversed(installed):
-            if instance.__dict__.get(name) is value:
-                del instance.__dict__[name]
+        uninstall(installed)
