@@ -27,9 +27,20 @@ def _prefixed(report: Report, path: str, added: int, left: int) -> None:
         entry.scope = f"{path}{'.' + entry.scope if entry.scope else ''}"
 
 
+def _holds_only(container: nn.Module, module: nn.Module) -> bool:
+    """Whether ``container`` is a plain stand-in holding only tensors of ``module`` at the same
+    names (the re-lifting placed the weights a branch used to take as operands there)."""
+    if type(container) is not nn.Module:
+        return False
+    own = dict(module.named_parameters()) | dict(module.named_buffers())
+    held = dict(container.named_parameters()) | dict(container.named_buffers())
+    return all(own.get(k) is v for k, v in held.items())
+
+
 def _leaves_at_root(gm: fx.GraphModule, branch: fx.GraphModule, original: nn.Module | None) -> None:
     if original is None:
         return
+    users = {id(m) for m in original.modules()}
     for node in branch.graph.nodes:
         if node.op != "call_module":
             continue
@@ -40,24 +51,20 @@ def _leaves_at_root(gm: fx.GraphModule, branch: fx.GraphModule, original: nn.Mod
                 continue  # not the user's module at that path: it belongs to the branch only
         except AttributeError:
             continue
-        try:
-            gm.get_submodule(target)
-            continue  # something is already there
-        except AttributeError:
-            pass
         parent, _, leaf = target.rpartition(".")
-        try:
-            holder = gm.get_submodule(parent) if parent else gm
-        except AttributeError:
-            holder = gm
-            for atom in parent.split("."):
-                child = holder._modules.get(atom)
-                if child is None:
-                    child = nn.Module()
-                    holder.add_module(atom, child)
-                holder = child
-        if type(holder) is nn.Module or holder is gm:
-            holder.add_module(leaf, module)
+        holder: nn.Module = gm
+        for atom in filter(None, parent.split(".")):
+            child = holder._modules.get(atom)
+            if child is None:
+                child = nn.Module()
+                holder.add_module(atom, child)
+            elif type(child) is not nn.Module or id(child) in users:
+                break  # a user module holds this path: never add to it
+            holder = child
+        else:
+            existing = holder._modules.get(leaf)
+            if existing is None or (id(existing) not in users and _holds_only(existing, module)):
+                holder._modules[leaf] = module
 
 
 COND_REASON = "a data-dependent branch: one call choosing between its two module-level branch subgraphs"
