@@ -556,17 +556,25 @@ def test_where_result_saves_loads_and_exports(tmp_path):
         torch.testing.assert_close(program.module()(inp), model(inp))
 
 
-def test_cond_result_exports_both_branches(tmp_path):
-    x = torch.rand(2, 6) + 0.1
-    model = LogIfPositive()
-    gm = fxprep.prepare_model(model, example_inputs=x, control_flow="rewrite", verify_inputs=[-x])
-    fxprep.export_onnx(gm, x, tmp_path / "cond.onnx")
-    assert "If" in {n.op_type for n in onnx.load(str(tmp_path / "cond.onnx")).graph.node}
-    program = fxprep.export_program(gm, x)
+def test_cond_result_saves_loads_and_exports_both_branches(tmp_path):
+    model = Routed().eval()  # the user block in one branch keeps torch.where out
+    pos, neg = torch.rand(2, 3, 6, 6), -torch.rand(2, 3, 6, 6)
+    gm = fxprep.prepare_model(model, example_inputs=pos, control_flow="rewrite", verify_inputs=[neg])
+    assert _site(gm).route == "torch.cond" and gm.fxprep_report.tracer == "dynamo"
+    fxprep.save(gm, tmp_path / "routed", example_inputs=pos)
+    loaded = fxprep.load(tmp_path / "routed")
+    true_branch = _branches(loaded)[0]
+    assert true_branch.get_submodule("conv") is loaded.get_submodule("conv")  # one module, two paths
+    loaded.load_state_dict(model.state_dict(), strict=True)
+    fxprep.export_onnx(gm, pos, tmp_path / "routed.onnx")
+    assert "If" in {n.op_type for n in onnx.load(str(tmp_path / "routed.onnx")).graph.node}
+    program = fxprep.export_program(gm, pos)
     assert any(n.target is torch.ops.higher_order.cond for n in program.graph.nodes)
-    for inp in (x, -x):
-        torch.testing.assert_close(_onnx_outputs(str(tmp_path / "cond.onnx"), inp), model(inp))
-        torch.testing.assert_close(program.module()(inp), model(inp))
+    for inp in (pos, neg):
+        expected = model(inp)
+        torch.testing.assert_close(loaded(inp), expected)
+        torch.testing.assert_close(_onnx_outputs(str(tmp_path / "routed.onnx"), inp), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(program.module()(inp), expected)
 
 
 # --- a torch.cond the user wrote: Dynamo's branch subgraphs re-lifted --------------------------------
