@@ -79,8 +79,11 @@ class TraceReport:
         if self.traceable:
             ok = [a.tracer for a in self.attempts if a.ok and a.tracer in WHOLE_MODEL_TRACERS]
             return f"traceable whole by {', '.join(ok)}"
+        rewrite = f"; with control_flow='rewrite' traceable whole by {self.rewrite_tracer}" if self.rewrite_tracer else ""
         if self.hybrid_ok:
-            return f"not traceable whole; prepares with {len(self.opaque)} opaque part(s)"
+            return f"not traceable whole; prepares with {len(self.opaque)} opaque part(s){rewrite}"
+        if rewrite:
+            return f"not traceable as written{rewrite}"
         return "not traceable, even with opaque parts: the root module's own forward must change"
 
     def to_text(self) -> str:

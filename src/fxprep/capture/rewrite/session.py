@@ -21,22 +21,31 @@ from __future__ import annotations
 import ast
 import contextlib
 import linecache
-import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...diagnose import is_user_file
 from ...inputs import ExampleInputs, split_calls
 from ...report import Report, RewrittenSite
 from ...runs import preserved_state, run_model
 from ..common import CaptureAttempt, CaptureResult
 from . import runtime
 from .analysis import Effects, Resolver, arm_exit, effects, function_locals, reads_parameters, scoped_walk
+from .sites import (
+    COND,
+    NOT_REWRITABLE,
+    REFUSED,
+    ROUTE,
+    WHERE,
+    Site,
+    first_line,
+    innermost_user_frame,
+    node_at,
+    source_text,
+)
 from .source import (
     Installed,
     Method,
@@ -50,81 +59,6 @@ from .source import (
 from .transform import Planned, rewrite
 
 MAX_ROUNDS = 24
-WHERE, COND, REFUSED, NOT_REWRITABLE = "torch.where", "torch.cond", "refused", "not rewritable"
-_ROUTE = {WHERE: "where", COND: "cond"}
-
-
-@dataclass
-class Site:
-    """One data-dependent site and what the loop decided for it."""
-
-    key: str
-    method: Method | None
-    line: int
-    end_line: int
-    code: str
-    route: str
-    reasons: list[str] = field(default_factory=list)
-    became: str = ""
-    root_return: bool = False
-    reads_parameters: bool = False
-    broadcast: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
-    taken: dict[str, set[bool]] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def active(self) -> bool:
-        return self.route in _ROUTE
-
-    def step_down(self, reason: str) -> None:
-        """``where`` → ``cond`` → refused, keeping why."""
-        self.reasons.append(reason)
-        self.route = COND if self.route == WHERE else REFUSED
-        self.broadcast = []
-
-
-def innermost_user_frame(err: BaseException) -> tuple[str, int] | None:
-    """The innermost frame of user code the failure happened in (Dynamo's user stack first)."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        stacks = []
-        real = getattr(current, "real_stack", None)
-        if real:
-            stacks.append([(f.filename, f.lineno) for f in real])
-        stacks.append([(f.f_code.co_filename, line) for f, line in traceback.walk_tb(current.__traceback__)])
-        for stack in stacks:
-            for filename, line in reversed(stack):
-                if line and is_user_file(filename):
-                    return filename, int(line)
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def _source_text(method: Method, node: ast.AST, end: int | None = None) -> str:
-    first = node.lineno  # type: ignore[attr-defined]
-    last = end or getattr(node, "end_lineno", first) or first
-    lines = [linecache.getline(method.filename, n).rstrip() for n in range(first, last + 1)]
-    indent = min((len(x) - len(x.lstrip()) for x in lines if x.strip()), default=0)
-    return "\n".join(x[indent:] for x in lines)
-
-
-def _node_at(fdef: ast.FunctionDef, line: int) -> ast.AST | None:
-    """The innermost if / conditional expression / loop / assert of ``fdef`` (not of nested
-    functions) whose test is on ``line``."""
-    best: ast.AST | None = None
-    for node in scoped_walk(fdef.body):
-        if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
-            test = node.test
-            if node.lineno == line or test.lineno <= line <= (test.end_lineno or test.lineno):
-                if best is None or node.lineno >= best.lineno:  # type: ignore[attr-defined]
-                    best = node
-        elif isinstance(node, (ast.For, ast.comprehension)):
-            it = node.iter
-            if it.lineno <= line <= (it.end_lineno or it.lineno) and best is None:
-                best = node
-    return best
 
 
 class ControlFlowRewrite:
@@ -161,7 +95,7 @@ class ControlFlowRewrite:
             signature = (key, tuple(sorted((s.line, s.route) for s in active)))
             if signature in self._compiled:
                 return self._compiled[signature]
-            planned = {s.line: Planned(s.line, _ROUTE[s.route], s.key) for s in active}
+            planned = {s.line: Planned(s.line, ROUTE[s.route], s.key) for s in active}
             tree, became, problems = rewrite(self.trees[key], planned, method.cls.__name__)
             for line, problem in problems.items():
                 site = next(s for s in active if s.line == line)
@@ -302,11 +236,11 @@ class ControlFlowRewrite:
                 self.methods[key] = method
             method = self.methods[key]
             fdef = self.trees[key]
-            node = _node_at(fdef, line) if fdef is not None else None
+            node = node_at(fdef, line) if fdef is not None else None
         site_key = f"{filename}:{node.lineno if node is not None else line}"  # type: ignore[attr-defined]
         known = self.sites.get(site_key)
         if known is not None and known.active:
-            known.step_down(f"the tracer failed on it: {type(err).__name__}: {_first_line(err)}")
+            known.step_down(f"the tracer failed on it: {type(err).__name__}: {first_line(err)}")
             self._check(known)
             return True
         if known is None and isinstance(node, (ast.If, ast.IfExp)) and method is not None and fdef is not None:
@@ -324,7 +258,7 @@ class ControlFlowRewrite:
         enclosing = [s for s in self.sites.values() if s.active and s.method is method and s.line <= line <= s.end_line]
         if enclosing:
             site = max(enclosing, key=lambda s: s.line)
-            site.step_down(f"the tracer failed inside it at line {line}: {type(err).__name__}: {_first_line(err)}")
+            site.step_down(f"the tracer failed inside it at line {line}: {type(err).__name__}: {first_line(err)}")
             self._check(site)
             return True
         if known is None:
@@ -345,7 +279,7 @@ class ControlFlowRewrite:
         if method is not None:
             method = self.methods[key]  # type: ignore[index]
         fdef = self.trees.get(key) if key is not None else None  # type: ignore[arg-type]
-        node = _node_at(fdef, line) if fdef is not None else None
+        node = node_at(fdef, line) if fdef is not None else None
         site_key = f"{filename}:{node.lineno if node is not None else line}"  # type: ignore[attr-defined]
         if site_key in self.sites:
             return
@@ -371,7 +305,7 @@ class ControlFlowRewrite:
             why = "inside a function or lambda nested in the method: fxprep rewrites the method's own code only"
         else:
             why = "not an `if` or conditional expression on a tensor"
-        code = _source_text(method, node) if method is not None and node is not None else linecache.getline(filename, line).strip()
+        code = source_text(method, node) if method is not None and node is not None else linecache.getline(filename, line).strip()
         return Site(key, method, line, line, code.splitlines()[0] if isinstance(node, (ast.While, ast.For)) else code,
                     NOT_REWRITABLE, [why])
 
@@ -392,13 +326,17 @@ class ControlFlowRewrite:
                 end = max([end] + [s.end_lineno or s.lineno for s in rest])
             root_return = "returns" in exits and (top or exits == {"returns"})
         root_return = root_return and method.name == "forward" and any(m is self.model for m in method.instances)
-        site = Site(key, method, node.lineno, end, _source_text(method, node, end), WHERE, root_return=root_return)
+        site = Site(key, method, node.lineno, end, source_text(method, node, end), WHERE, root_return=root_return)
         resolver = Resolver(method.raw.__globals__, method.instances, function_locals(fdef))
         found = Effects()
         for arm in arms:
             found.merge(effects(arm, resolver))
             site.reads_parameters = site.reads_parameters or reads_parameters(arm, resolver)
-        if found.no_cond:
+        if all(method.name in m.__dict__ for m in method.instances):
+            site.route = REFUSED
+            site.reasons.append(f"every module running it has its own `{method.name}` set on the instance (a wrapper "
+                                f"library's?); fxprep leaves that alone")
+        elif found.no_cond:
             site.route = REFUSED
             site.reasons.append("a branch cannot be made a pure function of tensors: " + "; ".join(found.no_cond))
         elif found.no_where:
@@ -469,7 +407,7 @@ class ControlFlowRewrite:
                 if site.active and site.method is not None and site.method.contains(*frame) \
                         and site.line <= frame[1] <= site.end_line:
                     site.notes.append(
-                        f"{attempt.tracer} could not capture it as {site.route} ({_first_line(attempt.exception)}); "  # type: ignore[arg-type]
+                        f"{attempt.tracer} could not capture it as {site.route} ({first_line(attempt.exception)}); "  # type: ignore[arg-type]
                         f"{tracer} did: the "
                         f"prepared module runs it exactly, but torch.export / ONNX export of it may fail the same way")
         if self.sites:
@@ -537,15 +475,6 @@ def _negated(example: ExampleInputs) -> ExampleInputs | None:
 
     args, kwargs = pytree.tree_map_only(torch.Tensor, neg, (example.args, example.kwargs))
     return ExampleInputs(tuple(args), dict(kwargs)) if found else None
-
-
-def _first_line(err: BaseException) -> str:
-    """The line of ``err`` that says what went wrong (past Dynamo's "Got graph break/error:")."""
-    text = [t.strip() for t in str(err).strip().splitlines() if t.strip()]
-    if len(text) > 1 and text[0].endswith("Got graph break/error:"):
-        explanation = next((t for t in text if t.startswith("Explanation:")), "")
-        return f"{text[1]}{' - ' + explanation.removeprefix('Explanation: ') if explanation else ''}"
-    return text[0] if text else type(err).__name__
 
 
 def _differs(ref: Any, got: Any) -> str | None:
