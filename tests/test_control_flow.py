@@ -368,7 +368,7 @@ def test_cond_route_keeps_leaf_modules_inside_branches(tracer):
     assert (in_true["conv"], in_true["bn"], in_true["block.fc"]) == (model.conv, model.bn, model.block.fc)
     assert in_false["alt"] is model.alt
     assert not {"conv", "bn", "block.fc"} & set(in_false) and "alt" not in in_true
-    assert gm.get_submodule("conv") is model.conv  # also at its own path in the prepared module
+    assert gm.get_submodule("cond_true_0.conv") is model.conv  # found by its branch's path
     # functional ops inside the branches became modules too, and the report counts them
     report = gm.fxprep_report
     assert any(a.name.startswith(("cond_true", "cond_false")) for a in report.added)
@@ -393,6 +393,55 @@ def test_cond_route_keeps_leaf_modules_inside_branches(tracer):
     # a torch.fx re-trace (what AIMET or torch.ao do with a prepared model) keeps the cond one call
     retraced = fx.symbolic_trace(gm)
     assert [n.target for n in retraced.graph.nodes if n.op == "call_function"].count(fxprep_cond) == 1
+
+
+class Reused(nn.Module):
+    """``self.fc`` runs before the branch and again inside it; the user block keeps torch.where out."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.block = Block()
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.mean() > 0:
+            h = self.block(self.fc(h))
+        return h
+
+
+class Recording(nn.Module):
+    """What a module-swapping toolkit (AIMET's QuantSim, NNCF) puts in place of each layer it finds."""
+
+    def __init__(self, layer: nn.Module, name: str, seen: list[str]):
+        super().__init__()
+        self.layer, self.name, self.seen = layer, name, seen
+
+    def forward(self, x):
+        self.seen.append(self.name)
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("tracer", ["auto", "fx"])
+def test_a_toolkit_swapping_layers_by_name_reaches_inside_the_branches(tracer):
+    model = Reused().eval()
+    x = torch.ones(2, 8) * 10 * model.fc.weight.detach().sum(0)  # opens the branch: h.mean() > 0
+    gm = fxprep.prepare_model(model, example_inputs=x, control_flow="rewrite", tracer=tracer, verify_inputs=[-x])
+    assert _site(gm).route == "torch.cond" and _site(gm).branches == {"true": ["example"], "false": ["verify_inputs[0]"]}
+    # fc has two call sites (before the branch, inside it): two module objects sharing the weights
+    (unrolled,) = gm.fxprep_report.unrolled
+    assert unrolled.original == "fc" and unrolled.copies == ["cond_true_0.fc"]
+    assert gm.get_submodule("cond_true_0.fc").weight is model.fc.weight
+    seen: list[str] = []
+    for name, layer in list(gm.named_modules()):
+        if isinstance(layer, nn.Linear):
+            parent, _, leaf = name.rpartition(".")
+            setattr(gm.get_submodule(parent), leaf, Recording(layer, name, seen))
+    torch.testing.assert_close(gm(x), model(x))
+    assert seen == ["fc", "cond_true_0.fc", "cond_true_0.block.fc"]
+    seen.clear()
+    torch.testing.assert_close(gm(-x), model(-x))
+    assert seen == ["fc"]
 
 
 # --- refused or reported ----------------------------------------------------------------------------
@@ -563,8 +612,7 @@ def test_cond_result_saves_loads_and_exports_both_branches(tmp_path):
     assert _site(gm).route == "torch.cond" and gm.fxprep_report.tracer == "dynamo"
     fxprep.save(gm, tmp_path / "routed", example_inputs=pos)
     loaded = fxprep.load(tmp_path / "routed")
-    true_branch = _branches(loaded)[0]
-    assert true_branch.get_submodule("conv") is loaded.get_submodule("conv")  # one module, two paths
+    assert isinstance(_branches(loaded)[0].get_submodule("conv"), nn.Conv2d)
     loaded.load_state_dict(model.state_dict(), strict=True)
     fxprep.export_onnx(gm, pos, tmp_path / "routed.onnx")
     assert "If" in {n.op_type for n in onnx.load(str(tmp_path / "routed.onnx")).graph.node}

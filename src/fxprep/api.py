@@ -228,7 +228,8 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         values.annotate(gm, prepared_call)
     if opts.convert_functionals:
         functional_to_module.run(gm, training=model.training, original=model, report=report, recompile=False)
-        branches.run(gm, training=model.training, report=report, original=model)  # inside torch.cond branches
+    branches.run(gm, training=model.training, report=report, original=model, convert=opts.convert_functionals,
+                 unroll=opts.unroll, share_parameters=opts.share_parameters)  # inside torch.cond branches
     if opts.unroll:
         unroll.run(gm, share_parameters=opts.share_parameters, original=model, report=report, recompile=False)
     if opts.share_parameters:

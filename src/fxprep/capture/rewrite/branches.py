@@ -4,18 +4,23 @@ A prepared graph keeps a data-dependent branch as :func:`fxprep.cond.cond` over 
 GraphModules. ``functional_to_module`` only walks the top graph, so without this pass a branch
 could still call ``F.linear`` on raw weights while the report claimed "ops left functional: 0".
 Each branch gets the same functional → module pass (its additions and leftovers are reported under
-the branch's path), then the user's leaf modules a branch calls are also placed at their own path
-in the prepared module when that path is free, so ``gm.get_submodule("linear")`` is still the
-user's ``nn.Linear``.
+the branch's path). Then every call site gets its own module object across the graphs (see
+:func:`_one_module_per_call_site`): a leaf called only inside a branch is the user's own module,
+found at the branch's path (``cond_true_0.conv``); its weights' canonical state-dict keys stay the
+original ones.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch.fx as fx
 from torch import nn
 
 from ...cond import branch_modules, is_cond
 from ...passes import functional_to_module, values
+from ...passes.naming import add_module, fresh_name
+from ...passes.unroll import shared_copy
 from ...report import Report
 
 
@@ -27,52 +32,70 @@ def _prefixed(report: Report, path: str, added: int, left: int) -> None:
         entry.scope = f"{path}{'.' + entry.scope if entry.scope else ''}"
 
 
-def _holds_only(container: nn.Module, module: nn.Module) -> bool:
-    """Whether ``container`` is a plain stand-in holding only tensors of ``module`` at the same
-    names (the re-lifting placed the weights a branch used to take as operands there)."""
-    if type(container) is not nn.Module:
-        return False
-    own = dict(module.named_parameters()) | dict(module.named_buffers())
-    held = dict(container.named_parameters()) | dict(container.named_buffers())
-    return all(own.get(k) is v for k, v in held.items())
+def _branches(gm: fx.GraphModule, prefix: str = "") -> list[tuple[str, fx.GraphModule]]:
+    """Every branch graph under ``gm`` (nested ones too) with its path from the top."""
+    out = []
+    for node in gm.graph.nodes:
+        if is_cond(node):
+            for path, branch in branch_modules(gm, node):
+                full = f"{prefix}{path}"
+                out.append((full, branch))
+                out += _branches(branch, f"{full}.")
+    return out
 
 
-def _leaves_at_root(gm: fx.GraphModule, branch: fx.GraphModule, original: nn.Module | None) -> None:
-    if original is None:
-        return
-    users = {id(m) for m in original.modules()}
-    for node in branch.graph.nodes:
-        if node.op != "call_module":
-            continue
-        target = str(node.target)
-        module = branch.get_submodule(target)
-        try:
-            if original.get_submodule(target) is not module:
-                continue  # not the user's module at that path: it belongs to the branch only
-        except AttributeError:
-            continue
-        parent, _, leaf = target.rpartition(".")
-        holder: nn.Module = gm
-        for atom in filter(None, parent.split(".")):
-            child = holder._modules.get(atom)
-            if child is None:
-                child = nn.Module()
-                holder.add_module(atom, child)
-            elif type(child) is not nn.Module or id(child) in users:
-                break  # a user module holds this path: never add to it
-            holder = child
-        else:
-            existing = holder._modules.get(leaf)
-            if existing is None or (id(existing) not in users and _holds_only(existing, module)):
-                holder._modules[leaf] = module
+def _one_module_per_call_site(gm: fx.GraphModule, original: nn.Module | None, share_parameters: bool,
+                              report: Report | None) -> None:
+    """A module called from the top graph and from a branch, or from two branches, gets one
+    module object per call site (parameters shared, as the unroll pass does within one graph).
+    Besides per-call-site statistics, this keeps every call site visible to a toolkit walking
+    ``named_modules()``, which lists an object once: a branch calling the very object the top
+    graph calls would keep calling the original after the toolkit swapped the top one."""
+    users = {id(m) for m in original.modules()} if original is not None else set()
+    first: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            first.setdefault(id(gm.get_submodule(str(node.target))), str(node.target))
+    for path, branch in _branches(gm):
+        taken: set[str] = set()
+        targets = [str(n.target) for n in branch.graph.nodes if n.op == "call_module"]
+        for node in branch.graph.nodes:
+            if node.op != "call_module":
+                continue
+            target = str(node.target)
+            module = branch.get_submodule(target)
+            if id(module) not in first:
+                first[id(module)] = f"{path}.{target}"
+                continue
+            duplicate = shared_copy(module) if share_parameters else copy.deepcopy(module)
+            parent_path, _, leaf = target.rpartition(".")
+            parent = branch.get_submodule(parent_path) if parent_path else branch
+            if targets.count(target) == 1 and id(parent) not in users:
+                parent._modules[leaf] = duplicate  # the branch's only call of it: swap the object
+            else:
+                target = fresh_name(branch, None, parent_path, leaf, taken)
+                add_module(branch, target, duplicate)
+                node.target = target
+            if report is not None:
+                report.module_unrolled(first[id(module)], [f"{path}.{target}"], share_parameters)
+        branch.recompile()
 
 
 COND_REASON = "a data-dependent branch: one call choosing between its two module-level branch subgraphs"
 
 
-def run(gm: fx.GraphModule, *, training: bool, report: Report | None = None,
-        original: nn.Module | None = None) -> fx.GraphModule:
-    """Convert the functional ops inside every ``cond`` branch of ``gm`` (nested ones included)."""
+def run(gm: fx.GraphModule, *, training: bool, report: Report | None = None, original: nn.Module | None = None,
+        convert: bool = True, unroll: bool = True, share_parameters: bool = True) -> fx.GraphModule:
+    """Convert the functional ops inside every ``cond`` branch of ``gm`` (nested ones included;
+    ``convert``), then (``unroll``) give each call site across the graphs its own module object."""
+    if convert:
+        _convert(gm, training, report)
+    if unroll:
+        _one_module_per_call_site(gm, original, share_parameters, report)
+    return gm
+
+
+def _convert(gm: fx.GraphModule, training: bool, report: Report | None) -> None:
     for node in list(gm.graph.nodes):
         if not is_cond(node):
             continue
@@ -84,9 +107,7 @@ def run(gm: fx.GraphModule, *, training: bool, report: Report | None = None,
             values.annotate(branch)
             added, left = (len(report.added), len(report.left)) if report is not None else (0, 0)
             functional_to_module.run(branch, training=training, report=report, recompile=False)
+            _convert(branch, training, report)  # nested branches first: the prefix below covers them too
             if report is not None:
                 _prefixed(report, path, added, left)
-            run(branch, training=training, report=report, original=None)
             branch.recompile()
-            _leaves_at_root(gm, branch, original)
-    return gm

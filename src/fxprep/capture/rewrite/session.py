@@ -194,6 +194,8 @@ class ControlFlowRewrite:
         for site in self.sites.values():
             if site.route != WHERE:
                 continue
+            labels = ["example"] + [f"verify_inputs[{i}]" for i in range(len(recorders) - 1)]
+            site.probed = [label for label, r in zip(labels, recorders) if site.key in r.probes]
             probe = _merged([r.probes[site.key] for r in recorders if site.key in r.probes])
             if probe is None:
                 site.step_down("the example inputs never reached it with a tensor condition, so the two branches "
@@ -427,6 +429,9 @@ class ControlFlowRewrite:
                 notes.append(f"the branches' results have shapes {shapes}: the prepared module returns the broadcast "
                              f"shape on both branches (values equal; no value repeated); verification compares "
                              f"after broadcasting and says so")
+            if site.route == WHERE and site.probed:
+                notes.append(f"torch.where computes both branches on every input; the untaken one was computed "
+                             f"and checked (no error, NaN/inf, dtype or shape clash) on: {', '.join(site.probed)}")
             if site.route == WHERE and site.reads_parameters:
                 notes.append("torch.where computes both branches: parameters read only by one branch get zero "
                              "gradients (not None) when the other branch is taken")

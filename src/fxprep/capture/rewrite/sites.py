@@ -35,6 +35,7 @@ class Site:
     became: str = ""
     root_return: bool = False
     reads_parameters: bool = False
+    probed: list[str] = field(default_factory=list)  # inputs the untaken side was checked on (where)
     broadcast: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     taken: dict[str, set[bool]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
