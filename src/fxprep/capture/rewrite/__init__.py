@@ -11,6 +11,7 @@ that cannot be made pure, stay what they are without the option (diagnosed; the 
 part).
 
 Files, in the order a site goes through them: :mod:`.session` (the capture loop and its decisions),
+:mod:`.sites` (where a site is, what was decided),
 :mod:`.source` (a method's AST in, a compiled and bound function out), :mod:`.analysis` (what a
 site's branches do), :mod:`.transform` (the AST rewrite), :mod:`.runtime` (what rewritten code
 calls; the eager recorder), :mod:`.join` (the `torch.where` join and its checks), :mod:`.fx_branch` (a site met by the fx tracer), :mod:`.branches`

@@ -416,6 +416,11 @@ class ControlFlowRewrite:
             report.note(f"control_flow='rewrite': captured after {self.rounds} capture(s); "
                         f"{sum(s.active for s in self.sites.values())} of {len(self.sites)} data-dependent site(s) "
                         f"rewritten (see 'data-dependent control flow').")
+        unverified = [f"{s.key} ({side})" for s in self.sites.values() if s.active and s.taken
+                      for side, flag in (("true", True), ("false", False)) if flag in _missing(s)]
+        if unverified:
+            report.note(f"{len(unverified)} branch(es) of rewritten sites ran on no input, so they are not verified: "
+                        f"{', '.join(unverified[:6])}; pass verify_inputs=[...] that take them.")
         names = {id(m): n for n, m in self.model.named_modules()}
         for site in self.sites.values():
             modules = [names.get(id(m), "?") for m in (site.method.instances if site.method else [])]
@@ -431,7 +436,7 @@ class ControlFlowRewrite:
                              f"after broadcasting and says so")
             if site.route == WHERE and site.probed:
                 notes.append(f"torch.where computes both branches on every input; the untaken one was computed "
-                             f"and checked (no error, NaN/inf, dtype or shape clash) on: {', '.join(site.probed)}")
+                             f"on the side and checked for errors, NaN/inf, dtype and shape on: {', '.join(site.probed)}")
             if site.route == WHERE and site.reads_parameters:
                 notes.append("torch.where computes both branches: parameters read only by one branch get zero "
                              "gradients (not None) when the other branch is taken")
