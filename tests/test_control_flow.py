@@ -7,7 +7,9 @@ defined in this file because the rewrite reads their source.
 
 from __future__ import annotations
 
+import copy
 import inspect
+import pickle
 
 import onnx
 import onnxruntime
@@ -605,7 +607,7 @@ def test_where_result_saves_loads_and_exports(tmp_path):
         torch.testing.assert_close(program.module()(inp), model(inp))
 
 
-def test_cond_result_saves_loads_and_exports_both_branches(tmp_path):
+def test_cond_result_saves_loads_pickles_and_exports_both_branches(tmp_path):
     model = Routed().eval()  # the user block in one branch keeps torch.where out
     pos, neg = torch.rand(2, 3, 6, 6), -torch.rand(2, 3, 6, 6)
     gm = fxprep.prepare_model(model, example_inputs=pos, control_flow="rewrite", verify_inputs=[neg])
@@ -618,8 +620,11 @@ def test_cond_result_saves_loads_and_exports_both_branches(tmp_path):
     assert "If" in {n.op_type for n in onnx.load(str(tmp_path / "routed.onnx")).graph.node}
     program = fxprep.export_program(gm, pos)
     assert any(n.target is torch.ops.higher_order.cond for n in program.graph.nodes)
+    unpickled, copied = pickle.loads(pickle.dumps(gm)), copy.deepcopy(gm)
     for inp in (pos, neg):
         expected = model(inp)
+        torch.testing.assert_close(unpickled(inp), expected)
+        torch.testing.assert_close(copied(inp), expected)
         torch.testing.assert_close(loaded(inp), expected)
         torch.testing.assert_close(_onnx_outputs(str(tmp_path / "routed.onnx"), inp), expected, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(program.module()(inp), expected)
