@@ -21,6 +21,7 @@ from .capture import dynamo_available, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
 from .capture.fx import capture_fx, mode_notes, restored_attributes, trace_failure
 from .capture.leaves import capture_hybrid
+from .capture.rewrite import branches
 from .errors import InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
@@ -186,9 +187,15 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
 
     t1 = time.perf_counter()
     tracers = _tracers(opts, example, report, model)
-    result, attempts = capture(model, tracers, policy, concrete, example, opts)
+    rewrite = _control_flow(model, opts, example, concrete, reference)
+    if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
+        result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
+    else:
+        result, attempts = capture(model, tracers, policy, concrete, example, opts)
     if result is None and opts.fallback == "leaf":
-        result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions)
+        with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
+            result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions,
+                                                    handled=rewrite.learn if rewrite is not None else None)
         attempts.append(attempt)
         report.issues.extend(issue for _, issue in sites)
         if result is not None and sites:
@@ -200,7 +207,10 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     report.attempts = attempts
     report.timings["capture"] = time.perf_counter() - t1
     if result is None:
-        raise trace_failure(attempts, model)
+        failure = trace_failure(attempts, model)
+        if rewrite is not None:
+            failure.args = (f"{failure.args[0]}\n\n{rewrite.explain()}",)
+        raise failure
     gm = as_prepared(result.gm)
     report.tracer = result.tracer
     report.leaves.update(result.extra_leaves)
@@ -219,6 +229,8 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         values.annotate(gm, prepared_call)
     if opts.convert_functionals:
         functional_to_module.run(gm, training=model.training, original=model, report=report, recompile=False)
+    branches.run(gm, training=model.training, report=report, original=model, convert=opts.convert_functionals,
+                 unroll=opts.unroll, share_parameters=opts.share_parameters)  # inside torch.cond branches
     if opts.unroll:
         unroll.run(gm, share_parameters=opts.share_parameters, original=model, report=report, recompile=False)
     if opts.style == "aimet":
@@ -231,28 +243,34 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
     report.timings["passes"] = time.perf_counter() - t2
 
+    where_rewrite = rewrite is not None and rewrite.joins_with_where
     if example is not None and opts.verify:
         t3 = time.perf_counter()
         assert original_call is not None
         report.verification = verify(
             model, gm, original_call, reference=reference, prepared_example=prepared_call,
-            rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
+            rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite,
         )
         if opts.dynamic:
             _verify_second_size(model, gm, example, concrete, opts, report)
-        for extra in opts.verify_inputs:
+        constructed = rewrite.coverage() if rewrite is not None else []
+        for label, extra in [(None, e) for e in opts.verify_inputs] + constructed:
             extra_example = normalize_example_inputs(extra)
             assert extra_example is not None
             extra_original, extra_prepared = split_calls(model, extra_example, concrete)
-            report.extra_verifications.append(verify(
+            checked = verify(
                 model, gm, extra_original, prepared_example=extra_prepared,
-                rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
-            ))
+                rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite,
+            )
+            checked.label = label or ""
+            report.extra_verifications.append(checked)
         report.timings["verify"] = time.perf_counter() - t3
     elif example is None:
         report.verification = Verification("skipped", detail="no example_inputs given")
     else:
         report.verification = Verification("skipped", detail="verify=False")
+    if rewrite is not None:
+        rewrite.report(report, result.extra_leaves, result.tracer)
     report.timings["total"] = time.perf_counter() - t0
     set_preserved(gm, REPORT, report)
     register_with_toolkits()
@@ -267,6 +285,17 @@ def register_with_toolkits() -> None:
         from .compat.aimet_quantsim import register
 
         register()
+
+
+def _control_flow(model: nn.Module, opts: PrepareOptions, example: ExampleInputs | None,
+                  concrete: dict[str, Any] | None, reference: Any) -> Any:
+    """The control-flow rewrite session when ``control_flow="rewrite"``, else None."""
+    if opts.control_flow != "rewrite":
+        return None
+    from .capture.rewrite.session import ControlFlowRewrite
+
+    extra = [e for e in (normalize_example_inputs(v) for v in opts.verify_inputs) if e is not None]
+    return ControlFlowRewrite(model, example, extra, concrete, reference)
 
 
 def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs,

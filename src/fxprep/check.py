@@ -8,6 +8,7 @@ once to list every remaining data-dependent site in a single pass instead of one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from .capture.leaves import capture_hybrid
 from .diagnose import (
     CUSTOM_OP,
     DATA_DEPENDENT_BRANCH,
+    DATA_DEPENDENT_LOOP,
+    DATA_DEPENDENT_VALUE,
     FIXES,
     SPECIALISATION,
     Issue,
@@ -32,7 +35,7 @@ from .diagnose import (
     module_at,
 )
 from .inputs import normalize_example_inputs
-from .report import Report
+from .report import Report, RewrittenSite
 
 # Tracers that capture the model whole (the hybrid leaf fallback is reported apart).
 WHOLE_MODEL_TRACERS = ("dynamo", "fx", "hf_fx")
@@ -47,6 +50,10 @@ class TraceReport:
     issues: list[Issue] = field(default_factory=list)
     opaque: dict[str, Issue] = field(default_factory=dict)
     hybrid_ok: bool | None = None
+    # With control_flow="rewrite": each data-dependent site and whether the rewrite applies, and
+    # the tracer that then captures the model whole (None: still not whole).
+    control_flow: list[RewrittenSite] = field(default_factory=list)
+    rewrite_tracer: str | None = None
 
     @property
     def traceable(self) -> bool:
@@ -61,6 +68,8 @@ class TraceReport:
             "issues": [i.to_dict() for i in self.issues],
             "opaque": {k: v.to_dict() for k, v in self.opaque.items()},
             "hybrid_ok": self.hybrid_ok,
+            "control_flow": [dataclasses.asdict(c) for c in self.control_flow],
+            "rewrite_tracer": self.rewrite_tracer,
         }
 
     def to_json(self) -> str:
@@ -70,8 +79,11 @@ class TraceReport:
         if self.traceable:
             ok = [a.tracer for a in self.attempts if a.ok and a.tracer in WHOLE_MODEL_TRACERS]
             return f"traceable whole by {', '.join(ok)}"
+        rewrite = f"; with control_flow='rewrite' traceable whole by {self.rewrite_tracer}" if self.rewrite_tracer else ""
         if self.hybrid_ok:
-            return f"not traceable whole; prepares with {len(self.opaque)} opaque part(s)"
+            return f"not traceable whole; prepares with {len(self.opaque)} opaque part(s){rewrite}"
+        if rewrite:
+            return f"not traceable as written{rewrite}"
         return "not traceable, even with opaque parts: the root module's own forward must change"
 
     def to_text(self) -> str:
@@ -82,11 +94,20 @@ class TraceReport:
             lines.append("  would become opaque:")
             for name, issue in self.opaque.items():
                 lines.append(f"    = {name or '(root)'}: {issue.category} at {issue.location}")
+        if self.control_flow:
+            lines.append(f"  with control_flow='rewrite': {self._rewrite_verdict()}")
+            for site in self.control_flow:
+                lines.extend("    " + t for t in site.to_text().splitlines())
         if self.issues:
             lines.append(f"  issues ({len(self.issues)}):")
             for issue in self.issues:
                 lines.extend("    " + t for t in issue.to_text().splitlines())
         return "\n".join(lines)
+
+    def _rewrite_verdict(self) -> str:
+        done = sum(c.route != "not rewritten" for c in self.control_flow)
+        whole = f"traceable whole by {self.rewrite_tracer}" if self.rewrite_tracer else "still not traceable whole"
+        return f"{done} of {len(self.control_flow)} data-dependent site(s) rewritten; {whole}"
 
     def to_markdown(self) -> str:
         md = [f"### fxprep check: `{self.model}`", "", f"**Verdict:** {self._verdict()}", "",
@@ -96,6 +117,13 @@ class TraceReport:
         if self.opaque:
             md += ["", "| opaque part | category | where |", "|---|---|---|"]
             md += [f"| `{k or '(root)'}` | {v.category} | `{v.location}` |" for k, v in self.opaque.items()]
+        if self.control_flow:
+            md += ["", f"**With `control_flow='rewrite'`:** {self._rewrite_verdict()}", "",
+                   "| site | code | rewrite | why |", "|---|---|---|---|"]
+            for c in self.control_flow:
+                code = (c.code.splitlines() or [""])[0].replace("|", "/")
+                md.append(f"| `{c.location}` | `{code}` | {c.route}{': `' + c.became + '`' if c.became else ''} | "
+                          f"{'; '.join(c.reasons).replace('|', '/')} |")
         if self.issues:
             md += ["", "| category | module | where | code | fix |", "|---|---|---|---|---|"]
             for i in self.issues:
@@ -169,8 +197,14 @@ def check_traceability(
     module_classes_to_exclude: list[type] | None = None,
     concrete_args: dict[str, Any] | None = None,
     draft_export: bool = True,
+    control_flow: bool = True,
 ) -> TraceReport:
-    """Run each tracer on ``model`` and say what can be captured, what cannot, where and why."""
+    """Run each tracer on ``model`` and say what can be captured, what cannot, where and why.
+
+    When a tracer stops on data-dependent control flow, ``control_flow`` (default) also runs the
+    ``control_flow="rewrite"`` capture loop and names, for each data-dependent site, whether the
+    rewrite applies (``torch.where`` / ``torch.cond``) or why not.
+    """
     model = check_model(model)
     policy = leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
     concrete = check_concrete_args(model, concrete_args)
@@ -198,4 +232,41 @@ def check_traceability(
         if draft_export and example is not None:
             fresh = example.fresh_copy()
             out.issues += _draft_export_issues(model, fresh.args, fresh.kwargs)
+        found = [i for i in out.issues if i.category in (DATA_DEPENDENT_BRANCH, DATA_DEPENDENT_VALUE, DATA_DEPENDENT_LOOP)]
+        if control_flow and found:
+            out.control_flow, out.rewrite_tracer = _rewrite(model, policy, example, concrete, found)
     return out
+
+
+def _rewrite(model: nn.Module, policy: Any, example: Any, concrete: dict[str, Any] | None, issues: list[Issue]
+             ) -> tuple[list[RewrittenSite], str | None]:
+    """The ``control_flow="rewrite"`` loop over the whole-model tracers (no opaque fallback); the
+    data-dependent sites among ``issues`` it did not reach are assessed without capturing."""
+    from .capture.rewrite.session import ControlFlowRewrite
+
+    session = ControlFlowRewrite(model, example, [], concrete)
+
+    def run() -> tuple[Any, list[CaptureAttempt]]:
+        attempts = []
+        if example is not None and dynamo_available():
+            from .capture.dynamo import capture_dynamo
+
+            with restored_attributes(model, []):
+                result, attempt = capture_dynamo(model, policy, example, concrete)
+            attempts.append(attempt)
+            if result is not None:
+                return result, attempts
+        result, attempt = capture_fx(model, policy, concrete)
+        attempts.append(attempt)
+        return result, attempts
+
+    result, attempts = session.capture(run)
+    for issue in issues:
+        if issue.file is not None and issue.line is not None:
+            session.assess(issue.file, issue.line)
+    report = Report(type(model).__name__)
+    report.attempts = attempts
+    session.report(report, {}, result.tracer if result is not None else None)
+    for site in report.control_flow:
+        site.branches = {}  # nothing is verified by a check
+    return report.control_flow, result.tracer if result is not None else None

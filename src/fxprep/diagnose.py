@@ -22,6 +22,7 @@ from torch import nn
 
 # Categories (stable strings: tests and reports key on them).
 DATA_DEPENDENT_BRANCH = "data-dependent branch"
+DATA_DEPENDENT_LOOP = "data-dependent loop"
 DATA_DEPENDENT_VALUE = "data-dependent value"
 ITERATION = "iteration over a traced value"
 CONSTRUCTOR = "tensor constructor sized from a traced shape"
@@ -36,8 +37,15 @@ OTHER = "other"
 FIXES: dict[str, str] = {
     DATA_DEPENDENT_BRANCH: (
         "replace the Python `if` on a tensor with `torch.where(cond, a, b)` (both sides computed) or "
-        "`torch.cond(pred, true_fn, false_fn, operands)`; if the condition is really a fixed flag, "
-        "pass it through `concrete_args`; or keep this part as one call with `fxprep.opaque`."
+        "`torch.cond(pred, true_fn, false_fn, operands)`, or let fxprep do it with "
+        "`control_flow='rewrite'`; if the condition is really a fixed flag, pass it through "
+        "`concrete_args`; or keep this part as one call with `fxprep.opaque`."
+    ),
+    DATA_DEPENDENT_LOOP: (
+        "a `while` loop whose trip count depends on a tensor cannot be one static graph (not even with "
+        "control_flow='rewrite'): bound it by a fixed count and mask the extra iterations with "
+        "`torch.where`, or keep it as one call with `fxprep.opaque` (the default fallback makes its "
+        "module opaque)."
     ),
     DATA_DEPENDENT_VALUE: (
         "keep the value a tensor instead of converting it to a Python number (`.item()`, `int()`, "
@@ -224,6 +232,8 @@ def categorise(err: BaseException, code: str | None) -> str:
         return DATA_DEPENDENT_VALUE
     if "control flow" in low or "data-dependent" in low or "data dependent" in low or "guard on data" in low \
             or "dynamic control flow" in low or "jump" in gb_type.lower():
+        if stripped.startswith("while ") and not value_call:
+            return DATA_DEPENDENT_LOOP
         return DATA_DEPENDENT_BRANCH if is_branch_line or not value_call else DATA_DEPENDENT_VALUE
     if value_call and ("proxy" in low or "item" in low):
         return DATA_DEPENDENT_VALUE

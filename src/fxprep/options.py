@@ -36,6 +36,10 @@ class PrepareOptions:
     style: "fxprep" (default) or "aimet": the modules fxprep adds get AIMET's names
         (``module_<fn>_<n>``) and, when ``aimet_torch`` is installed, AIMET's own classes where they
         compute the same thing (what :func:`fxprep.compat.aimet.prepare_model` sets).
+    control_flow: None (default: a Python `if` on a tensor stops capture, as in every tracer) or
+        "rewrite": such an `if` (or conditional expression) in any module's forward is rewritten
+        into torch.where or torch.cond so the model is captured whole; every site is reported
+        (see fxprep.capture.rewrite). The user's code and classes are never changed.
     """
 
     tracer: str = "auto"
@@ -51,6 +55,7 @@ class PrepareOptions:
     verify_inputs: tuple[Any, ...] = ()
     dynamic: Any = None
     style: str = "fxprep"
+    control_flow: str | None = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PrepareOptions:
@@ -77,6 +82,8 @@ class PrepareOptions:
         if not isinstance(opts.autowrap_functions, (tuple, list)) or not all(callable(f) for f in opts.autowrap_functions):
             raise InvalidInput("autowrap_functions must be a tuple of functions.")
         _check_dynamic(opts.dynamic)
+        if opts.control_flow not in (None, "rewrite"):
+            raise InvalidInput(f"control_flow must be None or 'rewrite', not {opts.control_flow!r}.")
         if not isinstance(opts.verify_inputs, (tuple, list)):
             raise InvalidInput("verify_inputs must be a list of example inputs (each a tensor, tuple or dict).")
         return dataclasses.replace(opts, autowrap_functions=tuple(opts.autowrap_functions),

@@ -39,6 +39,35 @@ class Unrolled:
 
 
 @dataclass
+class RewrittenSite:
+    """One data-dependent site met with ``control_flow="rewrite"``: what it was, what it became
+    (``route``: "torch.where", "torch.cond" or "not rewritten"), why, and which inputs ran which
+    branch (``branches``: "true"/"false" -> input labels)."""
+
+    location: str
+    modules: list[str]
+    code: str
+    route: str
+    became: str = ""
+    reasons: list[str] = field(default_factory=list)
+    branches: dict[str, list[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_text(self) -> str:
+        where = ", ".join(m or "(root)" for m in self.modules) or "?"
+        lines = [f"{self.route.upper()} at {self.location} in {where}", *("    | " + c for c in self.code.splitlines())]
+        if self.became:
+            lines.append(f"    became: {self.became}")
+        lines += [f"    why: {r}" for r in self.reasons]
+        for side in ("true", "false"):
+            if self.branches:
+                ran = self.branches.get(side, [])
+                lines.append(f"    {side} branch: " + (f"verified on {', '.join(ran)}" if ran else "NOT exercised by any input"))
+        lines += [f"    ! {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclass
 class Verification:
     """Outcome of comparing original and prepared on the example inputs."""
 
@@ -50,6 +79,7 @@ class Verification:
     grad: bool = False
     grad_max_abs_diff: float | None = None
     detail: str = ""
+    label: str = ""  # what the inputs were, when fxprep built them (control_flow="rewrite")
 
 
 @dataclass
@@ -67,6 +97,7 @@ class Report:
     extra_verifications: list[Verification] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     inputs: str = ""
+    control_flow: list[RewrittenSite] = field(default_factory=list)
 
     # --- recording (called by the passes) -------------------------------------------------------
     def module_added(self, name: str, cls: str, reason: str) -> None:
@@ -100,6 +131,7 @@ class Report:
             verification=Verification(**data.get("verification", {"status": "skipped"})),
             timings=dict(data.get("timings", {})),
             inputs=str(data.get("inputs", "")),
+            control_flow=[RewrittenSite(**c) for c in data.get("control_flow", [])],
         )
 
     # --- rendering ------------------------------------------------------------------------------
@@ -118,6 +150,7 @@ class Report:
             "verification": asdict(self.verification),
             "extra_verifications": [asdict(v) for v in self.extra_verifications],
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
+            "control_flow": [asdict(c) for c in self.control_flow],
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -144,7 +177,8 @@ class Report:
             lines.append(f"    - {a.tracer}: {'ok' if a.ok else 'failed'} in {a.seconds:.2f}s" + (f" - {a.error}" if a.error else ""))
         lines.append(f"  verification: {self._verification_line()}")
         for i, v in enumerate(self.extra_verifications, 1):
-            lines.append(f"    + verify_inputs[{i - 1}]: {v.status}, max |diff| = {v.max_abs_diff:.3g}")
+            lines.append(f"    + {v.label or f'verify_inputs[{i - 1}]'}: {v.status}, max |diff| = {v.max_abs_diff:.3g}"
+                         + (f" - {v.detail}" if v.detail else ""))
         lines.append(f"  modules added: {len(self.added)}")
         for m in self.added:
             lines.append(f"    + {m.name} ({m.cls}): {m.reason}")
@@ -160,6 +194,11 @@ class Report:
         lines.append(f"  ops left functional (outside the view/metadata allow-list): {len(self.left)}")
         for x in self.left:
             lines.append(f"    - {x.node} = {x.target} in '{x.scope}': {x.reason}")
+        if self.control_flow:
+            done = sum(c.route != "not rewritten" for c in self.control_flow)
+            lines.append(f"  data-dependent control flow rewritten: {done} of {len(self.control_flow)} site(s)")
+            for c in self.control_flow:
+                lines.extend("    " + t for t in c.to_text().splitlines())
         if self.issues:
             lines.append(f"  issues: {len(self.issues)}")
             for i in self.issues:
@@ -189,6 +228,12 @@ class Report:
         if self.left:
             md += ["", "| op left functional | scope | why |", "|---|---|---|"]
             md += [f"| `{x.target}` | `{x.scope}` | {x.reason} |" for x in self.left]
+        if self.control_flow:
+            md += ["", "| control-flow site | became | why | branches verified |", "|---|---|---|---|"]
+            for c in self.control_flow:
+                ran = "; ".join(f"{k}: {', '.join(v) or 'none'}" for k, v in c.branches.items())
+                md.append(f"| `{c.location}` `{c.code.splitlines()[0] if c.code else ''}` | {c.route}: `{c.became}` | "
+                          f"{'; '.join(c.reasons)} | {ran} |".replace("\n", " "))
         if self.notes:
             md += [""] + [f"> {n}" for n in self.notes]
         return "\n".join(md)

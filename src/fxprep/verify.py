@@ -61,8 +61,14 @@ def run_original(model: nn.Module, example: ExampleInputs) -> Any:
         ) from err
 
 
-def _compare(ref: Any, got: Any, rtol: float, atol: float) -> tuple[int, float, str | None]:
-    """(tensors compared, max |diff| over finite positions, first problem or None)."""
+def _compare(ref: Any, got: Any, rtol: float, atol: float,
+             broadcast: list[str] | None = None) -> tuple[int, float, str | None]:
+    """(tensors compared, max |diff| over finite positions, first problem or None).
+
+    ``broadcast`` (a list) allows an output whose shape differs from the original's only by
+    size-1 dimensions (a ``torch.where`` rewrite joined two branches of different ranks, and the
+    report says so): it is compared after broadcasting, and the difference is appended to the list.
+    """
     ref_leaves, got_leaves = flatten_output(ref), flatten_output(got)
     if [p for p, _ in ref_leaves] != [p for p, _ in got_leaves]:
         return 0, math.inf, (
@@ -80,6 +86,14 @@ def _compare(ref: Any, got: Any, rtol: float, atol: float) -> tuple[int, float, 
                 problem = problem or f"{path}: {a!r} != {b!r}"
             continue
         count += 1
+        if broadcast is not None and a.shape != b.shape and a.dtype == b.dtype and a.numel() == b.numel():
+            try:
+                joined = torch.broadcast_shapes(a.shape, b.shape) == b.shape
+            except RuntimeError:
+                joined = False
+            if joined:
+                broadcast.append(f"{path}: original shape {tuple(a.shape)}, prepared {tuple(b.shape)}")
+                a = a.reshape(b.shape)
         if a.shape != b.shape or a.dtype != b.dtype:
             problem = problem or f"{path}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
             worst = math.inf
@@ -132,12 +146,20 @@ def verify(
     atol: float | None = None,
     grad: bool = False,
     raise_on_mismatch: bool = True,
+    where_rewrite: bool = False,
 ) -> Verification:
     """Compare ``prepared`` against ``original`` on ``example``; raise :class:`EquivalenceError` on a
     mismatch (naming the first diverging leaf), else return the measured :class:`Verification`.
 
     ``prepared_example`` is how the prepared module is called when it differs from the original's
     call (``concrete_args`` removed some arguments, for instance).
+
+    ``where_rewrite``: the prepared graph joins data-dependent branches with ``torch.where``
+    (``control_flow="rewrite"``, which reports it site by site). Two differences that follow are
+    then accepted and stated in the result's detail, never hidden: an output that differs from the
+    original's only by size-1 dimensions (the branches had different ranks; compared after
+    broadcasting), and a parameter gradient that is None in the original but all zeros in the
+    prepared module (it was read only by the branch not taken, which ``torch.where`` computes too).
     """
     prepared_example = prepared_example or example
     with preserved_state(original, prepared):
@@ -154,12 +176,15 @@ def verify(
         d_rtol, d_atol = default_tolerances(reference)
         rtol = d_rtol if rtol is None else rtol
         atol = d_atol if atol is None else atol
-    count, worst, problem = _compare(reference, got, rtol, atol)
+    accepted: list[str] | None = [] if where_rewrite else None
+    count, worst, problem = _compare(reference, got, rtol, atol, accepted)
     result = Verification("passed", max_abs_diff=worst, rtol=rtol, atol=atol, outputs_compared=count)
     if problem is None and grad:
-        g_worst, g_problem = _verify_grads(original, prepared, example, prepared_example, rtol, atol)
+        g_worst, g_problem = _verify_grads(original, prepared, example, prepared_example, rtol, atol, accepted)
         result.grad, result.grad_max_abs_diff = True, g_worst
         problem = g_problem
+    if accepted:
+        result.detail = "accepted differences of the torch.where rewrite: " + "; ".join(accepted)
     if problem is not None:
         result.status, result.detail = "failed", problem
         if raise_on_mismatch:
@@ -173,8 +198,10 @@ def verify(
 
 
 def _verify_grads(original: nn.Module, prepared: fx.GraphModule, example: ExampleInputs,
-                  prepared_example: ExampleInputs, rtol: float, atol: float) -> tuple[float, str | None]:
-    """Backpropagate the same random cotangents through both; compare input and parameter grads."""
+                  prepared_example: ExampleInputs, rtol: float, atol: float,
+                  accepted: list[str] | None = None) -> tuple[float, str | None]:
+    """Backpropagate the same random cotangents through both; compare input and parameter grads
+    (``accepted``, a list: a None gradient against an all-zero one is accepted and noted there)."""
     params = [p for p in original.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
 
@@ -205,6 +232,10 @@ def _verify_grads(original: nn.Module, prepared: fx.GraphModule, example: Exampl
     worst, problem = 0.0, None
     for i, (a, b) in enumerate(zip(ref, got)):
         if (a is None) != (b is None):
+            present = b if a is None else a
+            if accepted is not None and a is None and present is not None and not bool(present.any()):
+                accepted.append(f"gradient {i}: None in the original, zeros in the prepared module")
+                continue
             problem = problem or f"gradient {i}: present in one module only"
             continue
         if a is None:

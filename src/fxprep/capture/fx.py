@@ -161,6 +161,14 @@ class FxprepTracer(fx.Tracer):
     def make_graph_module(self, graph: fx.Graph, class_name: str) -> fx.GraphModule:
         return fx.GraphModule(self.root, graph, class_name)
 
+    def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None) -> Any:
+        """Trace the root's *instance* ``forward`` when one is bound (``control_flow="rewrite"``
+        binds a rewritten forward there while capturing); plain fx always reads the class's."""
+        bound = self.root.__dict__.get("forward") if is_module else None
+        if getattr(bound, "__self__", None) is self.root and getattr(bound, "__func__", None) is not None:
+            root_fn = bound.__func__  # type: ignore[union-attr]
+        return super().create_args_for_root(root_fn, is_module, concrete_args)
+
     def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *rest: Any, **kw: Any) -> Any:
         """A split into a known number of pieces is a tuple of traced pieces, so ``list(x.split(
         sizes))`` and ``a, b = x.chunk(2)`` work (plain fx refuses to iterate the result)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -374,11 +375,14 @@ def capture_hybrid(
     concrete_args: dict[str, Any] | None,
     example: ExampleInputs | None,
     autowrap_functions: tuple[Any, ...] = (),
+    handled: Callable[[BaseException], bool] | None = None,
 ) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
     """Capture with the smallest opaque parts that make fx succeed.
 
     Returns the result (or None), the attempt for the report, and each opaque site with the issue
-    that made it opaque (or, on failure, the issue nothing smaller could fix).
+    that made it opaque (or, on failure, the issue nothing smaller could fix). ``handled`` is asked
+    first about each failure: True means it was dealt with otherwise (``control_flow="rewrite"``
+    rewrote the failing ``if``) and the trace is simply tried again.
     """
     start = time.perf_counter()
     concrete = flatten_container_inputs(model, example, concrete_args)
@@ -406,6 +410,8 @@ def capture_hybrid(
             return result, CaptureAttempt("fx+leaves", True, time.perf_counter() - start), found
         last_error = attempt.exception
         assert last_error is not None
+        if handled is not None and handled(last_error):
+            continue
         site = failure_site(last_error, model)
         issue = diagnose(last_error, "fx", model)[0]
         if site is None or (site.path == "" and site.method == "forward") or site in sites:

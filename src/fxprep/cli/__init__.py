@@ -129,7 +129,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (fo
 TracerOpt = Annotated[str, typer.Option("--tracer", help="auto, dynamo or fx.")]
 
 
-def _prepare(spec: str, inputs: list[str] | None, tracer: str) -> tuple[Any, Any]:
+def _prepare(spec: str, inputs: list[str] | None, tracer: str, control_flow: str | None = None) -> tuple[Any, Any]:
     import fxprep
 
     from .specs import resolve
@@ -137,7 +137,8 @@ def _prepare(spec: str, inputs: list[str] | None, tracer: str) -> tuple[Any, Any
     built = resolve(spec, inputs or ())
     if built.example_inputs is None:
         err_console.print("[yellow]no example inputs (give --input): the result is not verified.[/]")
-    gm = fxprep.prepare_model(built.model, example_inputs=built.example_inputs, tracer=tracer, name=built.name)
+    gm = fxprep.prepare_model(built.model, example_inputs=built.example_inputs, tracer=tracer, name=built.name,
+                              control_flow=control_flow)
     return built, gm
 
 
@@ -155,6 +156,9 @@ def prepare_command(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Save the prepared module to this directory.")] = None,
     onnx: Annotated[Path | None, typer.Option("--onnx", help="Also export to this ONNX file (checked in onnxruntime).")] = None,
     tracer: TracerOpt = "auto",
+    control_flow: Annotated[str | None, typer.Option(
+        "--control-flow", help="'rewrite': data-dependent ifs become torch.where / torch.cond (reported site by site).",
+    )] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Prepare a model, verify it, print the report; optionally save it (-o) and export ONNX."""
@@ -163,7 +167,7 @@ def prepare_command(
     def body() -> int:
         from .. import export, io
 
-        built, gm = _prepare(spec, input, tracer)
+        built, gm = _prepare(spec, input, tracer, control_flow)
         report = gm.fxprep_report
         result: dict[str, Any] = {"ok": True, "spec": spec, "report": report.to_dict()}
         if output is not None:

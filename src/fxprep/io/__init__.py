@@ -139,6 +139,10 @@ def load(
             set_attrs(modules[entry["path"]], entry["attrs"], state_decode)
     root = modules[""]
     check_no_meta(root)
+    for entry in tree["modules"]:  # nested graphs (torch.cond branches): the tree around them exists now
+        if entry.get("kind") == "graph":
+            branch = modules[entry["path"]]
+            branch.graph = build_graph(field_of(entry, "graph", dict), branch, Decoder(policy), policy)
     graph = build_graph(graph_json, root, Decoder(policy), policy)
     class_name_ = str(graph_json.get("class_name", "GraphModule"))
     if not class_name_.isidentifier():

@@ -141,6 +141,9 @@ def build_modules(tree: dict[str, Any], decode: Decoder, policy: TrustPolicy) ->
                 )
         elif kind == "root":
             module = nn.Module()
+        elif kind == "graph":  # its graph is built once the whole tree and its tensors exist
+            name = str(field_of(entry, "graph", dict).get("class_name", "GraphModule"))
+            module = fx.GraphModule(nn.Module(), fx.Graph(), name if name.isidentifier() else "GraphModule")
         else:
             module = _build_one(entry, kind, decode, policy)
         module.training = bool(entry.get("training", False))

@@ -269,6 +269,8 @@ class TreeWriter:
 
     def _describe(self, path: str, module: nn.Module, owned: set[str]) -> dict[str, Any]:
         cls = type(module)
+        if isinstance(module, fx.GraphModule):  # a torch.cond branch: its own graph, its children as usual
+            return {"kind": "graph", "graph": graph_json(module)}
         where = f"module {path!r} ({class_name(cls)})"
         if isinstance(module, ops.BoundOp):
             enc = Encoder(where)
@@ -358,14 +360,22 @@ class TreeWriter:
                 self.slots.append(slot)
 
     def constants(self) -> list[dict[str, Any]]:
-        """Plain tensor attributes read by get_attr nodes (fx's ``_tensor_constant0``)."""
+        """Plain tensor attributes read by get_attr nodes (fx's ``_tensor_constant0``), in the
+        graph and in nested branch graphs (paths from the root)."""
         out = []
-        for node in self.gm.graph.nodes:
+        graphs = [(p, m) for p, m in self.gm.named_modules() if isinstance(m, fx.GraphModule)]
+        for prefix, module in graphs:
+            out += self._constants(module, f"{prefix}." if prefix else "")
+        return out
+
+    def _constants(self, gm: fx.GraphModule, prefix: str) -> list[dict[str, Any]]:
+        out = []
+        for node in gm.graph.nodes:
             if node.op != "get_attr":
                 continue
             owner_path, _, name = str(node.target).rpartition(".")
             try:
-                owner = self.gm.get_submodule(owner_path)
+                owner = gm.get_submodule(owner_path)
             except AttributeError as err:
                 raise SerializationError(f"get_attr {node.target!r} points nowhere.") from err
             if name in owner._parameters or name in owner._buffers or name in owner._modules:
@@ -376,7 +386,7 @@ class TreeWriter:
                     f"cannot save get_attr {node.target!r}: a {type(value).__qualname__} (nested graphs such as "
                     f"torch.cond branches, script objects) has no saved form yet."
                 )
-            out.append({"path": str(node.target), "key": self.tensor_key(value, str(node.target))})
+            out.append({"path": prefix + str(node.target), "key": self.tensor_key(value, prefix + str(node.target))})
         return out
 
 

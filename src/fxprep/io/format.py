@@ -50,6 +50,7 @@ KINDS = {
     "bound_op": "an fxprep.ops op: its callable's name plus the argument templates",
     "state": "any other trusted module class: created without __init__, its plain attributes restored",
     "same_as": "the same module object as another path (identity is kept)",
+    "graph": "a nested GraphModule (a torch.cond branch): its graph's nodes, built after the whole tree",
 }
 
 

@@ -25,7 +25,7 @@ from .. import ops
 from ..errors import SerializationError
 
 DEFAULT_TRUSTED_CLASSES = ("torch.nn.", "torch.ao.nn.", "fxprep.", "torchvision.ops.", "torchvision.models.")
-DEFAULT_TRUSTED_FUNCTIONS = ("torchvision.ops.",)
+DEFAULT_TRUSTED_FUNCTIONS = ("torchvision.ops.", "fxprep.cond.cond")
 
 
 # Functions that may be called by a loaded graph -------------------------------------------------

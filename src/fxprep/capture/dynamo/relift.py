@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from ...inputs import ExampleInputs
 from ...passes import dynamo_cleanup
 from ..common import LeafPolicy
+from .cond import relift_conds
 from .flag import module_method_calls
 from .names import Names, ReliftError, Stacks, get_path
 from .regroup import Regrouper
@@ -252,6 +253,7 @@ def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_ca
     device = first[1].device if first is not None else None
     dynamo_cleanup.replace_device_literals(dgm, anchor, device, notes=notes)
     gm = build(dgm, model, names, stacks, regrouper.targets, pytree_info, notes)
+    relift_conds(gm, model, names, stacks, policy, notes)  # torch.cond branches: leaves → call_module
     gm.meta[ROUTE_META] = route
     return gm, regrouper.extra_leaves
 
