@@ -32,6 +32,13 @@ class PrepareOptions:
         {argument name: {dim: symbol name}} (dimensions sharing a name share one size), e.g.
         {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}. The
         prepared module is then also verified on a second input size.
+    progress: show the stages of the work: None (default: a one-line display when standard error is
+        a terminal, nothing on screen otherwise; log records on the "fxprep" logger either way),
+        True (always: plain lines on standard error when it is not a terminal) or False (nothing).
+    copy: prepare a deep copy of the model (default False: the result's leaves are the model's
+        own module objects and parameters, so ``gm.eval()`` switches them too and training-mode
+        runs update their BatchNorm statistics). True gives an independent module, at the cost of
+        a second copy of every parameter.
     """
 
     tracer: str = "auto"
@@ -46,6 +53,8 @@ class PrepareOptions:
     fallback: str = "leaf"
     verify_inputs: tuple[Any, ...] = ()
     dynamic: Any = None
+    progress: bool | None = None
+    copy: bool = False
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PrepareOptions:
@@ -70,6 +79,9 @@ class PrepareOptions:
         if not isinstance(opts.autowrap_functions, (tuple, list)) or not all(callable(f) for f in opts.autowrap_functions):
             raise InvalidInput("autowrap_functions must be a tuple of functions.")
         _check_dynamic(opts.dynamic)
+        if opts.progress not in (None, True, False) or opts.copy not in (True, False):
+            raise InvalidInput(f"progress must be None, True or False and copy True or False, not "
+                               f"progress={opts.progress!r}, copy={opts.copy!r}.")
         if not isinstance(opts.verify_inputs, (tuple, list)):
             raise InvalidInput("verify_inputs must be a list of example inputs (each a tensor, tuple or dict).")
         return dataclasses.replace(opts, autowrap_functions=tuple(opts.autowrap_functions),
