@@ -201,10 +201,12 @@ def prepare_command(
             flags.check_output_dir(output)
         built = resolve(spec, flags.split_inputs(input or ()))
         if built.example_inputs is None:
+            if onnx is not None:
+                raise InvalidInput("--onnx needs example inputs (--input).")
             out.warn("no example inputs (give --input): the result is not verified.")
         options: dict[str, Any] = {
             "tracer": tracer, "name": built.name, "verify": "grad" if verify_grad else verify,
-            "progress": progress if progress is not None else None,
+            "progress": progress,
         }
         if dynamic:
             options["dynamic"] = flags.parse_dynamic(dynamic, built.model, built.example_inputs)
@@ -218,6 +220,11 @@ def prepare_command(
         result: dict[str, Any] = {"ok": True, "spec": spec, "report": report.to_dict()}
         if not as_json:
             _print_report(report)
+        if show is not None:
+            fxprep.show(gm, show, example_inputs=built.example_inputs)
+            result["view"] = str(show)
+            if not as_json:
+                out.say(f"graph view written to {show}")
         if output is not None:
             try:
                 io.save(gm, output, example_inputs=built.example_inputs)
@@ -227,14 +234,7 @@ def prepare_command(
             result["saved_to"] = str(output)
             if not as_json:
                 out.say(f"saved to {output} (load with fxprep.load)")
-        if show is not None:
-            fxprep.show(gm, show, example_inputs=built.example_inputs)
-            result["view"] = str(show)
-            if not as_json:
-                out.say(f"graph view written to {show}")
         if onnx is not None:
-            if built.example_inputs is None:
-                raise InvalidInput("--onnx needs example inputs (--input).")
             result["onnx"] = {"path": str(onnx), "max_abs_diff": export.export_onnx(gm, built.example_inputs, onnx)}
             if not as_json:
                 out.say(f"ONNX written to {onnx}; onnxruntime max |diff| = {result['onnx']['max_abs_diff']:.3g}")
