@@ -412,11 +412,26 @@
       if (it) centerOn(it);
     }
   }
+  function describeGroup(g) { // a module found by name: what it holds, and a way to fold it again
+    var d = document.getElementById("details");
+    d.textContent = "";
+    var h = document.createElement("h3");
+    h.textContent = g.path;
+    d.appendChild(h);
+    var table = document.createElement("table");
+    row(table, "what", "module" + (groupClass(g.path) ? " (" + groupClass(g.path) + ")" : "") + ", " + g.total + " nodes inside");
+    Object.keys(data.kinds).forEach(function (k) { if (g.counts[k]) row(table, data.kinds[k].label, String(g.counts[k])); });
+    d.appendChild(table);
+    var b = document.createElement("button");
+    b.textContent = "fold " + g.path;
+    b.addEventListener("click", function () { fold(g.path); });
+    d.appendChild(b);
+  }
   function reveal(name) {
     var n = byName.get(name);
     if (!n) {
       var g = groups.get(name);
-      if (g) unfold(name);
+      if (g) { unfold(name); describeGroup(g); }
       return;
     }
     ancestors(n.scope).forEach(function (p) { expanded.add(p); });
