@@ -214,13 +214,16 @@ def test_show_text_html_dot(tmp_path):
     out = tmp_path / "saved"
     assert invoke("prepare", "demo:ModelWithElementwiseAddOp", "-o", str(out), "--json").exit_code == 0
     text = invoke("show", str(out))
-    assert text.exit_code == 0 and "conv1: Conv2d" in text.stdout and "Add(operator.add)" in text.stdout
+    assert text.exit_code == 0 and "conv1: Conv2d" in text.stdout and "add: Add(operator.add)" in text.stdout
     html = invoke("show", str(out), "-o", str(tmp_path / "g.html"))
-    assert html.exit_code == 0 and "<table>" in (tmp_path / "g.html").read_text()
+    assert html.exit_code == 0 and "(html, 6 nodes)" in html.stdout  # x1, x2, conv1, conv2, add, output
+    page = (tmp_path / "g.html").read_text()
+    assert 'id="fxprep-data"' in page and "Content-Security-Policy" in page
     dot = invoke("show", str(out), "--format", "dot")
     data = as_json(invoke("show", str(out), "--json"))
-    conv1, conv2, add = (next(n for n in data["nodes"] if n["what"].startswith(w)) for w in ("conv1:", "conv2:", "add:"))
-    assert add["what"] == "add: Add(operator.add)" and add["inputs"] == [conv1["name"], conv2["name"]]
+    conv1, conv2, add = (next(n for n in data["nodes"] if n.get("module") == w) for w in ("conv1", "conv2", "add"))
+    assert add["label"] == "Add(operator.add)" and add["kind"] == "added" and conv1["kind"] == "module"
+    assert add["inputs"] == [conv1["name"], conv2["name"]]
     assert dot.exit_code == 0 and f'"{conv1["name"]}" -> "{add["name"]}"' in dot.stdout
 
 
@@ -279,3 +282,224 @@ def test_console_script_exit_code():
     proc = subprocess.run([sys.executable, "-c", "from fxprep.cli import main; main()", "prepare", "demo:nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no demo model 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --- the options of prepare, end to end (issue 16) ----------------------------------------------
+NESTED = """
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x)) + x
+
+    class Net(nn.Module):
+        EXAMPLE_INPUTS = (torch.randn(2, 4),)
+
+        def __init__(self):
+            super().__init__()
+            self.block1 = Block()
+            self.block2 = Block()
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.block2(self.block1(x)))
+
+    def llama():
+        return Net().eval()
+"""
+
+
+def _called(directory) -> list[str]:
+    return [n["what"].split(":")[0] for n in io.inspect_saved(directory)["nodes"] if n["op"] == "call_module"]
+
+
+def test_exclude_and_exclude_class(tmp_path):
+    spec = _write(tmp_path, NESTED) + ":Net"
+    out = tmp_path / "plain"
+    assert invoke("prepare", spec, "-o", str(out), "--json").exit_code == 0
+    assert "block1.fc" in _called(out) and "block1" not in _called(out)
+    out = tmp_path / "one"
+    result = invoke("prepare", spec, "--exclude", "block1", "-o", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    assert "block1" in _called(out) and "block2.fc" in _called(out)
+    for cls in ("Block", f"{resolve(spec).model.block1.__class__.__module__}.Block"):
+        out = tmp_path / f"cls{len(cls)}"
+        result = invoke("prepare", spec, "--exclude-class", cls, "-o", str(out), "--json")
+        assert result.exit_code == 0, result.output
+        assert {"block1", "block2"} <= set(_called(out)) and "block1.fc" not in _called(out)
+
+
+def test_exclude_class_by_import_path(tmp_path):
+    out = tmp_path / "r"
+    result = invoke("prepare", "torchvision:resnet18", "--input", "1x3x32x32", "--exclude-class",
+                    "torchvision.models.resnet.BasicBlock", "-o", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    called = _called(out)
+    assert "layer1.0" in called and "layer1.0.conv1" not in called
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--exclude", "blok1"], "closest: block1"),
+    (["--exclude", ""], "has no submodule"),
+    (["--exclude-class", "Blok"], "closest first): Block"),
+    (["--exclude-class", "no.such.module.Cls"], "cannot import"),
+    (["--exclude-class", "torch.nn.functional.relu"], "is not a torch.nn.Module class"),
+    (["--dynamic", "x:zero"], "cannot read --dynamic"),
+    (["--dynamic", "y:0=batch"], "'y' is not an input of Net.forward; its inputs: x"),
+    (["--dynamic", "batch", "--dynamic", "x:0"], "do not combine"),
+    (["--verify-input", "2x4,2x"], "cannot read input"),
+    (["--no-verify", "--verify-grad"], "cannot go with --no-verify"),
+    (["--input", "1x999999999x999999"], "more than half of this machine's memory"),
+])
+def test_option_mistakes_are_usage_errors(tmp_path, args, text):
+    result = invoke("prepare", _write(tmp_path, NESTED) + ":Net", *args)
+    assert result.exit_code == 2, result.output
+    assert text in result.stderr and "internal error" not in result.stderr
+
+
+def test_dynamic_batch_and_named_dims(tmp_path):
+    result = invoke("prepare", _write(tmp_path, NESTED) + ":Net", "--dynamic", "batch", "--json")
+    assert result.exit_code == 0, result.output
+    report = as_json(result)["report"]
+    assert report["tracer"] == "dynamo"
+    assert any(n.startswith("verified on a second input size") for n in report["notes"])
+    result = invoke("prepare", "transformers:llama", "--input", "input_ids=2x5:int64", "--dynamic", "input_ids:0=batch,1=seq",
+                    "--json")
+    assert result.exit_code == 0, result.output
+    notes = as_json(result)["report"]["notes"]
+    assert not any("static shapes" in n for n in notes)
+    second = next(n for n in notes if n.startswith("verified on a second input size"))
+    assert "input_ids=Tensor[2x5" not in second and "input_ids=Tensor[" in second  # the dims grew
+
+
+def test_verify_options(tmp_path):
+    spec = _write(tmp_path, NESTED) + ":Net"
+    off = as_json(invoke("prepare", spec, "--no-verify", "--json"))["report"]["verification"]
+    assert off["status"] == "skipped" and off["detail"] == "verify=False"
+    grad = as_json(invoke("prepare", spec, "--verify-grad", "--json"))["report"]["verification"]
+    assert grad["status"] == "passed" and grad["grad"] and grad["grad_max_abs_diff"] is not None
+    result = invoke("prepare", "demo:ModelWithElementwiseAddOp", "--verify-input", "1x3x32x32,1x3x32x32",
+                    "--verify-input", "1x3x32x32, 1x3x32x32", "--json")
+    assert result.exit_code == 0, result.output
+    extra = as_json(result)["report"]["extra_verifications"]
+    assert [v["status"] for v in extra] == ["passed", "passed"]
+
+
+def test_verify_input_that_disagrees_exits_3(tmp_path):
+    """Dynamo specialises a branch on the example's shape: a --verify-input of another size shows it."""
+    spec = _write(tmp_path, """
+        import torch
+        from torch import nn
+
+        class BySize(nn.Module):
+            EXAMPLE_INPUTS = (torch.randn(2, 4),)
+
+            def forward(self, x):
+                return x * 2 if x.shape[0] > 2 else x + 1
+    """) + ":BySize"
+    assert invoke("prepare", spec, "--tracer", "dynamo", "--verify-input", "2x4").exit_code == 0
+    result = invoke("prepare", spec, "--tracer", "dynamo", "--verify-input", "3x4")
+    assert result.exit_code == 3, result.output
+    assert "EquivalenceError" in result.stderr
+
+
+def test_progress_quiet_and_forced(tmp_path):
+    spec = _write(tmp_path, NESTED) + ":Net"
+    default = invoke("prepare", spec)
+    assert default.exit_code == 0 and "capture 1/2" not in default.stderr  # not a terminal: silent
+    forced = invoke("prepare", spec, "--progress")
+    stages = [line for line in forced.stderr.splitlines() if line.startswith("fxprep: m.py:Net: ")]
+    assert stages[:3] == ["fxprep: m.py:Net: reference run", "fxprep: m.py:Net: capture 1/2: dynamo", "fxprep: m.py:Net: passes"]
+    for flag in ("--quiet", "-q"):
+        quiet = invoke("prepare", spec, "--progress", flag)
+        assert quiet.exit_code == 0 and "fxprep: m.py:Net" not in quiet.stderr
+
+
+def test_output_that_cannot_be_written_is_a_save_error(tmp_path):
+    spec = _write(tmp_path, NESTED) + ":Net"
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    for target, text in [(a_file, "a file of that name exists"), (a_file / "sub", "is a file"),
+                         ("/proc/fxprep-test/out", "-o /proc/fxprep-test/out"), ("/sys/fxprep-test", "/sys/fxprep-test")]:
+        result = invoke("prepare", spec, "-o", str(target))
+        assert result.exit_code == 4, (target, result.output)
+        assert "internal error" not in result.stderr and text in result.stderr.replace("\n", " ")
+
+
+def test_model_names_are_not_markup_and_pipes_are_not_wrapped(tmp_path):
+    spec = _write(tmp_path, NESTED) + ":llama"
+    out = tmp_path / ("a-long-directory-name-" * 5) / "saved"
+    result = invoke("prepare", spec, "-o", str(out))
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == "m.py:llama: passed" and "\U0001f999" not in result.stdout  # no llama emoji
+    assert f"saved to {out} (load with fxprep.load)" in lines  # one line, well past 80 columns
+    table = invoke("show", str(out)).stdout.splitlines()
+    row = next(line for line in table if "block1.fc: Linear" in line)
+    assert "added by fxprep" in next(line for line in table if "block1.add: Add(operator.add)" in line)
+    assert len(row) > 80
+
+
+def test_onnx_fallback_warning_in_full(tmp_path):
+    spec = _write(tmp_path, """
+        import torch
+        from torch import nn
+
+        class Gate(nn.Module):
+            def forward(self, x):
+                if x.sum() > 0:
+                    return x * 2
+                return x
+
+        class Outer(nn.Module):
+            EXAMPLE_INPUTS = (torch.randn(2, 4),)
+
+            def __init__(self):
+                super().__init__()
+                self.gate = Gate()
+                self.out = nn.Linear(4, 4)
+
+            def forward(self, x):
+                return self.out(self.gate(x)).relu()
+    """) + ":Outer"
+    result = invoke("prepare", spec, "--onnx", str(tmp_path / "m.onnx"))
+    assert result.exit_code == 0, result.output
+    warning = result.stderr[result.stderr.index("warning: the torch.export-based ONNX exporter failed"):]
+    assert "\x1b[" not in warning
+    assert warning.rstrip().endswith("taken on the example inputs.")
+    assert "GuardOnDataDependentSymNode" in warning or "data-dependent" in warning  # the cause, not cut off
+
+
+def test_prepare_writes_the_view_with_shapes(tmp_path):
+    page = tmp_path / "view.html"
+    result = invoke("prepare", _write(tmp_path, NESTED) + ":Net", "--tracer", "fx", "--show", str(page), "--json")
+    assert result.exit_code == 0, result.output
+    text = page.read_text()
+    data = json.loads(text[text.index('id="fxprep-data">') + 17:text.index("</script>", text.index('id="fxprep-data"'))])
+    head = next(n for n in data["nodes"] if n.get("module") == "head")
+    assert head["values"] == [{"shape": [2, 2], "dtype": "float32"}]
+
+
+def test_import_and_help_stay_light():
+    """`import fxprep` and `fxprep --help` import no model zoo, no ONNX, and (for --help) no rich."""
+    heavy = ("transformers", "onnx", "onnxruntime", "timm", "torchvision")
+    code = textwrap.dedent(f"""
+        import sys
+        import fxprep
+        after_import = sorted(m for m in sys.modules if m.split(".")[0] in {heavy + ("rich",)!r})
+        from fxprep.cli import main
+        try:
+            main(["--help"])
+        except SystemExit:
+            pass
+        after_help = sorted(m for m in sys.modules if m.split(".")[0] in {heavy + ("rich",)!r})
+        print("RESULT", after_import, after_help)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    assert line == "RESULT [] []", line

@@ -25,6 +25,7 @@ from .io import load, save
 from .opaque import opaque
 from .report import Report
 from .version import __version__
+from .view import show
 
 __all__ = [
     "__version__",
@@ -35,6 +36,7 @@ __all__ = [
     "load",
     "export_onnx",
     "export_program",
+    "show",
     "get_report",
     "opaque",
     "Report",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import gc
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from . import progress
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 from .capture import dynamo_available, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
@@ -58,7 +60,8 @@ def capture(
 ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """Run the tracers in order until one succeeds; every attempt is returned for the report."""
     attempts: list[CaptureAttempt] = []
-    for name in tracers:
+    for k, name in enumerate(tracers, 1):
+        progress.stage(f"capture {k}/{len(tracers)}: {name}")
         if name == "fx":
             result, attempt = capture_fx(model, policy, concrete_args, opts.autowrap_functions)
             if result is None and not concrete_args:  # transformers < 5: its own tracer, if installed
@@ -140,7 +143,8 @@ def prepare_model(
 
     Options are keyword-only; see :class:`fxprep.options.PrepareOptions`.
     """
-    with _frozen_heap():
+    title = str(options.get("name") or type(model).__name__)
+    with _frozen_heap(), progress.reporting(options.get("progress"), title):
         return _prepare(model, modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs, options)
 
 
@@ -171,6 +175,8 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     t0 = time.perf_counter()
     model = check_model(model)
     opts = PrepareOptions.from_kwargs(options)
+    if opts.copy:
+        model, modules_to_exclude = _independent_copy(model, modules_to_exclude)
     policy = leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
     example = normalize_example_inputs(example_inputs)
     concrete = huggingface.capture_concrete_args(model, check_concrete_args(model, concrete_args), example)
@@ -183,6 +189,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     if example is not None:
         original_call, prepared_call = split_calls(model, example, concrete)
         if opts.verify:  # the reference run doubles as the check that the inputs suit the model
+            progress.stage("reference run")
             reference = run_original(model, original_call)
 
     t1 = time.perf_counter()
@@ -193,6 +200,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     else:
         result, attempts = capture(model, tracers, policy, concrete, example, opts)
     if result is None and opts.fallback == "leaf":
+        progress.stage("capture: fx with the untraceable parts opaque")
         with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
             result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions,
                                                     handled=rewrite.learn if rewrite is not None else None)
@@ -225,6 +233,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         )
 
     t2 = time.perf_counter()
+    progress.stage("passes")
     with preserved_state(model):
         values.annotate(gm, prepared_call)
     if opts.convert_functionals:
@@ -246,6 +255,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     where_rewrite = rewrite is not None and rewrite.joins_with_where
     if example is not None and opts.verify:
         t3 = time.perf_counter()
+        progress.stage("verification")
         assert original_call is not None
         report.verification = verify(
             model, gm, original_call, reference=reference, prepared_example=prepared_call,
@@ -254,7 +264,8 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         if opts.dynamic:
             _verify_second_size(model, gm, example, concrete, opts, report)
         constructed = rewrite.coverage() if rewrite is not None else []
-        for label, extra in [(None, e) for e in opts.verify_inputs] + constructed:
+        for i, (label, extra) in enumerate([(None, e) for e in opts.verify_inputs] + constructed):
+            progress.step(label or f"verify_inputs[{i}]")
             extra_example = normalize_example_inputs(extra)
             assert extra_example is not None
             extra_original, extra_prepared = split_calls(model, extra_example, concrete)
@@ -298,6 +309,20 @@ def _control_flow(model: nn.Module, opts: PrepareOptions, example: ExampleInputs
     return ControlFlowRewrite(model, example, extra, concrete, reference)
 
 
+def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Module, Any]:
+    """``copy=True``: prepare a deep copy, so the result shares no module, parameter or mode with
+    ``model``; the modules to exclude are mapped to their copies (they are matched by identity)."""
+    memo: dict[int, Any] = {}
+    try:
+        clone = copy.deepcopy(model, memo)
+    except Exception as err:  # noqa: BLE001 - a model deepcopy cannot take (open files, locks...)
+        raise InvalidInput(f"copy=True: the model cannot be deep-copied ({type(err).__name__}: {err}); "
+                           f"prepare it without copy=True, or copy it yourself.") from err
+    if modules_to_exclude:
+        modules_to_exclude = [memo.get(id(m), m) for m in modules_to_exclude]
+    return clone, modules_to_exclude
+
+
 def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs,
                         concrete: dict[str, Any] | None, opts: PrepareOptions, report: Report) -> None:
     """With ``dynamic``, the prepared module must also match on an input whose dynamic dimensions
@@ -305,6 +330,7 @@ def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleIn
     from .capture.dynamo import grown_example
 
     second = grown_example(model, example, opts.dynamic)
+    progress.step(f"a second input size ({second.describe()})")
     original_call, prepared_call = split_calls(model, second, concrete)
     result = verify(model, gm, original_call, prepared_example=prepared_call,
                     rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad")

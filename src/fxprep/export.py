@@ -24,6 +24,7 @@ import contextlib
 import io
 import math
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,28 @@ from .inputs import ExampleInputs, normalize_example_inputs
 from .verify import _tensor_diff, flatten_output
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def plain_reason(err: BaseException) -> str:
+    """An exporter's error in one readable line: its first line without terminal colour codes or
+    torch's "This is step 1/3 ... Next steps" advice, then the first line of its root cause (the
+    actual reason, e.g. a data-dependent guard), each whole: a warning must not be cut mid-word."""
+    def first_line(e: BaseException) -> str:
+        text = _ANSI.sub("", str(e)).strip()
+        line = text.splitlines()[0] if text else ""
+        return line.split(" This is step ")[0].strip()
+
+    reason = f"{type(err).__name__}: {first_line(err)}"
+    cause, seen = err.__cause__ or err.__context__, {id(err)}
+    root = None
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        root = cause
+        cause = cause.__cause__ or cause.__context__
+    if root is not None:
+        reason += f" (caused by {type(root).__name__}: {first_line(root)})"
+    return reason
 MODULE_KEY = "fxprep.module"
 
 
@@ -255,7 +278,7 @@ def export_onnx(
                 _onnx_export(clean, example, path, opset, optimize, dynamo)
             break
         except Exception as err:  # noqa: BLE001
-            errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {type(err).__name__}: {str(err)[:400]}")
+            errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {plain_reason(err)}")
     else:
         raise ExportError(
             "ONNX export failed with both exporters:\n  " + "\n  ".join(errors)

@@ -40,6 +40,13 @@ class PrepareOptions:
         "rewrite": such an `if` (or conditional expression) in any module's forward is rewritten
         into torch.where or torch.cond so the model is captured whole; every site is reported
         (see fxprep.capture.rewrite). The user's code and classes are never changed.
+    progress: show the stages of the work: None (default: a one-line display when standard error is
+        a terminal, nothing on screen otherwise; log records on the "fxprep" logger either way),
+        True (always: plain lines on standard error when it is not a terminal) or False (nothing).
+    copy: prepare a deep copy of the model (default False: the result's leaves are the model's
+        own module objects and parameters, so ``gm.eval()`` switches them too and training-mode
+        runs update their BatchNorm statistics). True gives an independent module, at the cost of
+        a second copy of every parameter.
     """
 
     tracer: str = "auto"
@@ -56,6 +63,8 @@ class PrepareOptions:
     dynamic: Any = None
     style: str = "fxprep"
     control_flow: str | None = None
+    progress: bool | None = None
+    copy: bool = False
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PrepareOptions:
@@ -84,6 +93,9 @@ class PrepareOptions:
         _check_dynamic(opts.dynamic)
         if opts.control_flow not in (None, "rewrite"):
             raise InvalidInput(f"control_flow must be None or 'rewrite', not {opts.control_flow!r}.")
+        if opts.progress not in (None, True, False) or opts.copy not in (True, False):
+            raise InvalidInput(f"progress must be None, True or False and copy True or False, not "
+                               f"progress={opts.progress!r}, copy={opts.copy!r}.")
         if not isinstance(opts.verify_inputs, (tuple, list)):
             raise InvalidInput("verify_inputs must be a list of example inputs (each a tensor, tuple or dict).")
         return dataclasses.replace(opts, autowrap_functions=tuple(opts.autowrap_functions),

@@ -10,6 +10,7 @@ timings.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -205,7 +206,9 @@ class Report:
                 lines.extend("    " + t for t in (i.to_text() if hasattr(i, "to_text") else str(i)).splitlines())
         if self.notes:
             lines.append("  notes:")
-            lines.extend(f"    ! {n}" for n in self.notes)
+            for text, members in group_notes(self.notes):
+                lines.append(f"    ! {text}")
+                lines.extend(f"        {m}" for m in members)
         if self.timings:
             lines.append("  timings: " + ", ".join(f"{k} {v:.3f}s" for k, v in self.timings.items()))
         return "\n".join(lines)
@@ -235,8 +238,60 @@ class Report:
                 md.append(f"| `{c.location}` `{c.code.splitlines()[0] if c.code else ''}` | {c.route}: `{c.became}` | "
                           f"{'; '.join(c.reasons)} | {ran} |".replace("\n", " "))
         if self.notes:
-            md += [""] + [f"> {n}" for n in self.notes]
+            for text, members in group_notes(self.notes):
+                md += ["", f"> {text}"] + [f"> - {m}" for m in members]
         return "\n".join(md)
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+# --- notes said once -----------------------------------------------------------------------------
+# "WhisperEncoder (encoder) reads self.training at /path/generic.py:622": a module, what it does, where.
+_MODULE_NOTE = re.compile(r"^(?P<subject>[\w.]+ \([^()]*\)) (?P<predicate>.+?) at (?P<file>\S+?):(?P<line>\d+)$")
+
+
+def group_notes(notes: list[str]) -> list[tuple[str, list[str]]]:
+    """Notes that say the same thing about different places, said once.
+
+    A note reads ``<where>: <what it means>``; notes whose meaning (the text after the first
+    ``": "``) is the same are grouped, first-seen order kept: ``(header, member lines)``. When the
+    places are modules doing the same thing (``"Encoder (encoder) reads self.training at f.py:12"``)
+    the header says it once and each module is one line with its source lines, so Whisper's
+    fourteen ``self.training`` notes become one note listing six modules. A note said once stays
+    as it is, with no member lines.
+    """
+    groups: dict[str, list[str]] = {}
+    order: list[tuple[str, str]] = []
+    for note in notes:
+        head, sep, meaning = note.partition(": ")
+        key = meaning if sep and head else note
+        if key not in groups:
+            groups[key] = []
+            order.append((key, note))
+        groups[key].append(head)
+    out: list[tuple[str, list[str]]] = []
+    for key, first in order:
+        heads = groups[key]
+        if len(heads) == 1:
+            out.append((first, []))
+            continue
+        out.append(_grouped(key, heads))
+    return out
+
+
+def _grouped(meaning: str, heads: list[str]) -> tuple[str, list[str]]:
+    matches = [_MODULE_NOTE.match(h) for h in heads]
+    predicates = {m["predicate"] for m in matches if m is not None}
+    if any(m is None for m in matches) or len(predicates) != 1:
+        return f"in {len(heads)} places: {meaning}", heads
+    places: dict[str, dict[str, list[str]]] = {}  # subject -> file -> lines
+    for m in matches:
+        assert m is not None
+        places.setdefault(m["subject"], {}).setdefault(m["file"], []).append(m["line"])
+    members = [f"{subject} at " + "; ".join(f"{file}:{', '.join(lines)}" for file, lines in files.items())
+               for subject, files in places.items()]
+    count = f"{len(places)} module{'s' if len(places) != 1 else ''}"
+    if len(heads) != len(places):
+        count += f" ({len(heads)} places)"
+    return f"{predicates.pop()} in {count}: {meaning}", members

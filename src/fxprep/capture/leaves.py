@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .. import progress
 from ..diagnose import Issue, diagnose
 from ..inputs import ExampleInputs
 from ..wrap import find_proxy
@@ -419,6 +420,7 @@ def capture_hybrid(
             break
         sites.append(site)
         found.append((site, issue))
+        progress.step(f"{site.qualname or 'root'} made opaque ({issue.category})")
     error = f"{type(last_error).__name__}: {str(last_error).splitlines()[0] if str(last_error) else ''}"
     return None, CaptureAttempt("fx+leaves", False, time.perf_counter() - start, error, type(last_error).__name__, last_error), found
 

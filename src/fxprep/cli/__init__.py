@@ -1,8 +1,9 @@
 """The ``fxprep`` command: a thin layer over the library API.
 
-Commands: ``prepare`` (prepare, verify, save, optionally export ONNX), ``check`` (can it be
-captured, and how), ``show`` (a saved graph), ``survey`` (a model zoo, one subprocess per model) and
-``demo``. ``--json`` prints one JSON object for scripts instead of the human output.
+Commands: ``prepare`` (prepare, verify, save, optionally export ONNX and write the graph view),
+``check`` (can it be captured, and how), ``show`` (a saved graph as an HTML page, text, DOT or SVG),
+``survey`` (a model zoo, one subprocess per model) and ``demo``. ``--json`` prints one JSON object
+for scripts instead of the human output.
 
 Exit codes (also in ``fxprep --help``)::
 
@@ -10,11 +11,13 @@ Exit codes (also in ``fxprep --help``)::
     1  fxprep could not prepare the model (capture or a pass failed)
     2  usage error: bad spec, input, option, or the model itself failed on the inputs
     3  verification failed: the prepared module computes something else
-    4  saving, loading or exporting failed
+    4  saving, loading or exporting failed (including an -o that cannot be written)
     130 interrupted
 
 Errors are printed as the readable message of the :class:`~fxprep.errors.FxprepError` raised, never
-as a traceback (``FXPREP_DEBUG=1`` shows it).
+as a traceback (``FXPREP_DEBUG=1`` shows it); fxprep's own warnings are printed in full on standard
+error, other libraries' warnings are silenced. Progress is shown on a terminal (``--quiet`` hides it,
+``--progress`` forces plain lines into a pipe or a log).
 """
 
 from __future__ import annotations
@@ -26,27 +29,29 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from ..errors import (
     EquivalenceError,
     ExportError,
     FxprepError,
+    FxprepWarning,
     InvalidInput,
     ModelError,
     SerializationError,
 )
+from . import console as out
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_VERIFY, EXIT_DELIVERY, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 EXIT_CODES_HELP = (
     "Exit codes: 0 success; 1 fxprep could not prepare the model; 2 usage error (bad spec, input or "
-    "option, or the model itself failed on the inputs); 3 verification failed; 4 save/load/export failed."
+    "option, or the model itself failed on the inputs); 3 verification failed; 4 save/load/export failed "
+    "(including an -o that cannot be written)."
 )
 
 app = typer.Typer(
@@ -56,8 +61,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-console = Console()
-err_console = Console(stderr=True)
 
 
 def exit_code_for(err: BaseException) -> int:
@@ -78,36 +81,47 @@ def _fail(err: BaseException, as_json: bool) -> typer.Exit:
     if as_json:
         print(json.dumps({"ok": False, "exit_code": code, "error_type": type(err).__name__, "error": str(err)}))
     else:
-        # Plain, unwrapped text: error messages get copied into issues and searched for.
-        err_console.print(f"[bold red]error[/] ({type(err).__name__}, exit {code}):", highlight=False)
-        err_console.print(str(err), markup=False, highlight=False, soft_wrap=True)
+        out.error(type(err).__name__, code, str(err))
     return typer.Exit(code)
 
 
+def _file_error(err: OSError) -> SerializationError:
+    """A file the command could not read or write (a full disk, a read-only place): exit 4, in words."""
+    where = f" {err.filename}" if err.filename else ""
+    return SerializationError(f"cannot write or read{where}: {err.strerror or err}.")
+
+
 def _guarded(fn: Callable[[], int], as_json: bool) -> None:
-    """Run a command body; FxprepErrors become readable messages and their exit codes."""
-    try:
-        code = fn()
-    except typer.Exit:
-        raise
-    except (FxprepError, KeyboardInterrupt) as err:
-        if os.environ.get("FXPREP_DEBUG"):
+    """Run a command body; FxprepErrors become readable messages and their exit codes, fxprep's own
+    warnings are printed in full on standard error, and any other exception is an internal error."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("always", FxprepWarning)
+        try:
+            code = fn()
+        except typer.Exit:
             raise
-        raise _fail(err, as_json) from None
-    except Exception as err:  # noqa: BLE001 - a bug: still no raw traceback unless asked
-        if os.environ.get("FXPREP_DEBUG"):
-            raise
-        wrapped = FxprepError(
-            f"internal error: {type(err).__name__}: {err}\nThis is a bug in fxprep (or in the model's own code). "
-            f"Re-run with FXPREP_DEBUG=1 for the traceback and please report it."
-        )
-        raise _fail(wrapped, as_json) from None
+        except (FxprepError, KeyboardInterrupt, OSError) as err:
+            if os.environ.get("FXPREP_DEBUG"):
+                raise
+            raise _fail(_file_error(err) if isinstance(err, OSError) else err, as_json) from None
+        except Exception as err:  # noqa: BLE001 - a bug: still no raw traceback unless asked
+            if os.environ.get("FXPREP_DEBUG"):
+                raise
+            wrapped = FxprepError(
+                f"internal error: {type(err).__name__}: {err}\nThis is a bug in fxprep (or in the model's own code). "
+                f"Re-run with FXPREP_DEBUG=1 for the traceback and please report it."
+            )
+            raise _fail(wrapped, as_json) from None
+        finally:
+            for w in caught:
+                if issubclass(w.category, FxprepWarning):
+                    out.warn(str(w.message))
     raise typer.Exit(code)
 
 
 def _quiet_libraries() -> None:
     import logging
-    import warnings
 
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -123,30 +137,32 @@ def _quiet_libraries() -> None:
 
 InputOpt = Annotated[
     list[str] | None,
-    typer.Option("--input", "-i", help="Example input DIMS[:DTYPE] or NAME=DIMS[:DTYPE] (repeatable), e.g. 1x3x224x224."),
+    typer.Option("--input", "-i", help="Example input DIMS[:DTYPE] or NAME=DIMS[:DTYPE] (repeatable, or comma-separated), "
+                                       "e.g. 1x3x224x224 or input_ids=1x16:int64."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts) instead of text.")]
 TracerOpt = Annotated[str, typer.Option("--tracer", help="auto, dynamo or fx.")]
+ProgressOpt = Annotated[
+    bool | None,
+    typer.Option("--progress/--quiet", " /-q", help="Show the stages of the work: by default on a terminal only; "
+                                                   "--progress also into a pipe or log (plain lines), --quiet never."),
+]
 
 
-def _prepare(spec: str, inputs: list[str] | None, tracer: str, control_flow: str | None = None) -> tuple[Any, Any]:
-    import fxprep
-
-    from .specs import resolve
-
-    built = resolve(spec, inputs or ())
-    if built.example_inputs is None:
-        err_console.print("[yellow]no example inputs (give --input): the result is not verified.[/]")
-    gm = fxprep.prepare_model(built.model, example_inputs=built.example_inputs, tracer=tracer, name=built.name,
-                              control_flow=control_flow)
-    return built, gm
+DYNAMIC_HELP = (
+    "Dynamic dimensions for the Dynamo tracer (repeatable): 'batch' (dim 0 of every input), or "
+    "NAME:DIM=SYMBOL[,DIM=SYMBOL...] per forward() argument, e.g. input_ids:0=batch,1=seq; dimensions "
+    "with the same SYMBOL share one size. The result is also verified on a second input size."
+)
+EXCLUDE_CLASS_HELP = (
+    "Keep every module of this class as a leaf (repeatable; subclasses included): a class name used in "
+    "the model (Bottleneck), its qualified name (torchvision.models.resnet.Bottleneck), or any importable "
+    "class path (mypkg.layers.MyBlock)."
+)
 
 
 def _print_report(report: Any) -> None:
-    status = report.verification.status
-    style = {"passed": "green", "failed": "red"}.get(status, "yellow")
-    console.print(f"[bold {style}]{report.model}: {status}[/]", highlight=False)
-    console.print(report.to_text(), markup=False, highlight=False, soft_wrap=True)
+    out.print_report(report)
 
 
 @app.command("prepare")
@@ -155,38 +171,80 @@ def prepare_command(
     input: InputOpt = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Save the prepared module to this directory.")] = None,
     onnx: Annotated[Path | None, typer.Option("--onnx", help="Also export to this ONNX file (checked in onnxruntime).")] = None,
+    show: Annotated[Path | None, typer.Option("--show", help="Also write the graph view (HTML, with every edge's shape) to this file.")] = None,
     tracer: TracerOpt = "auto",
     control_flow: Annotated[str | None, typer.Option(
         "--control-flow", help="'rewrite': data-dependent ifs become torch.where / torch.cond (reported site by site).",
     )] = None,
+    dynamic: Annotated[list[str] | None, typer.Option("--dynamic", help=DYNAMIC_HELP)] = None,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check the prepared module against the original on the inputs.")] = True,
+    verify_grad: Annotated[bool, typer.Option("--verify-grad", help="Also compare gradients (implies --verify).")] = False,
+    verify_input: Annotated[list[str] | None, typer.Option(
+        "--verify-input", help="Another input to verify on (repeatable; one call each, its tensors comma-separated, "
+                               "same forms as --input), e.g. one that takes the other branch.")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(
+        "--exclude", help="Keep this module (qualified name, e.g. backbone.layer4) as a leaf (repeatable).")] = None,
+    exclude_class: Annotated[list[str] | None, typer.Option("--exclude-class", help=EXCLUDE_CLASS_HELP)] = None,
+    progress: ProgressOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Prepare a model, verify it, print the report; optionally save it (-o) and export ONNX."""
+    """Prepare a model, verify it, print the report; optionally save it (-o), export ONNX, write the view."""
     _quiet_libraries()
 
     def body() -> int:
-        from .. import export, io
+        import fxprep
 
-        built, gm = _prepare(spec, input, tracer, control_flow)
+        from .. import export, io
+        from . import flags
+        from .specs import resolve
+
+        if verify_grad and not verify:
+            raise InvalidInput("--verify-grad compares gradients during verification; it cannot go with --no-verify.")
+        if output is not None:
+            flags.check_output_dir(output)
+        built = resolve(spec, flags.split_inputs(input or ()))
+        if built.example_inputs is None:
+            if onnx is not None:
+                raise InvalidInput("--onnx needs example inputs (--input).")
+            out.warn("no example inputs (give --input): the result is not verified.")
+        options: dict[str, Any] = {
+            "tracer": tracer, "name": built.name, "verify": "grad" if verify_grad else verify,
+            "progress": progress, "control_flow": control_flow,
+        }
+        if dynamic:
+            options["dynamic"] = flags.parse_dynamic(dynamic, built.model, built.example_inputs)
+        if verify_input:
+            options["verify_inputs"] = flags.verify_inputs(verify_input, built.model)
+        gm = fxprep.prepare_model(
+            built.model, flags.modules_to_exclude(built.model, exclude or []),
+            flags.classes_to_exclude(built.model, exclude_class or []), example_inputs=built.example_inputs, **options,
+        )
         report = gm.fxprep_report
         result: dict[str, Any] = {"ok": True, "spec": spec, "report": report.to_dict()}
+        if not as_json:
+            _print_report(report)
+        if show is not None:
+            fxprep.show(gm, show, example_inputs=built.example_inputs)
+            result["view"] = str(show)
+            if not as_json:
+                out.say(f"graph view written to {show}")
         if output is not None:
-            io.save(gm, output, example_inputs=built.example_inputs)
+            try:
+                io.save(gm, output, example_inputs=built.example_inputs)
+            except OSError as err:
+                raise SerializationError(f"-o {output}: cannot save there ({err.strerror or err}"
+                                         f"{': ' + str(err.filename) if err.filename else ''}).") from err
             result["saved_to"] = str(output)
+            if not as_json:
+                out.say(f"saved to {output} (load with fxprep.load)")
         if onnx is not None:
-            if built.example_inputs is None:
-                raise InvalidInput("--onnx needs example inputs (--input).")
             result["onnx"] = {"path": str(onnx), "max_abs_diff": export.export_onnx(gm, built.example_inputs, onnx)}
+            if not as_json:
+                out.say(f"ONNX written to {onnx}; onnxruntime max |diff| = {result['onnx']['max_abs_diff']:.3g}")
         code = EXIT_VERIFY if report.verification.status == "failed" else EXIT_OK
         result["exit_code"] = code
         if as_json:
             print(json.dumps(result, default=str))
-        else:
-            _print_report(report)
-            if output is not None:
-                console.print(f"saved to [bold]{output}[/] (load with fxprep.load)")
-            if onnx is not None:
-                console.print(f"ONNX written to [bold]{onnx}[/]; onnxruntime max |diff| = {result['onnx']['max_abs_diff']:.3g}")
         return code
 
     _guarded(body, as_json)
@@ -205,80 +263,84 @@ def check_command(
     def body() -> int:
         import fxprep
 
+        from .flags import split_inputs
         from .specs import resolve
 
-        check_traceability = getattr(fxprep, "check_traceability", None)
-        built = resolve(spec, input or ())
-        if check_traceability is not None:
-            result = check_traceability(built.model, example_inputs=built.example_inputs)
-            # preparable: captured whole, or with some parts opaque (hybrid)
-            ok = bool(getattr(result, "traceable", True) or getattr(result, "hybrid_ok", False))
-            if as_json:
-                data = result.to_dict() if hasattr(result, "to_dict") else {"result": str(result)}
-                print(json.dumps({"ok": ok, "spec": spec, **data}, default=str))
-            else:
-                text = result.to_text() if hasattr(result, "to_text") else str(result)
-                console.print(text, markup=False, highlight=False, soft_wrap=True)
-            return EXIT_OK if ok else EXIT_FAILURE
-        gm = fxprep.prepare_model(built.model, example_inputs=built.example_inputs, tracer=tracer, name=built.name)
-        report = gm.fxprep_report
+        built = resolve(spec, split_inputs(input or ()))
+        result = fxprep.check_traceability(built.model, example_inputs=built.example_inputs)
+        # preparable: captured whole, or with some parts opaque (hybrid)
+        ok = bool(getattr(result, "traceable", True) or getattr(result, "hybrid_ok", False))
         if as_json:
-            print(json.dumps({"ok": True, "spec": spec, "report": report.to_dict()}, default=str))
+            print(json.dumps({"ok": ok, "spec": spec, **result.to_dict()}, default=str))
         else:
-            _print_report(report)
-        return EXIT_OK
+            out.say(result.to_text())
+        return EXIT_OK if ok else EXIT_FAILURE
 
     _guarded(body, as_json)
+
+
+SHOW_FORMATS = ("auto", "html", "text", "dot", "svg")
 
 
 @app.command("show")
 def show_command(
     directory: Annotated[Path, typer.Argument(help="A directory written by `fxprep prepare -o` / fxprep.save.")],
-    fmt: Annotated[str, typer.Option("--format", "-f", help="auto, text, dot, svg or html.")] = "auto",
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file (format from its suffix).")] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="auto (from -o's suffix; html for .html, text without -o), "
+                                                             "html, text, dot or svg (svg needs graphviz's `dot`).")] = "auto",
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Show a saved graph: a text table, or DOT / SVG / HTML (SVG needs graphviz's `dot`).
+    """Show a saved graph: a self-contained HTML page (what fxprep changed, shapes, report, search),
+    a text table, or Graphviz DOT / SVG.
 
     Reads only the JSON files: nothing is imported or run, so it is safe on files from anyone."""
 
     def body() -> int:
-        from ..io import inspect_saved
-        from .show import render_dot, render_html
+        from ..view import describe_saved, render_dot, render_html
 
-        view = inspect_saved(directory)
         kind = fmt
         if kind == "auto":
-            suffix = output.suffix.lstrip(".") if output is not None else ""
-            kind = suffix if suffix in ("dot", "svg", "html") else ("svg" if output and shutil.which("dot") else "text")
-        if kind not in ("text", "dot", "svg", "html"):
-            raise InvalidInput(f"--format must be auto, text, dot, svg or html, not {fmt!r}.")
+            suffix = output.suffix.lstrip(".").lower() if output is not None else ""
+            kind = {"htm": "html"}.get(suffix, suffix) if suffix in ("html", "htm", "dot", "svg") else \
+                ("html" if output is not None else "text")
+        if kind not in SHOW_FORMATS[1:]:
+            raise InvalidInput(f"--format must be one of {', '.join(SHOW_FORMATS)}, not {fmt!r}.")
+        view = describe_saved(directory)
         if as_json:
             print(json.dumps(view, default=str))
             return EXIT_OK
         if kind == "text":
-            table = Table(title=f"{view['class_name']}: {len(view['nodes'])} nodes", show_lines=False)
-            for col in ("#", "node", "op", "target", "inputs"):
-                table.add_column(col, overflow="fold")
-            for i, n in enumerate(view["nodes"]):
-                table.add_row(str(i), n["name"], n["op"], n["what"], ", ".join(n["inputs"]))
-            console.print(table)
+            _show_table(view)
             return EXIT_OK
-        dot = render_dot(view)
-        svg = None
-        if kind in ("svg", "html") and shutil.which("dot"):
-            svg = subprocess.run(["dot", "-Tsvg"], input=dot, capture_output=True, text=True, check=True).stdout
-        elif kind == "svg":
-            raise InvalidInput("--format svg needs graphviz (`dot` on PATH); use --format dot or html instead.")
-        text = {"dot": dot, "svg": svg, "html": render_html(view, svg)}[kind]
+        if kind == "svg" and not shutil.which("dot"):
+            raise InvalidInput("--format svg needs graphviz (`dot` on PATH); use --format html or dot instead.")
+        if kind == "html":
+            text = render_html(view)
+        else:
+            text = render_dot(view)
+            if kind == "svg":
+                text = subprocess.run(["dot", "-Tsvg"], input=text, capture_output=True, text=True, check=True).stdout
         if output is None:
             print(text)
         else:
-            output.write_text(text or "")
-            console.print(f"wrote {output} ({kind})")
+            output.write_text(text, encoding="utf-8")
+            out.say(f"wrote {output} ({kind}, {len(view['nodes'])} nodes)")
         return EXIT_OK
 
     _guarded(body, as_json)
+
+
+def _show_table(view: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{view['title']}: {len(view['nodes'])} nodes", show_lines=False)
+    for col in ("#", "node", "op", "target", "kind", "value", "inputs"):
+        table.add_column(col, overflow="fold")
+    for i, n in enumerate(view["nodes"]):
+        what = f"{n['module']}: {n['label']}" if n.get("module") else n.get("label", "")
+        values = ", ".join("x".join(map(str, v["shape"])) + f" {v['dtype']}" for v in n.get("values") or [])
+        table.add_row(str(i), n["name"], n["op"], what, view["kinds"][n["kind"]]["label"], values, ", ".join(n["inputs"]))
+    out.show(table)
 
 
 # --- survey -------------------------------------------------------------------------------------
@@ -304,13 +366,14 @@ def survey_command(
         if not specs:
             raise InvalidInput(f"no model of the {zoo} zoo matches --filter {filter!r}.")
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=err_console, disable=as_json)
+                            console=out.console(stderr=True), disable=as_json)
         with progress:
             task = progress.add_task(f"survey {zoo}", total=len(specs))
 
             def on_result(r: Any) -> None:
                 progress.advance(task)
-                progress.console.print(f"{r.status:>13}  {r.spec}  {r.seconds:.1f}s" + (f"  {r.error_type}" if r.error_type else ""))
+                progress.console.print(f"{r.status:>13}  {r.spec}  {r.seconds:.1f}s" + (f"  {r.error_type}" if r.error_type else ""),
+                                       markup=False)
 
             result = run_survey(zoo, specs, jobs=jobs, timeout=timeout, on_result=on_result)
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -321,13 +384,15 @@ def survey_command(
         if as_json:
             print(json.dumps({"ok": True, "report": str(output), "json": str(json_path), "summary": summary}))
         else:
+            from rich.table import Table
+
             table = Table(title=f"{zoo} survey")
             for col in ("models", "passed", "opaque", "failed", "median prepare s", "wall s"):
                 table.add_column(col, justify="right")
             table.add_row(str(summary["models"]), str(summary["passed"]), str(summary["opaque"]), str(summary["failed"]),
                           str(summary["median_prepare_seconds"]), str(summary["wall_seconds"]))
-            console.print(table)
-            console.print(f"report: {output} and {json_path}")
+            out.show(table)
+            out.say(f"report: {output} and {json_path}")
         return EXIT_OK
 
     _guarded(body, as_json)
@@ -367,13 +432,13 @@ def demo_command(
                 elif not isinstance(err, (fxprep.TraceFailure, ModelError)):
                     code = max(code, EXIT_FAILURE)
                 if not as_json:
-                    console.print(f"[bold]{d.name}[/]: {d.description}")
-                    err_console.print(f"[yellow]{d.name}: {type(err).__name__}[/]", highlight=False)
-                    err_console.print(str(err), markup=False, highlight=False, soft_wrap=True)
+                    out.say(f"{d.name}: {d.description}", style="bold")
+                    out.say(f"{d.name}: {type(err).__name__}", stderr=True, style="yellow")
+                    out.say(str(err), stderr=True)
             else:
                 row.update(ok=gm.fxprep_report.verification.status == "passed", report=gm.fxprep_report.to_dict())
                 if not as_json:
-                    console.print(f"[bold]{d.name}[/]: {d.description}")
+                    out.say(f"{d.name}: {d.description}", style="bold")
                     _print_report(gm.fxprep_report)
             row["seconds"] = round(time.perf_counter() - start, 3)
             rows.append(row)
@@ -381,7 +446,7 @@ def demo_command(
             print(json.dumps({"ok": code == EXIT_OK, "demos": rows}, default=str))
         else:
             done = sum(r["ok"] for r in rows)
-            console.print(f"{done}/{len(rows)} demos prepared and verified.")
+            out.say(f"{done}/{len(rows)} demos prepared and verified.")
         return code
 
     _guarded(body, as_json)

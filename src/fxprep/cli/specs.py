@@ -10,6 +10,7 @@ models need (detectors take a list of images, video models a clip, RAFT two fram
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -62,19 +63,46 @@ def parse_input(text: str, *, high: int = 100) -> tuple[str | None, torch.Tensor
     dtype = _DTYPES.get(m["dtype"] or "float32")
     if dtype is None:
         raise SpecError(f"unknown dtype {m['dtype']!r} in input {text!r}; known: {', '.join(sorted(_DTYPES))}.")
+    numel = math.prod(shape)
+    need = numel * max(torch.empty((), dtype=dtype).element_size(), 4)  # float inputs are drawn in fp32
+    if need > memory_bytes() // 2:
+        raise SpecError(
+            f"input {text!r} has {numel:,} elements ({_bytes(need)}), more than half of this machine's memory "
+            f"({_bytes(memory_bytes())}); give the sizes of one real input, e.g. 1x3x224x224."
+        )
     gen = torch.Generator().manual_seed(0)
-    if dtype.is_floating_point:
-        tensor = torch.randn(shape, generator=gen).to(dtype)
-    elif dtype == torch.bool:
-        tensor = torch.ones(shape, dtype=torch.bool)
-    else:
-        tensor = torch.randint(0, high, shape, generator=gen, dtype=dtype)
+    try:
+        if dtype.is_floating_point:
+            tensor = torch.randn(shape, generator=gen).to(dtype)
+        elif dtype == torch.bool:
+            tensor = torch.ones(shape, dtype=torch.bool)
+        else:
+            tensor = torch.randint(0, high, shape, generator=gen, dtype=dtype)
+    except (RuntimeError, MemoryError) as err:
+        raise SpecError(f"cannot make input {text!r} ({_bytes(need)}): {type(err).__name__}: {err}") from err
     return m["name"], tensor
 
 
-def inputs_from_strings(texts: Iterable[str]) -> Any:
-    """Several ``--input`` strings → a tuple of positional tensors or a dict of keyword tensors."""
-    parsed = [parse_input(t) for t in texts]
+def memory_bytes() -> int:
+    """This machine's physical memory (1 TiB when the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 1 << 40
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError
+
+
+def inputs_from_strings(texts: Iterable[str], *, high: int = 100) -> Any:
+    """Several ``--input`` strings → a tuple of positional tensors or a dict of keyword tensors
+    (integer tensors drawn below ``high``: token ids below the vocabulary size)."""
+    parsed = [parse_input(t, high=high) for t in texts]
     named = [n for n, _ in parsed if n]
     if named and len(named) != len(parsed):
         raise SpecError("mix of named and positional --input values: name all of them or none.")
@@ -256,8 +284,15 @@ def resolve(spec: str, inputs: Iterable[str] = ()) -> BuiltModel:
         built.note = (built.note + "; " if built.note else "") + f"zero-initialised weights re-drawn: {', '.join(revived)}"
     inputs = list(inputs)
     if inputs:
-        built.example_inputs = inputs_from_strings(inputs)
+        built.example_inputs = inputs_from_strings(inputs, high=integer_high(built.model))
     return built
+
+
+def integer_high(model: nn.Module) -> int:
+    """Integer inputs are drawn below this: a transformers model's vocabulary size (token ids must
+    index its embedding), else 100."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(vocab) if isinstance(vocab, int) and vocab > 0 else 100
 
 
 def revive_zero_weights(model: nn.Module) -> list[str]:

@@ -36,6 +36,7 @@ from typing import Any
 
 from torch import nn
 
+from ... import progress
 from ...inputs import ExampleInputs, split_calls
 from .. import huggingface
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
@@ -118,6 +119,7 @@ def capture_dynamo(
                 current = "regroup"
             else:
                 return _failure(err, start)
+            progress.step(f"retrying after {type(err).__name__}")
     written = guard.written
     if caches:
         notes.append(

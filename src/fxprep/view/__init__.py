@@ -1,0 +1,55 @@
+"""``fxprep.show``: a prepared graph as a page a person can read, from Python or the command line.
+
+One self-contained HTML file (no server, no network at view time) shows what fxprep changed at a
+glance: modules it added for functional ops, unrolled copies of reused modules, opaque parts and
+why, ops left functional; the shapes and dtypes on the edges; the report; a search box to find a
+module by name; and a layout that stays usable for big graphs (folded into the module hierarchy,
+unfolded on demand). ``fxprep show DIR -o graph.html`` and ``fxprep.show(gm, "graph.html")`` write
+the same page from the same code.
+
+Why not an existing viewer: Google's Model Explorer (``ai-edge-model-explorer``) runs a local web
+server and a large web app and reads ``torch.export`` (ATen-level) programs, not a module-level fx
+graph with fxprep's report; Netron also needs its app. Graphviz lays out well but its SVG has no
+folding or search and ``dot`` is often not installed, so it stays an option (``--format dot/svg``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.fx as fx
+
+from ..errors import InvalidInput, SerializationError
+from .describe import KINDS, describe, describe_saved, record_values
+from .html import render_dot, render_html
+
+__all__ = ["KINDS", "describe", "describe_saved", "record_values", "render_dot", "render_html", "show"]
+
+
+def show(source: fx.GraphModule | str | os.PathLike[str], path: str | os.PathLike[str] = "graph.html", *,
+         example_inputs: Any = None) -> Path:
+    """Write the HTML view of ``source`` to ``path`` and return the path.
+
+    ``source``: a module returned by :func:`fxprep.prepare_model` (its report is shown too) or a
+    directory written by :func:`fxprep.save` (read from its JSON files only: nothing is imported or
+    run). ``example_inputs`` (live modules only): run the module once on them to show every edge's
+    shape and dtype; without them the shapes the capture recorded are shown (Dynamo records them,
+    the fx tracer does not).
+    """
+    if isinstance(source, fx.GraphModule):
+        view = describe(source, example_inputs)
+    elif isinstance(source, (str, os.PathLike)):
+        if example_inputs is not None:
+            raise InvalidInput("fxprep.show: example_inputs are for a live module; a saved graph is shown as saved "
+                               "(nothing of it is run).")
+        view = describe_saved(source)
+    else:
+        raise InvalidInput(f"fxprep.show expects a torch.fx.GraphModule or a saved directory, not {type(source).__name__}.")
+    out = Path(path)
+    try:
+        out.write_text(render_html(view), encoding="utf-8")
+    except OSError as err:
+        raise SerializationError(f"cannot write the graph view to {out}: {err.strerror or err}.") from err
+    return out
