@@ -168,3 +168,57 @@ def test_quantsim_on_transformers_llms(kind, tmp_path):
     assert db > 10, db
     layer = sim.model.get_submodule("model.layers.0.self_attn.q_proj")
     assert type(layer).__name__.startswith("Quantized") and layer.param_quantizers["weight"] is not None
+
+
+class ManyOps(nn.Module):
+    """Functional ops of many kinds, each of which becomes a different fxprep.ops class."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.1)
+        self.table = nn.Parameter(torch.randn(10, 8))
+        self.register_buffer("kernel", torch.randn(4, 4, 3, 3) * 0.1)
+
+    def forward(self, x, ids):
+        h = self.proj(x)                                        # (2, 6, 8)
+        h = torch.nn.functional.linear(h, self.w * 2.0)         # computed weight -> FunctionalLinear
+        e = torch.nn.functional.embedding(ids, self.table + 0)  # computed table -> FunctionalEmbedding
+        h = h - e / (e.abs() + 1.0)                             # Sub, Div, Abs, Add
+        s = torch.softmax(h @ h.transpose(-1, -2) * 0.3, dim=-1, dtype=torch.float32)  # MatMul, Mul, Softmax
+        a = torch.bmm(s, h) + torch.baddbmm(h, s, h, beta=0.5)  # Bmm, Baddbmm
+        n = torch.nn.functional.layer_norm(a, (8,), self.w[0] + 1.0, None)  # FunctionalNorm
+        m = torch.where(n > 0, n, n.exp() - 1) * torch.rsqrt(n.pow(2).mean(-1, keepdim=True) + 1e-5)
+        c = torch.cat([m, m.cumsum(1)], dim=-1).amax(-1)        # Concat, CumSum, Amax
+        img = c.reshape(2, 1, 3, 2).expand(2, 4, 3, 2)
+        img = torch.nn.functional.conv2d(torch.nn.functional.pad(img, (1, 1, 1, 1)), self.kernel)  # Pad, FunctionalConv
+        img = torch.nn.functional.interpolate(img, scale_factor=2.0)  # Interpolate
+        img = torch.nn.functional.max_pool2d(img, 2)            # Pool
+        att = torch.nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True)  # SDPA
+        return img.flatten(1).sum(-1) + att.mean((1, 2)) + m.masked_fill(m < 0, 0.0).sqrt().sum((1, 2))
+
+
+def test_quantsim_accepts_every_kind_of_fxprep_op(tmp_path):
+    torch.manual_seed(0)
+    model = ManyOps().eval()
+    x, ids = torch.randn(2, 6, 8), torch.randint(0, 10, (2, 6))
+    gm = fxprep.prepare_model(model, example_inputs=(x, ids))
+    op_classes = {type(m).__name__ for m in gm.modules() if type(m).__module__ == "fxprep.ops"}
+    assert {"FunctionalLinear", "FunctionalEmbedding", "FunctionalNorm", "FunctionalConv", "Softmax", "Bmm", "Baddbmm",
+            "Where", "MaskedFill", "Interpolate", "Pool", "ScaledDotProductAttention", "Concat", "CumSum"} <= op_classes
+    calibration = [(torch.randn(2, 6, 8), torch.randint(0, 10, (2, 6))) for _ in range(2)]
+    sim, db = run_quantsim(gm, model, (x, ids), calibration, tmp_path)
+    quantized = {type(m).__name__ for m in sim.model.modules()}
+    assert {f"Quantized{name}" for name in op_classes} <= quantized
+    assert db > 10, db
+
+
+def test_every_fxprep_op_class_is_registered():
+    from aimet_torch.nn import QuantizationMixin
+
+    from fxprep import ops
+
+    registered = compat.register_quantsim()
+    classes = [c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.BoundOp)]
+    assert len(classes) > 40
+    assert all(QuantizationMixin.cls_to_qcls.get(c) is registered[c] for c in classes)

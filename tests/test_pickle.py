@@ -116,3 +116,17 @@ def test_torch_save_file_loads_in_a_fresh_process(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "PreparedModule"
+
+
+def test_op_modules_holding_closures_pickle():
+    """F.max_pool2d is a closure made by torch's boolean_dispatch: pickle cannot reach it by reference."""
+    import torch.nn.functional as F
+
+    class Pooling(nn.Module):
+        def forward(self, x):
+            return F.max_pool2d(x, 2) + F.avg_pool2d(x, 2)
+
+    x = torch.randn(1, 2, 4, 4)
+    gm = fxprep.prepare_model(Pooling().eval(), example_inputs=x)
+    _check(gm, "pickle", x)
+    _check(gm, "torch.save", x)

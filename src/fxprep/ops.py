@@ -174,6 +174,31 @@ class BoundOp(nn.Module):
         parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
         return f"{self.fn_name}({', '.join(parts)})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its callable *named* where the name leads back to it: some torch functions
+        are closures that pickle cannot reach by reference (``F.max_pool2d`` is made by
+        ``boolean_dispatch``), and AIMET's export ``torch.save``-s the whole model."""
+        state = self.__dict__.copy()
+        name = qualified_name(self.fn)
+        try:
+            if resolve_callable(name) is self.fn:
+                state["fn"] = _NamedCallable(name)
+        except ImportError:
+            pass
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state.get("fn"), _NamedCallable):
+            state = {**state, "fn": resolve_callable(state["fn"].name)}
+        super().__setstate__(state)
+
+
+class _NamedCallable:
+    """A callable in a pickle, by its importable name (see :meth:`BoundOp.__getstate__`)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
 
 def _count_slots(template: Any) -> int:
     if isinstance(template, Slot):
