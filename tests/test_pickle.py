@@ -130,3 +130,12 @@ def test_op_modules_holding_closures_pickle():
     gm = fxprep.prepare_model(Pooling().eval(), example_inputs=x)
     _check(gm, "pickle", x)
     _check(gm, "torch.save", x)
+
+
+def test_a_graph_of_thousands_of_nodes_pickles():
+    """fx nodes are a linked list: pickling them as objects recurses once per node."""
+    model = nn.Sequential(*[nn.Linear(4, 4) if i % 2 else nn.ReLU() for i in range(1600)]).eval()
+    x = torch.randn(2, 4)
+    gm = fxprep.prepare_model(model, example_inputs=x, tracer="fx")
+    assert len(gm.graph.nodes) > 1600
+    _check(gm, "pickle", x)

@@ -59,19 +59,60 @@ def as_prepared(gm: fx.GraphModule) -> PreparedModule:
     return out
 
 
-def _picklable_graph(graph: fx.Graph) -> fx.Graph:
-    copy = fx.Graph()
-    output = copy.graph_copy(graph, {})
-    copy.output(output)
-    copy._codegen = graph._codegen
-    for node in copy.nodes:
-        node.meta = {k: v for k, v in node.meta.items() if k in _PICKLED_META or
-                     (k.startswith("fxprep_") and isinstance(v, (str, bool, int, float)))}
-    return copy
+class _Ref:
+    """A node named in a pickled node list (nodes are rebuilt in order, so every ref is defined)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Ref, (self.name,))
 
 
-def _rebuild(state: dict[str, Any], graph: fx.Graph) -> PreparedModule:
+def _picklable_graph(graph: fx.Graph) -> tuple[list[tuple[Any, ...]], Any]:
+    """The graph as a flat node list plus its code generator.
+
+    Not the ``fx.Graph`` itself: its nodes are a linked list, which pickle walks recursively (a
+    graph of a few thousand nodes, efficientnet's, exceeds the recursion limit). Node metadata that
+    holds tracer internals (fake tensors) is left out."""
+    nodes = []
+    for node in graph.nodes:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(n.name))
+        meta = {k: v for k, v in node.meta.items() if k in _PICKLED_META or
+                (k.startswith("fxprep_") and isinstance(v, (str, bool, int, float)))}
+        nodes.append((node.name, node.op, node.target, args, kwargs, node.type, meta))
+    return nodes, graph._codegen
+
+
+def _unpickled_graph(nodes: list[tuple[Any, ...]], codegen: Any) -> fx.Graph:
+    graph = fx.Graph()
+    made: dict[str, fx.Node] = {}
+
+    def resolve(value: Any) -> Any:
+        if isinstance(value, _Ref):
+            return made[value.name]
+        if isinstance(value, list):  # fx's immutable_list included
+            return [resolve(v) for v in value]
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(resolve(v) for v in value)
+        if isinstance(value, dict):
+            return {k: resolve(v) for k, v in value.items()}
+        if type(value) is slice:
+            return slice(resolve(value.start), resolve(value.stop), resolve(value.step))
+        return value
+
+    for name, op, target, args, kwargs, type_expr, meta in nodes:
+        node = graph.create_node(op, target, resolve(args), resolve(kwargs), name=name, type_expr=type_expr)
+        node.meta = meta
+        made[name] = node
+    graph._codegen = codegen
+    return graph
+
+
+def _rebuild(state: dict[str, Any], graph: tuple[list[tuple[Any, ...]], Any]) -> PreparedModule:
     gm = PreparedModule(nn.Module(), fx.Graph())
     gm.__dict__.update(state)
-    gm.graph = graph  # sets the owning module and regenerates forward
+    gm.graph = _unpickled_graph(*graph)  # sets the owning module and regenerates forward
     return gm
