@@ -155,6 +155,9 @@ def prepare_command(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Save the prepared module to this directory.")] = None,
     onnx: Annotated[Path | None, typer.Option("--onnx", help="Also export to this ONNX file (checked in onnxruntime).")] = None,
     tracer: TracerOpt = "auto",
+    trust: Annotated[list[str] | None, typer.Option(
+        "--trust", help="A package whose code the saved opaque parts may name (repeatable), e.g. torchvision "
+                        "for its detectors; load with fxprep.load(DIR, trusted_modules=[...]).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Prepare a model, verify it, print the report; optionally save it (-o) and export ONNX."""
@@ -167,7 +170,15 @@ def prepare_command(
         report = gm.fxprep_report
         result: dict[str, Any] = {"ok": True, "spec": spec, "report": report.to_dict()}
         if output is not None:
-            io.save(gm, output, example_inputs=built.example_inputs)
+            try:  # -o replaces an earlier fxprep save at DIR, never anything else
+                io.save(gm, output, example_inputs=built.example_inputs, trusted_modules=trust or (), overwrite=True)
+            except SerializationError as err:  # the report is still worth showing
+                if as_json:
+                    print(json.dumps({**result, "ok": False, "exit_code": EXIT_DELIVERY, "error_type": type(err).__name__,
+                                      "error": str(err)}, default=str))
+                    return EXIT_DELIVERY
+                _print_report(report)
+                raise
             result["saved_to"] = str(output)
         if onnx is not None:
             if built.example_inputs is None:
