@@ -115,8 +115,9 @@ def test_cli_trust_option_saves_a_detector(tmp_path):
     spec = "torchvision:ssdlite320_mobilenet_v3_large"
     refused = invoke("prepare", spec, "--tracer", "fx", "-o", str(tmp_path / "no"))
     assert refused.exit_code == 4, refused.output
-    assert "verification: passed" in refused.stdout and "--trust" not in refused.stdout
-    assert "trusted_modules=['torchvision']" in refused.output and "internal error" not in refused.output
+    assert "verification: passed" in refused.stdout  # the report is printed all the same
+    assert "trusted_modules=['torchvision']" in refused.output and "--trust PKG" in refused.output
+    assert "internal error" not in refused.output
     assert not (tmp_path / "no").exists()
     saved = invoke("prepare", spec, "--tracer", "fx", "-o", str(tmp_path / "yes"), "--trust", "torchvision")
     assert saved.exit_code == 0, saved.output

@@ -173,12 +173,14 @@ def prepare_command(
             try:  # -o replaces an earlier fxprep save at DIR, never anything else
                 io.save(gm, output, example_inputs=built.example_inputs, trusted_modules=trust or (), overwrite=True)
             except SerializationError as err:  # the report is still worth showing
+                if "trusted_modules=" in str(err):
+                    err = SerializationError(f"{err}\nOn the command line, that is --trust PKG (repeatable).")
                 if as_json:
                     print(json.dumps({**result, "ok": False, "exit_code": EXIT_DELIVERY, "error_type": type(err).__name__,
                                       "error": str(err)}, default=str))
                     return EXIT_DELIVERY
                 _print_report(report)
-                raise
+                raise err from None
             result["saved_to"] = str(output)
         if onnx is not None:
             if built.example_inputs is None:

@@ -15,7 +15,6 @@ import builtins
 import importlib
 import json
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from ..report import Report
 from . import allowlist
 from .format import CONTAINERS, GRAPH, LIMITS, MANIFEST, MODULES, TYPES, WEIGHTS, check_shape, entries
 from .objects import ObjectReader, class_name, method_function
-from .trust import TrustPolicy, check_attribute, check_getattr, check_member
+from .trust import TrustPolicy, check_attribute, check_getattr, check_member, is_atom
 
 _DTYPES = allowlist.dtype_table(torch.dtype)
 _ENUMS = {"dtype": _DTYPES, "memory_format": allowlist.dtype_table(torch.memory_format),
@@ -119,17 +118,6 @@ class Decoder:
         raise SerializationError(f"unknown value tag {tag[:40]!r} in saved file (or not allowed here).")
 
 
-# What fx writes a non-identifier name into: ``getattr(self, "block1-0")`` in the generated forward,
-# which fx then executes. A quote, backslash or line break in a saved name would be code.
-_ATOM = re.compile(r'[^"\\\x00-\x1f\x7f.]{1,200}')
-
-
-def _is_atom(name: Any) -> bool:
-    """A name for a child, parameter or buffer: what nn.Module accepts (no dots, not empty), less
-    anything that could end a string literal in the code fx generates from it."""
-    return isinstance(name, str) and _ATOM.fullmatch(name) is not None
-
-
 def field_of(entry: Any, key: str, kind: type | tuple[type, ...]) -> Any:
     if not isinstance(entry, dict) or not isinstance(entry.get(key), kind):
         raise SerializationError(f"malformed entry in {MODULES}: {str(entry)[:120]} (field {key!r})")
@@ -152,7 +140,7 @@ def build_modules(tree: dict[str, Any], decode: Decoder, policy: TrustPolicy) ->
         if path in modules or (path == "") != (kind == "root"):
             raise SerializationError(f"malformed module tree in {MODULES} at {path[:120]!r}.")
         parent_path, _, atom = path.rpartition(".")
-        if path and (parent_path not in modules or not _is_atom(atom) or atom.startswith("__")):
+        if path and (parent_path not in modules or not is_atom(atom) or atom.startswith("__")):
             raise SerializationError(f"module {path[:120]!r} in {MODULES} has no parent entry before it.")
         if kind == "same_as":
             of = field_of(entry, "of", str)
@@ -211,7 +199,8 @@ def _build_one(entry: dict[str, Any], kind: str, decode: Decoder, policy: TrustP
         return cls(fn, args, kwargs)
     if kind == "init":
         kwargs = {k: decode(v) for k, v in field_of(entry, "init", dict).items()}
-        if not all(k.isidentifier() for k in kwargs) or issubclass(cls, ops.BoundOp):
+        # device / dtype are never saved: the constructor runs on meta, weights come from the file
+        if not all(k.isidentifier() and k not in ("device", "dtype") for k in kwargs) or issubclass(cls, ops.BoundOp):
             raise SerializationError(f"module {path!r}: malformed constructor arguments.")
         try:
             with torch.device("meta"):
@@ -219,6 +208,8 @@ def _build_one(entry: dict[str, Any], kind: str, decode: Decoder, policy: TrustP
         except Exception as err:  # noqa: BLE001
             raise SerializationError(f"module {path!r}: {class_name(cls)}(**{str(kwargs)[:200]}) failed: {err}") from err
         for sub, attrs in field_of(entry, "patch", dict).items():
+            if sub and not all(is_atom(p) and not p.startswith("__") for p in sub.split(".")):
+                raise SerializationError(f"module {path!r}: malformed submodule name {sub[:80]!r} to patch.")
             try:
                 target = module.get_submodule(sub)
             except AttributeError as err:
@@ -310,7 +301,7 @@ def assign_tensors(tree: dict[str, Any], modules: dict[str, nn.Module], weights:
         name = field_of(slot, "name", str)
         role = field_of(slot, "role", str)
         module = modules.get(path)
-        if module is None or role not in ("parameter", "buffer") or not _is_atom(name):
+        if module is None or role not in ("parameter", "buffer") or not is_atom(name):
             raise SerializationError(f"malformed tensor slot in {MODULES}: {str(slot)[:120]}")
         where = f"{path}.{name}" if path else name
         key = slot.get("key")
@@ -342,10 +333,10 @@ def assign_tensors(tree: dict[str, Any], modules: dict[str, nn.Module], weights:
     for c in entries(tree, "constants", MODULES):
         target = field_of(c, "path", str)
         owner_path, _, name = target.rpartition(".")
-        if owner_path not in modules or not _is_atom(name):
+        if owner_path not in modules or not is_atom(name):
             raise SerializationError(f"bad constant {target[:120]!r} in {MODULES}.")
         owner = modules[owner_path]
-        check_attribute(_owner_class(modules, owner_path), name, "constant")
+        check_attribute(_owner_class(modules, owner_path), name, "tensor constant")
         if name in owner.__dict__ or name in owner._parameters or name in owner._buffers or name in owner._modules:
             raise SerializationError(f"constant {target!r} would replace an existing attribute.")
         key = field_of(c, "key", str)
@@ -408,7 +399,7 @@ def build_graph(graph_json: dict[str, Any], root: nn.Module, policy: TrustPolicy
             if not isinstance(target, str):
                 raise SerializationError(f"node {name!r}: malformed target.")
             # any module name nn.Module accepts ("block1-0" in regnet); only the tree is searched
-            if not all(_is_atom(part) and not part.startswith("__") for part in target.split(".")):
+            if not all(is_atom(part) and not part.startswith("__") for part in target.split(".")):
                 raise SerializationError(f"node {name!r}: malformed {op} target {target[:80]!r}.")
             try:
                 (root.get_submodule if op == "call_module" else _get_attr_checker(root))(target)

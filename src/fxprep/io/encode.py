@@ -122,10 +122,14 @@ class Encoder:
             return {"$": "tensor", "v": self.tensor_key(v)}
         if isinstance(v, type) and v in TYPE_NAMES:
             return {"$": "type", "v": TYPE_NAMES[v]}
+        if callable(v) and not isinstance(v, (type, nn.Module)):
+            try:
+                return {"$": "fn", "v": function_name(v)}
+            except SerializationError:
+                if self.objects is None or not _plain_object(v):
+                    raise
         if self.objects is not None and (isinstance(v, nn.Module) or _plain_object(v)):
             return self.objects(v, self.where)
-        if callable(v) and not isinstance(v, (type, nn.Module)):
-            return {"$": "fn", "v": function_name(v)}
         raise SerializationError(
             f"cannot save {self.where}: a {type(v).__qualname__} has no safe saved form (fxprep saves tensors, "
             f"numbers, strings, dtypes, devices, slices, tuples/lists/dicts of those, and functions with an importable name)."

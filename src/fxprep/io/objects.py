@@ -161,10 +161,10 @@ class ObjectReader:
             if not isinstance(entry.get(field_name), dict):
                 raise SerializationError(f"malformed saved {class_name(cls)}: {field_name!r} missing.")
         for name, slot in entry["parameters"].items():
-            check_attribute(cls, name, "parameter")
+            check_attribute(cls, name, "tensor slot (parameter)")
             module._parameters[name] = None if slot is None else self._parameter(slot)
         for name, key in entry["buffers"].items():
-            check_attribute(cls, name, "buffer")
+            check_attribute(cls, name, "tensor slot (buffer)")
             module._buffers[name] = None if key is None else self._tensor(key, parameter=False)
         non_persistent = entry.get("non_persistent", [])
         if not isinstance(non_persistent, list) or not set(non_persistent) <= set(entry["buffers"]):

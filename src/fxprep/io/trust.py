@@ -26,6 +26,7 @@ import functools
 import importlib
 import inspect
 import operator
+import re
 import sys
 import types
 from collections.abc import Callable, Iterable
@@ -113,14 +114,27 @@ def check_getattr(name: Any) -> None:
                                  f"graph never needs it.")
 
 
+# What fx writes a non-identifier name into: ``getattr(self, "block1-0")`` in the generated forward,
+# which fx then executes. A quote, backslash or line break in a saved name would be code.
+ATOM = re.compile(r'[^"\\\x00-\x1f\x7f.]{1,200}')
+
+
+def is_atom(name: Any) -> bool:
+    """A name for a child, parameter or buffer: what nn.Module accepts (no dots, not empty), less
+    anything that could end a string literal in the code fx generates from it."""
+    return isinstance(name, str) and ATOM.fullmatch(name) is not None
+
+
 def check_attribute(cls: type, name: Any, what: str = "attribute") -> None:
     """A name a save may set on an instance of ``cls`` (an attribute, tensor slot or constant): an
-    identifier, not a dunder, not nn.Module's bookkeeping, and not something the class defines as
-    code (``forward``, any method, property or descriptor): a saved value may not replace behaviour."""
+    identifier (or, for tensor slots, a name like ParameterList's ``"0"``), not a dunder, not
+    nn.Module's bookkeeping, and not something the class defines as code (``forward``, any method,
+    property or descriptor): a saved value may not replace behaviour."""
     from .format import MODULE_INTERNALS
 
-    if not isinstance(name, str) or not name.isidentifier() or name.startswith("__"):
-        raise SerializationError(f"refusing to load: {what} name {name!r} of {cls.__name__}.")
+    named = isinstance(name, str) and (name.isidentifier() or (what.startswith("tensor") and is_atom(name)))
+    if not named or name.startswith("__"):
+        raise SerializationError(f"refusing to load: {what} name {str(name)[:80]!r} of {cls.__name__}.")
     if name in MODULE_INTERNALS:
         raise SerializationError(f"refusing to load: {what} {name!r} would overwrite nn.Module internals of {cls.__name__}.")
     if _is_code(inspect.getattr_static(cls, name, None)):
@@ -232,9 +246,9 @@ class TrustPolicy:
             fn = allowlist.torchvision_functions().get(name, _MISSING)
         if fn is _MISSING and name.startswith("torch.ops."):
             fn = self._op(name)
-        if fn is _MISSING:
+        if fn is _MISSING:  # a trusted package's function, or class called as one (an output container)
             obj = self._trusted_object(name)
-            if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)):
+            if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type)):
                 fn = obj
         if fn is _MISSING:
             raise self._refuse(name, "function")
