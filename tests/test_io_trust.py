@@ -305,3 +305,12 @@ def test_half_precision_models_still_load(tmp_path):
     loaded = io.load(io.save(gm, tmp_path / "s"))
     assert loaded.get_submodule("0").weight.dtype == torch.bfloat16
     assert torch.equal(loaded(x), gm(x))
+
+
+def test_graph_fx_cannot_compile_is_a_serialization_error(saved):
+    """Found by the tamper fuzzer on the old loader: a placeholder default fx cannot write as code
+    (here the type ``int``) made recompile raise a raw SyntaxError."""
+    directory, _, _ = saved
+    _edit(directory, io.GRAPH, lambda data: data["nodes"][0].update(args=[{"$": "type", "v": "int"}]))
+    with pytest.raises(SerializationError, match="does not give a valid module"):
+        io.load(directory)
