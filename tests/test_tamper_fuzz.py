@@ -61,8 +61,8 @@ from fxprep.errors import SerializationError
 from tests.test_io import Tied
 
 # hypothesis's max_examples per model; it calls the test about twice per counted example, so a CI
-# run mutates about 600 saves (the printed count is exact). FXPREP_TAMPER_EXAMPLES=3000 for a longer hunt.
-EXAMPLES_PER_MODEL = int(os.environ.get("FXPREP_TAMPER_EXAMPLES", "100"))
+# run mutates about 900 saves (the printed count is exact). FXPREP_TAMPER_EXAMPLES=3000 for a longer hunt.
+EXAMPLES_PER_MODEL = int(os.environ.get("FXPREP_TAMPER_EXAMPLES", "150"))
 
 CALLS: list[str] = []
 # What an os.system("touch ...") payload would create: checked with the canary.

@@ -350,7 +350,7 @@ class TreeWriter:
         if fn is None or not self.policy.trusted_code(fn):
             raise SerializationError(f"cannot save {part}: it runs {what} eagerly, and " + trust_hint(what, self.policy))
         if hasattr(module, "method"):
-            owner = self.objects.encode(module.__dict__["owner"], f"the owner of {part}")
+            owner = self.objects.encode(module.__dict__["owner"], f"{path}.owner")
             return {"kind": "opaque_method", "method": module.method, "owner_path": str(module.owner_path), "owner": owner}
         return {"kind": "opaque_function", "fn": what}
 
@@ -369,7 +369,7 @@ class TreeWriter:
                 raise SerializationError(f"cannot save {where}: it could not be loaded back ({err}).") from err
             try:
                 attrs[k] = Encoder(f"{where}, attribute {k!r}", lambda t, k=k: self.tensor_key(t, f"{path}.{k}"),
-                                   self.objects.encode)(v)
+                                   lambda obj, _, k=k: self.objects.encode(obj, f"{path}.{k}"))(v)
             except SerializationError as err:
                 if "trusted_modules" in str(err):
                     raise

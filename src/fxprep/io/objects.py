@@ -67,6 +67,8 @@ class ObjectWriter:
     _open: set[int] = field(default_factory=set)
 
     def encode(self, obj: Any, where: str) -> dict[str, Any]:
+        """``obj`` as an ``"object"`` value; ``where`` is its dotted path (``post.owner.helper``),
+        used in messages and to name its tensors in the weights file."""
         if isinstance(obj, nn.Module) and id(obj) in self.paths:
             return {"$": "module", "v": self.paths[id(obj)]}
         if id(obj) in self.ids:
@@ -96,7 +98,7 @@ class ObjectWriter:
             check_attribute(cls, name)
         except SerializationError as err:
             raise SerializationError(f"cannot save {where}: it could not be loaded back ({err}).") from err
-        return self.encoder(where, lambda t: self.tensor_key(t, where), self.encode)(value)
+        return self.encoder(where, lambda t: self.tensor_key(t, where), lambda obj, _: self.encode(obj, where))(value)
 
     def _module_parts(self, module: nn.Module, where: str) -> dict[str, Any]:
         if any(getattr(module, h) for h in HOOK_DICTS):
