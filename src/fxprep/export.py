@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import ExportError, FxprepWarning
+from .errors import ExportError, FxprepWarning, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs
 from .verify import _tensor_diff, flatten_output
 
@@ -69,6 +69,27 @@ def _example(example_inputs: Any) -> ExampleInputs:
     if example is None:
         raise ExportError("exporting needs example_inputs: both exporters trace by running the module.")
     return example
+
+
+def _checked(gm: Any, example_inputs: Any, what: str) -> tuple[ExampleInputs, list[torch.Tensor]]:
+    """The example inputs, and the prepared module's outputs on them: what the export is compared
+    with, and a check, before exporting, that ``gm`` is a prepared module these inputs fit."""
+    if not isinstance(gm, fx.GraphModule):
+        raise InvalidInput(
+            f"{what} expects the torch.fx.GraphModule returned by fxprep.prepare_model (or fxprep.load), not "
+            f"{type(gm).__name__}. Prepare the model first: gm = fxprep.prepare_model(model, example_inputs=...)."
+        )
+    example = _example(example_inputs)
+    try:
+        expected = _reference(gm, example)
+    except Exception as err:  # noqa: BLE001 - wrong dtype / shape / count of inputs
+        prepared_for = getattr(getattr(gm, "fxprep_report", None), "inputs", "") or "see the report"
+        raise InvalidInput(
+            f"{what}: the prepared module fails on these example inputs ({type(err).__name__}: {str(err)[:300]}). "
+            f"Pass inputs of the kind it was prepared with ({prepared_for}): same count, dtypes and shapes "
+            f"(dynamic dimensions may vary)."
+        ) from err
+    return example, expected
 
 
 def without_capture_metadata(gm: fx.GraphModule) -> fx.GraphModule:
@@ -133,7 +154,7 @@ def export_program(
     The program's ``nn_module_stack`` metadata names the prepared modules (see module docstring).
     Raises :class:`ExportError` when export fails or the program computes something else.
     """
-    example = _example(example_inputs)
+    example, expected = _checked(gm, example_inputs, "export_program")
     clean = without_capture_metadata(gm)
     fresh = example.fresh_copy()
     try:
@@ -146,7 +167,6 @@ def export_program(
             f"torch.export.draft_export(...) lists every such site."
         ) from err
     if verify:
-        expected = _reference(gm, example)
         again = example.fresh_copy()
         with torch.no_grad():
             got = _tensor_leaves(program.module()(*again.args, **again.kwargs))
@@ -265,9 +285,9 @@ def export_onnx(
     only when that fails. Returns the max absolute difference between onnxruntime's outputs and the
     prepared module's; raises :class:`ExportError` (saying which exporter failed and why) otherwise.
     """
-    example = _example(example_inputs)
     if optimize not in OPTIMIZE:
         raise ExportError(f"optimize must be one of {OPTIMIZE}, not {optimize!r}.")
+    example, expected = _checked(gm, example_inputs, "export_onnx")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean = without_capture_metadata(gm)
@@ -297,7 +317,6 @@ def export_onnx(
         raise
     except Exception as err:  # noqa: BLE001
         raise ExportError(f"onnxruntime could not run the exported model {path}: {type(err).__name__}: {err}") from err
-    expected = _reference(gm, example)
     diff = _compare(expected, got, rtol, atol, f"ONNX model {path.name} in onnxruntime",
                     "Try optimize='none' (an optimizer rewrite may be at fault). " if optimize != "none" else "")
     return diff if math.isfinite(diff) else math.inf

@@ -186,6 +186,9 @@ def prepare_command(
         "--exclude", help="Keep this module (qualified name, e.g. backbone.layer4) as a leaf (repeatable).")] = None,
     exclude_class: Annotated[list[str] | None, typer.Option("--exclude-class", help=EXCLUDE_CLASS_HELP)] = None,
     progress: ProgressOpt = None,
+    trust: Annotated[list[str] | None, typer.Option(
+        "--trust", help="A package whose code the saved opaque parts may name (repeatable), e.g. torchvision "
+                        "for its detectors; load with fxprep.load(DIR, trusted_modules=[...]).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Prepare a model, verify it, print the report; optionally save it (-o), export ONNX, write the view."""
@@ -229,11 +232,21 @@ def prepare_command(
             if not as_json:
                 out.say(f"graph view written to {show}")
         if output is not None:
-            try:
-                io.save(gm, output, example_inputs=built.example_inputs)
+            try:  # -o replaces an earlier fxprep save at DIR, never anything else
+                io.save(gm, output, example_inputs=built.example_inputs, trusted_modules=trust or (), overwrite=True)
             except OSError as err:
                 raise SerializationError(f"-o {output}: cannot save there ({err.strerror or err}"
                                          f"{': ' + str(err.filename) if err.filename else ''}).") from err
+            except SerializationError as err:  # the report above still stands
+                if "trusted_modules=" in str(err):
+                    err = SerializationError(f"{err}\nOn the command line, that is --trust PKG (repeatable).")
+                elif not str(err).startswith("-o "):
+                    err = SerializationError(f"-o {output}: {err}")
+                if as_json:
+                    print(json.dumps({**result, "ok": False, "exit_code": EXIT_DELIVERY, "error_type": type(err).__name__,
+                                      "error": str(err)}, default=str))
+                    return EXIT_DELIVERY
+                raise err from None
             result["saved_to"] = str(output)
             if not as_json:
                 out.say(f"saved to {output} (load with fxprep.load)")

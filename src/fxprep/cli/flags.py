@@ -140,8 +140,8 @@ def verify_inputs(values: list[str], model: nn.Module) -> list[Any]:
 def check_output_dir(path: Path) -> None:
     """Fail fast on an ``-o`` that cannot be a directory to save into, before minutes of preparing."""
     if path.exists() and not path.is_dir():
-        raise SerializationError(f"-o {path}: a file of that name exists; -o names a directory to save into "
-                                 f"(the prepared module is several files).")
+        raise SerializationError(f"-o {path}: a file of that name exists (an existing file is never replaced); -o "
+                                 f"names a directory to save into (the prepared module is several files).")
     ancestor = path
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent

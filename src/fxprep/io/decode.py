@@ -1,9 +1,11 @@
 """Load side: a module tree and a graph rebuilt from the saved JSON, checked at every step.
 
 Nothing is ``exec``-ed, ``eval``-ed or unpickled: modules are built from their saved kind (a
-constructor call on ``meta``, an ``fxprep.ops`` op, a trusted class with plain attributes), tensors
-are put in their slots by key (one object per key, so tied weights stay tied), and the graph is
-created node by node. Every name goes through :mod:`.trust` first; every malformed entry is a
+constructor call on ``meta``, an ``fxprep.ops`` op, a trusted class with plain attributes, an
+opaque part naming trusted code), tensors are put in their slots by key (one object per key, so
+tied weights stay tied) after their dtype and shape are checked, and the graph is created node by
+node. Every class and function goes through :mod:`.trust` first; every attribute name a file sets
+is checked not to replace the class's own code; every malformed entry is a
 :class:`~fxprep.errors.SerializationError` saying which.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import builtins
 import importlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,47 +28,64 @@ from torch.utils import _pytree as pytree
 from .. import ops
 from ..errors import SerializationError
 from ..report import Report
-from .format import CONTAINERS, GRAPH, MANIFEST, MODULE_INTERNALS, MODULES, TYPES, WEIGHTS, own_attrs
-from .trust import TrustPolicy, check_member, class_name, load_class, load_function
+from . import allowlist
+from .format import CONTAINERS, GRAPH, LIMITS, MANIFEST, MODULES, TYPES, WEIGHTS, check_shape, entries
+from .objects import ObjectReader, class_name, method_function
+from .trust import TrustPolicy, check_attribute, check_getattr, check_member, is_atom
+
+_DTYPES = allowlist.dtype_table(torch.dtype)
+_ENUMS = {"dtype": _DTYPES, "memory_format": allowlist.dtype_table(torch.memory_format),
+          "layout": allowlist.dtype_table(torch.layout)}
+_LIST_TAGS = frozenset({"tuple", "dict", "slice", "size", "complex"})
 
 
 @dataclass
 class Decoder:
+    """Tagged JSON → Python values. What a value may be depends on where it is read: ``tensors``
+    (keys into the weights) only where tensors are saved, ``objects`` only for opaque parts and
+    trusted modules' attributes, ``types_ok`` only in graph and op arguments."""
+
     policy: TrustPolicy
     nodes: dict[str, fx.Node] = field(default_factory=dict)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] | None = None
+    objects: ObjectReader | None = None
+    types_ok: bool = False
 
     def __call__(self, v: Any) -> Any:
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
         if isinstance(v, list):
             return [self(x) for x in v]
-        if not isinstance(v, dict) or "$" not in v:
+        if not isinstance(v, dict) or not isinstance(v.get("$"), str):
             raise SerializationError(f"malformed value in saved file: {str(v)[:80]}")
         tag, x = v["$"], v.get("v")
+        if tag in _LIST_TAGS and not isinstance(x, list):
+            raise SerializationError(f"malformed {tag!r} value in saved file: {str(x)[:80]}")
         try:
-            return self._tagged(tag, x)
+            return self._tagged(tag, x, v)
         except SerializationError:
             raise
         except Exception as err:  # noqa: BLE001 - any malformed entry is a file problem
             raise SerializationError(f"malformed {tag!r} value in saved file: {str(x)[:80]} ({err})") from err
 
-    def _tagged(self, tag: str, x: Any) -> Any:
+    def _tagged(self, tag: str, x: Any, whole: dict[str, Any]) -> Any:
         if tag == "node":
-            if x not in self.nodes:
-                raise SerializationError(f"graph refers to node {x!r} before it is defined (or never).")
+            if not isinstance(x, str) or x not in self.nodes:
+                raise SerializationError(f"graph refers to node {str(x)[:80]!r} before it is defined (or never).")
             return self.nodes[x]
         if tag == "tuple":
             return tuple(self(i) for i in x)
         if tag == "dict":
             return {self(k): self(i) for k, i in x}
         if tag == "slot":
-            return ops.Slot(int(x))
+            if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < 100_000:
+                raise SerializationError(f"bad op input slot {str(x)[:20]}")
+            return ops.Slot(x)
         if tag == "slice":
             return slice(*(self(i) for i in x))
         if tag == "float":
             if x not in ("inf", "-inf", "nan"):
-                raise SerializationError(f"bad float {x!r}")
+                raise SerializationError(f"bad float {str(x)[:20]!r}")
             return float(x)
         if tag == "size":
             return torch.Size(int(i) for i in x)
@@ -73,30 +93,29 @@ class Decoder:
             return Ellipsis
         if tag == "complex":
             return complex(float(x[0]), float(x[1]))
-        if tag in ("dtype", "memory_format", "layout"):
-            value = getattr(torch, str(x), None)
-            kinds = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}
-            if not isinstance(value, kinds[tag]):
-                raise SerializationError(f"unknown {tag} {x!r}")
-            return value
+        if tag in _ENUMS:
+            if not isinstance(x, str) or x not in _ENUMS[tag]:
+                raise SerializationError(f"unknown {tag} {str(x)[:40]!r}")
+            return _ENUMS[tag][x]
         if tag == "device":
             return torch.device(str(x))
         if tag == "tensor":
-            if x not in self.tensors:
-                raise SerializationError(f"tensor {x!r} is missing from {WEIGHTS}.")
+            if self.tensors is None:
+                raise SerializationError("a tensor value where a saved file has none.")
+            if not isinstance(x, str) or x not in self.tensors:
+                raise SerializationError(f"tensor {str(x)[:80]!r} is missing from {WEIGHTS}.")
             return self.tensors[x]
         if tag == "type":
-            if x not in TYPES:
-                raise SerializationError(f"unknown type {x!r}")
+            if not self.types_ok or not isinstance(x, str) or x not in TYPES:
+                raise SerializationError(f"refusing to load: type {str(x)[:40]!r} here.")
             return TYPES[x]
         if tag == "fn":
-            return load_function(str(x), self.policy)
-        raise SerializationError(f"unknown value tag {tag!r} in saved file.")
-
-
-def _is_atom(name: Any) -> bool:
-    """A name nn.Module accepts for a child, parameter or buffer: a non-empty string without dots."""
-    return isinstance(name, str) and bool(name) and "." not in name
+            return self.policy.function(x)
+        if tag in ("object", "ref", "module") and self.objects is not None:
+            if tag == "object":
+                return self.objects.build(whole, self)
+            return self.objects.ref(x) if tag == "ref" else self.objects.module(x)
+        raise SerializationError(f"unknown value tag {tag[:40]!r} in saved file (or not allowed here).")
 
 
 def field_of(entry: Any, key: str, kind: type | tuple[type, ...]) -> Any:
@@ -106,37 +125,34 @@ def field_of(entry: Any, key: str, kind: type | tuple[type, ...]) -> Any:
 
 
 def set_attrs(module: nn.Module, attrs: dict[str, Any], decode: Decoder) -> None:
-    """Plain attributes (private ones included: ``_reversed_padding_repeated_twice``); never a dunder,
-    never nn.Module's own bookkeeping, and values are only what the decoder can build."""
+    """Plain attributes (private ones included: ``_reversed_padding_repeated_twice``); never a
+    dunder, never nn.Module's own bookkeeping, never a name the class defines as code."""
     for k, v in attrs.items():
-        if not isinstance(k, str) or not k.isidentifier() or k.startswith("__"):
-            raise SerializationError(f"refusing to load: attribute name {k!r} of {type(module).__name__}.")
-        if k in MODULE_INTERNALS:
-            raise SerializationError(f"refusing to overwrite nn.Module internal {k!r}.")
+        check_attribute(type(module), k)
         object.__setattr__(module, k, decode(v))
 
 
 def build_modules(tree: dict[str, Any], decode: Decoder, policy: TrustPolicy) -> dict[str, nn.Module]:
     modules: dict[str, nn.Module] = {}
-    for entry in field_of(tree, "modules", list):
+    for entry in entries(tree, "modules", MODULES):
         path = field_of(entry, "path", str)
         kind = field_of(entry, "kind", str)
         if path in modules or (path == "") != (kind == "root"):
-            raise SerializationError(f"malformed module tree in {MODULES} at {path!r}.")
+            raise SerializationError(f"malformed module tree in {MODULES} at {path[:120]!r}.")
         parent_path, _, atom = path.rpartition(".")
-        if path and (parent_path not in modules or not atom or "." in atom):
-            raise SerializationError(f"module {path!r} in {MODULES} has no parent entry before it.")
+        if path and (parent_path not in modules or not is_atom(atom) or atom.startswith("__")):
+            raise SerializationError(f"module {path[:120]!r} in {MODULES} has no parent entry before it.")
         if kind == "same_as":
             of = field_of(entry, "of", str)
-            if of not in modules:
-                raise SerializationError(f"module {path!r} refers to unknown module {of!r}.")
+            if of not in modules or of == "" or path.startswith(of + "."):  # no cycles
+                raise SerializationError(f"module {path!r} refers to unknown module {of[:120]!r}.")
             module = modules[of]
         elif kind == "owned":
             module = modules[parent_path]._modules.get(atom)  # type: ignore[assignment]
             expected = field_of(entry, "class", str)
             if module is None or class_name(type(module)) != expected:
                 raise SerializationError(
-                    f"module {path!r}: the parent's constructor did not create a {expected} there "
+                    f"module {path!r}: the parent's constructor did not create a {expected[:120]} there "
                     f"(saved with another torch version?)."
                 )
         elif kind == "root":
@@ -154,35 +170,53 @@ def build_modules(tree: dict[str, Any], decode: Decoder, policy: TrustPolicy) ->
 
 
 def _build_one(entry: dict[str, Any], kind: str, decode: Decoder, policy: TrustPolicy) -> nn.Module:
-    name = field_of(entry, "class", str)
-    cls = load_class(name, policy)
+    from ..capture.leaves import OpaqueFunction, OpaqueMethod
+
     path = entry["path"]
+    if kind == "opaque_function":
+        fn = policy.function(field_of(entry, "fn", str))
+        if not policy.trusted_code(fn):
+            raise SerializationError(f"refusing to load: opaque part {path!r} names {fn!r}, outside trusted_modules.")
+        return OpaqueFunction(fn)
+    if kind == "opaque_method":
+        method = field_of(entry, "method", str)
+        if not method.isidentifier() or method.startswith("__"):
+            raise SerializationError(f"refusing to load: opaque part {path!r} calls method {method[:80]!r}.")
+        module = OpaqueMethod.__new__(OpaqueMethod)
+        nn.Module.__init__(module)
+        module.method, module.owner_path = method, str(entry.get("owner_path", ""))
+        field_of(entry, "owner", dict)
+        return module  # the owner is rebuilt once the whole tree and its tensors exist
+    cls = policy.module_class(field_of(entry, "class", str))
     if kind == "container":
         if cls not in CONTAINERS:
-            raise SerializationError(f"module {path!r}: {name} is not a plain container class.")
+            raise SerializationError(f"module {path!r}: {class_name(cls)} is not a plain container class.")
         return cls()
     if kind == "bound_op":
         if not issubclass(cls, ops.BoundOp):
-            raise SerializationError(f"module {path!r}: {name} is not an fxprep.ops.BoundOp.")
-        fn = load_function(field_of(entry, "fn", str), policy)
-        args, kwargs = _call_args(entry, decode, f"module {path!r}")
-        if fn is builtins.getattr and len(args) >= 2:
-            check_member(args[1], "attribute")
+            raise SerializationError(f"module {path!r}: {class_name(cls)} is not an fxprep.ops.BoundOp.")
+        fn = policy.function(field_of(entry, "fn", str))
+        args, kwargs = _call_args(entry, Decoder(policy, types_ok=True), f"module {path!r}")
+        if fn is builtins.getattr:
+            check_getattr(args[1] if len(args) >= 2 else None)
         return cls(fn, args, kwargs)
     if kind == "init":
         kwargs = {k: decode(v) for k, v in field_of(entry, "init", dict).items()}
-        if not all(k.isidentifier() for k in kwargs):
+        # device / dtype are never saved: the constructor runs on meta, weights come from the file
+        if not all(k.isidentifier() and k not in ("device", "dtype") for k in kwargs) or issubclass(cls, ops.BoundOp):
             raise SerializationError(f"module {path!r}: malformed constructor arguments.")
         try:
             with torch.device("meta"):
                 module = cls(**kwargs)
         except Exception as err:  # noqa: BLE001
-            raise SerializationError(f"module {path!r}: {name}(**{kwargs}) failed: {err}") from err
+            raise SerializationError(f"module {path!r}: {class_name(cls)}(**{str(kwargs)[:200]}) failed: {err}") from err
         for sub, attrs in field_of(entry, "patch", dict).items():
+            if sub and not all(is_atom(p) and not p.startswith("__") for p in sub.split(".")):
+                raise SerializationError(f"module {path!r}: malformed submodule name {sub[:80]!r} to patch.")
             try:
                 target = module.get_submodule(sub)
             except AttributeError as err:
-                raise SerializationError(f"module {path!r}: no submodule {sub!r} to patch.") from err
+                raise SerializationError(f"module {path!r}: no submodule {sub[:80]!r} to patch.") from err
             set_attrs(target, field_of({"a": attrs}, "a", dict), decode)
         return module
     if kind == "state":
@@ -190,7 +224,58 @@ def _build_one(entry: dict[str, Any], kind: str, decode: Decoder, policy: TrustP
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         return module  # attributes are set once the tensors they may refer to exist
-    raise SerializationError(f"module {path!r}: unknown kind {kind!r} in {MODULES}.")
+    raise SerializationError(f"module {path!r}: unknown kind {kind[:40]!r} in {MODULES}.")
+
+
+def finish_modules(tree: dict[str, Any], modules: dict[str, nn.Module], live: dict[str, torch.Tensor],
+                   policy: TrustPolicy) -> None:
+    """Second pass, once every module and tensor exists: attributes of "state" modules (they may
+    refer to tensors: RNN flat weights) and the owners of opaque methods (they refer to modules)."""
+    decode = Decoder(policy, tensors=live, objects=ObjectReader(policy, modules, live))
+    for entry in tree["modules"]:
+        kind, module = entry.get("kind"), modules[entry["path"]]
+        if kind == "state":
+            set_attrs(module, entry["attrs"], decode)
+        elif kind == "opaque_method":
+            owner = decode(entry["owner"])
+            fn = method_function(type(owner), module.method)  # type: ignore[arg-type]
+            if fn is None or not policy.trusted_code(fn):
+                raise SerializationError(
+                    f"refusing to load: opaque part {entry['path']!r} calls {class_name(type(owner))}."
+                    f"{module.method}, which is not a function defined in a trusted package "
+                    f"(trusted_modules={list(policy.modules)})."
+                )
+            object.__setattr__(module, "owner", owner)
+
+
+def _dtype_kind(t: torch.Tensor) -> str:
+    """Floating dtypes stand for each other (a half-precision model); others must match exactly."""
+    return "floating" if t.is_floating_point() else "complex" if t.is_complex() else str(t.dtype)
+
+
+def _check_tensor(where: str, value: torch.Tensor, slot: dict[str, Any], expected: torch.Tensor | None) -> None:
+    """The saved tensor is what the module built for that slot expects, and what the file says it is."""
+    dtype = str(value.dtype).removeprefix("torch.")
+    if expected is not None:
+        if expected.shape != value.shape:
+            raise SerializationError(
+                f"{where}: saved shape {tuple(value.shape)} does not fit the module, which expects "
+                f"{tuple(expected.shape)}; {WEIGHTS} does not belong to this module tree."
+            )
+        if _dtype_kind(expected) != _dtype_kind(value):
+            raise SerializationError(
+                f"{where}: saved dtype {dtype} does not fit the module, which expects "
+                f"{str(expected.dtype).removeprefix('torch.')}; {WEIGHTS} does not belong to this module tree."
+            )
+    if slot.get("dtype") != dtype or slot.get("shape") != list(value.shape):
+        raise SerializationError(
+            f"{where}: {WEIGHTS} holds a {dtype} tensor of shape {tuple(value.shape)} where {MODULES} records "
+            f"{str(slot.get('dtype'))[:20]} {str(slot.get('shape'))[:80]}: the files do not belong together."
+        )
+
+
+def _owner_class(modules: dict[str, nn.Module], path: str) -> type:
+    return fx.GraphModule if path == "" else type(modules[path])
 
 
 def assign_tensors(tree: dict[str, Any], modules: dict[str, nn.Module], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -199,89 +284,102 @@ def assign_tensors(tree: dict[str, Any], modules: dict[str, nn.Module], weights:
     objects: dict[str, torch.Tensor] = {}
     used: set[str] = set()
 
-    def tensor(key: str, parameter: bool, requires_grad: bool) -> torch.Tensor:
-        if key not in weights:
-            raise SerializationError(f"tensor {key!r} is missing from {WEIGHTS}.")
+    def tensor(key: Any, parameter: bool, requires_grad: bool, where: str) -> torch.Tensor:
+        if not isinstance(key, str) or key not in weights:
+            raise SerializationError(f"tensor {str(key)[:80]!r} is missing from {WEIGHTS}.")
         used.add(key)
         obj = objects.get(key)
         if obj is None:
-            obj = nn.Parameter(weights[key], requires_grad=requires_grad) if parameter else weights[key]
+            try:
+                obj = nn.Parameter(weights[key], requires_grad=requires_grad) if parameter else weights[key]
+            except RuntimeError as err:  # an integer tensor cannot require grad
+                raise SerializationError(f"{where}: tensor {key!r} cannot be this parameter: {err}") from err
             objects[key] = obj
         elif isinstance(obj, nn.Parameter) != parameter:
             raise SerializationError(f"tensor {key!r} is used both as a parameter and as a buffer.")
         return obj
 
-    for slot in field_of(tree, "tensors", list):
+    for slot in entries(tree, "tensors", MODULES):
         path = field_of(slot, "module", str)
         name = field_of(slot, "name", str)
         role = field_of(slot, "role", str)
         module = modules.get(path)
-        if module is None or role not in ("parameter", "buffer") or not _is_atom(name):
+        if module is None or role not in ("parameter", "buffer") or not is_atom(name):
             raise SerializationError(f"malformed tensor slot in {MODULES}: {str(slot)[:120]}")
+        where = f"{path}.{name}" if path else name
         key = slot.get("key")
         slots = module._parameters if role == "parameter" else module._buffers
+        if name not in slots:
+            check_attribute(_owner_class(modules, path), name, f"tensor slot ({role})")
         if key is None:
             if name in slots and slots[name] is not None:
-                raise SerializationError(f"{path}.{name} was saved as None but the constructor created it.")
+                raise SerializationError(f"{where} was saved as None but the constructor created it.")
             slots[name] = None
             continue
-        value = tensor(str(key), role == "parameter", bool(slot.get("requires_grad", True)))
-        existing = slots.get(name)
-        if existing is not None and existing.shape != value.shape:
-            raise SerializationError(
-                f"{path}.{name}: saved shape {tuple(value.shape)} does not fit the module, which expects "
-                f"{tuple(existing.shape)}; {WEIGHTS} does not belong to this module tree."
-            )
-        if name in slots:
-            setattr(module, name, value)  # keeps subclasses' bookkeeping (RNN flat weights) in step
-        elif role == "parameter":
-            module.register_parameter(name, value)  # type: ignore[arg-type]
-        else:
-            module.register_buffer(name, value)
+        if isinstance(key, str) and key in weights:
+            _check_tensor(where, weights[key], slot, slots.get(name))
+        value = tensor(key, role == "parameter", slot.get("requires_grad", True) is True, where)
+        try:
+            if name in slots:
+                setattr(module, name, value)  # keeps subclasses' bookkeeping (RNN flat weights) in step
+            elif role == "parameter":
+                module.register_parameter(name, value)  # type: ignore[arg-type]
+            else:
+                module.register_buffer(name, value)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise SerializationError(f"cannot put tensor {key!r} at {where}: {err}") from err
         if role == "buffer":
             if slot.get("persistent", True):
                 module._non_persistent_buffers_set.discard(name)
             else:
                 module._non_persistent_buffers_set.add(name)
-    for c in field_of(tree, "constants", list):
+    for c in entries(tree, "constants", MODULES):
         target = field_of(c, "path", str)
         owner_path, _, name = target.rpartition(".")
-        if not _is_atom(name) or name.startswith("__"):
-            raise SerializationError(f"bad constant name {target!r} in {MODULES}.")
-        if owner_path not in modules:
-            raise SerializationError(f"constant {target!r} has no owner module.")
+        if owner_path not in modules or not is_atom(name):
+            raise SerializationError(f"bad constant {target[:120]!r} in {MODULES}.")
+        owner = modules[owner_path]
+        check_attribute(_owner_class(modules, owner_path), name, "tensor constant")
+        if name in owner.__dict__ or name in owner._parameters or name in owner._buffers or name in owner._modules:
+            raise SerializationError(f"constant {target!r} would replace an existing attribute.")
         key = field_of(c, "key", str)
-        setattr(modules[owner_path], name, objects.get(key, weights.get(key)))
         if key not in weights:
-            raise SerializationError(f"tensor {key!r} is missing from {WEIGHTS}.")
+            raise SerializationError(f"tensor {key[:80]!r} is missing from {WEIGHTS}.")
+        value = objects.get(key, weights[key])
+        _check_tensor(target, value, c, None)
+        object.__setattr__(owner, name, value)
         used.add(key)
-    unused = set(weights) - used - _attr_keys(tree)
+    unused = set(weights) - used - tensor_keys_of(tree["modules"])
     if unused:
         raise SerializationError(f"{WEIGHTS} holds tensors no module uses ({sorted(unused)[:5]}): files do not belong together.")
     return {**weights, **objects}
 
 
-def _attr_keys(tree: dict[str, Any]) -> set[str]:
+def tensor_keys_of(module_entries: list[Any]) -> set[str]:
+    """Keys of tensors held as attributes or by saved objects (opaque parts' owners), walked
+    without recursion."""
     keys: set[str] = set()
-
-    def walk(v: Any) -> None:
+    stack: list[Any] = [[e.get("attrs"), e.get("owner")] for e in module_entries if isinstance(e, dict)]
+    while stack:
+        v = stack.pop()
         if isinstance(v, dict):
-            if v.get("$") == "tensor":
-                keys.add(str(v.get("v")))
-            for x in v.values():
-                walk(x)
+            if v.get("$") == "tensor" and isinstance(v.get("v"), str):
+                keys.add(v["v"])
+            elif v.get("$") == "object":
+                params, buffers = v.get("parameters"), v.get("buffers")
+                for p in params.values() if isinstance(params, dict) else ():
+                    if isinstance(p, list) and p and isinstance(p[0], str):
+                        keys.add(p[0])
+                keys.update(b for b in (buffers.values() if isinstance(buffers, dict) else ()) if isinstance(b, str))
+            stack.extend(v.values())
         elif isinstance(v, list):
-            for x in v:
-                walk(x)
-
-    for entry in tree.get("modules", []):
-        walk(entry.get("attrs"))
+            stack.extend(v)
     return keys
 
 
 def check_no_meta(root: nn.Module) -> None:
     for path, module in root.named_modules():
-        for name, t in [*module._parameters.items(), *module._buffers.items(), *own_attrs(module).items()]:
+        for name, t in [*module._parameters.items(), *module._buffers.items(), *vars(module).items()]:
             if isinstance(t, torch.Tensor) and t.is_meta:
                 raise SerializationError(
                     f"{path or 'root'}.{name} ({type(module).__name__}) has no saved value: its constructor "
@@ -289,22 +387,23 @@ def check_no_meta(root: nn.Module) -> None:
                 )
 
 
-def build_graph(graph_json: dict[str, Any], root: nn.Module, decode: Decoder, policy: TrustPolicy) -> fx.Graph:
+def build_graph(graph_json: dict[str, Any], root: nn.Module, policy: TrustPolicy) -> fx.Graph:
     graph = fx.Graph()
-    for entry in field_of(graph_json, "nodes", list):
+    decode = Decoder(policy, types_ok=True)
+    for entry in entries(graph_json, "nodes", GRAPH):
         name = field_of(entry, "name", str)
         op = field_of(entry, "op", str)
         if not name.isidentifier() or name in decode.nodes:
-            raise SerializationError(f"bad node name {name!r} in {GRAPH}.")
+            raise SerializationError(f"bad node name {name[:80]!r} in {GRAPH}.")
         target: Any = entry.get("target")
         if op == "call_function":
-            target = load_function(field_of(target, "fn", str) if isinstance(target, dict) else "", policy)
+            target = policy.function(target.get("fn") if isinstance(target, dict) else None)
         elif op in ("call_module", "get_attr"):
             if not isinstance(target, str):
                 raise SerializationError(f"node {name!r}: malformed target.")
             # any module name nn.Module accepts ("block1-0" in regnet); only the tree is searched
-            if not all(_is_atom(part) and not part.startswith("__") for part in target.split(".")):
-                raise SerializationError(f"node {name!r}: malformed {op} target {target!r}.")
+            if not all(is_atom(part) and not part.startswith("__") for part in target.split(".")):
+                raise SerializationError(f"node {name!r}: malformed {op} target {target[:80]!r}.")
             try:
                 (root.get_submodule if op == "call_module" else _get_attr_checker(root))(target)
             except AttributeError as err:
@@ -315,12 +414,17 @@ def build_graph(graph_json: dict[str, Any], root: nn.Module, decode: Decoder, po
             if not isinstance(target, str) or (op == "placeholder" and not target.lstrip("*").isidentifier()):
                 raise SerializationError(f"node {name!r}: malformed target.")
         else:
-            raise SerializationError(f"node {name!r}: unknown op {op!r}.")
+            raise SerializationError(f"node {name!r}: unknown op {str(op)[:40]!r}.")
         args, kwargs = _call_args(entry, decode, f"node {name!r}")
-        if op == "call_function" and target is builtins.getattr and len(args) >= 2:
-            check_member(args[1], "attribute")
+        if op == "call_function" and target is builtins.getattr:
+            check_getattr(args[1] if len(args) >= 2 else None)
+        if op == "call_module":
+            _check_slots(root.get_submodule(target), args, kwargs, name)
         type_expr = TYPES.get(entry["type"]) if isinstance(entry.get("type"), str) else None
-        node = graph.create_node(op, target, args, kwargs, name=name, type_expr=type_expr)
+        try:
+            node = graph.create_node(op, target, args, kwargs, name=name, type_expr=type_expr)
+        except Exception as err:  # noqa: BLE001 - fx refusing the node is a file problem
+            raise SerializationError(f"node {name!r} cannot be created: {err}") from err
         if node.name != name:
             raise SerializationError(f"node name {name!r} cannot be reproduced (got {node.name!r}).")
         decode.nodes[name] = node
@@ -332,6 +436,15 @@ def build_graph(graph_json: dict[str, Any], root: nn.Module, decode: Decoder, po
     except Exception as err:  # noqa: BLE001
         raise SerializationError(f"{GRAPH} does not describe a valid graph: {err}") from err
     return graph
+
+
+def _check_slots(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> None:
+    """An op's input slots must be inputs its call site passes (else it fails, or reads another)."""
+    if isinstance(module, ops.BoundOp):
+        slots = [s.index for s in pytree.tree_leaves((module.args, module.kwargs), is_leaf=lambda x: isinstance(x, ops.Slot))
+                 if isinstance(s, ops.Slot)]
+        if kwargs or any(i >= len(args) for i in slots):
+            raise SerializationError(f"node {name!r}: its op reads inputs {sorted(set(slots))}, the call passes {len(args)}.")
 
 
 def _call_args(entry: dict[str, Any], decode: Decoder, where: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -360,23 +473,23 @@ def _import_pytree_types(spec: dict[str, Any]) -> None:
     """Import the modules that register the calling convention's container types (a transformers
     ``ModelOutput``), so a fresh process can load the module; only known container modules."""
     names: set[str] = set()
-
-    def walk(v: Any) -> None:
-        if isinstance(v, dict):
-            if isinstance(v.get("type"), str):
-                names.add(v["type"])
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list):
-            for x in v:
-                walk(x)
-
+    stack: list[Any] = []
     for key in ("in_spec", "out_spec"):
         if isinstance(spec.get(key), str):
             try:
-                walk(json.loads(spec[key]))
-            except json.JSONDecodeError:
-                continue
+                data = json.loads(spec[key])
+            except (ValueError, RecursionError) as err:
+                raise SerializationError(f"malformed calling convention (pytree spec) in {GRAPH}.") from err
+            check_shape(data, Path(GRAPH))
+            stack.append(data)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            if isinstance(v.get("type"), str):
+                names.add(v["type"])
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
     for name in names:
         module = name.rpartition(".")[0]
         if module in _CONTAINER_MODULES:
@@ -398,10 +511,23 @@ def _pytree_codegen(spec: Any) -> fx.graph.CodeGen:
         out_spec = None if spec.get("out_spec") is None else pytree.treespec_loads(spec["out_spec"])
     except Exception as err:  # noqa: BLE001
         raise SerializationError(
-            f"cannot read the calling convention (pytree spec) in {GRAPH}: {err}. If it names a container "
+            f"cannot read the calling convention (pytree spec) in {GRAPH}: {str(err)[:200]}. If it names a container "
             f"type from a library (transformers ModelOutput), import that library before fxprep.load."
         ) from err
-    return fx.graph._PyTreeCodeGen(fx.graph._PyTreeInfo(orig_args, in_spec, out_spec))
+    info = fx.graph._PyTreeInfo(orig_args, in_spec, out_spec)
+    defaults = spec.get("defaults")
+    if defaults is None:
+        return fx.graph._PyTreeCodeGen(info)
+    from ..capture.fx import _PyTreeCodeGenWithDefaults
+
+    values = Decoder(TrustPolicy())(defaults)
+    # written into the generated forward's signature: names it has, values that are plain literals
+    if not isinstance(values, dict) or not all(
+        k in orig_args and (v is None or type(v) in (bool, int, str) or (type(v) is float and math.isfinite(v)))
+        and len(repr(v)) < 200 for k, v in values.items()
+    ):
+        raise SerializationError(f"malformed argument defaults in {GRAPH}: {str(defaults)[:120]}")
+    return _PyTreeCodeGenWithDefaults(info, values)
 
 
 def report_from_dict(data: Any, directory: Path) -> Report:
@@ -411,7 +537,14 @@ def report_from_dict(data: Any, directory: Path) -> Report:
     else:
         try:
             report = Report.from_dict(data)
-        except (KeyError, TypeError, ValueError) as err:
-            raise SerializationError(f"the report in {MANIFEST} is malformed: {err}") from err
-    report.note(f"loaded from {directory} (fxprep.load)")
+        except Exception as err:  # noqa: BLE001 - any malformed report is a file problem
+            raise SerializationError(f"the report in {MANIFEST} is malformed: {str(err)[:200]}") from err
+    try:
+        report.note(f"loaded from {directory} (fxprep.load)")
+    except Exception as err:  # noqa: BLE001
+        raise SerializationError(f"the report in {MANIFEST} is malformed: {str(err)[:200]}") from err
     return report
+
+
+__all__ = ["LIMITS", "Decoder", "assign_tensors", "build_graph", "build_modules", "check_no_meta", "field_of",
+           "finish_modules", "report_from_dict", "set_attrs"]

@@ -10,10 +10,10 @@ anything else trusted by its plain attributes. :func:`graph_json` writes the nod
 
 from __future__ import annotations
 
-import builtins
 import inspect
 import math
-import operator
+import sys
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,50 +26,54 @@ from torch.utils import _pytree as pytree
 
 from .. import ops
 from ..errors import SerializationError
-from .format import CONTAINERS, HOOK_DICTS, TYPE_NAMES, own_attrs
-from .trust import _resolve_function, class_name
+from .allowlist import canonical_name
+from .format import CONTAINERS, HOOK_DICTS, TYPE_NAMES, own_attrs, tensor_record
+from .objects import ObjectWriter, class_name, opaque_code_name, trust_hint
+from .trust import TrustPolicy, check_attribute, default_function_name
+
 
 # --- naming functions and classes ----------------------------------------------------------------
-_CANONICAL_NAMESPACES: tuple[tuple[str, Any], ...] = (
-    ("torch", torch), ("torch.nn.functional", torch.nn.functional), ("torch.special", torch.special),
-    ("torch.linalg", torch.linalg), ("torch.fft", torch.fft), ("math", math), ("operator", operator),
-    ("builtins", builtins),
-)
-
-
 def function_name(fn: Any) -> str:
-    """An importable name for a graph target or BoundOp callable, checked to resolve to ``fn`` itself.
-
-    Starts from :func:`fxprep.ops.qualified_name`; OpOverloads are ``torch.ops.<ns>.<op>.<overload>``.
-    """
-    if isinstance(fn, torch._ops.OpOverload):
-        name = f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}"
+    """The name a graph target or op callable is saved under, chosen so that :mod:`.trust` gives
+    back this very object: its allow-list name (torch ops, ``math``, ``operator``, builtins),
+    ``torch.ops.<ns>.<op>.<overload>`` for OpOverloads, ``Tensor.<method>``, or, for anything else,
+    its own ``module.qualname`` (loadable with that package in ``trusted_modules``) when that name
+    leads back to it."""
+    if isinstance(fn, ops._MethodCall):
+        return f"Tensor.{fn.name}"
+    caller_of = getattr(fn, "autograd_function", None)
+    if caller_of is not None:
+        name = canonical_name(caller_of)
+        if name is not None and _defined_as(caller_of, name):
+            return f"autograd:{name}"
+    elif isinstance(fn, torch._ops.OpOverload):
+        return f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}"
     elif isinstance(fn, torch._ops.OpOverloadPacket):
-        name = f"torch.ops.{fn._qualified_op_name.replace('::', '.')}"
+        return f"torch.ops.{fn._qualified_op_name.replace('::', '.')}"
     else:
-        name = ops.qualified_name(fn)
-    if _resolves_to(name, fn):
-        return name
-    short = getattr(fn, "__name__", None)
-    for prefix, namespace in _CANONICAL_NAMESPACES:
-        if short and getattr(namespace, short, None) is fn:
-            return f"{prefix}.{short}"
+        name = default_function_name(fn)
+        if name is not None:
+            return name
+        name = canonical_name(fn)
+        if name is not None and _defined_as(fn, name):
+            return name
     raise SerializationError(
-        f"cannot save a call to {fn!r}: it has no importable name ({name!r} does not resolve to it). "
+        f"cannot save a call to {fn!r}: it has no importable name that leads back to it. "
         f"Define it at module level, or mark the calling module fxprep.opaque / modules_to_exclude."
     )
 
 
-def _resolves_to(name: str, fn: Any) -> bool:
-    try:
-        found = _resolve_function(name)
-    except Exception:  # noqa: BLE001 - any failure means "not this name"
+def _defined_as(obj: Any, name: str) -> bool:
+    """Whether ``name`` (``module.qualname``) finds ``obj`` in its already-imported module."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    if module is None:
         return False
-    if isinstance(found, ops._MethodCall) and isinstance(fn, ops._MethodCall):
-        return found.name == fn.name
-    if getattr(fn, "autograd_function", None) is not None:
-        return getattr(found, "autograd_function", None) is fn.autograd_function
-    return found is fn
+    found: Any = module
+    for part in name.removeprefix(module.__name__ + ".").split("."):
+        found = vars(found).get(part) if hasattr(found, "__dict__") else None
+        if found is None:
+            return False
+    return found is obj
 
 
 @dataclass
@@ -79,6 +83,7 @@ class Encoder:
 
     where: str
     tensor_key: Callable[[torch.Tensor], str] | None = None
+    objects: Callable[[Any, str], Any] | None = None  # helper objects of opaque parts (ObjectWriter.encode)
 
     def __call__(self, v: Any) -> Any:
         if v is None or isinstance(v, (bool, str)):
@@ -118,11 +123,24 @@ class Encoder:
         if isinstance(v, type) and v in TYPE_NAMES:
             return {"$": "type", "v": TYPE_NAMES[v]}
         if callable(v) and not isinstance(v, (type, nn.Module)):
-            return {"$": "fn", "v": function_name(v)}
+            try:
+                return {"$": "fn", "v": function_name(v)}
+            except SerializationError:
+                if self.objects is None or not _plain_object(v):
+                    raise
+        if self.objects is not None and (isinstance(v, nn.Module) or _plain_object(v)):
+            return self.objects(v, self.where)
         raise SerializationError(
             f"cannot save {self.where}: a {type(v).__qualname__} has no safe saved form (fxprep saves tensors, "
             f"numbers, strings, dtypes, devices, slices, tuples/lists/dicts of those, and functions with an importable name)."
         )
+
+
+def _plain_object(v: Any) -> bool:
+    """An instance of an ordinary class with its state in ``__dict__`` (a box coder, a matcher)."""
+    return hasattr(v, "__dict__") and not isinstance(
+        v, (type, type(sys), types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.Tensor)
+    )
 
 
 # Constructor arguments whose value is not stored under their own name.
@@ -217,6 +235,7 @@ class TreeWriter:
     """Builds the modules.json entries and the tensor table of one GraphModule."""
 
     gm: fx.GraphModule
+    policy: TrustPolicy = field(default_factory=TrustPolicy)  # packages whose code opaque parts may name
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     key_of: dict[int, str] = field(default_factory=dict)
     slots: list[dict[str, Any]] = field(default_factory=list)
@@ -243,6 +262,8 @@ class TreeWriter:
         self._paths_by_id: dict[int, list[str]] = {}
         for n, m in self.gm.named_modules(remove_duplicate=False):
             self._paths_by_id.setdefault(id(m), []).append(n)
+        self.objects = ObjectWriter(self.policy, {i: paths[0] for i, paths in self._paths_by_id.items()},
+                                    self.tensor_key, Encoder)
         seen: dict[int, str] = {}
         owned: set[str] = set()
         for path, module in self.gm.named_modules(remove_duplicate=False):
@@ -276,6 +297,8 @@ class TreeWriter:
             enc = Encoder(where)
             return {"kind": "bound_op", "fn": function_name(module.fn), "args": [enc(a) for a in module.args],
                     "kwargs": {k: enc(v) for k, v in module.kwargs.items()}}
+        if opaque_code_name(module) is not None:
+            return self._opaque(path, module)
         if any(getattr(module, h) for h in HOOK_DICTS if not cls.__module__.startswith("torch.")):
             raise SerializationError(f"cannot save {where}: it has forward/backward hooks, which have no saved form.")
         if cls in CONTAINERS:
@@ -322,6 +345,17 @@ class TreeWriter:
         enc = Encoder(f"constructor of {path!r}")
         return {"kind": "init", "init": {k: enc(v) for k, v in kwargs.items()}, "patch": patches}
 
+    def _opaque(self, path: str, module: nn.Module) -> dict[str, Any]:
+        """An opaque part, by the name of the code it runs, when that code is in a trusted package."""
+        what, fn = opaque_code_name(module)  # type: ignore[misc]
+        part = f"{path!r}, an opaque part of the model"
+        if fn is None or not self.policy.trusted_code(fn):
+            raise SerializationError(f"cannot save {part}: it runs {what} eagerly, and " + trust_hint(what, self.policy))
+        if hasattr(module, "method"):
+            owner = self.objects.encode(module.__dict__["owner"], f"{path}.owner")
+            return {"kind": "opaque_method", "method": module.method, "owner_path": str(module.owner_path), "owner": owner}
+        return {"kind": "opaque_function", "fn": what}
+
     def _state(self, path: str, module: nn.Module) -> dict[str, Any]:
         cls = type(module)
         where = f"module {path!r} of class {class_name(cls)}"
@@ -332,19 +366,20 @@ class TreeWriter:
             if k.startswith("__"):
                 continue
             try:
-                attrs[k] = Encoder(f"{where}, attribute {k!r}", lambda t, k=k: self.tensor_key(t, f"{path}.{k}"))(v)
+                check_attribute(cls, k)
             except SerializationError as err:
-                if cls.__module__ == "fxprep.capture.leaves":
-                    hint = ("it is an opaque part of a model that could not be traced whole: it runs the original "
-                            "Python code, which a saved directory does not contain. Save the original model "
-                            "instead, or make that part traceable (fxprep check shows why it is not)")
-                else:
-                    hint = ("fxprep does not know its constructor, and saves such modules from their plain "
-                            "attributes only. Let fxprep trace into it instead of keeping it as a leaf, or save "
-                            "the original model")
+                raise SerializationError(f"cannot save {where}: it could not be loaded back ({err}).") from err
+            try:
+                attrs[k] = Encoder(f"{where}, attribute {k!r}", lambda t, k=k: self.tensor_key(t, f"{path}.{k}"),
+                                   lambda obj, _, k=k: self.objects.encode(obj, f"{path}.{k}"))(v)
+            except SerializationError as err:
+                if "trusted_modules" in str(err):
+                    raise
                 raise SerializationError(
                     f"cannot save {where}: attribute {k!r} holds a {type(v).__qualname__}, which has no safe "
-                    f"saved form; {hint}."
+                    f"saved form; fxprep does not know its constructor, and saves such modules from their plain "
+                    f"attributes only. Let fxprep trace into it instead of keeping it as a leaf, or save the "
+                    f"original model."
                 ) from err
         return {"kind": "state", "attrs": attrs}
 
@@ -352,7 +387,7 @@ class TreeWriter:
         for role, slots in (("parameter", module._parameters), ("buffer", module._buffers)):
             for name, t in slots.items():
                 key = None if t is None else self.tensor_key(t, f"{path}.{name}" if path else name)
-                slot = {"module": path, "name": name, "role": role, "key": key}
+                slot = {"module": path, "name": name, "role": role, "key": key, **({} if t is None else tensor_record(t))}
                 if role == "parameter" and t is not None:
                     slot["requires_grad"] = bool(t.requires_grad)
                 if role == "buffer":
@@ -386,7 +421,8 @@ class TreeWriter:
                     f"cannot save get_attr {node.target!r}: a {type(value).__qualname__} (nested graphs such as "
                     f"torch.cond branches, script objects) has no saved form yet."
                 )
-            out.append({"path": prefix + str(node.target), "key": self.tensor_key(value, prefix + str(node.target))})
+            path = prefix + str(node.target)
+            out.append({"path": path, "key": self.tensor_key(value, path), **tensor_record(value)})
         return out
 
 
@@ -417,7 +453,7 @@ def codegen_json(graph: fx.Graph) -> dict[str, Any] | None:
     if isinstance(codegen, fx.graph._PyTreeCodeGen):
         info = codegen.pytree_info
         try:
-            return {
+            out = {
                 "kind": "pytree",
                 "orig_args": list(info.orig_args),
                 "in_spec": None if info.in_spec is None else pytree.treespec_dumps(info.in_spec),
@@ -425,4 +461,9 @@ def codegen_json(graph: fx.Graph) -> dict[str, Any] | None:
             }
         except Exception as err:  # noqa: BLE001
             raise SerializationError(f"cannot save the module's calling convention (pytree spec): {err}") from err
+        # defaults of arguments fixed by concrete_args (``targets=None`` of a detector)
+        defaults = getattr(codegen, "defaults", None)
+        if defaults:
+            out["defaults"] = Encoder("the calling convention's defaults")(dict(defaults))
+        return out
     raise SerializationError(f"cannot save a graph with custom code generation {type(codegen).__qualname__}.")

@@ -16,12 +16,18 @@ A saved directory holds:
 
 JSON values are tagged (``{"$": "tuple", "v": [...]}``); :data:`TYPES` lists the Python types a
 value may name. Change the format only together with :data:`FORMAT_VERSION`.
+
+Reading is bounded (:data:`LIMITS`): a JSON file larger, deeper or with more entries than any real
+save, a file that is a link or a device rather than a regular file, is refused before it is parsed
+further, so a crafted save cannot exhaust memory or the interpreter's stack.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +38,8 @@ from ..errors import SerializationError
 from ..inputs import normalize_example_inputs
 
 FORMAT = "fxprep.saved_module"
-FORMAT_VERSION = 1
+# 2: tensor slots and constants record dtype and shape; opaque parts and helper objects.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 GRAPH = "graph.json"
 MODULES = "modules.json"
@@ -50,6 +57,8 @@ KINDS = {
     "bound_op": "an fxprep.ops op: its callable's name plus the argument templates",
     "state": "any other trusted module class: created without __init__, its plain attributes restored",
     "same_as": "the same module object as another path (identity is kept)",
+    "opaque_method": "an opaque part running owner.<method>: the owner as a saved object, the method by name (trusted code only)",
+    "opaque_function": "an opaque part running a function, by its module.qualname (trusted code only)",
     "graph": "a nested GraphModule (a torch.cond branch): its graph's nodes, built after the whole tree",
 }
 
@@ -123,14 +132,87 @@ def contiguous_unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+def tensor_record(t: torch.Tensor) -> dict[str, Any]:
+    """What a slot records about its tensor, checked against the weights file on load."""
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": [int(x) for x in t.shape]}
+
+
 # --- load --------------------------------------------------------------------------------------
-def read_json(path: Path) -> Any:
+# Far above any real save (a 7B-parameter LLM's graph.json is a few MB, nesting ~20 deep).
+LIMITS = {"json_bytes": 256 * 2**20, "depth": 100, "values": 20_000_000, "entries": 2_000_000}
+
+
+def regular_file(path: Path) -> os.stat_result:
+    """``path``'s stat if it is a regular file (not a link, device or fifo); SerializationError otherwise."""
     try:
-        return json.loads(path.read_text())
+        st = os.lstat(path)
     except FileNotFoundError as err:
         raise SerializationError(f"{path} is missing: not an fxprep save directory (fxprep.save writes it).") from err
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SerializationError(f"{path} is not valid JSON ({err}); the file is damaged.") from err
+    except OSError as err:
+        raise SerializationError(f"cannot read {path}: {err}") from err
+    if not stat.S_ISREG(st.st_mode):
+        raise SerializationError(f"{path} is not a regular file (a link or device): fxprep.save never writes one.")
+    return st
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (fxprep writes non-finite floats as tagged values)")
+
+
+def check_shape(data: Any, path: Path) -> None:
+    """Depth and size of parsed JSON, walked without recursion."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    count = 0
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if depth > LIMITS["depth"] or count > LIMITS["values"]:
+            what = "nested deeper" if depth > LIMITS["depth"] else "holds more values"
+            limit = LIMITS["depth"] if depth > LIMITS["depth"] else LIMITS["values"]
+            raise SerializationError(f"{path} is {what} than any fxprep save ({limit}): refusing to read it.")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
+def read_json(path: Path) -> Any:
+    st = regular_file(path)
+    if st.st_size > LIMITS["json_bytes"]:
+        raise SerializationError(f"{path} is {st.st_size} bytes, more than any fxprep save ({LIMITS['json_bytes']}).")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(LIMITS["json_bytes"] + 1)
+        if len(raw) > LIMITS["json_bytes"]:
+            raise SerializationError(f"{path} is larger than any fxprep save ({LIMITS['json_bytes']} bytes).")
+        data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except RecursionError as err:
+        raise SerializationError(f"{path} is nested deeper than any fxprep save: refusing to read it.") from err
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError; so are huge ints
+        raise SerializationError(f"{path} is not valid JSON ({str(err)[:200]}); the file is damaged.") from err
+    except OSError as err:
+        raise SerializationError(f"cannot read {path}: {err}") from err
+    check_shape(data, path)
+    return data
+
+
+def entries(container: Any, key: str, path: str) -> list[Any]:
+    """A list field of a saved file, bounded in length."""
+    value = container.get(key) if isinstance(container, dict) else None
+    if not isinstance(value, list):
+        raise SerializationError(f"malformed {path}: {key!r} must be a list.")
+    if len(value) > LIMITS["entries"]:
+        raise SerializationError(f"{path} lists {len(value)} {key}, more than any fxprep save ({LIMITS['entries']}).")
+    return value
+
+
+def is_save(directory: Path) -> bool:
+    """Whether ``directory`` holds an fxprep save (a regular manifest naming the format)."""
+    try:
+        manifest = read_json(directory / MANIFEST)
+    except SerializationError:
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 def check_manifest(directory: Path, check_integrity: bool) -> dict[str, Any]:
@@ -148,8 +230,7 @@ def check_manifest(directory: Path, check_integrity: bool) -> dict[str, Any]:
             raise SerializationError(f"{directory / MANIFEST} has no checksums.")
         for name in CHECKED_FILES:
             path = directory / name
-            if not path.exists():
-                raise SerializationError(f"{path} is missing.")
+            regular_file(path)
             if sha256(path) != sums.get(name):
                 raise SerializationError(
                     f"{path} does not match its checksum in {MANIFEST}: it was modified or damaged after "
@@ -177,9 +258,10 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def load_weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
+    regular_file(directory / WEIGHTS)
     try:
         with safe_open(str(directory / WEIGHTS), framework="pt", device="cpu") as f:
             # One tensor at a time, so a misaligned one is copied while only it is in memory twice.
             return {key: _aligned(f.get_tensor(key)) for key in f.keys()}  # noqa: SIM118 - not a dict
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise SerializationError(f"cannot read {directory / WEIGHTS}: {err}") from err
+    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError, OverflowError, MemoryError) as err:
+        raise SerializationError(f"cannot read {directory / WEIGHTS}: {str(err)[:300]}") from err

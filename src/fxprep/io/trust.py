@@ -1,20 +1,35 @@
 """What a saved file may name: the trust policy of :func:`fxprep.load`.
 
-A saved directory comes from someone else. Every class and function it names is checked here before
-anything is imported or called: classes must be ``nn.Module`` subclasses from a trusted module;
-functions must be tensor ops from torch's operator namespaces, ``math``, ``operator`` (minus the
-getter factories), a short list of builtins, or a module the caller trusts explicitly; attribute and
-method names starting with ``_`` (the way from a tensor to ``__globals__``) are refused, apart from
-the Tensor operator dunders. A file that asks for anything else raises
-:class:`~fxprep.errors.SerializationError` naming what it asked for.
+A saved directory comes from someone else, and its checksums prove only that the files belong
+together, not who wrote them. So trust rests on **identity**, never on how a name looks:
+
+* a function or class a save names is looked up in a table of objects (:mod:`.allowlist`: torch's
+  operator namespaces, ``math``, ``operator`` minus its getter factories, a few builtins, the
+  ``torch.nn`` / ``torch.ao.nn`` / ``fxprep`` / ``torchvision.ops`` classes). The name is a key; it
+  is never walked attribute by attribute (``torch.nn.functional.torch.builtins.eval`` is not a key);
+* a name inside a package the caller lists in ``trusted_modules`` is imported from that package and
+  the object found must name itself exactly so (``obj.__module__ + "." + obj.__qualname__``) and be
+  defined inside that package: ``torchvision.models.detection.ssd.torch.hub.load`` finds
+  ``torch.hub.load``, which is defined in ``torch.hub``, and is refused;
+* attribute names a save sets may not replace what the class defines as a method, property or
+  other descriptor (``forward``, ``__class__``), nor nn.Module's own bookkeeping;
+* ``getattr`` in a graph may not fetch a method (the way from data to a callable), and
+  ``call_method`` nodes may call only Tensor methods.
+
+Anything else raises :class:`~fxprep.errors.SerializationError` saying what was refused and, where
+trusting a package would allow it, which ``trusted_modules`` entry would.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import operator
 import re
-from collections.abc import Callable
+import sys
+import types
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,44 +37,15 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..errors import SerializationError
+from ..errors import InvalidInput, SerializationError
+from ..wrap import autograd_function_caller
+from . import allowlist
+from .allowlist import canonical_name
 
-DEFAULT_TRUSTED_CLASSES = ("torch.nn.", "torch.ao.nn.", "fxprep.", "torchvision.ops.", "torchvision.models.")
-DEFAULT_TRUSTED_FUNCTIONS = ("torchvision.ops.", "fxprep.cond.cond")
+_MISSING = object()
+_DEFAULT_CLASS_PACKAGES = ("torch.nn.modules.", "torch.ao.nn.", "fxprep.ops.", "torchvision.ops.")
 
-
-# Functions that may be called by a loaded graph -------------------------------------------------
-_TORCH_NAMESPACES = (
-    "torch.nn.functional.", "torch.special.", "torch.linalg.", "torch.fft.", "torch.functional.",
-    "torch._C._nn.", "torch._C._linalg.", "torch._C._special.", "torch._C._fft.", "torch._C._VariableFunctions.",
-    "torch.ops.aten.", "torch.ops.prims.",
-)
-
-
-_TORCH_EXTRA = frozenset({
-    "torch.fx._symbolic_trace._assert_is_none", "torch._C._set_grad_enabled", "torch._assert",
-    # `with torch.autocast(..., enabled=False):` regions as Dynamo records them (timm EfficientViT)
-    "torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast",
-})
-
-
-# Top-level torch callables that touch files, compile code or change global state.
-_TORCH_DENY = re.compile(
-    r"^(load|save|compile|from_file|import_ir_module.*|set_.*|use_deterministic.*|manual_seed|seed|"
-    r"initial_seed|hub|jit|package|export|onnx|library|classes|cond|vmap|func|_.*)$"
-)
-
-
-_BUILTINS = frozenset({
-    "len", "getattr", "int", "float", "bool", "abs", "min", "max", "round", "range", "tuple", "list",
-    "slice", "sum", "all", "any", "divmod", "pow", "isinstance",
-})
-
-
-_OPERATOR_DENY = frozenset({"attrgetter", "methodcaller", "call"})
-
-
-# Dunder methods a graph may call on tensors (operator overloads), nothing else starting with "_".
+# Dunder methods a graph may call on tensors (operator overloads), nothing else starting with "__".
 _DUNDER_OK = frozenset(
     n for n in dir(torch.Tensor)
     if n.startswith("__") and n.endswith("__") and n.strip("_") in {
@@ -69,106 +55,306 @@ _DUNDER_OK = frozenset(
     }
 )
 
+# Read-only container methods a graph may call besides Tensor methods (``outputs.keys()``).
+_CONTAINER_METHODS = frozenset({"keys", "values", "items", "get", "index", "count"})
+
+# Types whose methods ``getattr`` may not fetch from a graph value: a bound method is code, and an
+# allow-listed function taking a callable (``max(key=...)``, ``torch._check(msg)``) would call it.
+_RECEIVER_TYPES: tuple[type, ...] = (
+    object, torch.Tensor, torch.UntypedStorage, torch.TypedStorage, str, bytes, bytearray, list, tuple, dict, set,
+    frozenset, int, float, complex, nn.Module, torch.Size, torch.dtype, torch.device, torch.utils.hooks.RemovableHandle,
+)
+# Fields of torch's named-tuple results (``x.max(dim=1).values``) that share a name with a method.
+_DATA_FIELDS = frozenset({"values", "indices"})
+
+
+def _is_code(static: Any) -> bool:
+    """A class attribute that is code or computes on access (method, property, descriptor)."""
+    return callable(static) or hasattr(type(static), "__get__") or hasattr(type(static), "__set__")
+
+
+@functools.cache
+def _method_names() -> frozenset[str]:
+    names = set()
+    receivers = list(_RECEIVER_TYPES)
+    try:  # Tensor.numpy() gives an ndarray, whose tofile / dump write files
+        import numpy as np
+
+        receivers += [np.ndarray, np.generic]
+    except ImportError:
+        pass
+    for cls in receivers:
+        for name in dir(cls):
+            if _is_code(inspect.getattr_static(cls, name, None)):
+                names.add(name)
+    # getset descriptors of torch.Tensor (shape, dtype, T, grad_fn) are data, not methods
+    return frozenset(n for n in names if not isinstance(inspect.getattr_static(torch.Tensor, n, None),
+                                                        types.GetSetDescriptorType))
+
+
+def check_member(name: Any, what: str) -> None:
+    """A method name a ``call_method`` node (or a ``Tensor.<name>`` op) may call: a Tensor method
+    or operator dunder, or a read-only container method."""
+    if not isinstance(name, str) or not name.isidentifier() or (name.startswith("_") and name not in _DUNDER_OK):
+        raise SerializationError(f"refusing to load: {what} {name!r} is private; a saved graph never needs it.")
+    if name in _CONTAINER_METHODS or name in _DUNDER_OK:
+        return
+    if not callable(inspect.getattr_static(torch.Tensor, name, None)):
+        raise SerializationError(f"refusing to load: {what} {name!r} is not a Tensor method.")
+
+
+def check_getattr(name: Any) -> None:
+    """An attribute name a graph's ``getattr`` may read: public data (``shape``, ``dtype``, a named
+    tuple's or ModelOutput's field), never a method: a bound method is code the graph could pass on."""
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+        raise SerializationError(f"refusing to load: attribute {name!r} is private (or not a literal name); "
+                                 f"a saved graph never needs it.")
+    if name in _method_names() and name not in _DATA_FIELDS:
+        raise SerializationError(f"refusing to load: getattr(..., {name!r}) fetches a method, not data; a saved "
+                                 f"graph never needs it.")
+
+
+# What fx writes a non-identifier name into: ``getattr(self, "block1-0")`` in the generated forward,
+# which fx then executes. A quote, backslash or line break in a saved name would be code.
+ATOM = re.compile(r'[^"\\\x00-\x1f\x7f.]{1,200}')
+
+
+def is_atom(name: Any) -> bool:
+    """A name for a child, parameter or buffer: what nn.Module accepts (no dots, not empty), less
+    anything that could end a string literal in the code fx generates from it."""
+    return isinstance(name, str) and ATOM.fullmatch(name) is not None
+
+
+def check_attribute(cls: type, name: Any, what: str = "attribute") -> None:
+    """A name a save may set on an instance of ``cls`` (an attribute, tensor slot or constant): an
+    identifier (or, for tensor slots, a name like ParameterList's ``"0"``), not a dunder, not
+    nn.Module's bookkeeping, and not something the class defines as code (``forward``, any method,
+    property or descriptor): a saved value may not replace behaviour."""
+    from .format import MODULE_INTERNALS
+
+    named = isinstance(name, str) and (name.isidentifier() or (what.startswith("tensor") and is_atom(name)))
+    if not named or name.startswith("__"):
+        raise SerializationError(f"refusing to load: {what} name {str(name)[:80]!r} of {cls.__name__}.")
+    if name in MODULE_INTERNALS:
+        raise SerializationError(f"refusing to load: {what} {name!r} would overwrite nn.Module internals of {cls.__name__}.")
+    if _is_code(inspect.getattr_static(cls, name, None)):
+        raise SerializationError(
+            f"refusing to load: {what} {name!r} of {cls.__name__} would replace the class's own {name!r} "
+            f"(a method, property or descriptor); a save may set data only."
+        )
+
+
+def _inside(module: Any, packages: Iterable[str]) -> str | None:
+    """The package of ``packages`` that module name ``module`` is, or lies inside (None if none)."""
+    if not isinstance(module, str):
+        return None
+    return next((p for p in packages if module == p or module.startswith(p + ".")), None)
+
+
+def _valid_path(name: Any) -> bool:
+    return isinstance(name, str) and bool(name) and all(p.isidentifier() and not p.startswith("__") for p in name.split("."))
+
+
+def _find_in(package: str, name: str) -> Any:
+    """The object ``name`` names, imported from inside ``package`` only: the longest importable
+    module prefix (never outside the package), then the rest through class dicts (no attribute
+    hooks, no modules in between). ``_MISSING`` when there is none."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:i])
+        if _inside(module_name, (package,)) is None:
+            break
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for j, part in enumerate(parts[i:]):
+            if j and not isinstance(obj, type):
+                return _MISSING
+            obj = vars(obj).get(part, _MISSING)
+            if obj is _MISSING:
+                return _MISSING
+        return obj
+    return _MISSING
+
 
 @dataclass(frozen=True)
 class TrustPolicy:
-    """What a loaded file may import. ``modules`` are extra module prefixes the caller trusts (their
-    classes and functions), e.g. ``("timm.layers", "mypackage")``."""
+    """What a loaded file may use. ``modules`` are packages (or modules) the caller trusts, e.g.
+    ``("torchvision",)`` or ``("timm.layers", "mypackage")``: their classes and functions, by their
+    own canonical names, and the ``torch.ops.<package>`` custom ops they register."""
 
     modules: tuple[str, ...] = ()
 
-    def _trusted(self, name: str, defaults: tuple[str, ...]) -> bool:
-        prefixes = (*defaults, *(m.rstrip(".") + "." for m in self.modules))
-        return name.startswith(prefixes)
-
-    def check_function(self, name: str) -> None:
-        """Raise unless ``name`` may be called by a loaded graph."""
-        if name.startswith("Tensor."):
-            check_member(name.removeprefix("Tensor."), "Tensor method")
-            return
-        if name.startswith("autograd:"):
-            self.check_class_name(name.removeprefix("autograd:"), "autograd.Function")
-            return
-        head, _, last = name.rpartition(".")
-        if head == "operator" and last not in _OPERATOR_DENY and not last.startswith("_"):
-            return
-        if head == "builtins" and last in _BUILTINS:
-            return
-        if head == "math" and not last.startswith("_"):
-            return
-        if name in _TORCH_EXTRA or name.startswith(_TORCH_NAMESPACES):
-            if not any(part.startswith("__") for part in name.split(".")):
-                return
-        if head == "torch" and not _TORCH_DENY.match(last):
-            return
-        if self._trusted(name, DEFAULT_TRUSTED_FUNCTIONS):
-            return
-        if name.startswith("torch.ops.") and name.count(".") >= 3:
-            # A library's custom ops live under its own namespace (transformers' MoE kernels are
-            # torch.ops.transformers.*): trusting the library trusts the ops it registers.
-            namespace = name.split(".")[2]
-            if any(m.rstrip(".") == namespace for m in self.modules):
-                return
-        raise SerializationError(
-            f"refusing to load: the graph calls {name!r}, which is not a torch tensor op fxprep trusts. "
-            f"If you trust the module it comes from, pass trusted_modules=[{name.rpartition('.')[0]!r}] to fxprep.load."
-        )
-
-    def check_class_name(self, name: str, what: str = "module class") -> None:
-        if any(part.startswith("__") for part in name.split(".")) or not self._trusted(name, DEFAULT_TRUSTED_CLASSES):
-            raise SerializationError(
-                f"refusing to load: the file asks for {what} {name!r}, outside the trusted modules. "
-                f"If you trust it, pass trusted_modules=[{name.rpartition('.')[0]!r}] to fxprep.load."
+    def __post_init__(self) -> None:
+        if isinstance(self.modules, str) or not all(_valid_path(m) for m in self.modules):
+            raise InvalidInput(
+                f"trusted_modules must be a list of package names such as ['torchvision'], not {self.modules!r}."
             )
 
-
-def check_member(name: str, what: str) -> None:
-    """Attribute / method names a loaded graph may use: public ones and the Tensor operator dunders."""
-    if not isinstance(name, str) or not name.isidentifier() or (name.startswith("_") and name not in _DUNDER_OK):
-        raise SerializationError(f"refusing to load: {what} {name!r} is private; a saved graph never needs it.")
-
-
-def _import(name: str) -> Any:
-    """Import ``pkg.mod.Attr.attr`` (the module part found by trying the longest importable prefix)."""
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
+    @classmethod
+    def of(cls, trusted_modules: Iterable[str] | None) -> TrustPolicy:
+        if isinstance(trusted_modules, str):
+            raise InvalidInput(f"trusted_modules must be a list of package names, e.g. [{trusted_modules!r}], not a string.")
         try:
-            obj: Any = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
+            return cls(tuple(trusted_modules or ()))
+        except TypeError as err:
+            raise InvalidInput(f"trusted_modules must be a list of package names, not {trusted_modules!r}.") from err
+
+    # --- the trusted packages -------------------------------------------------------------------
+    def package_of(self, module: Any) -> str | None:
+        """The trusted package that module name ``module`` lies in."""
+        return _inside(module, self.modules)
+
+    def _trusted_object(self, name: str) -> Any:
+        """The object a trusted package defines under its canonical ``name`` (identity checked)."""
+        package = self.package_of(name)
+        if package is None or not _valid_path(name):
+            return _MISSING
+        obj = _find_in(package, name)
+        if obj is _MISSING or canonical_name(obj) != name or self.package_of(getattr(obj, "__module__", None)) is None:
+            return _MISSING
+        return obj
+
+    @staticmethod
+    def _hint(name: str) -> str:
+        """Which trusted_modules entry would allow ``name``: its module, if already imported."""
+        parts = name.split(".")
+        module = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in sys.modules),
+                      name.rpartition(".")[0])
+        if not module:
+            return ""
+        package = module.split(".")[0]
+        whole = f" (its module) or [{package!r}] (its whole package)" if package != module else ""
+        return f"If you trust it, pass trusted_modules=[{module!r}]{whole} to fxprep.load."
+
+    # --- functions ------------------------------------------------------------------------------
+    def function(self, name: Any) -> Callable[..., Any]:
+        """The function a loaded graph (or op) may call under ``name``; raises unless trusted."""
+        if not isinstance(name, str):
+            raise SerializationError(f"refusing to load: malformed function name {str(name)[:80]!r}.")
+        if name.startswith("Tensor."):
+            check_member(name.removeprefix("Tensor."), "Tensor method")
+            return ops.method_call(name.removeprefix("Tensor."))
+        if name.startswith("autograd:"):
+            cls = self._trusted_object(name.removeprefix("autograd:"))
+            if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+                raise self._refuse(name.removeprefix("autograd:"), "autograd.Function")
+            return autograd_function_caller(cls)
+        fn = allowlist.functions().get(name, _MISSING)
+        if fn is _MISSING and name.startswith(allowlist.TORCHVISION_OPS + "."):
+            fn = allowlist.torchvision_functions().get(name, _MISSING)
+        if fn is _MISSING and name.startswith("torch.ops."):
+            fn = self._op(name)
+        if fn is _MISSING:  # a trusted package's function, or class called as one (an output container)
+            obj = self._trusted_object(name)
+            if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type)):
+                fn = obj
+        if fn is _MISSING:
+            raise self._refuse(name, "function")
+        return fn  # type: ignore[return-value]
+
+    def check_function(self, name: str) -> None:
+        """Raise unless ``name`` may be called by a loaded graph. A trusted library's custom op
+        namespace is accepted by name (its ops exist once the library is imported)."""
+        if isinstance(name, str) and name.startswith("torch.ops."):
+            parts = name.split(".")
+            if len(parts) in (4, 5) and all(p.isidentifier() for p in parts) and parts[2] in self.modules:
+                return
+        self.function(name)
+
+    def _op(self, name: str) -> Any:
+        """``torch.ops.<ns>.<op>[.<overload>]``: an OpOverloadPacket / OpOverload of a trusted
+        namespace (aten, prims, or a trusted library's), looked up by its exact qualified name."""
+        parts = name.split(".")
+        if len(parts) not in (4, 5) or not all(p.isidentifier() and not p.startswith("__") for p in parts[2:]):
+            return _MISSING
+        namespace, op_name = parts[2], parts[3]
+        if namespace not in allowlist.OP_NAMESPACES and namespace not in self.modules:
+            return _MISSING
+        if allowlist.OP_DENY.match(op_name):
+            return _MISSING
         try:
-            for part in parts[i:]:
-                obj = getattr(obj, part)
-        except AttributeError:
-            break
-        return obj
-    raise SerializationError(f"cannot import {name!r}: is the package that defines it installed?")
+            packet = getattr(getattr(torch.ops, namespace), op_name)
+            found = packet if len(parts) == 4 else getattr(packet, parts[4])
+        except (AttributeError, RuntimeError):
+            return _MISSING
+        if isinstance(found, torch._ops.OpOverloadPacket) and len(parts) == 4:
+            return found if found._qualified_op_name == f"{namespace}::{op_name}" else _MISSING
+        if isinstance(found, torch._ops.OpOverload) and len(parts) == 5:
+            same = found.namespace == namespace and found._opname == op_name and found._overloadname == parts[4]
+            return found if same else _MISSING
+        return _MISSING
+
+    # --- classes --------------------------------------------------------------------------------
+    def module_class(self, name: Any) -> type[nn.Module]:
+        """The nn.Module subclass a save may build under ``name``."""
+        cls = self._class(name)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise SerializationError(f"refusing to load: {str(name)[:120]!r} is not an nn.Module subclass.")
+        return cls
+
+    def object_class(self, name: Any) -> type:
+        """A class whose instances a save may rebuild from plain attributes (a module, or a helper
+        object such as a box coder held by one): a default module class or a trusted package's."""
+        cls = self._class(name)
+        if not isinstance(cls, type) or issubclass(cls, BaseException):
+            raise SerializationError(f"refusing to load: {str(name)[:120]!r} is not a class.")
+        return cls
+
+    def _class(self, name: Any) -> Any:
+        if not isinstance(name, str):
+            raise SerializationError(f"refusing to load: malformed class name {str(name)[:80]!r}.")
+        cls = allowlist.module_classes().get(name, _MISSING)
+        if cls is _MISSING and name.startswith(allowlist.TORCHVISION_OPS + "."):
+            cls = allowlist.torchvision_classes().get(name, _MISSING)
+        if cls is _MISSING:
+            cls = self._trusted_object(name)
+        if cls is _MISSING and name.startswith(_DEFAULT_CLASS_PACKAGES) and name.rpartition(".")[0] in sys.modules \
+                and _valid_path(name) and not self.package_of(name):
+            raise SerializationError(
+                f"cannot import {name!r}: this installation has no such module class (saved with another "
+                f"version of the library?)."
+            )
+        if cls is _MISSING or not isinstance(cls, type):
+            raise self._refuse(name, "class")
+        return cls
+
+    def trusted_code(self, fn: Any) -> bool:
+        """Whether function ``fn`` (an opaque part's code) is defined inside a trusted package and
+        is what its own canonical name resolves to there."""
+        name = canonical_name(fn)
+        return name is not None and self._trusted_object(name) is fn
+
+    def _refuse(self, name: str, what: str) -> SerializationError:
+        listed = f" (trusted: {list(self.modules)})" if self.modules else ""
+        return SerializationError(
+            f"refusing to load: the file asks for {what} {name[:200]!r}, which is not one fxprep trusts{listed}. "
+            f"{self._hint(name)}"
+        )
 
 
-def _resolve_function(name: str) -> Callable[..., Any]:
-    if name.startswith("torch.ops."):
-        obj: Any = torch.ops
-        for part in name.removeprefix("torch.ops.").split("."):
-            obj = getattr(obj, part)
-        return obj
+def is_default_module_class(cls: type) -> bool:
+    """torch.nn / torch.ao.nn / fxprep.ops / torchvision.ops classes (trusted without asking)."""
+    name = canonical_name(cls)
+    if name is None:
+        return False
+    if allowlist.module_classes().get(name) is cls:
+        return True
+    return name.startswith(allowlist.TORCHVISION_OPS + ".") and allowlist.torchvision_classes().get(name) is cls
+
+
+def default_function_name(fn: Any) -> str | None:
+    """The saved name of an allow-listed function (preferring ``ops.qualified_name``'s), or None."""
     try:
-        return ops.resolve_callable(name)
-    except ImportError as err:
-        raise SerializationError(f"cannot import callable {name!r}: {err}") from err
-
-
-def load_function(name: str, policy: TrustPolicy) -> Callable[..., Any]:
-    policy.check_function(name)
-    return _resolve_function(name)
-
-
-def class_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def load_class(name: str, policy: TrustPolicy) -> type[nn.Module]:
-    policy.check_class_name(name)
-    cls = _import(name)
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise SerializationError(f"refusing to load: {name!r} is not an nn.Module subclass.")
-    return cls
+        preferred = ops.qualified_name(fn)
+    except Exception:  # noqa: BLE001 - an odd callable: no preferred name
+        preferred = None
+    table = allowlist.functions()
+    if preferred is not None and table.get(preferred, _MISSING) is fn:
+        return preferred
+    name = allowlist.function_names().get(id(fn))
+    if name is not None and table.get(name) is fn:
+        return name
+    vision = allowlist.torchvision_functions() if str(getattr(fn, "__module__", "")).startswith("torchvision.ops") else {}
+    return next((n for n, f in vision.items() if f is fn), None)
