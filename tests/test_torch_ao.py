@@ -62,7 +62,8 @@ def _fx_mode_case(name: str, build, shape) -> None:
     model = with_batchnorm_statistics(build(), shape)
     revive_zero_weights(model)  # torchvision's ViT head starts at zero: every output would be 0
     x = torch.randn(*shape)
-    baseline = quantized_ops(fx_quantize(fx.symbolic_trace(model), x))
+    traced = fx_quantize(fx.symbolic_trace(model), x)
+    baseline = quantized_ops(traced)
     gm = fxprep.prepare_model(model, example_inputs=x)
     ours = fx_quantize(copy.deepcopy(gm), x)
     functional = fx_quantize(to_functional.run(copy.deepcopy(gm)), x)
@@ -72,8 +73,13 @@ def _fx_mode_case(name: str, build, shape) -> None:
     assert quantized_ops(functional) >= baseline
     with torch.no_grad():
         reference = model(x)
-        for converted in (ours, functional):
-            assert float((converted(x) - reference).norm() / reference.norm()) < 0.2
+
+        def error(converted: fx.GraphModule) -> float:
+            return float((converted(x) - reference).norm() / reference.norm())
+
+        # as accurate as torch.ao is on its own trace (8-bit ViT with random weights is not accurate)
+        bound = max(0.2, 1.05 * error(traced))
+        assert error(ours) <= bound and error(functional) <= bound, (error(traced), error(ours), error(functional))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
