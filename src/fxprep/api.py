@@ -31,6 +31,7 @@ from .passes import aimet_modules, aimet_names, functional_to_module, state_dict
 from .prepared import REPORT, as_prepared, set_preserved
 from .report import Report, Verification
 from .runs import preserved_state
+from .threads import GLOBAL_LOCK
 from .verify import run_original, verify
 
 
@@ -194,24 +195,27 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
 
     t1 = time.perf_counter()
     tracers = _tracers(opts, example, report, model)
-    rewrite = _control_flow(model, opts, example, concrete, reference)
-    if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
-        result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
-    else:
-        result, attempts = capture(model, tracers, policy, concrete, example, opts)
-    if result is None and opts.fallback == "leaf":
-        progress.stage("capture: fx with the untraceable parts opaque")
-        with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
-            result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions,
-                                                    handled=rewrite.learn if rewrite is not None else None)
-        attempts.append(attempt)
-        report.issues.extend(issue for _, issue in sites)
-        if result is not None and sites:
-            report.note(
-                f"{len(sites)} part(s) could not be traced and run eagerly as opaque calls (see 'kept as "
-                f"leaves'); their output structure (list lengths, None-ness) was recorded from the example "
-                f"inputs, so inputs giving a differently-structured result need verify_inputs=[...] to be checked."
-            )
+    with GLOBAL_LOCK:  # capture patches process-wide state: one thread at a time (fxprep.threads)
+        rewrite = _control_flow(model, opts, example, concrete, reference)
+        if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
+            result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
+        else:
+            result, attempts = capture(model, tracers, policy, concrete, example, opts)
+        sites: list[Any] = []
+        # the hybrid capture is fx-based: never the answer to a forced tracer="dynamo"
+        if result is None and opts.fallback == "leaf" and opts.tracer != "dynamo":
+            progress.stage("capture: fx with the untraceable parts opaque")
+            with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
+                result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions,
+                                                        handled=rewrite.learn if rewrite is not None else None)
+            attempts.append(attempt)
+    report.issues.extend(issue for _, issue in sites)
+    if result is not None and sites:
+        report.note(
+            f"{len(sites)} part(s) could not be traced and run eagerly as opaque calls (see 'kept as "
+            f"leaves'); their output structure (list lengths, None-ness) was recorded from the example "
+            f"inputs, so inputs giving a differently-structured result need verify_inputs=[...] to be checked."
+        )
     report.attempts = attempts
     report.timings["capture"] = time.perf_counter() - t1
     if result is None:

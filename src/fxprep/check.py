@@ -36,6 +36,7 @@ from .diagnose import (
 )
 from .inputs import normalize_example_inputs
 from .report import Report, RewrittenSite
+from .threads import GLOBAL_LOCK
 
 # Tracers that capture the model whole (the hybrid leaf fallback is reported apart).
 WHOLE_MODEL_TRACERS = ("dynamo", "fx", "hf_fx")
@@ -205,6 +206,13 @@ def check_traceability(
     ``control_flow="rewrite"`` capture loop and names, for each data-dependent site, whether the
     rewrite applies (``torch.where`` / ``torch.cond``) or why not.
     """
+    with GLOBAL_LOCK:  # every tracer patches process-wide state (fxprep.threads)
+        return _check_traceability(model, example_inputs, modules_to_exclude, module_classes_to_exclude,
+                                   concrete_args, draft_export, control_flow)
+
+
+def _check_traceability(model: Any, example_inputs: Any, modules_to_exclude: Any, module_classes_to_exclude: Any,
+                        concrete_args: Any, draft_export: bool, control_flow: bool) -> TraceReport:
     model = check_model(model)
     policy = leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
     concrete = check_concrete_args(model, concrete_args)

@@ -26,6 +26,7 @@ import inspect
 import math
 import operator
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -36,6 +37,7 @@ from torch import nn
 from torch.fx._symbolic_trace import PH
 
 from ..errors import TraceFailure
+from ..threads import confined, confined_fx_patches, on_owner_thread
 from ..wrap import TENSOR_CONSTRUCTORS, autograd_function_caller, find_proxy, record_as_call
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
 
@@ -45,8 +47,10 @@ INPLACE_OPERATORS = ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "i
                      "imatmul", "ilshift", "irshift")
 
 
-def _inplace_operator(op: Callable[..., Any]) -> Callable[..., Any]:
+def _inplace_operator(op: Callable[..., Any], owner: int) -> Callable[..., Any]:
     def method(self: fx.Proxy, other: Any) -> Any:
+        if not on_owner_thread(owner):
+            return NotImplemented  # another thread's plain fx trace: Python falls back to ``x = x + y``
         return self.tracer.create_proxy("call_function", op, (self, other), {})
 
     return method
@@ -60,21 +64,25 @@ def _traced_len(obj: Any) -> Any:
 
 @contextlib.contextmanager
 def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
-    """Install the recording wrappers for the duration of one trace and always undo them."""
+    """Install the recording wrappers for the duration of one trace and always undo them.
+
+    Each one is confined to this thread (:func:`fxprep.threads.confined`): other threads keep
+    running torch's own functions while this one traces."""
     restore: list[Callable[[], None]] = []
+    owner = threading.get_ident()
     try:
         for name in TENSOR_CONSTRUCTORS:
             orig = getattr(torch, name, None)
             if orig is None:
                 continue
-            setattr(torch, name, record_as_call(orig))
+            setattr(torch, name, confined(record_as_call(orig), orig, owner))
             restore.append(functools.partial(setattr, torch, name, orig))
 
         function_cls = torch.autograd.Function
         orig_apply = function_cls.__dict__["apply"]
 
         def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-            proxy = find_proxy((args, kwargs))
+            proxy = find_proxy((args, kwargs)) if on_owner_thread(owner) else None
             if proxy is None:
                 return orig_apply.__get__(None, cls)(*args, **kwargs)
             return proxy.tracer.create_proxy("call_function", autograd_function_caller(cls), args, kwargs)
@@ -85,7 +93,7 @@ def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
         for name in INPLACE_OPERATORS:
             if f"__{name}__" in fx.Proxy.__dict__:
                 continue
-            setattr(fx.Proxy, f"__{name}__", _inplace_operator(getattr(operator, name)))
+            setattr(fx.Proxy, f"__{name}__", _inplace_operator(getattr(operator, name), owner))
             restore.append(functools.partial(delattr, fx.Proxy, f"__{name}__"))
 
         seen: set[int] = set()
@@ -98,7 +106,7 @@ def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
                 restore.append(functools.partial(g.__setitem__, "len", g["len"]))
             else:
                 restore.append(functools.partial(g.pop, "len", None))
-            g["len"] = _traced_len
+            g["len"] = confined(_traced_len, g.get("len", builtins.len), owner)
         yield
     finally:
         for undo in reversed(restore):
@@ -155,7 +163,7 @@ class FxprepTracer(fx.Tracer):
     def trace(self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """``fx.Tracer.trace`` with the recording patches installed for this trace only."""
         modules = root.modules() if isinstance(root, nn.Module) else ()
-        with _tracing_patches(_forward_globals(modules)):
+        with confined_fx_patches(), _tracing_patches(_forward_globals(modules)):
             return super().trace(root, concrete_args=concrete_args)
 
     def make_graph_module(self, graph: fx.Graph, class_name: str) -> fx.GraphModule:
