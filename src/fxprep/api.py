@@ -185,13 +185,13 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     report.inputs = example.describe() if example is not None else "none"
 
     concrete = defaults_as_concrete(model, example, concrete, report)
-    reference = None
+    reference = reference_state = None
     original_call = prepared_call = example
     if example is not None:
         original_call, prepared_call = split_calls(model, example, concrete)
         if opts.verify:  # the reference run doubles as the check that the inputs suit the model
             progress.stage("reference run")
-            reference = run_original(model, original_call)
+            reference, reference_state = run_original(model, original_call)
 
     t1 = time.perf_counter()
     tracers = _tracers(opts, example, report, model)
@@ -262,9 +262,11 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         progress.stage("verification")
         assert original_call is not None
         report.verification = verify(
-            model, gm, original_call, reference=reference, prepared_example=prepared_call,
-            rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite,
+            model, gm, original_call, reference=reference, reference_state=reference_state,
+            prepared_example=prepared_call, rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
+            where_rewrite=where_rewrite,
         )
+        _note_state(report, report.verification)
         if opts.dynamic:
             _verify_second_size(model, gm, example, concrete, opts, report)
         constructed = rewrite.coverage() if rewrite is not None else []
@@ -279,6 +281,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
             )
             checked.label = label or ""
             report.extra_verifications.append(checked)
+            _note_state(report, checked)
         report.timings["verify"] = time.perf_counter() - t3
     elif example is None:
         report.verification = Verification("skipped", detail="no example_inputs given")
@@ -290,6 +293,18 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     set_preserved(gm, REPORT, report)
     register_with_toolkits()
     return gm
+
+
+def _note_state(report: Report, verification: Verification) -> None:
+    """State the original's forward updates and the prepared module does not: said loudly."""
+    names = verification.state_not_reproduced
+    if names:
+        shown = ", ".join(names[:8]) + ("..." if len(names) > 8 else "")
+        report.note(
+            f"WARNING: state not reproduced: a call of the original leaves {shown} other than a call of the "
+            f"prepared module does (a counter or running value the original's forward updates and the graph "
+            f"does not, or the reverse). Outputs matched on this call; later calls may not."
+        )
 
 
 def register_with_toolkits() -> None:
@@ -338,6 +353,7 @@ def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleIn
     original_call, prepared_call = split_calls(model, second, concrete)
     result = verify(model, gm, original_call, prepared_example=prepared_call,
                     rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad")
+    _note_state(report, result)
     report.note(f"verified on a second input size ({second.describe()}): max |diff| = {result.max_abs_diff:.3g}")
 
 

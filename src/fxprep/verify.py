@@ -20,10 +20,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import EquivalenceError, ModelError
+from .errors import EquivalenceError, FxprepError, ModelError
 from .inputs import ExampleInputs
 from .report import Verification
-from .runs import SEED, preserved_state, run_model
+from .runs import SEED, observed_state, preserved_state, run_model, state_differences
 
 
 def flatten_output(value: Any, path: str = "out") -> list[tuple[str, Any]]:
@@ -48,11 +48,14 @@ def flatten_output(value: Any, path: str = "out") -> list[tuple[str, Any]]:
     return [(path, value)]
 
 
-def run_original(model: nn.Module, example: ExampleInputs) -> Any:
-    """The reference run of the user's model; its failure is the user's to fix, said so plainly."""
+def run_original(model: nn.Module, example: ExampleInputs) -> tuple[Any, dict[str, Any]]:
+    """The reference run of the user's model: its output, and the state it leaves behind
+    (:func:`fxprep.runs.observed_state`, restored afterwards). Its failure is the user's to fix,
+    said so plainly."""
     try:
         with preserved_state(model):
-            return run_model(model, example)
+            out = run_model(model, example)
+            return out, observed_state(model)
     except Exception as err:
         raise ModelError(
             f"The model itself failed on the example inputs ({example.describe()}): "
@@ -141,6 +144,7 @@ def verify(
     example: ExampleInputs,
     *,
     reference: Any = None,
+    reference_state: dict[str, Any] | None = None,
     prepared_example: ExampleInputs | None = None,
     rtol: float | None = None,
     atol: float | None = None,
@@ -152,7 +156,12 @@ def verify(
     mismatch (naming the first diverging leaf), else return the measured :class:`Verification`.
 
     ``prepared_example`` is how the prepared module is called when it differs from the original's
-    call (``concrete_args`` removed some arguments, for instance).
+    call (``concrete_args`` removed some arguments, for instance). ``reference`` and
+    ``reference_state`` are what :func:`run_original` returned, when the original already ran.
+
+    State is compared too: the buffers and plain scalar attributes (counters, running averages) one
+    run of the original leaves behind against those one run of the prepared module leaves behind;
+    the names that differ are in ``state_not_reproduced`` (reported, never passed over silently).
 
     ``where_rewrite``: the prepared graph joins data-dependent branches with ``torch.where``
     (``control_flow="rewrite"``, which reports it site by site). Two differences that follow are
@@ -162,16 +171,21 @@ def verify(
     prepared module (it was read only by the branch not taken, which ``torch.where`` computes too).
     """
     prepared_example = prepared_example or example
-    with preserved_state(original, prepared):
-        if reference is None:
+    if reference is None or reference_state is None:
+        with preserved_state(original, prepared):
             reference = run_model(original, example)
+            reference_state = observed_state(original)
+    with preserved_state(original, prepared):
         try:
             got = run_model(prepared, prepared_example)
+        except FxprepError:
+            raise
         except Exception as err:
             raise EquivalenceError(
                 f"The prepared module failed on the example inputs where the original ran: "
                 f"{type(err).__name__}: {err}. This is an fxprep bug; please report it with the model."
             ) from err
+        prepared_state = observed_state(original)
     if rtol is None or atol is None:
         d_rtol, d_atol = default_tolerances(reference)
         rtol = d_rtol if rtol is None else rtol
@@ -179,6 +193,7 @@ def verify(
     accepted: list[str] | None = [] if where_rewrite else None
     count, worst, problem = _compare(reference, got, rtol, atol, accepted)
     result = Verification("passed", max_abs_diff=worst, rtol=rtol, atol=atol, outputs_compared=count)
+    result.state_not_reproduced = state_differences(reference_state, prepared_state, rtol, atol)
     if problem is None and grad:
         g_worst, g_problem = _verify_grads(original, prepared, example, prepared_example, rtol, atol, accepted)
         result.grad, result.grad_max_abs_diff = True, g_worst

@@ -37,6 +37,7 @@ from torch import nn
 from torch.fx._symbolic_trace import PH
 
 from ..errors import TraceFailure
+from ..runs import StateChanges, preserved_state
 from ..threads import confined, confined_fx_patches, on_owner_thread
 from ..wrap import TENSOR_CONSTRUCTORS, autograd_function_caller, find_proxy, record_as_call
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
@@ -114,34 +115,22 @@ def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def restored_attributes(model: nn.Module, changed: list[str]) -> Iterator[None]:
-    """Undo whatever tracing wrote onto the user's modules.
+def restored_attributes(model: nn.Module, changed: list[str], updated: list[str] | None = None) -> Iterator[None]:
+    """Undo whatever tracing wrote onto the user's modules (:func:`fxprep.runs.preserved_state`).
 
     Some forwards cache values on ``self`` (``self.scales = ...``); during tracing those values
-    are Proxies, and leaving them there would break the user's model. Each module's attribute dict
-    (and its parameter/buffer/child registries) is restored; the names that changed are reported.
+    are Proxies, and leaving them there would break the user's model. Attributes, registries,
+    buffer values and plain containers are all put back; the names of attributes that changed are
+    added to ``changed``, those of buffers written in place to ``updated``.
     """
-    saved = []
-    for name, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, torch.jit.ScriptModule):
-            continue  # TorchScript modules cannot be written to by Python code anyway
-        saved.append((name, m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules)))
+    changes = StateChanges()
     try:
-        yield
+        with preserved_state(model, changes=changes):
+            yield
     finally:
-        for name, m, attrs, params, buffers, children in saved:
-            for registry, before in ((m._parameters, params), (m._buffers, buffers), (m._modules, children)):
-                if registry.keys() != before.keys() or any(registry[k] is not v for k, v in before.items()):
-                    registry.clear()
-                    registry.update(before)
-            now = m.__dict__
-            diff = [k for k in set(now) | set(attrs) if k not in attrs or k not in now or now[k] is not attrs[k]]
-            for k in diff:
-                if k in attrs:
-                    now[k] = attrs[k]
-                else:
-                    del now[k]
-                changed.append(f"{name + '.' if name else ''}{k}")
+        changed.extend(changes.attributes + changes.containers)
+        if updated is not None:
+            updated.extend(changes.buffers)
 
 
 class FxprepTracer(fx.Tracer):
@@ -329,8 +318,9 @@ def capture_fx(
     tracer = tracer or FxprepTracer(policy, autowrap_functions)
     tracer.traced_classes[type(model)] = ""  # the root is traced without asking is_leaf_module
     changed: list[str] = []
+    updated: list[str] = []
     try:
-        with restored_attributes(model, changed):
+        with restored_attributes(model, changed, updated):
             graph = tracer.trace(model, concrete_args=concrete_args)
             if isinstance(graph._codegen, fx.graph._PyTreeCodeGen):
                 for node in graph.nodes:  # fx writes `x = None,` into the unpacking line otherwise
@@ -349,6 +339,12 @@ def capture_fx(
         notes.append(
             f"forward() wrote to module attributes while being traced ({', '.join(sorted(set(changed))[:8])}); "
             f"fxprep restored them. Values cached this way are not part of the graph."
+        )
+    if updated:
+        notes.append(
+            f"WARNING: forward() updated buffer(s) {', '.join(sorted(set(updated))[:8])} in place outside what fx "
+            f"records (the update ran once on the real tensor while tracing; fxprep restored it): the prepared "
+            f"module does NOT perform this update. Keep such state outside forward(), or use tracer='dynamo'."
         )
     result = CaptureResult(gm, "fx", notes=notes, extra_leaves=dict(tracer.extra_leaves))
     return result, CaptureAttempt("fx", True, time.perf_counter() - start)
