@@ -19,9 +19,9 @@ from torch import nn
 
 from . import progress
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
-from .capture import dynamo_available, huggingface
+from .capture import cascade, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
-from .capture.fx import capture_fx, mode_notes, restored_attributes, trace_failure
+from .capture.fx import mode_notes, trace_failure
 from .capture.leaves import capture_hybrid
 from .capture.rewrite import branches
 from .errors import InvalidInput
@@ -36,19 +36,11 @@ from .verify import run_original, verify
 
 
 def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report,
-             model: nn.Module | None = None) -> list[str]:
-    if opts.tracer != "auto":
-        if opts.tracer == "dynamo" and example is None and huggingface.example_inputs_for(model) is None:
-            raise InvalidInput("tracer='dynamo' needs example_inputs: Dynamo traces by running the model.")
-        return [opts.tracer]
-    if example is None:
-        if dynamo_available() and huggingface.example_inputs_for(model) is not None:
-            report.note("No example_inputs: Dynamo captured with inputs built from the model config "
-                        "(input_ids, attention_mask, ...); the result is not verified.")
-            return ["dynamo", "fx"]
-        report.note("No example_inputs: only the fx tracer can run, and the result is not verified.")
-        return ["fx"]
-    return ["dynamo", "fx"] if dynamo_available() else ["fx"]
+             model: nn.Module) -> list[str]:
+    tracers, note = cascade.plan(opts.tracer, example, model)
+    if note:
+        report.note(note)
+    return tracers
 
 
 def capture(
@@ -59,33 +51,9 @@ def capture(
     example: ExampleInputs | None,
     opts: PrepareOptions,
 ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-    """Run the tracers in order until one succeeds; every attempt is returned for the report."""
-    attempts: list[CaptureAttempt] = []
-    for k, name in enumerate(tracers, 1):
-        progress.stage(f"capture {k}/{len(tracers)}: {name}")
-        if name == "fx":
-            result, attempt = capture_fx(model, policy, concrete_args, opts.autowrap_functions)
-            if result is None and not concrete_args:  # transformers < 5: its own tracer, if installed
-                hf_result, hf_attempt = huggingface.capture_hf_fx(model, example)
-                if hf_attempt is not None:
-                    attempts.append(attempt)
-                    result, attempt = hf_result, hf_attempt
-        else:
-            from .capture.dynamo import capture_dynamo
-
-            call = example
-            if call is None:
-                built = huggingface.example_inputs_for(model)
-                call = normalize_example_inputs(built) if built is not None else None
-            if call is None:
-                continue
-            changed: list[str] = []
-            with restored_attributes(model, changed):  # Dynamo marks the root (_is_torch_compile)
-                result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=opts.dynamic)
-        attempts.append(attempt)
-        if result is not None:
-            return result, attempts
-    return None, attempts
+    """Run the tracers in order until one succeeds (:func:`fxprep.capture.cascade.capture`)."""
+    return cascade.capture(model, tracers, policy, concrete_args, example,
+                           autowrap_functions=opts.autowrap_functions, dynamic=opts.dynamic)
 
 
 def _restore_output_type(gm: fx.GraphModule, reference: Any) -> None:
@@ -180,15 +148,21 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         model, modules_to_exclude = _independent_copy(model, modules_to_exclude)
     policy = leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
     example = normalize_example_inputs(example_inputs)
-    concrete = huggingface.capture_concrete_args(model, check_concrete_args(model, concrete_args), example)
+    user_concrete = check_concrete_args(model, concrete_args)
+    concrete = huggingface.capture_concrete_args(model, user_concrete, example)
     report = Report(opts.name or type(model).__name__)
     report.inputs = example.describe() if example is not None else "none"
+    absent = huggingface.absent_outputs(user_concrete, concrete)  # past_key_values, with use_cache=False added
+    if absent:
+        report.note(huggingface.CACHE_OFF_NOTE)
 
     concrete = defaults_as_concrete(model, example, concrete, report)
     reference = reference_state = None
     original_call = prepared_call = example
     if example is not None:
-        original_call, prepared_call = split_calls(model, example, concrete)
+        # the original is verified as the user calls it (use_cache as given, or its default)
+        original_call = split_calls(model, example, huggingface.without_added(concrete, absent))[0]
+        prepared_call = split_calls(model, example, concrete)[1]
         if opts.verify:  # the reference run doubles as the check that the inputs suit the model
             progress.stage("reference run")
             reference, reference_state = run_original(model, original_call)
@@ -196,7 +170,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     t1 = time.perf_counter()
     tracers = _tracers(opts, example, report, model)
     with GLOBAL_LOCK:  # capture patches process-wide state: one thread at a time (fxprep.threads)
-        rewrite = _control_flow(model, opts, example, concrete, reference)
+        rewrite = _control_flow(model, opts, example, concrete, None if absent else reference)
         if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
             result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
         else:
@@ -264,20 +238,21 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         report.verification = verify(
             model, gm, original_call, reference=reference, reference_state=reference_state,
             prepared_example=prepared_call, rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
-            where_rewrite=where_rewrite,
+            where_rewrite=where_rewrite, absent=absent,
         )
         _note_state(report, report.verification)
         if opts.dynamic:
-            _verify_second_size(model, gm, example, concrete, opts, report)
+            _verify_second_size(model, gm, example, concrete, opts, report, absent)
         constructed = rewrite.coverage() if rewrite is not None else []
         for i, (label, extra) in enumerate([(None, e) for e in opts.verify_inputs] + constructed):
             progress.step(label or f"verify_inputs[{i}]")
             extra_example = normalize_example_inputs(extra)
             assert extra_example is not None
-            extra_original, extra_prepared = split_calls(model, extra_example, concrete)
+            extra_original = split_calls(model, extra_example, huggingface.without_added(concrete, absent))[0]
+            extra_prepared = split_calls(model, extra_example, concrete)[1]
             checked = verify(
-                model, gm, extra_original, prepared_example=extra_prepared,
-                rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite,
+                model, gm, extra_original, prepared_example=extra_prepared, what=label or f"verify_inputs[{i}]",
+                rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite, absent=absent,
             )
             checked.label = label or ""
             report.extra_verifications.append(checked)
@@ -343,16 +318,17 @@ def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Mod
 
 
 def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs,
-                        concrete: dict[str, Any] | None, opts: PrepareOptions, report: Report) -> None:
+                        concrete: dict[str, Any] | None, opts: PrepareOptions, report: Report, absent: dict[str, str]) -> None:
     """With ``dynamic``, the prepared module must also match on an input whose dynamic dimensions
     differ from the example's (raises EquivalenceError otherwise)."""
     from .capture.dynamo import grown_example
 
     second = grown_example(model, example, opts.dynamic)
     progress.step(f"a second input size ({second.describe()})")
-    original_call, prepared_call = split_calls(model, second, concrete)
-    result = verify(model, gm, original_call, prepared_example=prepared_call,
-                    rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad")
+    original_call = split_calls(model, second, huggingface.without_added(concrete, absent))[0]
+    prepared_call = split_calls(model, second, concrete)[1]
+    result = verify(model, gm, original_call, prepared_example=prepared_call, what=f"a second input size ({second.describe()})",
+                    rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", absent=absent)
     _note_state(report, result)
     report.note(f"verified on a second input size ({second.describe()}): max |diff| = {result.max_abs_diff:.3g}")
 
