@@ -167,6 +167,8 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
             progress.stage("reference run")
             reference, reference_state = run_original(model, original_call)
 
+    if opts.dynamic and example is not None:
+        _check_dynamic_inputs(model, example, concrete, opts.dynamic)
     t1 = time.perf_counter()
     tracers = _tracers(opts, example, report, model)
     with GLOBAL_LOCK:  # capture patches process-wide state: one thread at a time (fxprep.threads)
@@ -315,6 +317,17 @@ def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Mod
     if modules_to_exclude:
         modules_to_exclude = [memo.get(id(m), m) for m in modules_to_exclude]
     return clone, modules_to_exclude
+
+
+def _check_dynamic_inputs(model: nn.Module, example: ExampleInputs, concrete: dict[str, Any] | None, dynamic: Any) -> None:
+    """``dynamic`` must name inputs and dimensions the example has, before minutes of capturing (a
+    wrong one would otherwise only make the Dynamo capture fail, and fx be used instead)."""
+    from .capture.dynamo import dynamic_shapes_spec
+
+    try:
+        dynamic_shapes_spec(model, split_calls(model, example, concrete)[0], dynamic)
+    except ValueError as err:
+        raise InvalidInput(f"dynamic={dynamic!r} does not fit the example inputs ({example.describe()}): {err}.") from err
 
 
 def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs,

@@ -74,6 +74,7 @@ class Comparison:
     problem: str | None = None
     meta: list[str] = dataclasses.field(default_factory=list)  # meta tensors: structure/shape/dtype only
     all_nan: list[str] = dataclasses.field(default_factory=list)  # NaN everywhere in both: no value compared
+    empty: list[str] = dataclasses.field(default_factory=list)  # no elements at all (a batch of 0)
     accepted: list[str] = dataclasses.field(default_factory=list)  # stated differences accepted
 
 
@@ -131,6 +132,9 @@ def _compare(ref: Any, got: Any, rtol: float, atol: float,
             continue
         if a.device.type == "meta" or b.device.type == "meta":
             out.meta.append(path)  # no values on the meta device: shape and dtype are all there is
+            continue
+        if a.numel() == 0:
+            out.empty.append(path)
             continue
         if _all_nan(a) and _all_nan(b):
             out.all_nan.append(path)
@@ -262,7 +266,7 @@ def verify(
 def _inconclusive(result: Verification, found: Comparison, details: list[str]) -> None:
     """A comparison that found no difference but looked at no value proves little: its status is
     "inconclusive" and the detail says why, rather than a "passed" with max |diff| = 0."""
-    compared = found.count - len(found.meta) - len(found.all_nan)
+    compared = found.count - len(found.meta) - len(found.all_nan) - len(found.empty)
     if found.count == 0:
         result.status = "inconclusive"
         details.insert(0, "no output tensor to compare (the model returns None or no tensors): the graph's "
@@ -276,9 +280,17 @@ def _inconclusive(result: Verification, found: Comparison, details: list[str]) -
         result.status = "inconclusive"
         details.insert(0, f"every output is NaN in both modules ({', '.join(found.all_nan[:4])}): NaN positions "
                           f"agree but no value was compared; check the weights and inputs (uninitialised memory?)")
-    elif found.all_nan or found.meta:
-        skipped = found.all_nan + found.meta
-        details.append(f"not compared: {', '.join(skipped[:4])} ({'all NaN' if found.all_nan else 'meta'})")
+    elif found.empty and compared == 0 and not found.all_nan and not found.meta:
+        result.status = "inconclusive"
+        details.insert(0, f"every output is empty ({', '.join(found.empty[:4])}: no elements): no value was compared; "
+                          f"give inputs with at least one element per dimension")
+    elif compared == 0:
+        result.status = "inconclusive"
+        details.insert(0, "no output value could be compared (meta, all-NaN or empty outputs)")
+    else:
+        for paths, why in ((found.all_nan, "all NaN"), (found.empty, "empty"), (found.meta, "meta")):
+            if paths:
+                details.append(f"not compared: {', '.join(paths[:4])} ({why})")
 
 
 def _verify_grads(original: nn.Module, prepared: fx.GraphModule, example: ExampleInputs,
