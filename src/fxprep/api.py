@@ -9,15 +9,17 @@ import collections
 import contextlib
 import copy
 import gc
+import inspect
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
-from . import progress
+from . import guard, progress
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 from .capture import cascade, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
@@ -28,7 +30,7 @@ from .errors import InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
 from .passes import aimet_modules, aimet_names, functional_to_module, state_dict, unroll, values
-from .prepared import REPORT, as_prepared, set_preserved
+from .prepared import INPUT_SPEC, REPORT, as_prepared, set_preserved
 from .report import Report, Verification
 from .runs import preserved_state
 from .threads import GLOBAL_LOCK
@@ -230,6 +232,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     _match_modes(gm, model)
     _restore_output_type(gm, reference)
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
+    _guard_inputs(gm, model, result.tracer, prepared_call, concrete, opts.dynamic, report)
     report.timings["passes"] = time.perf_counter() - t2
 
     where_rewrite = rewrite is not None and rewrite.joins_with_where
@@ -317,6 +320,33 @@ def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Mod
     if modules_to_exclude:
         modules_to_exclude = [memo.get(id(m), m) for m in modules_to_exclude]
     return clone, modules_to_exclude
+
+
+def _guard_inputs(gm: fx.GraphModule, model: nn.Module, tracer: str, call: ExampleInputs | None,
+                  concrete: dict[str, Any] | None, dynamic: Any, report: Report) -> None:
+    """Record the inputs ``gm`` was captured for; each call is checked against them (fxprep.guard)."""
+    if call is None and tracer == "dynamo":  # captured on inputs built from a transformers config
+        built = cascade.dynamo_call(model, None)
+        call = split_calls(model, built, concrete)[1] if built is not None else None
+    if call is None:
+        return
+    dims: dict[str, set[int]] = {}
+    if dynamic and tracer == "dynamo":
+        from .capture.dynamo import dynamic_dims
+
+        named = dynamic_dims(model, call, dynamic)
+        values = {**dict(zip(inspect.signature(gm.forward).parameters, call.args)), **call.kwargs}
+        for name, spec in named.items():
+            value = values.get(name)
+            rank = value.dim() if isinstance(value, torch.Tensor) else 0
+            dims[name] = {d % rank for d in spec} if rank else set()
+    spec = guard.record(gm, call.args, call.kwargs, tracer.split("+")[0], dims)
+    if spec is not None:
+        set_preserved(gm, INPUT_SPEC, spec)
+        if tracer == "dynamo" and any(n.get("kind") == "tensor" and None not in (n.get("shape") or [None])
+                                      for n in spec.params.values()):
+            report.note("The prepared module checks every call against the inputs it was captured for (structure, "
+                        "None-ness and, where Dynamo specialised them, shapes) and raises InputMismatch otherwise.")
 
 
 def _check_dynamic_inputs(model: nn.Module, example: ExampleInputs, concrete: dict[str, Any] | None, dynamic: Any) -> None:

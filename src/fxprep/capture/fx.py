@@ -260,6 +260,15 @@ class _PyTreeCodeGenWithDefaults(fx.graph._PyTreeCodeGen):
         head, sep, rest = text.partition("\n")
         for name, value in self.defaults.items():
             head = re.sub(rf"(?<=[(,\s]){name}(?=\s*[,)])", f"{name}={value!r}", head, count=1)
+        # A required argument after a defaulted one (``images, targets=None, features``) is not
+        # Python: make it keyword-only, as callers of such a forward pass it by name anyway.
+        seen_default = False
+        for name in getattr(self.pytree_info, "orig_args", ()):
+            if name in self.defaults:
+                seen_default = True
+            elif seen_default:
+                head = re.sub(rf"(?<=[(,\s]){name}(?=[\s:,)])", f"*, {name}", head, count=1)
+                break
         return head + sep + rest
 
 
