@@ -160,3 +160,25 @@ def test_every_path_leaves_the_model_untouched(tracer: str, cls: type[nn.Module]
         assert all(vars(m).get(k) is v for k, v in attrs[name].items()), name
     if isinstance(model, WithOpaquePart):
         assert model.part.count == 0 and float(model.part.seen) == 0.0
+
+
+class CountsIntoOutput(nn.Module):
+    """The output reads a Python counter its forward updates: the graph bakes in the first value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * self.calls
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo"])
+def test_state_the_next_output_depends_on_is_a_verification_failure(tracer: str) -> None:
+    """Before: both runs started from the same state, so verification 'passed' although every
+    later call of the prepared module computes ``x * 1`` and the original ``x * n``."""
+    model = CountsIntoOutput()
+    with pytest.raises(fxprep.EquivalenceError, match=r"second call: .*depends on state its forward updates \(calls\)"):
+        fxprep.prepare_model(model, example_inputs=torch.ones(3), tracer=tracer, progress=False)
+    assert model.calls == 0  # and the user's counter is untouched

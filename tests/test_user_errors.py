@@ -97,3 +97,4 @@ def test_cli_maps_user_mistakes_to_documented_exit_codes(args: tuple[str, ...], 
     exit_code, out = _cli("prepare", "demo:ModelWithFunctionalReLU", "--json", "-q", *args)
     assert (exit_code, out["error_type"]) == (code, error), out
     assert out["exit_code"] == code and "bug in fxprep" not in out["error"]
+

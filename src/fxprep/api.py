@@ -19,14 +19,14 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import guard, progress
+from . import batch, guard, progress
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 from .capture import cascade, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
 from .capture.fx import mode_notes, trace_failure
 from .capture.leaves import capture_hybrid
 from .capture.rewrite import branches
-from .errors import InvalidInput
+from .errors import EquivalenceError, InputMismatch, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
 from .passes import aimet_modules, aimet_names, functional_to_module, state_dict, unroll, values
@@ -246,6 +246,12 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
             where_rewrite=where_rewrite, absent=absent,
         )
         _note_state(report, report.verification)
+        spec = gm.__dict__.get(INPUT_SPEC)
+        if spec is not None and result.tracer == "dynamo" and not opts.dynamic:
+            progress.step("other batch sizes")
+            batch.probe(model, gm, spec, example, lambda e: (split_calls(model, e, huggingface.without_added(concrete, absent))[0],
+                                                             split_calls(model, e, concrete)[1]),
+                        report, opts.rtol, opts.atol, absent)
         if opts.dynamic:
             _verify_second_size(model, gm, example, concrete, opts, report, absent)
         constructed = rewrite.coverage() if rewrite is not None else []
@@ -255,10 +261,13 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
             assert extra_example is not None
             extra_original = split_calls(model, extra_example, huggingface.without_added(concrete, absent))[0]
             extra_prepared = split_calls(model, extra_example, concrete)[1]
-            checked = verify(
-                model, gm, extra_original, prepared_example=extra_prepared, what=label or f"verify_inputs[{i}]",
-                rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite, absent=absent,
-            )
+            try:
+                checked = verify(
+                    model, gm, extra_original, prepared_example=extra_prepared, what=label or f"verify_inputs[{i}]",
+                    rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite, absent=absent,
+                )
+            except InputMismatch as err:  # the graph cannot serve this input: a verification failure
+                raise EquivalenceError(f"{label or f'verify_inputs[{i}]'}: the prepared module refuses it, {err}") from err
             checked.label = label or ""
             report.extra_verifications.append(checked)
             _note_state(report, checked)

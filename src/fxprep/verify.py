@@ -94,8 +94,12 @@ def _compare(ref: Any, got: Any, rtol: float, atol: float,
     if absent:
         got_paths = {p for p, _ in got_leaves}
         kept = []
+        # return_dict=False: the cache is a trailing tuple item, named by position, not by key
+        dropped = {f"out[{i}]": next(iter(absent)) for i in range(len(got), len(ref))
+                   if isinstance(ref, tuple) and isinstance(got, tuple) and "Cache" in type(ref[i]).__name__}
         for path, value in ref_leaves:
             key = next((k for k in absent if path.startswith(f"out[{k!r}]")), None)
+            key = key or next((k for p, k in dropped.items() if path == p or path.startswith(p + "[")), None)
             if key is not None and path not in got_paths:
                 out.accepted.append(f"{path} returned by the original only ({absent[key]})")
                 continue
@@ -240,6 +244,9 @@ def verify(
     count, worst, problem = found.count, found.worst, found.problem
     result = Verification("passed", max_abs_diff=worst, rtol=rtol, atol=atol, outputs_compared=count)
     result.state_not_reproduced = state_differences(reference_state, prepared_state, rtol, atol)
+    if problem is None and result.state_not_reproduced:
+        problem = _second_call(original, prepared, example, prepared_example, rtol, atol, absent,
+                               result.state_not_reproduced)
     if problem is None and grad and not found.meta:
         g_worst, g_problem = _verify_grads(original, prepared, example, prepared_example, rtol, atol, accepted)
         result.grad, result.grad_max_abs_diff = True, g_worst
@@ -261,6 +268,28 @@ def verify(
                 max_abs_diff=worst, module=where, output_path=problem.split(":")[0],
             )
     return result
+
+
+def _second_call(original: nn.Module, prepared: fx.GraphModule, example: ExampleInputs,
+                 prepared_example: ExampleInputs, rtol: float, atol: float, absent: dict[str, str] | None,
+                 names: list[str]) -> str | None:
+    """The state one call leaves differs (``names``): does the *next* call's output depend on it?
+    Each module is called twice from the same starting state; a second output that differs means
+    the prepared module computes something else from the second call on (a counter the output
+    reads, baked into the graph as its first value), which is a failure, not a note."""
+    def twice(model: nn.Module, call: ExampleInputs) -> Any:
+        with preserved_state(original, prepared):
+            run_model(model, call)
+            return run_model(model, call)
+
+    try:
+        again = _compare(twice(original, example), twice(prepared, prepared_example), rtol, atol, None, absent)
+    except Exception:  # noqa: BLE001 - a second call that fails is judged by the first call's result
+        return None
+    if again.problem is None:
+        return None
+    return (f"second call: {again.problem} - the original's output depends on state its forward updates "
+            f"({', '.join(names[:6])}) and the prepared module does not reproduce that update")
 
 
 def _inconclusive(result: Verification, found: Comparison, details: list[str]) -> None:

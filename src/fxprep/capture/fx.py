@@ -274,7 +274,9 @@ class _PyTreeCodeGenWithDefaults(fx.graph._PyTreeCodeGen):
 
 def flatten_container_inputs(model: nn.Module, example: Any, concrete_args: dict[str, Any] | None) -> dict[str, Any] | None:
     """``concrete_args`` that give list/tuple/dict inputs one placeholder per tensor (fx ``PH``), so
-    ``for img in images`` iterates real Python lists of traced tensors instead of failing."""
+    ``for img in images`` iterates real Python lists of traced tensors instead of failing; an input
+    the example gives as None is fixed to None (as Dynamo does; the prepared module refuses another
+    value, see :mod:`fxprep.guard`)."""
     if example is None:
         return concrete_args
     try:
@@ -283,7 +285,12 @@ def flatten_container_inputs(model: nn.Module, example: Any, concrete_args: dict
         return concrete_args
     out = dict(concrete_args or {})
     for name, value in bound.arguments.items():
-        if name in out or not isinstance(value, (list, tuple, dict)):
+        if name in out:
+            continue
+        if value is None:  # an input given as None is None in the graph (``if extra is not None``)
+            out[name] = None
+            continue
+        if not isinstance(value, (list, tuple, dict)):
             continue
         leaves = torch.utils._pytree.tree_leaves(value)
         if leaves and all(isinstance(v, torch.Tensor) for v in leaves):
