@@ -151,3 +151,22 @@ def test_verify_input_the_graph_refuses_is_a_verification_failure() -> None:
     with pytest.raises(fxprep.EquivalenceError, match=r"verify_inputs\[0\]: the prepared module refuses it"):
         fxprep.prepare_model(ShapeBranch().eval(), example_inputs=torch.randn(3, 4), tracer="dynamo",
                              verify_inputs=[torch.randn(2, 4)], progress=False)
+
+
+def test_guard_survives_save_and_load_as_data(tmp_path) -> None:
+    import json
+
+    model = ListSum().eval()
+    gm = fxprep.prepare_model(model, example_inputs={"xs": _xs(3)}, tracer="fx", progress=False)
+    fxprep.save(gm, tmp_path / "saved", example_inputs={"xs": _xs(3)})
+    loaded = fxprep.load(tmp_path / "saved")
+    xs = _xs(3)
+    torch.testing.assert_close(loaded(xs), model(xs))
+    with pytest.raises(fxprep.InputMismatch, match=r"a list of 3 item\(s\) at capture, got 4"):
+        loaded(_xs(4))
+    manifest = tmp_path / "saved" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["input_guard"] = {"params": {"xs": {"kind": "exec", "code": "import os"}}, "tracer": "fx"}
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(fxprep.SerializationError, match="input_guard .* malformed"):
+        fxprep.load(tmp_path / "saved")
