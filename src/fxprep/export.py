@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import ExportError, FxprepError, FxprepWarning, InvalidInput
+from .errors import ExportError, FxprepError, FxprepWarning, InputMismatch, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs
 from .verify import _tensor_diff, flatten_output
 
@@ -83,8 +83,13 @@ def _checked(gm: Any, example_inputs: Any, what: str) -> tuple[ExampleInputs, li
     example = _example(example_inputs)
     try:
         expected = _reference(gm, example)
-    except FxprepError:
-        raise  # the input guard's InputMismatch says it better
+    except FxprepError as err:
+        if not isinstance(err, InputMismatch):
+            raise
+        prepared_for = getattr(getattr(gm, "fxprep_report", None), "inputs", "") or "see the report"
+        reason = " ".join(line.strip() for line in str(err).splitlines())  # the guard's message, on one line
+        raise InputMismatch(f"{what}: the prepared module fails on these example inputs ({reason}). Pass inputs "
+                            f"of the kind it was prepared with ({prepared_for}).") from err
     except Exception as err:  # noqa: BLE001 - wrong dtype / shape / count of inputs
         prepared_for = getattr(getattr(gm, "fxprep_report", None), "inputs", "") or "see the report"
         raise InvalidInput(
