@@ -108,7 +108,7 @@ def test_seed_model_other_branch_is_verified_on_a_constructed_input():
 def test_default_is_unchanged_and_option_is_validated():
     with pytest.raises(TraceFailure):
         fxprep.prepare_model(NonTraceableModel(), example_inputs=torch.rand(1, 10), tracer="fx")
-    with pytest.raises(InvalidInput, match="control_flow must be None or 'rewrite'"):
+    with pytest.raises(InvalidInput, match="control_flow must be one of None, 'rewrite'"):
         fxprep.prepare_model(NonTraceableModel(), example_inputs=torch.rand(1, 10), control_flow="yes")
 
 

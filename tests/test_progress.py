@@ -112,7 +112,7 @@ def test_bad_progress_value():
     try:
         fxprep.prepare_model(DataclassOut().eval(), progress="loud")
     except fxprep.InvalidInput as err:
-        assert "progress must be None, True or False" in str(err)
+        assert "progress must be one of None, True, False" in str(err)
     else:
         raise AssertionError("progress='loud' was accepted")
 

@@ -9,45 +9,40 @@ import collections
 import contextlib
 import copy
 import gc
+import inspect
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
-from . import progress
+from . import batch, guard, progress
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
-from .capture import dynamo_available, huggingface
+from .capture import cascade, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
-from .capture.fx import capture_fx, mode_notes, restored_attributes, trace_failure
+from .capture.fx import mode_notes, trace_failure
 from .capture.leaves import capture_hybrid
 from .capture.rewrite import branches
-from .errors import InvalidInput
+from .errors import EquivalenceError, InputMismatch, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
 from .passes import aimet_modules, aimet_names, functional_to_module, state_dict, unroll, values
-from .prepared import REPORT, as_prepared, set_preserved
+from .prepared import INPUT_SPEC, REPORT, as_prepared, set_preserved
 from .report import Report, Verification
 from .runs import preserved_state
+from .threads import GLOBAL_LOCK
 from .verify import run_original, verify
 
 
 def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report,
-             model: nn.Module | None = None) -> list[str]:
-    if opts.tracer != "auto":
-        if opts.tracer == "dynamo" and example is None and huggingface.example_inputs_for(model) is None:
-            raise InvalidInput("tracer='dynamo' needs example_inputs: Dynamo traces by running the model.")
-        return [opts.tracer]
-    if example is None:
-        if dynamo_available() and huggingface.example_inputs_for(model) is not None:
-            report.note("No example_inputs: Dynamo captured with inputs built from the model config "
-                        "(input_ids, attention_mask, ...); the result is not verified.")
-            return ["dynamo", "fx"]
-        report.note("No example_inputs: only the fx tracer can run, and the result is not verified.")
-        return ["fx"]
-    return ["dynamo", "fx"] if dynamo_available() else ["fx"]
+             model: nn.Module) -> list[str]:
+    tracers, note = cascade.plan(opts.tracer, example, model)
+    if note:
+        report.note(note)
+    return tracers
 
 
 def capture(
@@ -58,33 +53,9 @@ def capture(
     example: ExampleInputs | None,
     opts: PrepareOptions,
 ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-    """Run the tracers in order until one succeeds; every attempt is returned for the report."""
-    attempts: list[CaptureAttempt] = []
-    for k, name in enumerate(tracers, 1):
-        progress.stage(f"capture {k}/{len(tracers)}: {name}")
-        if name == "fx":
-            result, attempt = capture_fx(model, policy, concrete_args, opts.autowrap_functions)
-            if result is None and not concrete_args:  # transformers < 5: its own tracer, if installed
-                hf_result, hf_attempt = huggingface.capture_hf_fx(model, example)
-                if hf_attempt is not None:
-                    attempts.append(attempt)
-                    result, attempt = hf_result, hf_attempt
-        else:
-            from .capture.dynamo import capture_dynamo
-
-            call = example
-            if call is None:
-                built = huggingface.example_inputs_for(model)
-                call = normalize_example_inputs(built) if built is not None else None
-            if call is None:
-                continue
-            changed: list[str] = []
-            with restored_attributes(model, changed):  # Dynamo marks the root (_is_torch_compile)
-                result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=opts.dynamic)
-        attempts.append(attempt)
-        if result is not None:
-            return result, attempts
-    return None, attempts
+    """Run the tracers in order until one succeeds (:func:`fxprep.capture.cascade.capture`)."""
+    return cascade.capture(model, tracers, policy, concrete_args, example,
+                           autowrap_functions=opts.autowrap_functions, dynamic=opts.dynamic)
 
 
 def _restore_output_type(gm: fx.GraphModule, reference: Any) -> None:
@@ -179,39 +150,50 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         model, modules_to_exclude = _independent_copy(model, modules_to_exclude)
     policy = leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
     example = normalize_example_inputs(example_inputs)
-    concrete = huggingface.capture_concrete_args(model, check_concrete_args(model, concrete_args), example)
+    user_concrete = check_concrete_args(model, concrete_args)
+    concrete = huggingface.capture_concrete_args(model, user_concrete, example)
     report = Report(opts.name or type(model).__name__)
     report.inputs = example.describe() if example is not None else "none"
+    absent = huggingface.absent_outputs(user_concrete, concrete)  # past_key_values, with use_cache=False added
+    if absent:
+        report.note(huggingface.CACHE_OFF_NOTE)
 
     concrete = defaults_as_concrete(model, example, concrete, report)
-    reference = None
+    reference = reference_state = None
     original_call = prepared_call = example
     if example is not None:
-        original_call, prepared_call = split_calls(model, example, concrete)
+        # the original is verified as the user calls it (use_cache as given, or its default)
+        original_call = split_calls(model, example, huggingface.without_added(concrete, absent))[0]
+        prepared_call = split_calls(model, example, concrete)[1]
         if opts.verify:  # the reference run doubles as the check that the inputs suit the model
             progress.stage("reference run")
-            reference = run_original(model, original_call)
+            reference, reference_state = run_original(model, original_call)
 
+    if opts.dynamic and example is not None:
+        _check_dynamic_inputs(model, example, concrete, opts.dynamic)
     t1 = time.perf_counter()
     tracers = _tracers(opts, example, report, model)
-    rewrite = _control_flow(model, opts, example, concrete, reference)
-    if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
-        result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
-    else:
-        result, attempts = capture(model, tracers, policy, concrete, example, opts)
-    if result is None and opts.fallback == "leaf":
-        progress.stage("capture: fx with the untraceable parts opaque")
-        with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
-            result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions,
-                                                    handled=rewrite.learn if rewrite is not None else None)
-        attempts.append(attempt)
-        report.issues.extend(issue for _, issue in sites)
-        if result is not None and sites:
-            report.note(
-                f"{len(sites)} part(s) could not be traced and run eagerly as opaque calls (see 'kept as "
-                f"leaves'); their output structure (list lengths, None-ness) was recorded from the example "
-                f"inputs, so inputs giving a differently-structured result need verify_inputs=[...] to be checked."
-            )
+    with GLOBAL_LOCK:  # capture patches process-wide state: one thread at a time (fxprep.threads)
+        rewrite = _control_flow(model, opts, example, concrete, None if absent else reference)
+        if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
+            result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
+        else:
+            result, attempts = capture(model, tracers, policy, concrete, example, opts)
+        sites: list[Any] = []
+        # the hybrid capture is fx-based: never the answer to a forced tracer="dynamo"
+        if result is None and opts.fallback == "leaf" and opts.tracer != "dynamo":
+            progress.stage("capture: fx with the untraceable parts opaque")
+            with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
+                result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions,
+                                                        handled=rewrite.learn if rewrite is not None else None)
+            attempts.append(attempt)
+    report.issues.extend(issue for _, issue in sites)
+    if result is not None and sites:
+        report.note(
+            f"{len(sites)} part(s) could not be traced and run eagerly as opaque calls (see 'kept as "
+            f"leaves'); their output structure (list lengths, None-ness) was recorded from the example "
+            f"inputs, so inputs giving a differently-structured result need verify_inputs=[...] to be checked."
+        )
     report.attempts = attempts
     report.timings["capture"] = time.perf_counter() - t1
     if result is None:
@@ -250,6 +232,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     _match_modes(gm, model)
     _restore_output_type(gm, reference)
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
+    _guard_inputs(gm, model, result.tracer, prepared_call, concrete, opts.dynamic, report)
     report.timings["passes"] = time.perf_counter() - t2
 
     where_rewrite = rewrite is not None and rewrite.joins_with_where
@@ -258,23 +241,36 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         progress.stage("verification")
         assert original_call is not None
         report.verification = verify(
-            model, gm, original_call, reference=reference, prepared_example=prepared_call,
-            rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite,
+            model, gm, original_call, reference=reference, reference_state=reference_state,
+            prepared_example=prepared_call, rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
+            where_rewrite=where_rewrite, absent=absent,
         )
+        _note_state(report, report.verification)
+        spec = gm.__dict__.get(INPUT_SPEC)
+        if spec is not None and result.tracer == "dynamo" and not opts.dynamic:
+            progress.step("other batch sizes")
+            batch.probe(model, gm, spec, example, lambda e: (split_calls(model, e, huggingface.without_added(concrete, absent))[0],
+                                                             split_calls(model, e, concrete)[1]),
+                        report, opts.rtol, opts.atol, absent)
         if opts.dynamic:
-            _verify_second_size(model, gm, example, concrete, opts, report)
+            _verify_second_size(model, gm, example, concrete, opts, report, absent)
         constructed = rewrite.coverage() if rewrite is not None else []
         for i, (label, extra) in enumerate([(None, e) for e in opts.verify_inputs] + constructed):
             progress.step(label or f"verify_inputs[{i}]")
             extra_example = normalize_example_inputs(extra)
             assert extra_example is not None
-            extra_original, extra_prepared = split_calls(model, extra_example, concrete)
-            checked = verify(
-                model, gm, extra_original, prepared_example=extra_prepared,
-                rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite,
-            )
+            extra_original = split_calls(model, extra_example, huggingface.without_added(concrete, absent))[0]
+            extra_prepared = split_calls(model, extra_example, concrete)[1]
+            try:
+                checked = verify(
+                    model, gm, extra_original, prepared_example=extra_prepared, what=label or f"verify_inputs[{i}]",
+                    rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite, absent=absent,
+                )
+            except InputMismatch as err:  # the graph cannot serve this input: a verification failure
+                raise EquivalenceError(f"{label or f'verify_inputs[{i}]'}: the prepared module refuses it, {err}") from err
             checked.label = label or ""
             report.extra_verifications.append(checked)
+            _note_state(report, checked)
         report.timings["verify"] = time.perf_counter() - t3
     elif example is None:
         report.verification = Verification("skipped", detail="no example_inputs given")
@@ -286,6 +282,18 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     set_preserved(gm, REPORT, report)
     register_with_toolkits()
     return gm
+
+
+def _note_state(report: Report, verification: Verification) -> None:
+    """State the original's forward updates and the prepared module does not: said loudly."""
+    names = verification.state_not_reproduced
+    if names:
+        shown = ", ".join(names[:8]) + ("..." if len(names) > 8 else "")
+        report.note(
+            f"WARNING: state not reproduced: a call of the original leaves {shown} other than a call of the "
+            f"prepared module does (a counter or running value the original's forward updates and the graph "
+            f"does not, or the reverse). Outputs matched on this call; later calls may not."
+        )
 
 
 def register_with_toolkits() -> None:
@@ -323,17 +331,57 @@ def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Mod
     return clone, modules_to_exclude
 
 
+def _guard_inputs(gm: fx.GraphModule, model: nn.Module, tracer: str, call: ExampleInputs | None,
+                  concrete: dict[str, Any] | None, dynamic: Any, report: Report) -> None:
+    """Record the inputs ``gm`` was captured for; each call is checked against them (fxprep.guard)."""
+    if call is None and tracer == "dynamo":  # captured on inputs built from a transformers config
+        built = cascade.dynamo_call(model, None)
+        call = split_calls(model, built, concrete)[1] if built is not None else None
+    if call is None:
+        return
+    dims: dict[str, set[int]] = {}
+    if dynamic and tracer == "dynamo":
+        from .capture.dynamo import dynamic_dims
+
+        named = dynamic_dims(model, call, dynamic)
+        values = {**dict(zip(inspect.signature(gm.forward).parameters, call.args)), **call.kwargs}
+        for name, spec in named.items():
+            value = values.get(name)
+            rank = value.dim() if isinstance(value, torch.Tensor) else 0
+            dims[name] = {d % rank for d in spec} if rank else set()
+    spec = guard.record(gm, call.args, call.kwargs, tracer.split("+")[0], dims)
+    if spec is not None:
+        set_preserved(gm, INPUT_SPEC, spec)
+        if tracer == "dynamo" and any(n.get("kind") == "tensor" and None not in (n.get("shape") or [None])
+                                      for n in spec.params.values()):
+            report.note("The prepared module checks every call against the inputs it was captured for (structure, "
+                        "None-ness and, where Dynamo specialised them, shapes) and raises InputMismatch otherwise.")
+
+
+def _check_dynamic_inputs(model: nn.Module, example: ExampleInputs, concrete: dict[str, Any] | None, dynamic: Any) -> None:
+    """``dynamic`` must name inputs and dimensions the example has, before minutes of capturing (a
+    wrong one would otherwise only make the Dynamo capture fail, and fx be used instead)."""
+    from .capture.dynamo import dynamic_shapes_spec
+
+    try:
+        dynamic_shapes_spec(model, split_calls(model, example, concrete)[0], dynamic)
+    except ValueError as err:
+        raise InvalidInput(f"dynamic={dynamic!r} does not fit the example inputs ({example.describe()}): {err}.") from err
+
+
 def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs,
-                        concrete: dict[str, Any] | None, opts: PrepareOptions, report: Report) -> None:
+                        concrete: dict[str, Any] | None, opts: PrepareOptions, report: Report, absent: dict[str, str]) -> None:
     """With ``dynamic``, the prepared module must also match on an input whose dynamic dimensions
     differ from the example's (raises EquivalenceError otherwise)."""
     from .capture.dynamo import grown_example
 
     second = grown_example(model, example, opts.dynamic)
     progress.step(f"a second input size ({second.describe()})")
-    original_call, prepared_call = split_calls(model, second, concrete)
-    result = verify(model, gm, original_call, prepared_example=prepared_call,
-                    rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad")
+    original_call = split_calls(model, second, huggingface.without_added(concrete, absent))[0]
+    prepared_call = split_calls(model, second, concrete)[1]
+    result = verify(model, gm, original_call, prepared_example=prepared_call, what=f"a second input size ({second.describe()})",
+                    rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", absent=absent)
+    _note_state(report, result)
     report.note(f"verified on a second input size ({second.describe()}): max |diff| = {result.max_abs_diff:.3g}")
 
 

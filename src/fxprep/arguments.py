@@ -32,9 +32,19 @@ def check_model(model: Any) -> nn.Module:
     return model
 
 
+def _as_list(value: Any, what: str, example: str) -> list[Any]:
+    """A list/tuple/set argument as a list; anything else (one module, one class, a number) is a
+    mistake said plainly, not a ``TypeError: 'int' object is not iterable`` from inside."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)
+    raise InvalidInput(f"{what} must be a list, not {type(value).__name__} ({value!r:.80}); e.g. {example}.")
+
+
 def leaf_policy(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclude: Any) -> LeafPolicy:
-    modules = list(modules_to_exclude or [])
-    classes = list(module_classes_to_exclude or [])
+    modules = _as_list(modules_to_exclude, "modules_to_exclude", "modules_to_exclude=[model.head]")
+    classes = _as_list(module_classes_to_exclude, "module_classes_to_exclude", "module_classes_to_exclude=[nn.Linear]")
     inside = {id(m) for m in model.modules()}
     for m in modules:
         if not isinstance(m, nn.Module):

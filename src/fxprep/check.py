@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
-from .capture import dynamo_available
+from .capture import cascade, huggingface
 from .capture.common import CaptureAttempt
-from .capture.fx import capture_fx, restored_attributes
 from .capture.leaves import capture_hybrid
 from .diagnose import (
     CUSTOM_OP,
@@ -34,8 +33,9 @@ from .diagnose import (
     is_user_file,
     module_at,
 )
-from .inputs import normalize_example_inputs
+from .inputs import normalize_example_inputs, split_calls
 from .report import Report, RewrittenSite
+from .threads import GLOBAL_LOCK
 
 # Tracers that capture the model whole (the hybrid leaf fallback is reported apart).
 WHOLE_MODEL_TRACERS = ("dynamo", "fx", "hf_fx")
@@ -205,26 +205,30 @@ def check_traceability(
     ``control_flow="rewrite"`` capture loop and names, for each data-dependent site, whether the
     rewrite applies (``torch.where`` / ``torch.cond``) or why not.
     """
+    with GLOBAL_LOCK:  # every tracer patches process-wide state (fxprep.threads)
+        return _check_traceability(model, example_inputs, modules_to_exclude, module_classes_to_exclude,
+                                   concrete_args, draft_export, control_flow)
+
+
+def _check_traceability(model: Any, example_inputs: Any, modules_to_exclude: Any, module_classes_to_exclude: Any,
+                        concrete_args: Any, draft_export: bool, control_flow: bool) -> TraceReport:
     model = check_model(model)
     policy = leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
-    concrete = check_concrete_args(model, concrete_args)
     example = normalize_example_inputs(example_inputs)
+    # the same concrete arguments and tracers as prepare_model (fxprep.capture.cascade)
+    concrete = huggingface.capture_concrete_args(model, check_concrete_args(model, concrete_args), example)
     concrete = defaults_as_concrete(model, example, concrete, Report(type(model).__name__))
     out = TraceReport(type(model).__name__)
-    if example is not None and dynamo_available():
-        from .capture.dynamo import capture_dynamo
-
-        with restored_attributes(model, []):
-            _, attempt = capture_dynamo(model, policy, example, concrete)
-        out.attempts.append(attempt)
-        if attempt.exception is not None:
-            out.issues += diagnose(attempt.exception, "dynamo", model)
-    _, attempt = capture_fx(model, policy, concrete)
-    out.attempts.append(attempt)
-    if attempt.exception is not None:
-        out.issues += diagnose(attempt.exception, "fx", model)
+    tracers, _ = cascade.plan("auto", example, model)
+    for name in tracers:
+        _, attempts = cascade.run_tracer(name, model, policy, concrete, example)
+        out.attempts += attempts
+        for attempt in attempts:
+            if attempt.exception is not None:
+                out.issues += diagnose(attempt.exception, attempt.tracer.replace("hf_fx", "fx"), model)
     if not out.traceable:
-        result, attempt, sites = capture_hybrid(model, policy, concrete, example)
+        hybrid_call = split_calls(model, example, concrete)[1] if example is not None else None
+        result, attempt, sites = capture_hybrid(model, policy, concrete, hybrid_call)
         out.attempts.append(attempt)
         out.hybrid_ok = result is not None
         for site, issue in sites:
@@ -246,21 +250,8 @@ def _rewrite(model: nn.Module, policy: Any, example: Any, concrete: dict[str, An
 
     session = ControlFlowRewrite(model, example, [], concrete)
 
-    def run() -> tuple[Any, list[CaptureAttempt]]:
-        attempts = []
-        if example is not None and dynamo_available():
-            from .capture.dynamo import capture_dynamo
-
-            with restored_attributes(model, []):
-                result, attempt = capture_dynamo(model, policy, example, concrete)
-            attempts.append(attempt)
-            if result is not None:
-                return result, attempts
-        result, attempt = capture_fx(model, policy, concrete)
-        attempts.append(attempt)
-        return result, attempts
-
-    result, attempts = session.capture(run)
+    tracers, _ = cascade.plan("auto", example, model)
+    result, attempts = session.capture(lambda: cascade.capture(model, tracers, policy, concrete, example))
     for issue in issues:
         if issue.file is not None and issue.line is not None:
             session.assess(issue.file, issue.line)

@@ -18,6 +18,12 @@ class InvalidInput(FxprepError, TypeError):
     """The arguments given to an fxprep function are of the wrong kind (model, inputs, options)."""
 
 
+class InputMismatch(InvalidInput):
+    """A prepared module was called with inputs structured unlike those it was captured for (list
+    lengths, dict keys, None-ness, specialised values or static shapes); the graph would silently
+    compute something else, so the call is refused and the message names each difference."""
+
+
 class UnknownOption(InvalidInput):
     """An option name fxprep does not know; the message lists the known ones."""
 

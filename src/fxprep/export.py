@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import inspect
 import io
 import math
 import os
@@ -34,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import ExportError, FxprepWarning, InvalidInput
+from .errors import ExportError, FxprepError, FxprepWarning, InputMismatch, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs
 from .verify import _tensor_diff, flatten_output
 
@@ -82,6 +83,13 @@ def _checked(gm: Any, example_inputs: Any, what: str) -> tuple[ExampleInputs, li
     example = _example(example_inputs)
     try:
         expected = _reference(gm, example)
+    except FxprepError as err:
+        if not isinstance(err, InputMismatch):
+            raise
+        prepared_for = getattr(getattr(gm, "fxprep_report", None), "inputs", "") or "see the report"
+        reason = " ".join(line.strip() for line in str(err).splitlines())  # the guard's message, on one line
+        raise InputMismatch(f"{what}: the prepared module fails on these example inputs ({reason}). Pass inputs "
+                            f"of the kind it was prepared with ({prepared_for}).") from err
     except Exception as err:  # noqa: BLE001 - wrong dtype / shape / count of inputs
         prepared_for = getattr(getattr(gm, "fxprep_report", None), "inputs", "") or "see the report"
         raise InvalidInput(
@@ -140,6 +148,18 @@ def _reference(gm: nn.Module, example: ExampleInputs) -> list[torch.Tensor]:
         return _tensor_leaves(gm(*fresh.args, **fresh.kwargs))
 
 
+def _with_defaults(gm: fx.GraphModule, example: ExampleInputs) -> ExampleInputs:
+    """``example`` with the arguments it leaves to their defaults given explicitly: torch.export
+    flattens only what it is passed, and a flattened fx graph has a placeholder for each argument
+    (a ``concrete_args`` None included), which would then go unfed."""
+    try:
+        bound = inspect.signature(gm.forward).bind(*example.args, **example.kwargs)
+    except TypeError:
+        return example
+    bound.apply_defaults()
+    return ExampleInputs(tuple(bound.args), dict(bound.kwargs))
+
+
 def export_program(
     gm: fx.GraphModule,
     example_inputs: Any,
@@ -156,7 +176,7 @@ def export_program(
     """
     example, expected = _checked(gm, example_inputs, "export_program")
     clean = without_capture_metadata(gm)
-    fresh = example.fresh_copy()
+    fresh = _with_defaults(clean, example.fresh_copy())
     try:
         with _quiet():
             program = torch.export.export(clean, fresh.args, fresh.kwargs, strict=strict)
@@ -167,7 +187,7 @@ def export_program(
             f"torch.export.draft_export(...) lists every such site."
         ) from err
     if verify:
-        again = example.fresh_copy()
+        again = _with_defaults(clean, example.fresh_copy())
         with torch.no_grad():
             got = _tensor_leaves(program.module()(*again.args, **again.kwargs))
         _compare(expected, got, rtol, atol, "the exported program")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -76,30 +77,42 @@ class PrepareOptions:
                 f"known options: {', '.join(sorted(known))}."
             )
         opts = cls(**kwargs)
-        if opts.tracer not in TRACERS:
-            raise InvalidInput(f"tracer must be one of {TRACERS}, not {opts.tracer!r}.")
-        if opts.style not in STYLES:
-            raise InvalidInput(f"style must be one of {STYLES}, not {opts.style!r}.")
-        if opts.fallback not in ("leaf", "error"):
-            raise InvalidInput(f"fallback must be 'leaf' or 'error', not {opts.fallback!r}.")
-        if opts.verify not in (True, False, "grad"):
-            raise InvalidInput(f"verify must be True, False or 'grad', not {opts.verify!r}.")
-        for tol in ("rtol", "atol"):
-            value = getattr(opts, tol)
-            if value is not None and (not isinstance(value, (int, float)) or value < 0):
-                raise InvalidInput(f"{tol} must be a non-negative number, not {value!r}.")
-        if not isinstance(opts.autowrap_functions, (tuple, list)) or not all(callable(f) for f in opts.autowrap_functions):
-            raise InvalidInput("autowrap_functions must be a tuple of functions.")
-        _check_dynamic(opts.dynamic)
-        if opts.control_flow not in (None, "rewrite"):
-            raise InvalidInput(f"control_flow must be None or 'rewrite', not {opts.control_flow!r}.")
-        if opts.progress not in (None, True, False) or opts.copy not in (True, False):
-            raise InvalidInput(f"progress must be None, True or False and copy True or False, not "
-                               f"progress={opts.progress!r}, copy={opts.copy!r}.")
-        if not isinstance(opts.verify_inputs, (tuple, list)):
-            raise InvalidInput("verify_inputs must be a list of example inputs (each a tensor, tuple or dict).")
+        _check(opts)
         return dataclasses.replace(opts, autowrap_functions=tuple(opts.autowrap_functions),
                                    verify_inputs=tuple(opts.verify_inputs))
+
+
+def _one_of(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    # by type as well as value: 1 == True and 0 == False, but verify=1 is a mistake to point out
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        shown = ", ".join(repr(a) for a in allowed)
+        raise InvalidInput(f"{name} must be one of {shown}, not {value!r:.80}.")
+
+
+def _check(opts: PrepareOptions) -> None:
+    """Every option's type and value, each mistake said with what is accepted."""
+    _one_of("tracer", opts.tracer, TRACERS)
+    _one_of("style", opts.style, STYLES)
+    _one_of("fallback", opts.fallback, ("leaf", "error"))
+    _one_of("verify", opts.verify, (True, False, "grad"))
+    _one_of("control_flow", opts.control_flow, (None, "rewrite"))
+    _one_of("progress", opts.progress, (None, True, False))
+    for flag in ("share_parameters", "convert_functionals", "unroll", "copy"):
+        _one_of(flag, getattr(opts, flag), (True, False))
+    for tol in ("rtol", "atol"):
+        value = getattr(opts, tol)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise InvalidInput(f"{tol} must be a finite, non-negative number (or None for the default by dtype), "
+                               f"not {value!r:.80}.")
+    if opts.name is not None and (not isinstance(opts.name, str) or not opts.name.strip()):
+        raise InvalidInput(f"name must be a non-empty str (the model name in the report), not {opts.name!r:.80}.")
+    if not isinstance(opts.autowrap_functions, (tuple, list)) or not all(callable(f) for f in opts.autowrap_functions):
+        raise InvalidInput("autowrap_functions must be a tuple of functions.")
+    _check_dynamic(opts.dynamic)
+    if not isinstance(opts.verify_inputs, (tuple, list)):
+        raise InvalidInput("verify_inputs must be a list of example inputs (each a tensor, tuple or dict).")
 
 
 def _check_dynamic(dynamic: Any) -> None:
@@ -111,6 +124,8 @@ def _check_dynamic(dynamic: Any) -> None:
     for arg, dims in dynamic.items():
         if not isinstance(arg, str) or not isinstance(dims, dict):
             raise InvalidInput(f"{shape}; got {arg!r}: {dims!r}.")
-        for dim in dims:
+        for dim, symbol in dims.items():
             if not isinstance(dim, int) or isinstance(dim, bool):
                 raise InvalidInput(f"{shape}; dimension {dim!r} of {arg!r} is not an int.")
+            if not isinstance(symbol, str) and type(symbol).__module__.split(".")[0] != "torch":
+                raise InvalidInput(f"{shape}; the name of dimension {dim} of {arg!r} is {symbol!r}, not a str.")

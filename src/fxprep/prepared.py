@@ -2,7 +2,8 @@
 
 A prepared module is a ``torch.fx.GraphModule`` (a :class:`PreparedModule`, a plain subclass) that
 also carries fxprep's attributes: its report (``gm.fxprep_report``) and the state-dict alias table
-that makes ``state_dict()`` match the original's keys. Two kinds of copy would lose them or worse:
+that makes ``state_dict()`` match the original's keys, and the input spec each call is checked
+against (:mod:`fxprep.guard`). Two kinds of copy would lose them or worse:
 
 * ``copy.deepcopy`` rebuilds a GraphModule from its graph and keeps only what torch knows about
   (hooks, ``meta``); deep copies are common (``prepare_fx(copy.deepcopy(gm), ...)``, AIMET's
@@ -25,7 +26,10 @@ import torch.fx as fx
 from torch import nn
 from torch.fx import graph_module
 
+from . import guard
+
 REPORT = "fxprep_report"
+INPUT_SPEC = "fxprep_input_spec"  # a guard.InputSpec: what each call is checked against
 _PRESERVED = getattr(graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
 # Node metadata that pickles and means something without the tracer that wrote it.
 _PICKLED_META = ("nn_module_stack", "stack_trace")
@@ -38,7 +42,14 @@ def set_preserved(gm: fx.GraphModule, name: str, value: Any) -> None:
 
 
 class PreparedModule(fx.GraphModule):
-    """A ``torch.fx.GraphModule`` that pickles its graph exactly (see the module docstring)."""
+    """A ``torch.fx.GraphModule`` that pickles its graph exactly (see the module docstring) and
+    checks each call's inputs against those it was captured for (:mod:`fxprep.guard`)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        spec = self.__dict__.get(INPUT_SPEC)
+        if spec is not None:
+            guard.check(self, spec, args, kwargs)
+        return super().__call__(*args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
         state = self.__dict__.copy()

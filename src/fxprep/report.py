@@ -81,6 +81,8 @@ class Verification:
     grad_max_abs_diff: float | None = None
     detail: str = ""
     label: str = ""  # what the inputs were, when fxprep built them (control_flow="rewrite")
+    # buffers / scalar attributes a run of the original leaves other than a run of the prepared module
+    state_not_reproduced: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -167,6 +169,8 @@ class Report:
             line += f"; gradients max |diff| = {v.grad_max_abs_diff:.3g}" if v.grad_max_abs_diff is not None else "; gradients checked"
         if v.detail:
             line += f" - {v.detail}"
+        if v.state_not_reproduced:
+            line += f" - state NOT reproduced: {', '.join(v.state_not_reproduced[:8])}"
         return line
 
     def to_text(self) -> str:

@@ -1,16 +1,27 @@
-"""Running the user's model without changing it.
+"""Running the user's model without changing it, and seeing what a run would have changed.
 
-Capture (Dynamo's recording run, the hybrid tracer's structure run) and verification all run the
-user's own model eagerly. Each run must leave the model exactly as it was: a train-mode BatchNorm
-would otherwise update its running statistics, and a forward that counts calls would count fxprep's
-runs. Every run also uses fresh copies of the inputs (a model may write into them) and the same RNG
-seed, so dropout in train mode draws the same masks in the original and in the prepared module.
+Capture (fx's trace, Dynamo's export, the hybrid tracer's structure run) and verification all run the
+user's own model. Each run must leave the model exactly as it was: a train-mode BatchNorm would
+otherwise update its running statistics, a forward that counts calls (``self.calls += 1``) would
+count fxprep's runs, and one that rebinds a buffer (``self.steps = self.steps + 1``) would leave a
+new tensor object in the user's model. :func:`preserved_state` snapshots what a forward can write -
+every module's attribute dict and its parameter/buffer/child registries (by identity), buffer and
+plain tensor attribute values, the contents of plain list/dict attributes - and puts it all back,
+saying what changed (:class:`StateChanges`). Every run also uses fresh copies of the inputs (a model
+may write into them) and the same RNG seed, so dropout in train mode draws the same masks in the
+original and in the prepared module.
+
+:func:`observed_state` is what verification compares after a run of the original and a run of the
+prepared module: state updates the original makes but the graph does not (counters, running
+averages kept by hand) are found by name, never passed over.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,26 +30,175 @@ from torch import nn
 from .inputs import ExampleInputs
 
 SEED = 20260611
+_MISSING = object()
+# Plain attribute values a forward keeps as state (counters, flags, running scalars).
+_SCALARS = (bool, int, float, complex, str)
+
+
+@dataclass
+class StateChanges:
+    """What one run changed on the modules (all restored): qualified names."""
+
+    attributes: list[str] = field(default_factory=list)  # rebound, added or removed (registries included)
+    buffers: list[str] = field(default_factory=list)  # values written in place (buffers, tensor attributes)
+    containers: list[str] = field(default_factory=list)  # plain list/dict attributes changed in place
+
+    def __bool__(self) -> bool:
+        return bool(self.attributes or self.buffers or self.containers)
+
+    def names(self) -> list[str]:
+        return sorted(set(self.attributes) | set(self.buffers) | set(self.containers))
+
+
+class ModelState:
+    """A snapshot of everything a forward may write on ``modules`` (see the module docstring)."""
+
+    def __init__(self, *modules: nn.Module):
+        self.entries: list[tuple[str, nn.Module, dict[str, Any], tuple[dict[str, Any], ...]]] = []
+        self.tensors: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.containers: list[tuple[str, Any, Any]] = []
+        seen_modules: set[int] = set()
+        seen_tensors: set[int] = set()
+        for root in modules:
+            for name, m in root.named_modules(remove_duplicate=False):
+                if id(m) in seen_modules:
+                    continue
+                seen_modules.add(id(m))
+                prefix = f"{name}." if name else ""
+                if isinstance(m, torch.jit.ScriptModule):  # Python code cannot rebind its attributes
+                    tensors = list(m.named_buffers(recurse=False))
+                    attrs: dict[str, Any] = {}
+                else:
+                    attrs = dict(m.__dict__)
+                    self.entries.append((prefix, m, attrs, (dict(m._parameters), dict(m._buffers), dict(m._modules))))
+                    tensors = list(m._buffers.items())
+                tensors += [(k, v) for k, v in attrs.items() if type(v) is torch.Tensor]
+                for key, t in tensors:
+                    if t is None or id(t) in seen_tensors:
+                        continue
+                    seen_tensors.add(id(t))
+                    self.tensors.append((prefix + key, t, t.detach().clone()))
+                for key, value in attrs.items():
+                    if type(value) is list:
+                        self.containers.append((prefix + key, value, list(value)))
+                    elif type(value) is dict and not key.startswith("_"):
+                        self.containers.append((prefix + key, value, dict(value)))
+
+    def restore(self) -> StateChanges:
+        """Put everything back; returns what had changed."""
+        changes = StateChanges()
+        for prefix, m, attrs, registries in self.entries:
+            for registry, before in zip((m._parameters, m._buffers, m._modules), registries):
+                if registry.keys() != before.keys() or any(registry[k] is not v for k, v in before.items()):
+                    changes.attributes += [prefix + k for k in set(registry) | set(before)
+                                           if registry.get(k, _MISSING) is not before.get(k, _MISSING)]
+                    registry.clear()
+                    registry.update(before)
+            now = m.__dict__
+            for key in [k for k in now if k not in attrs]:
+                del now[key]
+                changes.attributes.append(prefix + key)
+            for key, value in attrs.items():
+                if now.get(key, _MISSING) is not value:
+                    now[key] = value
+                    changes.attributes.append(prefix + key)
+        with torch.no_grad():
+            for name, t, value in self.tensors:
+                # every value is compared and copied back: kernels such as batch_norm update
+                # running statistics in place without bumping the tensor's version counter
+                if t.shape != value.shape or t.dtype != value.dtype:
+                    t.set_(value)  # resized in place (``self.buf.resize_(...)``)
+                    changes.buffers.append(name)
+                    continue
+                if t.device.type != "meta" and not _same(t, value):
+                    changes.buffers.append(name)
+                t.copy_(value)
+        for name, container, before in self.containers:
+            if _container_changed(container, before):
+                changes.containers.append(name)
+                if type(container) is list:
+                    container[:] = before
+                else:
+                    container.clear()
+                    container.update(before)
+        changes.attributes = sorted(set(changes.attributes))
+        return changes
+
+
+def _container_changed(now: Any, before: Any) -> bool:
+    """By identity: ``==`` on a list of tensors compares them element-wise."""
+    if len(now) != len(before):
+        return True
+    if type(now) is list:
+        return any(a is not b for a, b in zip(now, before))
+    return now.keys() != before.keys() or any(now[k] is not v for k, v in before.items())
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return bool(torch.equal(a, b)) or bool(torch.isnan(a).all() and torch.isnan(b).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 @contextlib.contextmanager
-def preserved_state(*modules: nn.Module) -> Iterator[None]:
-    """Restore every buffer (and the RNG) of ``modules`` on exit: running a model must not change it."""
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-    seen: set[int] = set()
-    for module in modules:
-        for buf in module.buffers():
-            if id(buf) not in seen:
-                seen.add(id(buf))
-                saved.append((buf, buf.detach().clone()))
+def preserved_state(*modules: nn.Module, changes: StateChanges | None = None) -> Iterator[ModelState]:
+    """Restore everything a forward may write on ``modules`` (and the RNG) on exit: running a model
+    must not change it. What had changed is added to ``changes`` when one is given."""
+    state = ModelState(*modules)
     with torch.random.fork_rng(devices=[]):
         try:
-            yield
+            yield state
         finally:
-            with torch.no_grad():
-                for buf, value in saved:
-                    if buf.shape == value.shape:
-                        buf.copy_(value)
+            found = state.restore()
+            if changes is not None:
+                changes.attributes += found.attributes
+                changes.buffers += found.buffers
+                changes.containers += found.containers
+
+
+def observed_state(model: nn.Module) -> dict[str, Any]:
+    """What a run leaves behind on ``model``, by qualified name: buffer values (copies) and plain
+    scalar attributes (counters, flags). Compared between a run of the original and one of the
+    prepared module (which shares the user's buffer objects, so in-graph updates show here)."""
+    out: dict[str, Any] = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for key, buf in m._buffers.items():
+            if buf is not None:
+                out[prefix + key] = buf.detach().clone()
+        if isinstance(m, torch.jit.ScriptModule):
+            continue
+        for key, value in m.__dict__.items():
+            if not key.startswith("_") and type(value) in _SCALARS and key != "training":
+                out[prefix + key] = value
+    return out
+
+
+def state_differences(before: dict[str, Any], after: dict[str, Any], rtol: float, atol: float) -> list[str]:
+    """Names whose values differ between two :func:`observed_state` results."""
+    differ = []
+    for name in sorted(set(before) | set(after)):
+        a, b = before.get(name, _MISSING), after.get(name, _MISSING)
+        if a is _MISSING or b is _MISSING:
+            differ.append(name)
+        elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.device.type == "meta" or b.device.type == "meta":
+                if a.shape != b.shape or a.dtype != b.dtype:
+                    differ.append(name)
+            elif a.shape != b.shape or a.dtype != b.dtype or not _close(a, b, rtol, atol):
+                differ.append(name)
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            differ.append(name)
+        elif a != b and not (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)):
+            differ.append(name)
+    return differ
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
+    return bool(torch.equal(a, b))
 
 
 def run_model(model: nn.Module, example: ExampleInputs, *, grad: bool = False, what: str = "the model") -> Any:

@@ -20,10 +20,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import EquivalenceError, ModelError
+from .errors import EquivalenceError, FxprepError, ModelError
 from .inputs import ExampleInputs
 from .report import Verification
-from .runs import SEED, preserved_state, run_model
+from .runs import SEED, observed_state, preserved_state, run_model, state_differences
 
 
 def flatten_output(value: Any, path: str = "out") -> list[tuple[str, Any]]:
@@ -48,44 +48,80 @@ def flatten_output(value: Any, path: str = "out") -> list[tuple[str, Any]]:
     return [(path, value)]
 
 
-def run_original(model: nn.Module, example: ExampleInputs) -> Any:
-    """The reference run of the user's model; its failure is the user's to fix, said so plainly."""
+def run_original(model: nn.Module, example: ExampleInputs, what: str = "the example inputs") -> tuple[Any, dict[str, Any]]:
+    """The reference run of the user's model: its output, and the state it leaves behind
+    (:func:`fxprep.runs.observed_state`, restored afterwards). Its failure is the user's to fix,
+    said so plainly."""
     try:
         with preserved_state(model):
-            return run_model(model, example)
+            out = run_model(model, example)
+            return out, observed_state(model)
     except Exception as err:
         raise ModelError(
-            f"The model itself failed on the example inputs ({example.describe()}): "
+            f"The model itself failed on {what} ({example.describe()}): "
             f"{type(err).__name__}: {err}\nCheck the shapes, dtypes and argument names of example_inputs "
             f"against the model's forward()."
         ) from err
 
 
+@dataclasses.dataclass
+class Comparison:
+    """What comparing two outputs found: tensors compared, the max |diff| over finite positions,
+    the first problem (None: none), and what the comparison could not look at."""
+
+    count: int = 0
+    worst: float = 0.0
+    problem: str | None = None
+    meta: list[str] = dataclasses.field(default_factory=list)  # meta tensors: structure/shape/dtype only
+    all_nan: list[str] = dataclasses.field(default_factory=list)  # NaN everywhere in both: no value compared
+    empty: list[str] = dataclasses.field(default_factory=list)  # no elements at all (a batch of 0)
+    accepted: list[str] = dataclasses.field(default_factory=list)  # stated differences accepted
+
+
 def _compare(ref: Any, got: Any, rtol: float, atol: float,
-             broadcast: list[str] | None = None) -> tuple[int, float, str | None]:
-    """(tensors compared, max |diff| over finite positions, first problem or None).
+             broadcast: list[str] | None = None, absent: dict[str, str] | None = None) -> Comparison:
+    """Compare two outputs leaf by leaf, structure first (paths, None-ness, types).
 
     ``broadcast`` (a list) allows an output whose shape differs from the original's only by
     size-1 dimensions (a ``torch.where`` rewrite joined two branches of different ranks, and the
     report says so): it is compared after broadcasting, and the difference is appended to the list.
+    ``absent`` ({output key: why}) names outputs the original returns and the prepared module is
+    known not to (transformers' ``past_key_values`` when captured with ``use_cache=False``): they
+    are accepted and stated, any other structural difference is a problem.
     """
+    out = Comparison()
     ref_leaves, got_leaves = flatten_output(ref), flatten_output(got)
+    if absent:
+        got_paths = {p for p, _ in got_leaves}
+        kept = []
+        # return_dict=False: the cache is a trailing tuple item, named by position, not by key
+        dropped = {f"out[{i}]": next(iter(absent)) for i in range(len(got), len(ref))
+                   if isinstance(ref, tuple) and isinstance(got, tuple) and "Cache" in type(ref[i]).__name__}
+        for path, value in ref_leaves:
+            key = next((k for k in absent if path.startswith(f"out[{k!r}]")), None)
+            key = key or next((k for p, k in dropped.items() if path == p or path.startswith(p + "[")), None)
+            if key is not None and path not in got_paths:
+                out.accepted.append(f"{path} returned by the original only ({absent[key]})")
+                continue
+            kept.append((path, value))
+        ref_leaves = kept
     if [p for p, _ in ref_leaves] != [p for p, _ in got_leaves]:
-        return 0, math.inf, (
+        out.worst, out.problem = math.inf, (
             f"output structure differs: original {[p for p, _ in ref_leaves]} vs prepared {[p for p, _ in got_leaves]}"
         )
+        return out
     if type(ref) is not type(got):
-        return 0, math.inf, f"output type differs: original {type(ref).__name__} vs prepared {type(got).__name__}"
-    count, worst, problem = 0, 0.0, None
+        out.worst, out.problem = math.inf, f"output type differs: original {type(ref).__name__} vs prepared {type(got).__name__}"
+        return out
     for (path, a), (_, b) in zip(ref_leaves, got_leaves):
         if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
-            problem = problem or f"{path}: tensor vs {type(b).__name__}"
+            out.problem = out.problem or f"{path}: {type(a).__name__} vs {type(b).__name__}"
             continue
         if not isinstance(a, torch.Tensor):
             if a != b and not (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)):
-                problem = problem or f"{path}: {a!r} != {b!r}"
+                out.problem = out.problem or f"{path}: {a!r} != {b!r}"
             continue
-        count += 1
+        out.count += 1
         if broadcast is not None and a.shape != b.shape and a.dtype == b.dtype and a.numel() == b.numel():
             try:
                 joined = torch.broadcast_shapes(a.shape, b.shape) == b.shape
@@ -95,14 +131,30 @@ def _compare(ref: Any, got: Any, rtol: float, atol: float,
                 broadcast.append(f"{path}: original shape {tuple(a.shape)}, prepared {tuple(b.shape)}")
                 a = a.reshape(b.shape)
         if a.shape != b.shape or a.dtype != b.dtype:
-            problem = problem or f"{path}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
-            worst = math.inf
+            out.problem = out.problem or f"{path}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
+            out.worst = math.inf
+            continue
+        if a.device.type == "meta" or b.device.type == "meta":
+            out.meta.append(path)  # no values on the meta device: shape and dtype are all there is
+            continue
+        if a.numel() == 0:
+            out.empty.append(path)
+            continue
+        if _all_nan(a) and _all_nan(b):
+            out.all_nan.append(path)
             continue
         diff, bad = _tensor_diff(a, b, rtol, atol)
-        worst = max(worst, diff)
+        out.worst = max(out.worst, diff)
         if bad:
-            problem = problem or f"{path}: {bad}"
-    return count, worst, problem
+            out.problem = out.problem or f"{path}: {bad}"
+    return out
+
+
+def _all_nan(t: torch.Tensor) -> bool:
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.is_floating_point() and t.numel() > 0 and bool(torch.isnan(t).all())
 
 
 def _tensor_diff(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[float, str | None]:
@@ -141,18 +193,26 @@ def verify(
     example: ExampleInputs,
     *,
     reference: Any = None,
+    reference_state: dict[str, Any] | None = None,
     prepared_example: ExampleInputs | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     grad: bool = False,
     raise_on_mismatch: bool = True,
     where_rewrite: bool = False,
+    absent: dict[str, str] | None = None,
+    what: str = "the example inputs",
 ) -> Verification:
     """Compare ``prepared`` against ``original`` on ``example``; raise :class:`EquivalenceError` on a
     mismatch (naming the first diverging leaf), else return the measured :class:`Verification`.
 
     ``prepared_example`` is how the prepared module is called when it differs from the original's
-    call (``concrete_args`` removed some arguments, for instance).
+    call (``concrete_args`` removed some arguments, for instance). ``reference`` and
+    ``reference_state`` are what :func:`run_original` returned, when the original already ran.
+
+    State is compared too: the buffers and plain scalar attributes (counters, running averages) one
+    run of the original leaves behind against those one run of the prepared module leaves behind;
+    the names that differ are in ``state_not_reproduced`` (reported, never passed over silently).
 
     ``where_rewrite``: the prepared graph joins data-dependent branches with ``torch.where``
     (``control_flow="rewrite"``, which reports it site by site). Two differences that follow are
@@ -162,29 +222,42 @@ def verify(
     prepared module (it was read only by the branch not taken, which ``torch.where`` computes too).
     """
     prepared_example = prepared_example or example
+    if reference is None or reference_state is None:
+        reference, reference_state = run_original(original, example, what)
     with preserved_state(original, prepared):
-        if reference is None:
-            reference = run_model(original, example)
         try:
             got = run_model(prepared, prepared_example)
+        except FxprepError:
+            raise
         except Exception as err:
             raise EquivalenceError(
-                f"The prepared module failed on the example inputs where the original ran: "
+                f"The prepared module failed on {what} where the original ran: "
                 f"{type(err).__name__}: {err}. This is an fxprep bug; please report it with the model."
             ) from err
+        prepared_state = observed_state(original)
     if rtol is None or atol is None:
         d_rtol, d_atol = default_tolerances(reference)
         rtol = d_rtol if rtol is None else rtol
         atol = d_atol if atol is None else atol
     accepted: list[str] | None = [] if where_rewrite else None
-    count, worst, problem = _compare(reference, got, rtol, atol, accepted)
+    found = _compare(reference, got, rtol, atol, accepted, absent)
+    count, worst, problem = found.count, found.worst, found.problem
     result = Verification("passed", max_abs_diff=worst, rtol=rtol, atol=atol, outputs_compared=count)
-    if problem is None and grad:
+    result.state_not_reproduced = state_differences(reference_state, prepared_state, rtol, atol)
+    if problem is None and result.state_not_reproduced:
+        problem = _second_call(original, prepared, example, prepared_example, rtol, atol, absent,
+                               result.state_not_reproduced)
+    if problem is None and grad and not found.meta:
         g_worst, g_problem = _verify_grads(original, prepared, example, prepared_example, rtol, atol, accepted)
         result.grad, result.grad_max_abs_diff = True, g_worst
         problem = g_problem
+    details = []
     if accepted:
-        result.detail = "accepted differences of the torch.where rewrite: " + "; ".join(accepted)
+        details.append("accepted differences of the torch.where rewrite: " + "; ".join(accepted))
+    if found.accepted:
+        details.append("accepted: " + "; ".join(found.accepted))
+    _inconclusive(result, found, details)
+    result.detail = "; ".join(details)
     if problem is not None:
         result.status, result.detail = "failed", problem
         if raise_on_mismatch:
@@ -195,6 +268,58 @@ def verify(
                 max_abs_diff=worst, module=where, output_path=problem.split(":")[0],
             )
     return result
+
+
+def _second_call(original: nn.Module, prepared: fx.GraphModule, example: ExampleInputs,
+                 prepared_example: ExampleInputs, rtol: float, atol: float, absent: dict[str, str] | None,
+                 names: list[str]) -> str | None:
+    """The state one call leaves differs (``names``): does the *next* call's output depend on it?
+    Each module is called twice from the same starting state; a second output that differs means
+    the prepared module computes something else from the second call on (a counter the output
+    reads, baked into the graph as its first value), which is a failure, not a note."""
+    def twice(model: nn.Module, call: ExampleInputs) -> Any:
+        with preserved_state(original, prepared):
+            run_model(model, call)
+            return run_model(model, call)
+
+    try:
+        again = _compare(twice(original, example), twice(prepared, prepared_example), rtol, atol, None, absent)
+    except Exception:  # noqa: BLE001 - a second call that fails is judged by the first call's result
+        return None
+    if again.problem is None:
+        return None
+    return (f"second call: {again.problem} - the original's output depends on state its forward updates "
+            f"({', '.join(names[:6])}) and the prepared module does not reproduce that update")
+
+
+def _inconclusive(result: Verification, found: Comparison, details: list[str]) -> None:
+    """A comparison that found no difference but looked at no value proves little: its status is
+    "inconclusive" and the detail says why, rather than a "passed" with max |diff| = 0."""
+    compared = found.count - len(found.meta) - len(found.all_nan) - len(found.empty)
+    if found.count == 0:
+        result.status = "inconclusive"
+        details.insert(0, "no output tensor to compare (the model returns None or no tensors): the graph's "
+                          "computation was not observed; give inputs for which it returns tensors")
+    elif found.meta and compared == 0:
+        result.status = "inconclusive"
+        details.insert(0, f"meta tensors: output structure, shapes and dtypes match ({len(found.meta)} output(s)); "
+                          f"values cannot be computed on the meta device, so they were not compared. Load real "
+                          f"weights and verify on a real device for a full check")
+    elif found.all_nan and compared == 0:
+        result.status = "inconclusive"
+        details.insert(0, f"every output is NaN in both modules ({', '.join(found.all_nan[:4])}): NaN positions "
+                          f"agree but no value was compared; check the weights and inputs (uninitialised memory?)")
+    elif found.empty and compared == 0 and not found.all_nan and not found.meta:
+        result.status = "inconclusive"
+        details.insert(0, f"every output is empty ({', '.join(found.empty[:4])}: no elements): no value was compared; "
+                          f"give inputs with at least one element per dimension")
+    elif compared == 0:
+        result.status = "inconclusive"
+        details.insert(0, "no output value could be compared (meta, all-NaN or empty outputs)")
+    else:
+        for paths, why in ((found.all_nan, "all NaN"), (found.empty, "empty"), (found.meta, "meta")):
+            if paths:
+                details.append(f"not compared: {', '.join(paths[:4])} ({why})")
 
 
 def _verify_grads(original: nn.Module, prepared: fx.GraphModule, example: ExampleInputs,
@@ -305,7 +430,6 @@ def first_divergence(original: nn.Module, prepared: fx.GraphModule, example: Exa
         seen = recorded.get(id(orig_mod), [])
         if k >= len(seen):
             return originals[id(orig_mod)]
-        _, _, problem = _compare(seen[k], out, rtol, atol)
-        if problem is not None:
+        if _compare(seen[k], out, rtol, atol).problem is not None:
             return originals[id(orig_mod)]
     return None

@@ -26,6 +26,7 @@ import inspect
 import math
 import operator
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -36,6 +37,8 @@ from torch import nn
 from torch.fx._symbolic_trace import PH
 
 from ..errors import TraceFailure
+from ..runs import StateChanges, preserved_state
+from ..threads import confined, confined_fx_patches, on_owner_thread
 from ..wrap import TENSOR_CONSTRUCTORS, autograd_function_caller, find_proxy, record_as_call
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
 
@@ -45,8 +48,10 @@ INPLACE_OPERATORS = ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "i
                      "imatmul", "ilshift", "irshift")
 
 
-def _inplace_operator(op: Callable[..., Any]) -> Callable[..., Any]:
+def _inplace_operator(op: Callable[..., Any], owner: int) -> Callable[..., Any]:
     def method(self: fx.Proxy, other: Any) -> Any:
+        if not on_owner_thread(owner):
+            return NotImplemented  # another thread's plain fx trace: Python falls back to ``x = x + y``
         return self.tracer.create_proxy("call_function", op, (self, other), {})
 
     return method
@@ -60,21 +65,25 @@ def _traced_len(obj: Any) -> Any:
 
 @contextlib.contextmanager
 def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
-    """Install the recording wrappers for the duration of one trace and always undo them."""
+    """Install the recording wrappers for the duration of one trace and always undo them.
+
+    Each one is confined to this thread (:func:`fxprep.threads.confined`): other threads keep
+    running torch's own functions while this one traces."""
     restore: list[Callable[[], None]] = []
+    owner = threading.get_ident()
     try:
         for name in TENSOR_CONSTRUCTORS:
             orig = getattr(torch, name, None)
             if orig is None:
                 continue
-            setattr(torch, name, record_as_call(orig))
+            setattr(torch, name, confined(record_as_call(orig), orig, owner))
             restore.append(functools.partial(setattr, torch, name, orig))
 
         function_cls = torch.autograd.Function
         orig_apply = function_cls.__dict__["apply"]
 
         def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-            proxy = find_proxy((args, kwargs))
+            proxy = find_proxy((args, kwargs)) if on_owner_thread(owner) else None
             if proxy is None:
                 return orig_apply.__get__(None, cls)(*args, **kwargs)
             return proxy.tracer.create_proxy("call_function", autograd_function_caller(cls), args, kwargs)
@@ -85,7 +94,7 @@ def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
         for name in INPLACE_OPERATORS:
             if f"__{name}__" in fx.Proxy.__dict__:
                 continue
-            setattr(fx.Proxy, f"__{name}__", _inplace_operator(getattr(operator, name)))
+            setattr(fx.Proxy, f"__{name}__", _inplace_operator(getattr(operator, name), owner))
             restore.append(functools.partial(delattr, fx.Proxy, f"__{name}__"))
 
         seen: set[int] = set()
@@ -98,7 +107,7 @@ def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
                 restore.append(functools.partial(g.__setitem__, "len", g["len"]))
             else:
                 restore.append(functools.partial(g.pop, "len", None))
-            g["len"] = _traced_len
+            g["len"] = confined(_traced_len, g.get("len", builtins.len), owner)
         yield
     finally:
         for undo in reversed(restore):
@@ -106,34 +115,22 @@ def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def restored_attributes(model: nn.Module, changed: list[str]) -> Iterator[None]:
-    """Undo whatever tracing wrote onto the user's modules.
+def restored_attributes(model: nn.Module, changed: list[str], updated: list[str] | None = None) -> Iterator[None]:
+    """Undo whatever tracing wrote onto the user's modules (:func:`fxprep.runs.preserved_state`).
 
     Some forwards cache values on ``self`` (``self.scales = ...``); during tracing those values
-    are Proxies, and leaving them there would break the user's model. Each module's attribute dict
-    (and its parameter/buffer/child registries) is restored; the names that changed are reported.
+    are Proxies, and leaving them there would break the user's model. Attributes, registries,
+    buffer values and plain containers are all put back; the names of attributes that changed are
+    added to ``changed``, those of buffers written in place to ``updated``.
     """
-    saved = []
-    for name, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, torch.jit.ScriptModule):
-            continue  # TorchScript modules cannot be written to by Python code anyway
-        saved.append((name, m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules)))
+    changes = StateChanges()
     try:
-        yield
+        with preserved_state(model, changes=changes):
+            yield
     finally:
-        for name, m, attrs, params, buffers, children in saved:
-            for registry, before in ((m._parameters, params), (m._buffers, buffers), (m._modules, children)):
-                if registry.keys() != before.keys() or any(registry[k] is not v for k, v in before.items()):
-                    registry.clear()
-                    registry.update(before)
-            now = m.__dict__
-            diff = [k for k in set(now) | set(attrs) if k not in attrs or k not in now or now[k] is not attrs[k]]
-            for k in diff:
-                if k in attrs:
-                    now[k] = attrs[k]
-                else:
-                    del now[k]
-                changed.append(f"{name + '.' if name else ''}{k}")
+        changed.extend(changes.attributes + changes.containers)
+        if updated is not None:
+            updated.extend(changes.buffers)
 
 
 class FxprepTracer(fx.Tracer):
@@ -155,7 +152,7 @@ class FxprepTracer(fx.Tracer):
     def trace(self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """``fx.Tracer.trace`` with the recording patches installed for this trace only."""
         modules = root.modules() if isinstance(root, nn.Module) else ()
-        with _tracing_patches(_forward_globals(modules)):
+        with confined_fx_patches(), _tracing_patches(_forward_globals(modules)):
             return super().trace(root, concrete_args=concrete_args)
 
     def make_graph_module(self, graph: fx.Graph, class_name: str) -> fx.GraphModule:
@@ -263,12 +260,23 @@ class _PyTreeCodeGenWithDefaults(fx.graph._PyTreeCodeGen):
         head, sep, rest = text.partition("\n")
         for name, value in self.defaults.items():
             head = re.sub(rf"(?<=[(,\s]){name}(?=\s*[,)])", f"{name}={value!r}", head, count=1)
+        # A required argument after a defaulted one (``images, targets=None, features``) is not
+        # Python: make it keyword-only, as callers of such a forward pass it by name anyway.
+        seen_default = False
+        for name in getattr(self.pytree_info, "orig_args", ()):
+            if name in self.defaults:
+                seen_default = True
+            elif seen_default:
+                head = re.sub(rf"(?<=[(,\s]){name}(?=[\s:,)])", f"*, {name}", head, count=1)
+                break
         return head + sep + rest
 
 
 def flatten_container_inputs(model: nn.Module, example: Any, concrete_args: dict[str, Any] | None) -> dict[str, Any] | None:
     """``concrete_args`` that give list/tuple/dict inputs one placeholder per tensor (fx ``PH``), so
-    ``for img in images`` iterates real Python lists of traced tensors instead of failing."""
+    ``for img in images`` iterates real Python lists of traced tensors instead of failing; an input
+    the example gives as None is fixed to None (as Dynamo does; the prepared module refuses another
+    value, see :mod:`fxprep.guard`)."""
     if example is None:
         return concrete_args
     try:
@@ -277,7 +285,12 @@ def flatten_container_inputs(model: nn.Module, example: Any, concrete_args: dict
         return concrete_args
     out = dict(concrete_args or {})
     for name, value in bound.arguments.items():
-        if name in out or not isinstance(value, (list, tuple, dict)):
+        if name in out:
+            continue
+        if value is None:  # an input given as None is None in the graph (``if extra is not None``)
+            out[name] = None
+            continue
+        if not isinstance(value, (list, tuple, dict)):
             continue
         leaves = torch.utils._pytree.tree_leaves(value)
         if leaves and all(isinstance(v, torch.Tensor) for v in leaves):
@@ -321,8 +334,9 @@ def capture_fx(
     tracer = tracer or FxprepTracer(policy, autowrap_functions)
     tracer.traced_classes[type(model)] = ""  # the root is traced without asking is_leaf_module
     changed: list[str] = []
+    updated: list[str] = []
     try:
-        with restored_attributes(model, changed):
+        with restored_attributes(model, changed, updated):
             graph = tracer.trace(model, concrete_args=concrete_args)
             if isinstance(graph._codegen, fx.graph._PyTreeCodeGen):
                 for node in graph.nodes:  # fx writes `x = None,` into the unpacking line otherwise
@@ -341,6 +355,12 @@ def capture_fx(
         notes.append(
             f"forward() wrote to module attributes while being traced ({', '.join(sorted(set(changed))[:8])}); "
             f"fxprep restored them. Values cached this way are not part of the graph."
+        )
+    if updated:
+        notes.append(
+            f"WARNING: forward() updated buffer(s) {', '.join(sorted(set(updated))[:8])} in place outside what fx "
+            f"records (the update ran once on the real tensor while tracing; fxprep restored it): the prepared "
+            f"module does NOT perform this update. Keep such state outside forward(), or use tracer='dynamo'."
         )
     result = CaptureResult(gm, "fx", notes=notes, extra_leaves=dict(tracer.extra_leaves))
     return result, CaptureAttempt("fx", True, time.perf_counter() - start)

@@ -53,6 +53,32 @@ def capture_concrete_args(model: nn.Module, concrete_args: dict[str, Any] | None
     return {**(concrete_args or {}), "use_cache": False}
 
 
+# What a transformers model captured with use_cache=False does not return that the original may.
+ABSENT_WITHOUT_CACHE = {"past_key_values": "captured with use_cache=False"}
+CACHE_OFF_NOTE = (
+    "transformers model captured with use_cache=False (fxprep's default when you do not fix use_cache): a KV "
+    "cache is not part of a graph to quantize, and Dynamo cannot capture cache objects. The prepared module "
+    "returns no past_key_values where the original, called with its default use_cache=True, does; "
+    "verification compares everything else and states this difference. Pass concrete_args={'use_cache': "
+    "False} to say you expect it."
+)
+
+
+def absent_outputs(user_concrete: dict[str, Any] | None, concrete: dict[str, Any] | None) -> dict[str, str]:
+    """``{output key: why}`` the prepared module will not return although the original may: what
+    :func:`capture_concrete_args` added (``use_cache=False``) and the user did not ask for."""
+    if "use_cache" in (concrete or {}) and "use_cache" not in (user_concrete or {}):
+        return dict(ABSENT_WITHOUT_CACHE)
+    return {}
+
+
+def without_added(concrete: dict[str, Any] | None, absent: dict[str, str]) -> dict[str, Any] | None:
+    """``concrete`` without what fxprep added on its own (how the user calls the original)."""
+    if not absent or not concrete:
+        return concrete
+    return {k: v for k, v in concrete.items() if k != "use_cache"} or None
+
+
 def _configs(model: nn.Module) -> list[Any]:
     config = getattr(model, "config", None)
     if config is None:
@@ -176,10 +202,12 @@ def capture_hf_fx(model: nn.Module, example: ExampleInputs | None) -> tuple[Capt
 
 
 __all__ = [
+    "absent_outputs",
     "capture_concrete_args",
     "capture_context",
     "capture_hf_fx",
     "example_inputs_for",
     "hf_symbolic_trace",
     "is_hf_model",
+    "without_added",
 ]

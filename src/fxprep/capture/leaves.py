@@ -28,6 +28,7 @@ from torch import nn
 from .. import progress
 from ..diagnose import Issue, diagnose
 from ..inputs import ExampleInputs
+from ..threads import GLOBAL_LOCK, confined
 from ..wrap import find_proxy
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
 from .fx import FxprepTracer, capture_fx, flatten_container_inputs
@@ -214,7 +215,7 @@ def record_structures(model: nn.Module, example: ExampleInputs, sites: list[Site
                     return out
 
                 for g in places:
-                    g[site.method] = recording_fn
+                    g[site.method] = confined(recording_fn, fn)  # other threads call the function itself
                     restore.append((g, site.method, fn))
             elif site.method == "forward" and site.attr is None:
                 def hook(m: nn.Module, i: Any, o: Any, _site: Site = site) -> None:
@@ -323,7 +324,7 @@ class HybridTracer(FxprepTracer):
                 fn, places = FUNCTIONS[site]
                 for g in places:
                     patched.append((g, site.method, g.get(site.method, _MISSING)))
-                    g[site.method] = call
+                    g[site.method] = confined(call, fn)  # a module global: other threads call the function itself
                 continue
             owner = site.owner(self.model)
             if not hasattr(owner, "__dict__"):
@@ -383,8 +384,22 @@ def capture_hybrid(
     Returns the result (or None), the attempt for the report, and each opaque site with the issue
     that made it opaque (or, on failure, the issue nothing smaller could fix). ``handled`` is asked
     first about each failure: True means it was dealt with otherwise (``control_flow="rewrite"``
-    rewrote the failing ``if``) and the trace is simply tried again.
+    rewrote the failing ``if``) and the trace is simply tried again. Runs under
+    :data:`fxprep.threads.GLOBAL_LOCK`: the opaque functions are routed through the tracer in their
+    modules' globals for the length of each trace.
     """
+    with GLOBAL_LOCK:
+        return _capture_hybrid(model, policy, concrete_args, example, autowrap_functions, handled)
+
+
+def _capture_hybrid(
+    model: nn.Module,
+    policy: LeafPolicy,
+    concrete_args: dict[str, Any] | None,
+    example: ExampleInputs | None,
+    autowrap_functions: tuple[Any, ...],
+    handled: Callable[[BaseException], bool] | None,
+) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
     start = time.perf_counter()
     concrete = flatten_container_inputs(model, example, concrete_args)
     sites: list[Site] = []

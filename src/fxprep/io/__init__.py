@@ -24,8 +24,9 @@ from torch import nn
 
 from ..api import register_with_toolkits
 from ..errors import SerializationError
+from ..guard import InputSpec
 from ..passes import state_dict as state_dict_pass
-from ..prepared import REPORT, PreparedModule, set_preserved
+from ..prepared import INPUT_SPEC, REPORT, PreparedModule, set_preserved
 from ..version import __version__
 from .decode import (
     Decoder,
@@ -117,6 +118,7 @@ def save(
                 "devices": sorted({str(t.device) for t in writer.tensors.values()}),
                 "trusted_modules": list(policy.modules),
                 "report": report.to_dict() if report is not None and hasattr(report, "to_dict") else None,
+                "input_guard": guard.to_dict() if (guard := getattr(gm, INPUT_SPEC, None)) is not None else None,
                 "sha256": {name: sha256(fresh / name) for name in CHECKED_FILES},
             }
             write_new(fresh / MANIFEST, json.dumps(manifest, indent=1, default=str))
@@ -183,6 +185,11 @@ def load(
         gm.register_state_dict_post_hook(state_dict_pass._drop_aliases)
         gm.register_load_state_dict_pre_hook(state_dict_pass._fill_aliases)
     set_preserved(gm, REPORT, report_from_dict(manifest.get("report"), directory))
+    if manifest.get("input_guard") is not None:  # plain data (fxprep.guard): what each call is checked against
+        try:
+            set_preserved(gm, INPUT_SPEC, InputSpec.from_dict(manifest["input_guard"]))
+        except ValueError as err:
+            raise SerializationError(f"the input_guard in {MANIFEST} is malformed.") from err
     register_with_toolkits()
     return gm
 

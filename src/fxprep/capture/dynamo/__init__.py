@@ -38,6 +38,7 @@ from torch import nn
 
 from ... import progress
 from ...inputs import ExampleInputs, split_calls
+from ...threads import GLOBAL_LOCK
 from .. import huggingface
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
 from .export import (
@@ -102,7 +103,7 @@ def capture_dynamo(
         guard = AttributeGuard(model, caches)
         attempt_notes: list[str] = []
         try:
-            with huggingface.capture_context(model, attempt_notes), guard:
+            with GLOBAL_LOCK, huggingface.capture_context(model, attempt_notes), guard:
                 call = requiring_grad(capture_call) if grad_inputs else capture_call
                 result = dynamo_export(model, call, current, spec)
                 guard.reset()  # Dynamo left fake tensors in attributes forward() writes

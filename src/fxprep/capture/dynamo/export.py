@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...inputs import ExampleInputs
+from ...threads import GLOBAL_LOCK
 
 ROUTES = ("auto", "flag", "regroup")
 FLAG = "install_free_tensors_for_export"
@@ -149,12 +150,76 @@ class DynamoGlobalState:
                 pass
 
 
+# Dynamo's limits on how often one code object is compiled. An export is a one-off capture, never
+# run again from Dynamo's cache, so a limit reached by earlier captures (or by the user's own
+# torch.compile calls) must not stop it: it is lifted for fxprep's call only.
+_LIMITS = ("recompile_limit", "accumulated_recompile_limit", "cache_size_limit", "accumulated_cache_size_limit")
+_NO_LIMIT = 1 << 30
+
+
+def _limit_patches(config: Any) -> dict[str, Any]:
+    names = [n for n in _LIMITS if hasattr(config, n)]
+    aliases = {"cache_size_limit": "recompile_limit", "accumulated_cache_size_limit": "accumulated_recompile_limit"}
+    # an alias and its target cannot both be patched; keep the new names when present
+    return {n: _NO_LIMIT for n in names if not (n in aliases and aliases[n] in names)}
+
+
+def _shared_wrapper_code() -> Any:
+    """The code object of Dynamo's ``wrap_inline`` frame (``external_utils.wrap_inline``'s
+    ``inner``): export runs every module whose ``forward`` is torch's own (``nn.Sequential``) through
+    this one frame, so its cache entries are shared by every such capture. None where this torch
+    has no such helper."""
+    try:
+        from torch._dynamo import external_utils
+
+        return external_utils.wrap_inline(lambda: None).__code__
+    except Exception:  # noqa: BLE001 - private API, feature-detected
+        return None
+
+
+class DynamoCacheScope:
+    """Drops the cache entries one export added to the shared ``wrap_inline`` frame.
+
+    ``torch._dynamo.export`` resets the cache of the model's own ``forward`` before and after the
+    call, but not of the wrapper frame it runs torch-defined forwards through; each capture of an
+    ``nn.Sequential`` root left one entry there, and after eight of them (``recompile_limit``) Dynamo
+    refused to capture any more in the process. The entries are only dropped when the frame had
+    none before (they are then all fxprep's): a user's own compiled entries are never touched.
+    """
+
+    def __enter__(self) -> DynamoCacheScope:
+        self.code = _shared_wrapper_code()
+        self.had_entries = True
+        if self.code is not None:
+            try:
+                from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+                self.had_entries = bool(_debug_get_cache_entry_list(self.code))
+            except Exception:  # noqa: BLE001
+                self.code = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.code is None or self.had_entries:
+            return
+        try:
+            from torch._C._dynamo.eval_frame import reset_code
+
+            reset_code(self.code)
+        except Exception:  # noqa: BLE001 - private API, feature-detected
+            pass
+
+
 def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spec: dict[str, Any] | None) -> Any:
     """``torch._dynamo.export`` of ``model`` on ``call``, configured for ``route`` (static shapes
-    unless ``dynamic_spec`` names dynamic dimensions), with Dynamo's global state put back after."""
+    unless ``dynamic_spec`` names dynamic dimensions), with Dynamo's global state put back after.
+
+    Runs under :data:`fxprep.threads.GLOBAL_LOCK` (Dynamo's config and caches are process-wide),
+    with the recompile limits lifted and the cache entries the call added dropped
+    (:class:`DynamoCacheScope`), so the hundredth capture in a process is the same as the first."""
     import torch._dynamo as dynamo
 
-    patches: dict[str, Any] = {}
+    patches: dict[str, Any] = _limit_patches(dynamo.config)
     if route == "flag":
         patches[FLAG] = False
     elif flag_available():
@@ -164,7 +229,7 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
     kwargs: dict[str, Any] = {"assume_static_by_default": True}
     if dynamic_spec is not None:
         kwargs["dynamic_shapes"] = dynamic_spec
-    with dynamo.config.patch(**patches), DynamoGlobalState():
+    with GLOBAL_LOCK, dynamo.config.patch(**patches), DynamoGlobalState(), DynamoCacheScope():
         return dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
 
 

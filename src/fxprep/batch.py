@@ -1,0 +1,117 @@
+"""Whether a static-shape Dynamo graph depends on the example's batch size: a probe.
+
+Dynamo captures with static shapes (unless ``dynamic=...``): every size of every input may be baked
+into the graph (``x.view(2, -1)``), and a branch on a size (``if x.shape[0] > 2``) is taken the way
+the example takes it. So the prepared module's input check (:mod:`fxprep.guard`) starts out
+refusing any shape other than the example's. That is safe but blocks the most common call of all:
+a module prepared on a batch of one and then calibrated or evaluated on batches of 32.
+
+The probe settles the batch dimension by experiment: the example with its batch one smaller and one
+larger (dimension 0 of every input tensor whose dimension 0 is the example's batch size) is run
+through the original and the prepared module. When both agree at both sizes, dimension 0 is left
+unchecked and the report says which sizes it was compared at; when either size fails or differs
+(a shape-dependent branch, a baked size), the check stays and the report names the batch size the
+graph is specialised to and what happened at the other size. Only the batch dimension is probed:
+other dimensions (sequence length, image size) stay checked. A probe is evidence, not proof (a
+branch on ``x.shape[0] > 7`` is not found from an example of 2), so the report words it as such.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .guard import InputSpec
+from .inputs import ExampleInputs
+from .prepared import INPUT_SPEC
+from .report import Report
+from .verify import verify
+
+
+def example_batch(example: ExampleInputs) -> int | None:
+    """The example's batch size: dimension 0 of its first tensor of at least one dimension."""
+    for leaf in pytree.tree_leaves((example.args, example.kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return int(leaf.shape[0])
+    return None
+
+
+def with_batch(example: ExampleInputs, batch: int, size: int) -> ExampleInputs:
+    """``example`` with dimension 0 of every tensor of batch ``batch`` resized to ``size`` (rows
+    repeat the example's, so token ids and masks stay valid)."""
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != batch:
+            return t
+        if size <= batch:
+            return t.narrow(0, 0, size)
+        reps = -(-size // batch)
+        return torch.cat([t] * reps, dim=0).narrow(0, 0, size)
+
+    args, kwargs = pytree.tree_map_only(torch.Tensor, resize, (example.args, example.kwargs))
+    return ExampleInputs(tuple(args), dict(kwargs))
+
+
+@contextlib.contextmanager
+def unchecked(gm: fx.GraphModule) -> Iterator[None]:
+    """``gm`` without its input check for a while (the probe calls it at other sizes on purpose)."""
+    spec = gm.__dict__.pop(INPUT_SPEC, None)
+    try:
+        yield
+    finally:
+        if spec is not None:
+            gm.__dict__[INPUT_SPEC] = spec
+
+
+def _free_batch(spec: InputSpec, batch: int) -> None:
+    def free(node: dict[str, Any]) -> None:
+        kind = node["kind"]
+        if kind == "tensor" and node.get("shape") and node["shape"][0] == batch:
+            node["shape"][0] = None
+        elif kind == "seq":
+            for item in node["items"]:
+                free(item)
+        elif kind == "dict":
+            for item in node["items"].values():
+                free(item)
+
+    for node in spec.params.values():
+        free(node)
+
+
+def probe(model: nn.Module, gm: fx.GraphModule, spec: InputSpec, example: ExampleInputs,
+          calls: Callable[[ExampleInputs], tuple[ExampleInputs, ExampleInputs]], report: Report,
+          rtol: float | None, atol: float | None, absent: dict[str, str] | None) -> None:
+    """Probe the batch dimension of ``gm``'s static-shape capture (see the module docstring).
+
+    ``calls(example) -> (original call, prepared call)`` splits an example as prepare_model does."""
+    batch = example_batch(example)
+    if batch is None:
+        return
+    sizes = [s for s in (batch - 1, batch + 1) if s >= 1]
+    for size in sizes:
+        original, prepared = calls(with_batch(example, batch, size))
+        try:
+            with unchecked(gm):
+                verify(model, gm, original, prepared_example=prepared, rtol=rtol, atol=atol, absent=absent,
+                       what=f"the example at batch {size}")
+        except Exception as err:  # noqa: BLE001 - any failure (FxprepError or not) keeps the check
+            reason = str(err).strip().splitlines()[0][:300]
+            report.note(
+                f"The graph is specialised to batch {batch}: at batch {size} {reason} (a shape-dependent branch or "
+                f"a size Dynamo baked in). Calls at another batch size raise InputMismatch; prepare with "
+                f"dynamic='batch' if the model supports it."
+            )
+            return
+    _free_batch(spec, batch)
+    report.note(
+        f"Batch size: the prepared module matched the original at batch {' and '.join(map(str, sizes))} as well as "
+        f"{batch}, so dimension 0 of the inputs is not checked (other dimensions are; a branch on the batch size "
+        f"that neither size reaches would not be seen)."
+    )

@@ -1,0 +1,102 @@
+"""Which tracers run, in which order, and each one's run: shared by ``prepare_model`` and
+``check_traceability`` so that the two never disagree about a model.
+
+``prepare_model`` runs the tracers as a cascade (the first that captures the model wins);
+``check_traceability`` runs each one alone to say what each makes of the model. Both go through
+:func:`plan` (the same tracers for the same inputs, transformers models captured with inputs built
+from their config when none are given) and :func:`run_tracer` (the same concrete arguments, the
+same fallback to transformers' own fx tracer), so a model the check calls "not traceable" is never
+one that ``prepare_model`` then prepares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .. import progress
+from ..errors import InvalidInput
+from ..inputs import ExampleInputs, normalize_example_inputs
+from . import dynamo_available, huggingface
+from .common import CaptureAttempt, CaptureResult, LeafPolicy
+from .fx import capture_fx, restored_attributes
+
+NO_INPUTS_DYNAMO = ("No example_inputs: Dynamo captured with inputs built from the model config "
+                    "(input_ids, attention_mask, ...); the result is not verified.")
+NO_INPUTS_FX = "No example_inputs: only the fx tracer can run, and the result is not verified."
+
+
+def plan(tracer: str, example: ExampleInputs | None, model: nn.Module) -> tuple[list[str], str | None]:
+    """The tracers to try for ``tracer`` ("auto", "dynamo" or "fx"), and a note for the report."""
+    if tracer != "auto":
+        if tracer == "dynamo" and example is None and huggingface.example_inputs_for(model) is None:
+            raise InvalidInput("tracer='dynamo' needs example_inputs: Dynamo traces by running the model.")
+        return [tracer], None
+    if example is None:
+        if dynamo_available() and huggingface.example_inputs_for(model) is not None:
+            return ["dynamo", "fx"], NO_INPUTS_DYNAMO
+        return ["fx"], NO_INPUTS_FX
+    return (["dynamo", "fx"] if dynamo_available() else ["fx"]), None
+
+
+def dynamo_call(model: nn.Module, example: ExampleInputs | None) -> ExampleInputs | None:
+    """What Dynamo runs the model on: the example, else inputs built from a transformers config."""
+    if example is not None:
+        return example
+    built = huggingface.example_inputs_for(model)
+    return normalize_example_inputs(built) if built is not None else None
+
+
+def run_tracer(
+    name: str,
+    model: nn.Module,
+    policy: LeafPolicy,
+    concrete_args: dict[str, Any] | None,
+    example: ExampleInputs | None,
+    *,
+    autowrap_functions: tuple[Callable[..., Any], ...] = (),
+    dynamic: Any = None,
+) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+    """One tracer's capture (never raises for a capture failure); every attempt it made."""
+    if name == "fx":
+        result, attempt = capture_fx(model, policy, concrete_args, autowrap_functions)
+        attempts = [attempt]
+        if result is None and not concrete_args:  # transformers < 5: its own tracer, if installed
+            hf_result, hf_attempt = huggingface.capture_hf_fx(model, example)
+            if hf_attempt is not None:
+                result = hf_result
+                attempts.append(hf_attempt)
+        return result, attempts
+    from .dynamo import capture_dynamo
+
+    call = dynamo_call(model, example)
+    if call is None:
+        return None, []
+    changed: list[str] = []
+    with restored_attributes(model, changed):  # Dynamo marks the root (_is_torch_compile)
+        result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=dynamic)
+    return result, [attempt]
+
+
+def capture(
+    model: nn.Module,
+    tracers: list[str],
+    policy: LeafPolicy,
+    concrete_args: dict[str, Any] | None,
+    example: ExampleInputs | None,
+    *,
+    autowrap_functions: tuple[Callable[..., Any], ...] = (),
+    dynamic: Any = None,
+) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+    """Run the tracers in order until one succeeds; every attempt is returned for the report."""
+    attempts: list[CaptureAttempt] = []
+    for k, name in enumerate(tracers, 1):
+        progress.stage(f"capture {k}/{len(tracers)}: {name}")
+        result, tried = run_tracer(name, model, policy, concrete_args, example,
+                                   autowrap_functions=autowrap_functions, dynamic=dynamic)
+        attempts += tried
+        if result is not None:
+            return result, attempts
+    return None, attempts

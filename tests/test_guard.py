@@ -1,0 +1,172 @@
+"""The prepared module checks each call against the inputs it was captured for (issue 10).
+
+Before: a model taking a list of tensors, prepared on 3 and called with 4, returned the sum of the
+first 3 without error (fx's ``tree_flatten_spec`` takes the first 3 items); Faster R-CNN prepared on
+one image and called with two returned one detection dict; a Dynamo graph captured at batch 3
+through ``if x.shape[0] > 2`` silently took the same branch at batch 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import fxprep
+
+torch.set_num_threads(1)
+
+
+class ListSum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, xs: list[torch.Tensor], bias: torch.Tensor | None = None, extra: dict | None = None):
+        out = sum(self.lin(x) for x in xs)
+        if bias is not None:
+            out = out + bias
+        if extra is not None:
+            out = out * extra["scale"]
+        return out
+
+
+def _xs(n: int, batch: int = 2) -> list[torch.Tensor]:
+    return [torch.randn(batch, 4) for _ in range(n)]
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo"])
+def test_list_longer_than_at_capture_is_refused(tracer: str) -> None:
+    model = ListSum().eval()
+    gm = fxprep.prepare_model(model, example_inputs={"xs": _xs(3)}, tracer=tracer, progress=False)
+    assert gm.fxprep_report.tracer.split("+")[0] == tracer
+    xs = _xs(3)
+    torch.testing.assert_close(gm(xs), model(xs))  # the captured structure still works
+    with pytest.raises(fxprep.InputMismatch, match=r"xs: a list of 3 item\(s\) at capture, got 4"):
+        gm(_xs(4))
+    with pytest.raises(fxprep.InputMismatch, match=r"got 2"):
+        gm(_xs(2))
+    with pytest.raises(fxprep.InputMismatch, match=r"xs: a list of 3 at capture, got a tensor"):
+        gm(torch.randn(2, 4))
+
+
+def test_none_at_capture_given_a_tensor_is_refused() -> None:
+    """fx: ``bias`` None in the example is None in the graph; a tensor would be ignored."""
+    gm = fxprep.prepare_model(ListSum().eval(), example_inputs={"xs": _xs(2)}, tracer="fx", progress=False)
+    with pytest.raises(fxprep.InputMismatch, match="bias: None at capture .* got a tensor of shape 2x4"):
+        gm(_xs(2), bias=torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo"])
+def test_dict_keys_and_tensor_given_where_none_was_captured(tracer: str) -> None:
+    model = ListSum().eval()
+    example = {"xs": _xs(2), "bias": torch.randn(2, 4), "extra": {"scale": torch.randn(2, 4)}}
+    gm = fxprep.prepare_model(model, example_inputs=example, tracer=tracer, progress=False)
+    with pytest.raises(fxprep.InputMismatch, match=r"extra: dict keys differ from capture; missing \['scale'\]; "
+                                                   r"not captured \['factor'\]"):
+        gm(_xs(2), bias=torch.randn(2, 4), extra={"factor": torch.randn(2, 4)})
+    with pytest.raises(fxprep.InputMismatch, match="bias: a tensor at capture, got None|bias"):
+        gm(_xs(2), bias=None, extra={"scale": torch.randn(2, 4)})
+
+
+class ShapeBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 2:  # a shape-dependent branch: Dynamo bakes in the example's side
+            return self.a(x)
+        return self.b(x)
+
+
+def test_dynamo_specialised_shape_is_checked() -> None:
+    model = ShapeBranch().eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(3, 4), tracer="dynamo", progress=False)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(gm(x), model(x))
+    with pytest.raises(fxprep.InputMismatch, match=r"x: shape 3x4 at capture \(Dynamo specialised it\), got 2x4") as info:
+        gm(torch.randn(2, 4))  # would have run self.a where the model runs self.b
+    assert "dynamic=" in str(info.value)
+    assert "InputMismatch" in fxprep.get_report(gm).to_text()
+
+
+def test_dynamic_dimension_is_not_checked() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(3, 4), tracer="dynamo", dynamic="batch", progress=False)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(gm(x), model(x))
+    with pytest.raises(fxprep.InputMismatch, match=r"shape \*x4 at capture"):
+        gm(torch.randn(5, 3))
+
+
+def test_guard_survives_deepcopy_and_pickle_and_stays_out_of_tracing() -> None:
+    model = ListSum().eval()
+    gm = fxprep.prepare_model(model, example_inputs={"xs": _xs(3)}, tracer="fx", progress=False)
+    for copied in (copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))):
+        with pytest.raises(fxprep.InputMismatch):
+            copied(_xs(4))
+        xs = _xs(3)
+        torch.testing.assert_close(copied(xs), model(xs))
+    program = fxprep.export_program(gm, {"xs": _xs(3)})  # export traces through the check unharmed
+    xs = _xs(3)
+    torch.testing.assert_close(program.module()(xs, None, None), model(xs))
+
+
+def test_faster_rcnn_prepared_on_one_image_refuses_two() -> None:
+    """Before: it returned one detection dict for two images."""
+    from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
+
+    torch.manual_seed(0)
+    model = fasterrcnn_mobilenet_v3_large_320_fpn(weights=None, weights_backbone=None).eval()
+    image = torch.rand(3, 160, 160)
+    gm = fxprep.prepare_model(model, example_inputs=([image],), progress=False, verify=False)
+    assert len(gm([image])) == 1
+    with pytest.raises(fxprep.InputMismatch, match=r"a list of 1 item\(s\) at capture, got 2"):
+        gm([image, torch.rand(3, 160, 160)])
+
+
+def test_batch_dimension_probed_and_left_free_when_the_graph_agrees() -> None:
+    """Prepared at batch 1 and calibrated at batch 4 (the README's hand-off): the probe at batch 2
+    matched the original, so dimension 0 is not checked; the feature dimension still is."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(1, 4), tracer="dynamo", progress=False)
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(gm(x), model(x))
+    assert "matched the original at batch 2" in gm.fxprep_report.to_text()
+    with pytest.raises(fxprep.InputMismatch, match=r"shape \*x4 at capture"):
+        gm(torch.randn(4, 5))
+
+
+def test_batch_specialised_graph_is_named_in_the_report() -> None:
+    gm = fxprep.prepare_model(ShapeBranch().eval(), example_inputs=torch.randn(3, 4), tracer="dynamo", progress=False)
+    assert "specialised to batch 3: at batch 2" in gm.fxprep_report.to_text()
+
+
+def test_verify_input_the_graph_refuses_is_a_verification_failure() -> None:
+    with pytest.raises(fxprep.EquivalenceError, match=r"verify_inputs\[0\]: the prepared module refuses it"):
+        fxprep.prepare_model(ShapeBranch().eval(), example_inputs=torch.randn(3, 4), tracer="dynamo",
+                             verify_inputs=[torch.randn(2, 4)], progress=False)
+
+
+def test_guard_survives_save_and_load_as_data(tmp_path) -> None:
+    import json
+
+    model = ListSum().eval()
+    gm = fxprep.prepare_model(model, example_inputs={"xs": _xs(3)}, tracer="fx", progress=False)
+    fxprep.save(gm, tmp_path / "saved", example_inputs={"xs": _xs(3)})
+    loaded = fxprep.load(tmp_path / "saved")
+    xs = _xs(3)
+    torch.testing.assert_close(loaded(xs), model(xs))
+    with pytest.raises(fxprep.InputMismatch, match=r"a list of 3 item\(s\) at capture, got 4"):
+        loaded(_xs(4))
+    manifest = tmp_path / "saved" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["input_guard"] = {"params": {"xs": {"kind": "exec", "code": "import os"}}, "tracer": "fx"}
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(fxprep.SerializationError, match="input_guard .* malformed"):
+        fxprep.load(tmp_path / "saved")
