@@ -200,6 +200,8 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     else:
         result, attempts = capture(model, tracers, policy, concrete, example, opts)
     if result is None and opts.fallback == "leaf":
+        result = _dynamo_leaves(model, policy, concrete, example, opts, attempts, report, rewrite)
+    if result is None and opts.fallback == "leaf":
         progress.stage("capture: fx with the untraceable parts opaque")
         with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
             result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions,
@@ -226,7 +228,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         report.note(note)
     for note in mode_notes(gm, model):
         report.note(note)
-    if result.tracer == "dynamo" and not opts.dynamic and example is not None:
+    if result.tracer.startswith("dynamo") and not opts.dynamic and example is not None:
         report.note(
             f"Dynamo captured with static shapes: the graph is valid for inputs shaped like the example "
             f"({example.describe()}). Pass dynamic=... (or tracer='fx') to run it on other sizes."
@@ -286,6 +288,34 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     set_preserved(gm, REPORT, report)
     register_with_toolkits()
     return gm
+
+
+def _dynamo_leaves(model: nn.Module, policy: LeafPolicy, concrete: dict[str, Any] | None, example: ExampleInputs | None,
+                   opts: PrepareOptions, attempts: list[CaptureAttempt], report: Report, rewrite: Any) -> CaptureResult | None:
+    """The opaque-leaf fallback on the Dynamo path (:mod:`fxprep.capture.dynamo.fallback`), started
+    from the whole-model Dynamo failure; None when there was none or the fallback failed too."""
+    failed = next((a for a in attempts if a.tracer == "dynamo" and a.exception is not None), None)
+    if failed is None or example is None or failed.exception is None:
+        return None
+    from .capture.dynamo.fallback import capture_dynamo_leaves
+
+    progress.stage("capture: Dynamo with the untraceable parts opaque")
+    bound = rewrite.bound() if rewrite is not None else contextlib.nullcontext()
+    with bound, restored_attributes(model, []):
+        result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete, failed.exception,
+                                                       dynamic=opts.dynamic,
+                                                       handled=rewrite.learn if rewrite is not None else None)
+    attempts.append(attempt)
+    if result is not None:
+        report.issues.extend(issue for _, issue in sites)
+        if sites:
+            report.note(
+                f"{len(sites)} part(s) could not be captured by Dynamo and run eagerly as opaque calls (see 'kept as "
+                f"leaves'); their outputs were recorded from the example inputs: sizes that followed the data stay "
+                f"symbolic, but Python values they return (ints, list lengths, None-ness) are the example's, so "
+                f"inputs giving different ones need verify_inputs=[...] to be checked."
+            )
+    return result
 
 
 def register_with_toolkits() -> None:
