@@ -179,6 +179,8 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
             result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
         else:
             result, attempts = capture(model, tracers, policy, concrete, example, opts)
+        if result is None and opts.fallback == "leaf":  # Dynamo again, the failing parts opaque
+            result = _dynamo_leaves(model, policy, concrete, example, opts, attempts, report, rewrite)
         sites: list[Any] = []
         # the hybrid capture is fx-based: never the answer to a forced tracer="dynamo"
         if result is None and opts.fallback == "leaf" and opts.tracer != "dynamo":
@@ -208,7 +210,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         report.note(note)
     for note in mode_notes(gm, model):
         report.note(note)
-    if result.tracer == "dynamo" and not opts.dynamic and example is not None:
+    if result.tracer.startswith("dynamo") and not opts.dynamic and example is not None:
         report.note(
             f"Dynamo captured with static shapes: the graph is valid for inputs shaped like the example "
             f"({example.describe()}). Pass dynamic=... (or tracer='fx') to run it on other sizes."
@@ -294,6 +296,34 @@ def _note_state(report: Report, verification: Verification) -> None:
             f"prepared module does (a counter or running value the original's forward updates and the graph "
             f"does not, or the reverse). Outputs matched on this call; later calls may not."
         )
+
+
+def _dynamo_leaves(model: nn.Module, policy: LeafPolicy, concrete: dict[str, Any] | None, example: ExampleInputs | None,
+                   opts: PrepareOptions, attempts: list[CaptureAttempt], report: Report, rewrite: Any) -> CaptureResult | None:
+    """The opaque-leaf fallback on the Dynamo path (:mod:`fxprep.capture.dynamo.fallback`), started
+    from the whole-model Dynamo failure; None when there was none or the fallback failed too."""
+    failed = next((a for a in attempts if a.tracer == "dynamo" and a.exception is not None), None)
+    if failed is None or example is None or failed.exception is None:
+        return None
+    from .capture.dynamo.fallback import capture_dynamo_leaves
+
+    progress.stage("capture: Dynamo with the untraceable parts opaque")
+    bound = rewrite.bound() if rewrite is not None else contextlib.nullcontext()
+    with bound, preserved_state(model):
+        result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete, failed.exception,
+                                                       dynamic=opts.dynamic,
+                                                       handled=rewrite.learn if rewrite is not None else None)
+    attempts.append(attempt)
+    if result is not None:
+        report.issues.extend(issue for _, issue in sites)
+        if sites:
+            report.note(
+                f"{len(sites)} part(s) could not be captured by Dynamo and run eagerly as opaque calls (see 'kept as "
+                f"leaves'); their outputs were recorded from the example inputs: sizes that followed the data stay "
+                f"symbolic, but Python values they return (ints, list lengths, None-ness) are the example's, so "
+                f"inputs giving different ones need verify_inputs=[...] to be checked."
+            )
+    return result
 
 
 def register_with_toolkits() -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 # Categories (stable strings: tests and reports key on them).
 DATA_DEPENDENT_BRANCH = "data-dependent branch"
+SHAPE_DEPENDENT_BRANCH = "shape-dependent branch"
 DATA_DEPENDENT_LOOP = "data-dependent loop"
 DATA_DEPENDENT_VALUE = "data-dependent value"
 ITERATION = "iteration over a traced value"
@@ -40,6 +41,12 @@ FIXES: dict[str, str] = {
         "`torch.cond(pred, true_fn, false_fn, operands)`, or let fxprep do it with "
         "`control_flow='rewrite'`; if the condition is really a fixed flag, pass it through "
         "`concrete_args`; or keep this part as one call with `fxprep.opaque`."
+    ),
+    SHAPE_DEPENDENT_BRANCH: (
+        "a condition on a tensor's shape (`x.dim()`, `x.shape[0] == 3`), not on its values: torch.fx traces "
+        "without shapes and cannot decide it, Dynamo specialises it on the example's shape (a guard, reported "
+        "with the static-shape note): prepare with example_inputs so Dynamo captures it, or, for fx, pass the "
+        "value through `concrete_args` or mark the part `fxprep.opaque`."
     ),
     DATA_DEPENDENT_LOOP: (
         "a `while` loop whose trip count depends on a tensor cannot be one static graph (not even with "
@@ -202,6 +209,73 @@ def module_of_failure(err: BaseException, model: nn.Module | None) -> str | None
     return found
 
 
+_SHAPE_METHODS = ("dim", "size", "numel", "nelement", "ndimension")
+_SHAPE_ATTRS = ("shape", "ndim")
+
+
+def _condition(code: str) -> Any:
+    """The expression a source line decides on: an ``if``/``elif``/``while``/``assert`` condition, a
+    conditional expression's test, else the returned or assigned value (``return min(k, x.size(1))``)."""
+    import ast
+
+    text = code.strip()
+    if text.startswith("elif "):
+        text = text[2:]
+    if text.endswith(":"):
+        text += " pass"
+    try:
+        statement = ast.parse(text).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if isinstance(statement, (ast.If, ast.While, ast.Assert)):
+        return statement.test
+    value = getattr(statement, "value", None)
+    if isinstance(value, ast.IfExp):
+        return value.test
+    return value
+
+
+def shape_only(code: str) -> bool:
+    """Whether a source line's condition reads tensors only through their shapes (``x.dim() == 4``,
+    ``x.shape[0] == 3``, ``len(x.shape) > 2``, ``min(k, x.size(1))``), besides constants and
+    ``self`` attributes: a condition Dynamo specialises on the example's shape."""
+    import ast
+
+    condition = _condition(code)
+    if condition is None:
+        return False
+    found = [False]
+
+    def shape_read(node: ast.AST) -> bool:
+        if isinstance(node, ast.Subscript):
+            return shape_read(node.value) and ok(node.slice)
+        if isinstance(node, ast.Attribute) and node.attr in _SHAPE_ATTRS:
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SHAPE_METHODS:
+            return all(ok(a) or isinstance(a, ast.Name) for a in node.args)  # x.size(axis)
+        return False
+
+    def ok(node: ast.AST) -> bool:
+        if shape_read(node):
+            found[0] = True
+            return True
+        if isinstance(node, ast.Constant):
+            return True
+        if isinstance(node, ast.Attribute):  # self.training, self.config.flag
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            return isinstance(base, ast.Name) and base.id == "self"
+        if isinstance(node, (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.Tuple, ast.List)):
+            return all(ok(child) for child in ast.iter_child_nodes(node)
+                       if not isinstance(child, (ast.cmpop, ast.boolop, ast.unaryop, ast.operator, ast.expr_context)))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("len", "min", "max", "int"):
+            return all(ok(a) or isinstance(a, ast.Name) for a in node.args)
+        return False
+
+    return ok(condition) and found[0]
+
+
 def categorise(err: BaseException, code: str | None) -> str:
     """The category of a tracer exception, from its type and message and the user's source line."""
     text = str(err)
@@ -232,6 +306,9 @@ def categorise(err: BaseException, code: str | None) -> str:
         return DATA_DEPENDENT_VALUE
     if "control flow" in low or "data-dependent" in low or "data dependent" in low or "guard on data" in low \
             or "dynamic control flow" in low or "jump" in gb_type.lower():
+        if "guard on data" not in low and "data-dependent expression" not in low and not value_call \
+                and shape_only(code):
+            return SHAPE_DEPENDENT_BRANCH  # fx met `if x.dim() == 4`: a shape, not data
         if stripped.startswith("while ") and not value_call:
             return DATA_DEPENDENT_LOOP
         return DATA_DEPENDENT_BRANCH if is_branch_line or not value_call else DATA_DEPENDENT_VALUE
@@ -270,4 +347,4 @@ def diagnose(err: BaseException, tracer: str, model: nn.Module | None = None) ->
     ]
 
 
-__all__ = ["Issue", "diagnose", "describe_exception", "is_user_file", "user_frame", "FIXES"]
+__all__ = ["Issue", "diagnose", "describe_exception", "is_user_file", "shape_only", "user_frame", "FIXES"]

@@ -43,8 +43,11 @@ def capture_concrete_args(model: nn.Module, concrete_args: dict[str, Any] | None
     if not is_hf_model(model):
         return concrete_args
     params = _forward_params(model)
-    if "use_cache" not in params:
-        return concrete_args
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    if "use_cache" not in params and not (takes_kwargs and getattr(text, "use_cache", None) is not None):
+        return concrete_args  # (Llava's forward takes use_cache through **kwargs)
     given = set(concrete_args or {})
     if example is not None:
         given |= set(getattr(example, "kwargs", {}) or {})

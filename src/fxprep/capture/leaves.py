@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,141 +30,10 @@ from ..threads import GLOBAL_LOCK, confined
 from ..wrap import find_proxy
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
 from .fx import FxprepTracer, capture_fx, flatten_container_inputs
+from .sites import FUNCTIONS, OpaqueFunction, OpaqueMethod, Site, failure_site
 
 MAX_ROUNDS = 40
 _MISSING = object()
-
-
-class OpaqueMethod(nn.Module):
-    """Calls ``owner.<method>`` eagerly: one method of a module kept out of the trace.
-
-    The owner is held by reference without being registered as a child, so its parameters are not
-    listed twice; ``owner_path`` says where it lives in the original model.
-    """
-
-    def __init__(self, owner: nn.Module, method: str, owner_path: str):
-        super().__init__()
-        object.__setattr__(self, "owner", owner)
-        self.method = method
-        self.owner_path = owner_path
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(type(self.owner), self.method)(self.owner, *args, **kwargs)
-
-    def extra_repr(self) -> str:
-        return f"{self.owner_path or 'root'}.{self.method} (opaque: runs eagerly)"
-
-
-class OpaqueFunction(nn.Module):
-    """Calls a user function eagerly: a free function kept out of the trace."""
-
-    def __init__(self, fn: Any):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def extra_repr(self) -> str:
-        return f"{self.fn.__module__}.{self.fn.__qualname__} (opaque: runs eagerly)"
-
-
-@dataclass(frozen=True)
-class Site:
-    """An opaque part: a module (``method == 'forward'``), one method of a module, or one method of
-    a plain helper object held by a module (``attr``, e.g. ``rpn.box_coder.decode``)."""
-
-    path: str
-    method: str = "forward"
-    attr: str | None = None
-    func: str | None = None  # "module.function" for a free function called from ``path``
-
-    @property
-    def qualname(self) -> str:
-        if self.func is not None:
-            return f"{self.path + '.' if self.path else ''}{self.method}"
-        if self.method == "forward" and self.attr is None:
-            return self.path
-        return ".".join(p for p in (self.path, self.attr, self.method) if p)
-
-    def owner(self, model: nn.Module) -> Any:
-        module = model.get_submodule(self.path)
-        return module if self.attr is None else getattr(module, self.attr)
-
-    def original(self, model: nn.Module) -> Any:
-        """The un-patched callable this site stands for."""
-        if self.func is not None:
-            return FUNCTIONS[self][0]
-        owner = self.owner(model)
-        return functools.partial(getattr(type(owner), self.method), owner)
-
-
-def _helper_objects(model: nn.Module) -> dict[int, tuple[str, str]]:
-    """``id(obj) -> (module path, attribute)`` for plain Python objects modules hold (box coders,
-    anchor matchers): their methods can be made opaque like a module's."""
-    out: dict[int, tuple[str, str]] = {}
-    for name, m in model.named_modules(remove_duplicate=False):
-        for attr, value in m.__dict__.items():
-            if attr.startswith("_") or isinstance(value, (nn.Module, torch.Tensor, type)) or callable(value):
-                continue
-            if isinstance(value, (int, float, str, bool, bytes, tuple, list, dict, set, type(None))):
-                continue
-            if hasattr(value, "__dict__"):
-                out.setdefault(id(value), (name, attr))
-    return out
-
-
-# Free functions made opaque: site → (function, the globals dicts where its name is patched).
-FUNCTIONS: dict[Site, tuple[Any, list[dict[str, Any]]]] = {}
-
-
-def _function_of(frame: Any, caller_globals: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]] | None:
-    """The function object running in ``frame`` and the globals its callers find it in."""
-    name = frame.f_code.co_name
-    places = []
-    fn = None
-    for g in (caller_globals, frame.f_globals):
-        candidate = g.get(name)
-        if getattr(candidate, "__code__", None) is frame.f_code:
-            fn = candidate
-            if all(g is not p for p in places):
-                places.append(g)
-    return (fn, places) if fn is not None else None
-
-
-def failure_site(err: BaseException, model: nn.Module) -> Site | None:
-    """The innermost method of the model (or of a helper object it holds) running when ``err`` was
-    raised, or the user function that method called when the failure is inside that function."""
-    from ..diagnose import is_user_file
-
-    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    helpers: dict[int, tuple[str, str]] | None = None
-    site = None
-    site_globals: dict[str, Any] | None = None
-    function_site = None
-    for frame, _ in traceback.walk_tb(err.__traceback__):
-        owner = frame.f_locals.get("self")
-        method = frame.f_code.co_name
-        is_method = owner is not None and not method.startswith(("<", "__")) and callable(getattr(type(owner), method, None))
-        if is_method and id(owner) in names:
-            site, site_globals, function_site = Site(names[id(owner)], method), frame.f_globals, None
-            continue
-        if is_method:
-            if helpers is None:
-                helpers = _helper_objects(model)
-            if id(owner) in helpers and hasattr(owner, "__dict__"):
-                path, attr = helpers[id(owner)]
-                site, site_globals, function_site = Site(path, method, attr), frame.f_globals, None
-                continue
-        if (site is not None and function_site is None and owner is None and site_globals is not None
-                and not method.startswith("<") and is_user_file(frame.f_code.co_filename)):
-            found = _function_of(frame, site_globals)
-            if found is not None:
-                fn = found[0]
-                function_site = Site(site.path if site.attr is None else site.path, method, None,
-                                     f"{fn.__module__}.{fn.__qualname__}")
-                FUNCTIONS[function_site] = found
-    return function_site or site
 
 
 # --- output structure --------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from ...inputs import ExampleInputs, split_calls
 from ...threads import GLOBAL_LOCK
 from .. import huggingface
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
+from ..sites import Site
 from .export import (
     FLAG,
     ROUTES,
@@ -52,6 +53,7 @@ from .export import (
     tensor_caches,
 )
 from .names import resolve_source
+from .opaque import Recorded, black_box
 from .relift import ROUTE_META, relift, unreferenced_parameters
 from .shapes import dynamic_dims, dynamic_shapes_spec, grown_example
 
@@ -76,12 +78,16 @@ def capture_dynamo(
     *,
     route: str = "auto",
     dynamic: Any = None,
+    opaque: list[Site] | None = None,
+    records: dict[Site, list[Recorded]] | None = None,
 ) -> tuple[CaptureResult | None, CaptureAttempt]:
     """Capture ``model`` with Dynamo and re-lift it to module level.
 
     ``route`` is ``"auto"`` (the flag route when this torch has the flag, else regroup; a flag-route
     failure Dynamo only has on that route is retried with regroup), ``"flag"`` or ``"regroup"``.
-    ``dynamic`` marks dimensions dynamic (``"batch"`` or ``{arg: {dim: name}}``).
+    ``dynamic`` marks dimensions dynamic (``"batch"`` or ``{arg: {dim: name}}``). ``opaque`` names
+    more parts Dynamo must call without tracing into (the excluded modules always are, see
+    :mod:`.opaque`); ``records`` caches their eager recordings across calls.
     Never raises for a capture failure.
     """
     start = time.perf_counter()
@@ -97,17 +103,22 @@ def capture_dynamo(
         spec = dynamic_shapes_spec(model, capture_call, dynamic)
     except Exception as err:  # noqa: BLE001
         return _failure(err, start)
+    try:
+        box = black_box(model, policy, opaque or [], capture_call, records)
+    except Exception as err:  # noqa: BLE001 - an opaque part the eager run cannot record
+        return _failure(err, start)
     caches = tensor_caches(model)
     grad_inputs = True
     while True:  # each failure below relaxes one thing and tries again, or gives up
         guard = AttributeGuard(model, caches)
         attempt_notes: list[str] = []
         try:
-            with GLOBAL_LOCK, huggingface.capture_context(model, attempt_notes), guard:
+            with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, attempt_notes), guard:
                 call = requiring_grad(capture_call) if grad_inputs else capture_call
                 result = dynamo_export(model, call, current, spec)
                 guard.reset()  # Dynamo left fake tensors in attributes forward() writes
-                gm, extra = relift(result.graph_module, model, policy, capture_call, prepared_call, current, attempt_notes)
+                gm, extra = relift(result.graph_module, model, policy, capture_call, prepared_call, current,
+                                   attempt_notes, box)
             notes.extend(attempt_notes)
             break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on

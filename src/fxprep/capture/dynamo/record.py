@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from ...inputs import ExampleInputs
 from ...runs import SEED, preserved_state
 from .names import Names
+from .opaque import running_opaque
 
 _SAMPLES = 64  # values sampled per fingerprint, spread evenly over the tensor
 
@@ -107,7 +108,7 @@ def record_calls(
         return ("other", None)
 
     def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if active:
+        if active or running_opaque():  # inside an opaque part: the graph does not have it
             active.append(None)  # type: ignore[arg-type]  # nested leaf call: not recorded
             return
         leaves_in = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

@@ -160,7 +160,7 @@ class Regrouper:
         # route); on the flag route only the inlined ones and the policy's (a leaf whose call left no
         # node can only be one of those), which keeps memory flat on big inputs.
         outermost = self.outermost_leaves()
-        if direct:
+        if any("fxprep_opaque" not in n.meta for n in direct):  # opaque parts' calls are on every route
             leaves = {id(g.leaf.module): g.leaf.module for g in groups if g.leaf.module is not None}
             leaves.update({k: m for k, m in outermost.items() if self.policy.reason(m) is not None})
         else:

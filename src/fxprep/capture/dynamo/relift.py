@@ -21,9 +21,11 @@ from torch.utils import _pytree as pytree
 from ...inputs import ExampleInputs
 from ...passes import dynamo_cleanup
 from ..common import LeafPolicy
+from ..sites import Site
 from .cond import relift_conds
 from .flag import module_method_calls
 from .names import Names, ReliftError, Stacks, get_path
+from .opaque import BlackBox, drop_size_asserts, relift_opaque, with_opaque
 from .regroup import Regrouper
 from .shapes import positional_names
 
@@ -81,7 +83,7 @@ def _free_name(taken: set[str], model: nn.Module, base: str) -> str:
 
 
 def build(dgm: fx.GraphModule, model: nn.Module, names: Names, stacks: Stacks, targets: dict[fx.Node, str],
-           pytree_info: Any, notes: list[str]) -> fx.GraphModule:
+           pytree_info: Any, notes: list[str], wrappers: dict[str, Site] | None = None) -> fx.GraphModule:
     graph = dgm.graph
     holder = _Holder()
     taken: set[str] = set()
@@ -89,7 +91,7 @@ def build(dgm: fx.GraphModule, model: nn.Module, names: Names, stacks: Stacks, t
     readers: set[str] = set()
     # Modules first, so tensors under them are found through the user's module.
     for node in graph.nodes:
-        if node.op != "call_module":
+        if node.op != "call_module" or (wrappers and targets.get(node) in wrappers):
             continue
         target = targets.get(node)
         if target is None:
@@ -100,12 +102,18 @@ def build(dgm: fx.GraphModule, model: nn.Module, names: Names, stacks: Stacks, t
                 raise ReliftError(f"call_module {node.target} does not map to a submodule of the model")
         node.target = target
         holder.install(target, model.get_submodule(target))
+    if wrappers:
+        place_wrappers(graph, model, holder, targets, wrappers)
     for node in list(graph.nodes):
         if node.op != "get_attr":
             continue
         user = node.meta.pop("fxprep_user_attr", None)
         obj = get_path(model, user) if user is not None else get_path(dgm, str(node.target))
-        if isinstance(obj, torch.Tensor) and id(obj) in names.tensors:
+        if isinstance(obj, nn.Module) and names.module_name(obj) is not None:  # an opaque part's argument
+            qual = names.module_name(obj)
+            node.target = qual
+            holder.install(qual, obj)
+        elif isinstance(obj, torch.Tensor) and id(obj) in names.tensors:
             qual, kind = names.tensors[id(obj)]
             node.target = qual
             holder.install(qual, obj, persistent=kind != "attribute" and qual not in names.non_persistent)
@@ -145,6 +153,52 @@ def build(dgm: fx.GraphModule, model: nn.Module, names: Names, stacks: Stacks, t
     gm.meta["fxprep_constants"] = constants
     _reorder_like(gm, model)
     return gm
+
+
+def place_wrappers(graph: fx.Graph, model: nn.Module, holder: _Holder, targets: dict[fx.Node, str],
+                   wrappers: dict[str, Site]) -> None:
+    """Install the module that calls each opaque method or function site: under its owner's path
+    when the owner is a container fxprep made (``rpn.filter_proposals``), else at the root under a
+    flat name (the owner is the user's own module, which must not gain a child)."""
+    placed: dict[str, str] = {}
+    for node in graph.nodes:
+        name = targets.get(node) if node.op == "call_module" else None
+        if name not in wrappers:
+            continue
+        if name not in placed:
+            site = wrappers[name]
+            module = site.eager_module(model)
+            tail = (site.qualname[len(site.path) + 1:] if site.path else site.qualname).replace(".", "_")
+            preferred = f"{site.path}.{tail}" if site.path else tail
+            flat = re.sub(r"\W", "_", site.qualname)
+            for candidate in (preferred, flat, *(f"{flat}_{i}" for i in range(1, 100))):
+                if _free_path(holder, model, candidate):
+                    try:
+                        holder.install(candidate, module)
+                    except ReliftError:
+                        continue
+                    placed[name] = candidate
+                    break
+            else:
+                raise ReliftError(f"no free name for opaque part '{site.qualname}'")
+        node.target = placed[name]
+        _rename(node, re.sub(r"\W", "_", placed[name]))
+
+
+def _free_path(holder: _Holder, model: nn.Module, path: str) -> bool:
+    """Nothing is at ``path`` in the holder, and no module or tensor of the model has that name."""
+    try:
+        get_path(holder.root, path)
+        return False
+    except AttributeError:
+        pass
+    for find in (model.get_submodule, model.get_parameter, model.get_buffer):
+        try:
+            find(path)
+            return False
+        except AttributeError:
+            continue
+    return True
 
 
 def _reorder_like(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -190,11 +244,13 @@ def _first_tensor(call: ExampleInputs) -> tuple[int, torch.Tensor] | None:
 
 
 def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_call: ExampleInputs,
-           prepared_call: ExampleInputs, route: str, notes: list[str]) -> tuple[fx.GraphModule, dict[str, str]]:
+           prepared_call: ExampleInputs, route: str, notes: list[str], box: BlackBox | None = None,
+           ) -> tuple[fx.GraphModule, dict[str, str]]:
     """Turn Dynamo's graph into the module-level one (see the module docstring).
 
     ``capture_call`` is what Dynamo was called with (``concrete_args`` included), ``prepared_call``
-    how the prepared module will be called. Returns the module and the extra leaves with reasons."""
+    how the prepared module will be called, ``box`` the parts Dynamo called without tracing into.
+    Returns the module and the extra leaves with reasons."""
     graph = dgm.graph
     names = Names(model)
     stacks = Stacks(model, names)
@@ -212,12 +268,16 @@ def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_ca
     dynamo_cleanup.fold_numpy_constants(dgm)
     dynamo_cleanup.restore_autograd_functions(dgm, stacks.owner)
     dynamo_cleanup.remove_noise(dgm)
+    opaque_calls, wrappers = relift_opaque(dgm, box, names)  # opaque parts → call_module
+    if opaque_calls:
+        drop_size_asserts(dgm)
+    policy = with_opaque(policy, box)
 
     # Leaf calls: re-target Dynamo's call_module nodes, collapse inlined leaves.
     method_calls = module_method_calls(dgm, names, stacks)
     regrouper = Regrouper(dgm, model, policy, names, stacks, capture_call, list(placeholders))
     regrouper.run()
-    for node, name in method_calls.items():
+    for node, name in [*method_calls.items(), *opaque_calls.items()]:
         if not getattr(node, "_erased", False):  # not collapsed into an enclosing leaf
             regrouper.targets.setdefault(node, name)
     notes.extend(regrouper.notes)
@@ -252,7 +312,7 @@ def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_ca
     anchor = kept[first[0]] if first is not None else None
     device = first[1].device if first is not None else None
     dynamo_cleanup.replace_device_literals(dgm, anchor, device, notes=notes)
-    gm = build(dgm, model, names, stacks, regrouper.targets, pytree_info, notes)
+    gm = build(dgm, model, names, stacks, regrouper.targets, pytree_info, notes, wrappers)
     relift_conds(gm, model, names, stacks, policy, notes)  # torch.cond branches: leaves → call_module
     gm.meta[ROUTE_META] = route
     return gm, regrouper.extra_leaves

@@ -1,0 +1,134 @@
+"""The opaque-leaf fallback on the Dynamo path: make the smallest failing part opaque, capture again.
+
+When Dynamo cannot capture the whole model, :func:`capture_dynamo_leaves` finds where it failed
+(:func:`~.locate.locate`: Dynamo's user stack, matched to the live objects by an eager replay),
+makes the smallest enclosing part opaque (a free function, else a method, else a module's
+``forward``: :mod:`fxprep.capture.sites`), and captures again with that part called as one
+``call_module`` (:mod:`.opaque`), until Dynamo succeeds. The other instances that reach the same
+code the same way (the other blocks of a stack of identical layers) are made opaque in the same
+round: they would fail the same way, one capture each. Everything else stays one module-level
+graph; every opaque part is reported with the failure that made it opaque.
+
+Shape conditions (``if x.dim() == 4``) never get here: Dynamo specialises them (static shapes),
+which is why a model such as Faster R-CNN keeps ``box_predictor``'s layers as modules on this path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ... import progress
+from ...diagnose import DATA_DEPENDENT_VALUE, FIXES, Issue, diagnose
+from ...inputs import ExampleInputs, split_calls
+from ..common import CaptureAttempt, CaptureResult, LeafPolicy
+from ..sites import Site
+from . import capture_dynamo
+from .locate import locate, origin_stack, user_stack
+from .opaque import Recorded, excluded_sites, inside, record_sites
+
+MAX_ROUNDS = 40
+TRACER = "dynamo+leaves"
+
+
+def _usable(records: dict[Site, list[Recorded]], site: Site) -> bool:
+    calls = records.get(site)
+    return bool(calls) and not any(rec.unsupported for rec in calls)
+
+
+def next_sites(err: BaseException, model: nn.Module, call: ExampleInputs, taken: list[Site],
+               records: dict[Site, list[Recorded]]) -> tuple[list[Site], tuple[str, str, int] | None]:
+    """The smallest part to make opaque for ``err`` (and the same part in the other instances that
+    reach it the same way), recorded into ``records``; empty when nothing smaller than the root's
+    own ``forward`` can be made opaque. A guard on a data-dependent size is located where the size
+    was made (unless it came out of an opaque part), then where it failed; the second value is the
+    frame where the size was made, when that located it."""
+    for origin, stack in ((True, origin_stack(err)), (False, user_stack(err))):
+        located = locate(stack, model, call)
+        if located is None:
+            continue
+        for site, same in located.sites(model):
+            if site.is_module and not site.path:
+                return [], None  # the root's own forward: nothing smaller is left
+            if site in taken or inside(site, taken):
+                continue
+            group = [site] + [s for s in same if s not in taken and not inside(s, taken)]
+            missing = [s for s in group if s not in records]
+            if missing:
+                try:
+                    records.update(record_sites(model, call, missing))
+                except Exception:  # noqa: BLE001 - a part the eager run cannot record: try the next outer one
+                    continue
+            if _usable(records, site):
+                return [s for s in group if _usable(records, s)], stack[-1] if origin else None
+    return [], None
+
+
+def _made_at(issue: Issue, frame: tuple[str, str, int] | None) -> Issue:
+    """``issue`` moved to where the data-dependent size it guards on was made."""
+    if frame is None:
+        return issue
+    file, _, line = frame
+    code = linecache.getline(file, line).strip()
+    return dataclasses.replace(issue, category=DATA_DEPENDENT_VALUE, file=file, line=line, code=code,
+                               message=f"{issue.message} (the size is made from tensor values here)",
+                               fix=FIXES[DATA_DEPENDENT_VALUE])
+
+
+def capture_dynamo_leaves(
+    model: nn.Module,
+    policy: LeafPolicy,
+    example: ExampleInputs,
+    concrete_args: dict[str, Any] | None,
+    first_error: BaseException,
+    *,
+    dynamic: Any = None,
+    handled: Callable[[BaseException], bool] | None = None,
+) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
+    """Capture with Dynamo, making the smallest failing parts opaque until it succeeds.
+
+    ``first_error`` is the whole-model Dynamo failure to start from. Returns the result (or None),
+    the attempt for the report, and each opaque site with the issue that made it opaque.
+    ``handled`` is asked first about each failure (``control_flow="rewrite"`` rewrote the ``if``):
+    True means capture is simply tried again.
+    """
+    start = time.perf_counter()
+    capture_call, _ = split_calls(model, example, concrete_args)
+    sites: list[Site] = []
+    found: list[tuple[Site, Issue, Site | None]] = []
+    records: dict[Site, list[Recorded]] = {}
+    err = first_error
+    excluded = excluded_sites(model, policy)
+    for _ in range(MAX_ROUNDS):
+        if handled is None or not handled(err):
+            new, made_at = next_sites(err, model, capture_call, sites + excluded, records)
+            if not new:
+                break
+            issue = _made_at(diagnose(err, "dynamo", model)[0], made_at)
+            sites.extend(new)
+            found.extend((site, issue, new[0] if k else None) for k, site in enumerate(new))
+            more = f" and {len(new) - 1} more like it" if len(new) > 1 else ""
+            progress.step(f"{new[0].qualname} made opaque{more} ({issue.category})")
+        result, attempt = capture_dynamo(model, policy, example, concrete_args, dynamic=dynamic, opaque=sites,
+                                         records=records)
+        if result is not None:
+            result.tracer = TRACER
+            for site, issue, first in found:
+                if inside(site, sites):
+                    continue  # a later, enclosing part took it in
+                like = f" (like '{first.qualname}')" if first is not None else ""
+                result.extra_leaves[site.qualname] = f"opaque: {issue.category} at {issue.location}{like}"
+            elapsed = time.perf_counter() - start
+            return result, CaptureAttempt(TRACER, True, elapsed), [(s, i) for s, i, _ in found if not inside(s, sites)]
+        assert attempt.exception is not None
+        err = attempt.exception
+    failed = CaptureAttempt.failed(TRACER, err, start)
+    return None, failed, [(s, i) for s, i, _ in found]
+
+
+__all__ = ["MAX_ROUNDS", "TRACER", "capture_dynamo_leaves", "next_sites"]

@@ -1,0 +1,598 @@
+"""Opaque parts on the Dynamo path: a module, method or function Dynamo calls without tracing into.
+
+Dynamo traces into every Python call; an excluded module (``modules_to_exclude``) or a part the
+fallback found untraceable must instead be ONE call in its graph, whatever its code does. How:
+
+* **Record** (:func:`record_sites`): the model runs eagerly with each site wrapped; every call's
+  output is kept as its pytree structure with tensors described (shape, dtype, device, strides) and
+  other leaves kept as values. A second run on perturbed inputs (floating-point inputs shuffled)
+  tells which output sizes follow the data (boxes kept by NMS) rather than the input shapes.
+* **Capture** (:class:`BlackBox`, :meth:`BlackBox.installed`): each site is patched (the instance's
+  ``forward``, the method on the instance, the function in its callers' globals) with a *shim*:
+  plain Python Dynamo traces, calling a per-site function registered with
+  ``torch.compiler.allow_in_graph``. Dynamo writes that function into its graph as one
+  ``call_function`` and runs it on fake tensors for the shapes; on fake tensors it returns fresh
+  tensors of the recorded shapes (a size that followed the data becomes an *unbacked* symbolic size,
+  so nothing downstream is specialised to the example's count). The shim rebuilds the recorded
+  output structure (tuples, dicts, ``ModelOutput``) around the returned tensors.
+* **Re-lift** (:func:`relift_opaque`): each such node becomes a ``call_module`` of the user's own
+  module (or of an :class:`~fxprep.capture.sites.OpaqueMethod` / ``OpaqueFunction`` calling the
+  original method or function), with the call's own arguments, and each tensor it returned is read
+  from the call's output by its path. No custom op and no fxprep function is left in the graph: the
+  prepared module runs the original code eagerly at that point.
+
+The cost: two eager runs of the model per set of new sites (recording), and nothing at run time.
+Python values an opaque part returns (an ``int``, a list length) are those of the example inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ...inputs import ExampleInputs
+from ...runs import SEED, preserved_state
+from ..common import LeafPolicy
+from ..sites import FUNCTIONS, Site
+from .names import Names, ReliftError
+
+_MISSING = object()
+OPAQUE_PREFIX = "fxprep_opaque_"  # the name of every function an opaque part is in Dynamo's graph
+_CONSTANT_LEAVES = (type(None), bool, int, float, str, complex, torch.dtype, torch.device, torch.memory_format,
+                    torch.layout, type(Ellipsis))
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A tensor an opaque part returned in the eager run: enough to make a fake one like it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    stride: tuple[int, ...] | None
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorMeta:
+        try:
+            stride: tuple[int, ...] | None = tuple(t.stride())
+        except Exception:  # noqa: BLE001 - sparse and other layouts have no strides
+            stride = None
+        return cls(tuple(t.shape), t.dtype, t.device, stride)
+
+
+@dataclass
+class Recorded:
+    """One eager call of a site: input tensor shapes and the output, as structure plus leaves."""
+
+    inputs: list[tuple[int, ...] | None]  # per flat (args, kwargs) leaf: a tensor's shape, else None
+    spec: pytree.TreeSpec
+    leaves: list[Any]  # TensorMeta for tensors, the value for anything else
+    paths: list[tuple[Any, ...]]  # the pytree key path of each tensor leaf, in order
+    inputs2: list[tuple[int, ...] | None] | None = None  # the same call in the perturbed run
+    shapes2: list[tuple[int, ...]] | None = None  # its tensor outputs' shapes
+    objects: dict[int | str, Any] = field(default_factory=dict)  # arguments a graph cannot carry
+
+    @property
+    def unsupported(self) -> list[str]:
+        """Output leaves that are neither tensors nor plain constants (they cannot be rebuilt), and
+        arguments a graph cannot carry that hold tensors (they would be the example's at run time)."""
+        bad = [type(v).__name__ for v in self.leaves if not isinstance(v, (TensorMeta, *_CONSTANT_LEAVES))]
+        for value in self.objects.values():
+            if not isinstance(value, nn.Module) and any(isinstance(v, torch.Tensor) for v in _attributes(value)):
+                bad.append(type(value).__name__)
+        return bad
+
+
+def _attributes(value: Any) -> list[Any]:
+    try:
+        return list(vars(value).values())
+    except TypeError:
+        return []
+
+
+MARK = "fxprep-opaque-argument:"  # stands, in Dynamo's graph, for an argument a graph cannot carry
+
+
+def graphable(value: Any) -> bool:
+    """Whether Dynamo can put ``value`` in a graph node's arguments (run by Dynamo in the shim)."""
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device)):
+        return True
+    if type(value) in (list, tuple, torch.Size):
+        return all(graphable(v) for v in value)
+    if type(value) is dict:
+        return all(isinstance(k, str) and graphable(v) for k, v in value.items())
+    return False
+
+
+def _is_mark(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith(MARK)
+
+
+def _describe_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, ...] | None]:
+    return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves((args, kwargs))]
+
+
+def _recorded(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Recorded:
+    flat, spec = pytree.tree_flatten_with_path(out)
+    leaves = [TensorMeta.of(v) if isinstance(v, torch.Tensor) else v for _, v in flat]
+    paths = [tuple(p) for p, v in flat if isinstance(v, torch.Tensor)]
+    objects: dict[int | str, Any] = {k: v for k, v in [*enumerate(args), *kwargs.items()] if not graphable(v)}
+    return Recorded(_describe_inputs(args, kwargs), spec, leaves, paths, objects=objects)
+
+
+def real_callable(site: Site, model: nn.Module) -> Any:
+    """What runs for ``site`` without fxprep: an instance-level override first (a patched
+    ``forward``), else the class's method bound to the owner, else the function."""
+    if site.func is not None:
+        return FUNCTIONS[site][0]
+    owner = site.owner(model)
+    own = owner.__dict__.get(site.method, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+    return own if own is not _MISSING else getattr(owner, site.method)
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, replacements: dict[Site, Any], classes: bool = False) -> Iterator[None]:
+    """Each site's callable replaced by the given one, put back on exit.
+
+    With ``classes``, a module site gets its replacement ``forward`` from a subclass its object is
+    switched to, not from its ``__dict__``: Dynamo takes a module whose instance has a ``forward``
+    attribute for a monkey-patched one and treats it (and its attributes, e.g. ``.dtype``)
+    differently from the unpatched model it must capture."""
+    undo: list[tuple[dict[str, Any], str, Any]] = []
+    swapped: list[tuple[nn.Module, type]] = []
+    try:
+        for site, new in replacements.items():
+            if site.func is not None:
+                for g in FUNCTIONS[site][1]:
+                    undo.append((g, site.method, g.get(site.method, _MISSING)))
+                    g[site.method] = new
+                continue
+            owner = site.owner(model)
+            if classes and site.is_module and "forward" not in owner.__dict__:
+                cls = type(owner)
+                swapped.append((owner, cls))
+                owner.__class__ = _forward_subclass(cls, new)
+                continue
+            undo.append((owner.__dict__, site.method, owner.__dict__.get(site.method, _MISSING)))
+            owner.__dict__[site.method] = new
+        yield
+    finally:
+        for place, name, before in reversed(undo):
+            if before is _MISSING:
+                place.pop(name, None)
+            else:
+                place[name] = before
+        for owner, cls in reversed(swapped):
+            owner.__class__ = cls
+
+
+ORIGINAL_CLASS = "__fxprep_original_class__"  # on the subclass a module site is switched to
+
+
+def _forward_subclass(cls: type, shim: Any) -> type:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return shim(*args, **kwargs)
+
+    namespace = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                 ORIGINAL_CLASS: cls}
+    return type(cls.__name__, (cls,), namespace)
+
+
+def original_class(cls: Any) -> Any:
+    """The user's class behind a class :func:`patched` switched a module to (else ``cls``)."""
+    return cls.__dict__.get(ORIGINAL_CLASS, cls) if isinstance(cls, type) else cls
+
+
+def perturbed(call: ExampleInputs) -> ExampleInputs:
+    """``call`` with every floating-point tensor's values shuffled (same shape, dtype and value
+    distribution, different data): a size an opaque part returns that changes with it follows the
+    data, not the shapes."""
+    gen = torch.Generator().manual_seed(SEED)
+
+    def shuffle(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.numel() < 2:
+            return t.detach().clone()
+        flat = t.detach().reshape(-1)
+        return flat[torch.randperm(flat.numel(), generator=gen).to(flat.device)].reshape(t.shape).clone()
+
+    args, kwargs = pytree.tree_map_only(torch.Tensor, shuffle, (call.args, call.kwargs))
+    return ExampleInputs(tuple(args), dict(kwargs))
+
+
+def record_sites(model: nn.Module, call: ExampleInputs, sites: list[Site]) -> dict[Site, list[Recorded]]:
+    """Run ``model`` eagerly with every site wrapped; each site's calls, in order. Sites whose calls
+    an eager failure prevents from being recorded are left out."""
+    runs: list[dict[Site, list[Recorded]]] = []
+    for k, inputs in enumerate((call, perturbed(call))):
+        found: dict[Site, list[Recorded]] = {site: [] for site in sites}
+
+        def recorder(site: Site, real: Any, found: dict[Site, list[Recorded]] = found) -> Any:
+            def recording(*args: Any, **kwargs: Any) -> Any:
+                out = real(*args, **kwargs)
+                found[site].append(_recorded(args, kwargs, out))
+                return out
+
+            return recording
+
+        wrappers = {site: recorder(site, real_callable(site, model)) for site in sites}
+        fresh = inputs.fresh_copy()
+        try:
+            with patched(model, wrappers), preserved_state(model), torch.no_grad():
+                torch.manual_seed(SEED)
+                model(*fresh.args, **fresh.kwargs)
+        except Exception:  # noqa: BLE001 - perturbed inputs a model refuses: one run only
+            if k == 0:
+                raise
+            break
+        runs.append(found)
+    records = runs[0]
+    if len(runs) == 2:
+        for site, calls in records.items():
+            for rec, rec2 in zip(calls, runs[1][site]):
+                if rec2.spec == rec.spec:
+                    rec.inputs2 = rec2.inputs
+                    rec.shapes2 = [m.shape for m in rec2.leaves if isinstance(m, TensorMeta)]
+    return records
+
+
+# --- during capture -------------------------------------------------------------------------------
+def _is_fake(tree: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(v, FakeTensor) for v in pytree.tree_leaves(tree))
+
+
+@dataclass
+class Unbacked:
+    """The example values behind the unbacked sizes fake outputs were given (for later matching)."""
+
+    values: dict[Any, tuple[int, int | None]] = field(default_factory=dict)
+
+
+def _fake_outputs(rec: Recorded, args: tuple[Any, ...], kwargs: dict[str, Any], unbacked: Unbacked) -> tuple[Any, ...]:
+    """Fake tensors like ``rec``'s outputs, sized from the call's inputs where the eager runs say
+    the size is an input's, with fresh unbacked sizes where it followed the data."""
+    fake_mode = torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs)))
+    inputs = [v for v in pytree.tree_leaves((args, kwargs))]
+    known: dict[tuple[int, int | None], Any] = {}
+    for k, value in enumerate(inputs):
+        shape = rec.inputs[k] if k < len(rec.inputs) else None
+        if not isinstance(value, torch.Tensor) or shape is None or len(shape) != value.dim():
+            continue
+        shape2 = rec.inputs2[k] if rec.inputs2 is not None and k < len(rec.inputs2) else None
+        for d, size in enumerate(value.shape):
+            second = shape2[d] if shape2 is not None and len(shape2) == len(shape) else None
+            known.setdefault((shape[d], second), size)
+    out = []
+    metas = [m for m in rec.leaves if isinstance(m, TensorMeta)]
+    for j, meta in enumerate(metas):
+        second_shape = rec.shapes2[j] if rec.shapes2 is not None and j < len(rec.shapes2) else None
+        sizes: list[Any] = []
+        for d, size in enumerate(meta.shape):
+            second = second_shape[d] if second_shape is not None and len(second_shape) == len(meta.shape) else None
+            if (size, second) in known:
+                sizes.append(known[(size, second)])
+            elif second is None or second == size or fake_mode is None or fake_mode.shape_env is None:
+                sizes.append(size)
+            else:
+                symbol = fake_mode.shape_env.create_unbacked_symint()
+                torch._check(symbol >= 0)
+                unbacked.values[symbol.node.expr] = (size, second)
+                known[(size, second)] = symbol
+                sizes.append(symbol)
+        if all(isinstance(s, int) for s in sizes) and meta.stride is not None:
+            out.append(torch.empty_strided(sizes, meta.stride, dtype=meta.dtype, device=meta.device))
+        else:
+            out.append(torch.empty(sizes, dtype=meta.dtype, device=meta.device))
+    return tuple(out)
+
+
+def _matching(records: list[Recorded], index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Recorded:
+    """The recorded call a traced call stands for: the one at the same position, unless the inputs
+    say otherwise (Dynamo took a path the eager run did not)."""
+    ranks = [v.dim() if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves((args, kwargs))]
+
+    def fits(rec: Recorded) -> bool:
+        return [len(s) if s is not None else None for s in rec.inputs] == ranks
+
+    if index < len(records) and fits(records[index]):
+        return records[index]
+    for rec in records:
+        if fits(rec):
+            return rec
+    if records:
+        return records[min(index, len(records) - 1)]
+    raise ReliftError("an opaque part was called during capture but never in the eager run")
+
+
+_RUNNING = [0]  # opaque parts running eagerly right now (their inner module calls are no graph's)
+
+
+def running_opaque() -> bool:
+    """Whether an opaque part is running eagerly: a module call now happens inside it, so the
+    re-lifting's recording run must not look for that call in the graph."""
+    return _RUNNING[0] > 0
+
+
+def _run_opaque(real: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _RUNNING[0] += 1
+    try:
+        return real(*args, **kwargs)
+    finally:
+        _RUNNING[0] -= 1
+
+
+class SiteCall:
+    """The allow-in-graph function and the shim of one site, for one capture attempt."""
+
+    def __init__(self, site: Site, records: list[Recorded], real: Any, unbacked: Unbacked):
+        self.site = site
+        self.records = records
+        self.real = real
+        self.unbacked = unbacked
+        self.count = [0]
+        self.function = self._make_function()
+
+    def _make_function(self) -> Any:
+        records, real, unbacked = self.records, self.real, self.unbacked
+
+        def opaque_call(index: int, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+            if _is_fake((args, kwargs)):
+                return _fake_outputs(_matching(records, index, args, kwargs), args, kwargs, unbacked)
+            objects = records[min(index, len(records) - 1)].objects
+            args = tuple(objects.get(k, a) if _is_mark(a) else a for k, a in enumerate(args))
+            kwargs = {k: objects.get(k, v) if _is_mark(v) else v for k, v in kwargs.items()}
+            out = real(*args, **kwargs)
+            return tuple(v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor))
+
+        opaque_call.__name__ = opaque_call.__qualname__ = f"{OPAQUE_PREFIX}{self.site.qualname.replace('.', '_') or 'root'}"
+        return torch.compiler.allow_in_graph(opaque_call)
+
+    def shim(self) -> Any:
+        """What the site's name points to during capture."""
+        function, records, real, count = self.function, self.records, self.real, self.count
+
+        def shim(*args: Any, **kwargs: Any) -> Any:
+            if not torch.compiler.is_compiling():
+                return _run_opaque(real, args, kwargs)
+            index = count[0]
+            count[0] = index + 1
+            args = tuple(a if graphable(a) else f"{MARK}{k}" for k, a in enumerate(args))
+            kwargs = {k: v if graphable(v) else f"{MARK}{k}" for k, v in kwargs.items()}
+            tensors = function(index, *args, **kwargs)
+            rec = records[min(index, len(records) - 1)]
+            values = iter(tensors)
+            leaves = [next(values) if isinstance(v, TensorMeta) else v for v in rec.leaves]
+            return pytree.tree_unflatten(leaves, rec.spec)
+
+        return shim
+
+
+class BlackBox:
+    """The opaque sites of one capture: their recordings, and the calls installed during capture."""
+
+    def __init__(self, model: nn.Module, sites: list[Site], records: dict[Site, list[Recorded]]):
+        self.model = model
+        self.sites = [s for s in sites if records.get(s)]
+        self.records = records
+        self.unbacked = Unbacked()
+        self.calls: dict[Any, SiteCall] = {}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Every site patched with its shim (fresh functions and call counters each time)."""
+        calls = [SiteCall(s, self.records[s], real_callable(s, self.model), self.unbacked) for s in self.sites]
+        self.calls = {c.function: c for c in calls}
+        with patched(self.model, {c.site: c.shim() for c in calls}, classes=True):
+            yield
+
+    def __bool__(self) -> bool:
+        return bool(self.sites)
+
+
+# Leaf-policy reasons that make a module a black box for Dynamo. Modules that are leaves because they
+# carry hooks are traced (their hooks must run inside the traced code, e.g. transformers' output
+# recorders) and regrouped; they become opaque only if Dynamo fails inside them.
+BLACK_BOX_REASONS = ("modules_to_exclude", "module_classes_to_exclude", "marked with fxprep.opaque", "TorchScript module")
+
+
+def excluded_sites(model: nn.Module, policy: LeafPolicy) -> list[Site]:
+    """The outermost modules the leaf policy excludes (``torch.nn`` layers aside: Dynamo records
+    those as calls already), as sites."""
+    from .names import default_leaf
+
+    out: list[Site] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if policy.reason(child) in BLACK_BOX_REASONS and not default_leaf(child):
+                out.append(Site(path))
+            else:
+                visit(child, f"{path}.")
+
+    visit(model, "")
+    return out
+
+
+def inside(site: Site, sites: list[Site]) -> bool:
+    """Whether ``site`` only runs inside another site's opaque module."""
+    for other in sites:
+        if other is site or not other.is_module or other == site:
+            continue
+        if site.path == other.path or site.path.startswith(f"{other.path}."):
+            return True
+    return False
+
+
+class OpaquePolicy(LeafPolicy):
+    """The leaf policy with the opaque module sites as leaves too, so re-lifting neither looks for
+    their inner modules in the graph nor regroups around them."""
+
+    def __init__(self, policy: LeafPolicy, opaque: set[int]):
+        super().__init__(policy.modules, policy.classes)
+        self.opaque = opaque
+
+    def reason(self, module: nn.Module) -> str | None:
+        if id(module) in self.opaque:
+            return super().reason(module) or "opaque part"
+        return super().reason(module)
+
+
+def with_opaque(policy: LeafPolicy, box: BlackBox | None) -> LeafPolicy:
+    if not box:
+        return policy
+    return OpaquePolicy(policy, {id(box.model.get_submodule(s.path)) for s in box.sites if s.is_module})
+
+
+def black_box(model: nn.Module, policy: LeafPolicy, sites: list[Site], call: ExampleInputs,
+              cache: dict[Site, list[Recorded]] | None = None) -> BlackBox:
+    """The black box of one capture: the excluded modules and ``sites`` (outermost ones only),
+    recorded on ``call`` (recordings already in ``cache`` are reused, new ones added to it)."""
+    wanted = excluded_sites(model, policy) + [s for s in sites]
+    wanted = [s for s in dict.fromkeys(wanted) if not inside(s, wanted)]
+    cache = {} if cache is None else cache
+    missing = [s for s in wanted if s not in cache]
+    if missing:
+        cache.update(record_sites(model, call, missing))
+    return BlackBox(model, wanted, cache)
+
+
+# --- re-lifting -----------------------------------------------------------------------------------
+def _access(graph: fx.Graph, value: fx.Node, key: Any) -> fx.Node:
+    if isinstance(key, pytree.SequenceKey):
+        return graph.call_function(operator.getitem, (value, key.idx))
+    if isinstance(key, pytree.MappingKey):
+        return graph.call_function(operator.getitem, (value, key.key))
+    if isinstance(key, pytree.GetAttrKey):
+        return graph.call_function(getattr, (value, key.name))
+    raise ReliftError(f"cannot read part {key!r} of an opaque part's output")
+
+
+def _carried(dgm: fx.GraphModule, graph: fx.Graph, node: fx.Node, rec: Recorded, names: Names) -> None:
+    """The arguments Dynamo's graph could not carry (a config, a module) back in the call: a
+    ``get_attr`` of the very object the eager run passed (a submodule by its qualified name)."""
+
+    def restore(key: int | str, value: Any) -> Any:
+        if not _is_mark(value) or key not in rec.objects:
+            return value
+        obj = rec.objects[key]
+        qualname = names.module_name(obj) if isinstance(obj, nn.Module) else None
+        if qualname is None:
+            qualname = f"_fxprep_argument_{len([n for n in graph.nodes if n.op == 'get_attr'])}"
+            while hasattr(dgm, qualname):
+                qualname += "_"
+            setattr(dgm, qualname, obj)
+        with graph.inserting_before(node):
+            attr = graph.get_attr(qualname)
+        if names.module_name(obj) is not None:
+            attr.meta["fxprep_user_attr"] = qualname
+        return attr
+
+    node.args = tuple(restore(k, a) for k, a in enumerate(node.args))
+    node.kwargs = {k: restore(k, v) for k, v in node.kwargs.items()}
+
+
+def relift_opaque(dgm: fx.GraphModule, box: BlackBox | None, names: Names) -> tuple[dict[fx.Node, str], dict[str, Site]]:
+    """Each opaque call in Dynamo's graph → a ``call_module`` with the call's own arguments, its
+    tensors read from the output by path. Returns the new nodes' targets (a module site's
+    qualified name, else a placeholder name to place) and, for method and function sites, which
+    site each placeholder name stands for."""
+    targets: dict[fx.Node, str] = {}
+    wrappers: dict[str, Site] = {}
+    if not box:
+        return targets, wrappers
+    graph = dgm.graph
+    for node in list(graph.nodes):
+        call = box.calls.get(node.target) if node.op == "call_function" else None
+        if call is None:
+            continue
+        site = call.site
+        index = node.args[0]
+        rec = call.records[min(int(index), len(call.records) - 1)]
+        name = site.path if site.is_module else f"fxprep_opaque::{site.qualname}"
+        # The node's own target is a module of Dynamo's graph module, so that graph still runs (the
+        # regrouper runs it to break ties); ``targets`` says what it is in the user's model.
+        holder = f"_fxprep_opaque_{len(targets)}"
+        dgm.add_module(holder, site.eager_module(box.model))
+        with graph.inserting_before(node):
+            new = graph.create_node("call_module", holder, tuple(node.args[1:]), dict(node.kwargs),
+                                    name=re.sub(r"\W", "_", site.qualname) or "opaque")
+        _carried(dgm, graph, new, rec, names)
+        new.meta = dict(node.meta)
+        new.meta["fxprep_opaque"] = site.qualname
+        stack = dict(node.meta.get("nn_module_stack") or {})
+        parent = dict(list(stack.items())[:-1]) if site.is_module and stack else stack
+        single = len(rec.paths) == 1 and not rec.paths[0]
+        for user in list(node.users):
+            if user.op != "call_function" or user.target is not operator.getitem or not isinstance(user.args[1], int):
+                raise ReliftError(f"the output of opaque part '{site.qualname}' is used as a whole")
+            path = rec.paths[user.args[1]] if user.args[1] < len(rec.paths) else None
+            if path is None:
+                raise ReliftError(f"opaque part '{site.qualname}' returned fewer tensors than recorded")
+            value = new
+            cursor = new
+            for key in path:
+                with graph.inserting_after(cursor):
+                    value = _access(graph, value, key)
+                value.meta["nn_module_stack"] = dict(parent)
+                cursor = value
+            if value is not new or single:
+                value.meta["example_value"] = user.meta.get("example_value")
+            user.replace_all_uses_with(value)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not site.is_module:
+            wrappers[name] = site
+        targets[new] = name
+    return targets, wrappers
+
+
+_ASSERTS = tuple(
+    op for op in (getattr(torch.ops.aten, "_assert_scalar", None), getattr(torch.ops.aten, "sym_constrain_range_for_size", None))
+    if op is not None
+)
+
+
+def drop_size_asserts(dgm: fx.GraphModule) -> None:
+    """Remove the run-time asserts Dynamo adds on the unbacked sizes of opaque outputs (``u0 >= 0``)
+    and the size reads only they used: facts about sizes the eager code produces, not checks of the
+    user's, and not tensor compute a toolkit should see."""
+    graph = dgm.graph
+    targets = {getattr(op, "default", op) for op in _ASSERTS}
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.target not in targets:
+            continue
+        text = " ".join(str(a) for a in node.args[1:])
+        if text and not all(tok.startswith("u") for tok in re.findall(r"\b[a-z]\d+\b", text)):
+            continue  # mentions a backed (input) size: the user's own check, kept
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        while inputs:
+            n = inputs.pop()
+            if not n.users and _size_arithmetic(n):
+                inputs.extend(n.all_input_nodes)
+                graph.erase_node(n)
+
+
+def _size_arithmetic(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in ("size", "numel", "stride", "dim")
+    if node.op != "call_function":
+        return False
+    module = getattr(node.target, "__module__", None) or ""
+    return (module in ("_operator", "operator") and node.target is not operator.getitem) or \
+        getattr(node.target, "__name__", "").startswith("sym_") or "aten.sym_" in str(node.target)
+
+
+__all__ = ["BlackBox", "OpaquePolicy", "with_opaque", "Recorded", "TensorMeta", "black_box", "drop_size_asserts", "excluded_sites", "inside", "original_class", "patched", "running_opaque", "real_callable",
+           "record_sites", "relift_opaque"]

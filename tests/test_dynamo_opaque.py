@@ -1,0 +1,221 @@
+"""Opaque parts on the Dynamo path (``fxprep.capture.dynamo.opaque`` and ``.fallback``).
+
+An excluded module is one ``call_module`` Dynamo never traces into, whatever its forward does; when
+Dynamo fails, the smallest enclosing part is made opaque and Dynamo captures the rest; a condition on
+a shape is specialised by Dynamo, never made opaque.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import fxprep
+from fxprep.diagnose import DATA_DEPENDENT_BRANCH, SHAPE_DEPENDENT_BRANCH, diagnose, shape_only
+
+from .helpers import assert_unchanged, module_snapshot
+
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+class ListDriven(nn.Module):
+    """Control flow driven by ``.tolist()``: Dynamo cannot capture it without a graph break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        counts = (x > 0).sum(-1).tolist()
+        y = self.inner(x)
+        for k, c in enumerate(counts):
+            if c % 2:
+                y = y + k
+        return y
+
+
+class ProxyMutating(nn.Module):
+    """Mutates the dict behind a ``mappingproxy`` it reads (what Mistral3's vision tower trips on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.table: dict[str, float] = {"scale": 1.0}
+        self.view = types.MappingProxyType(self.table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        before = self.view["scale"]
+        self.table["scale"] = before  # same value: eager results do not change
+        return self.inner(x) * self.view["scale"]
+
+
+class Host(nn.Module):
+    def __init__(self, middle: nn.Module) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.middle = middle
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.middle(self.a(x))))
+
+
+def call_modules(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+
+
+@pytest.mark.parametrize("middle", [ListDriven, ProxyMutating])
+@pytest.mark.parametrize("how", ["instance", "class"])
+def test_excluded_module_is_one_call_dynamo_never_traces_into(middle: type, how: str) -> None:
+    model = Host(middle()).eval()
+    before = module_snapshot(model)
+    x = torch.randn(3, 8)
+    kwargs = {"modules_to_exclude": [model.middle]} if how == "instance" else {"module_classes_to_exclude": [middle]}
+    gm = fxprep.prepare_model(model, example_inputs=(x,), tracer="dynamo", fallback="error", **kwargs)
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo" and report.verification.status == "passed"
+    assert call_modules(gm) == ["a", "middle", "relu", "b"]  # middle.inner runs inside middle, not in the graph
+    assert gm.middle is model.middle
+    assert report.leaves == {"middle": f"{'modules' if how == 'instance' else 'module_classes'}_to_exclude"}
+    for shape in ((3, 8), (5, 8)):  # the excluded module's Python runs at call time, on any data
+        y = torch.randn(*shape)
+        torch.testing.assert_close(gm(y), model(y))
+    assert_unchanged(model, before)
+
+
+class Block(nn.Module):
+    """A block whose data-dependent part is one helper function: only it must be opaque."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+        self.down = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        for k, c in enumerate((h > 0).sum(-1).tolist()):  # control flow on data-dependent values
+            if c % 2:
+                h = h + k
+        return self.down(h)
+
+
+class Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_dynamo_fallback_makes_only_the_failing_parts_opaque() -> None:
+    model = Tower().eval()
+    before = module_snapshot(model)
+    x = torch.randn(2, 8)
+    gm = fxprep.prepare_model(model, example_inputs=(x,))
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo+leaves" and report.verification.status == "passed"
+    assert set(report.leaves) == {f"blocks.{i}" for i in range(3)}  # each block, none of the tower
+    for reason in report.leaves.values():
+        assert reason.startswith("opaque: ") and ".py:" in reason
+    calls = call_modules(gm)
+    assert calls == ["stem", "blocks.0", "blocks.1", "blocks.2", "head"]
+    assert gm.stem is model.stem and gm.head is model.head
+    assert [i.category for i in report.issues]  # each opaque part is diagnosed
+    torch.testing.assert_close(gm(x), model(x))
+    assert_unchanged(model, before)
+
+
+def _flip(x: torch.Tensor) -> torch.Tensor:
+    if x.abs().argmax().item() % 2:  # data-dependent branch inside a helper
+        return -x
+    return x
+
+
+class HelperBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+        self.down = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(_flip(self.up(x)))
+
+
+def test_dynamo_fallback_keeps_the_layers_around_an_opaque_function() -> None:
+    model = Host(HelperBlock()).eval()
+    x = torch.randn(2, 8)
+    gm = fxprep.prepare_model(model, example_inputs=(x,))
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo+leaves" and report.verification.status == "passed"
+    assert list(report.leaves) == ["middle._flip"]
+    calls = call_modules(gm)
+    assert calls[:2] == ["a", "middle.up"] and calls[-3:] == ["middle.down", "relu", "b"]
+    for name in ("a", "middle.up", "middle.down", "b"):
+        assert gm.get_submodule(name) is model.get_submodule(name)
+    for y in (x, -x, torch.randn(2, 8)):
+        torch.testing.assert_close(gm(y), model(y))
+
+
+class ShapeSwitch(nn.Module):
+    """torchvision's ``FastRCNNPredictor``: ``if x.dim() == 4`` decides on a shape, not on data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = nn.Linear(8, 3)
+        self.box = nn.Linear(8, 12)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() == 4:
+            torch._assert(list(x.shape[2:]) == [1, 1], "expected 1x1 spatial")
+        x = x.flatten(1)
+        if x.shape[0] == 3:
+            x = x * 2
+        return self.cls(x), self.box(x)
+
+
+def test_shape_condition_is_specialised_not_opaque() -> None:
+    class Predictor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = ShapeSwitch()
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.head(x.unsqueeze(-1).unsqueeze(-1))
+
+    model = Predictor().eval()
+    x = torch.randn(3, 8)
+    gm = fxprep.prepare_model(model, example_inputs=(x,))
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo" and not report.leaves
+    assert call_modules(gm)[-2:] == ["head.cls", "head.box"]
+    assert any("static shapes" in note for note in report.notes)  # the guard, recorded
+    torch.testing.assert_close(gm(x), model(x))
+
+
+@pytest.mark.parametrize("code", ["if x.dim() == 4:", "if x.shape[0] == 3:", "elif len(x.shape) > 2 and self.flag:",
+                                  "return min(k, x.size(1))", "assert x.ndim == 2"])
+def test_shape_only_conditions(code: str) -> None:
+    assert shape_only(code)
+
+
+@pytest.mark.parametrize("code", ["if x.sum() > 0:", "if x.shape[0] == y.max():", "if flag:", "if x[0] > 1:"])
+def test_value_conditions_are_not_shape_only(code: str) -> None:
+    assert not shape_only(code)
+
+
+def test_fx_diagnoses_a_shape_condition_as_shape_dependent() -> None:
+    model = ShapeSwitch()
+    with pytest.raises(torch.fx.proxy.TraceError) as info:
+        torch.fx.symbolic_trace(model)
+    issue = diagnose(info.value, "fx", model)[0]
+    assert issue.category == SHAPE_DEPENDENT_BRANCH
+    assert issue.category != DATA_DEPENDENT_BRANCH and "shape" in issue.fix
