@@ -69,12 +69,12 @@ def test_stages_in_order_for_a_prepare_with_a_fallback(caplog):
 
 
 def test_steps_inside_a_long_capture(caplog):
-    """The hybrid capture reports each part it makes opaque, extra verifications are reported."""
+    """The opaque-leaf fallback reports each part it makes opaque, extra verifications are reported."""
     caplog.set_level(logging.INFO, logger="fxprep")
     fxprep.prepare_model(Branchy().eval(), example_inputs=torch.ones(2, 4), verify_inputs=[-torch.ones(2, 4)])
     messages = [m for _, m in _events(caplog)]
     opaque = next(i for i, m in enumerate(messages) if "gate made opaque" in m)
-    hybrid = messages.index("Branchy: capture: fx with the untraceable parts opaque")
+    hybrid = messages.index("Branchy: capture: Dynamo with the untraceable parts opaque")
     assert hybrid < opaque < messages.index("Branchy: passes")
     assert "Branchy: verification: verify_inputs[0]" in messages
 

@@ -249,7 +249,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         )
         _note_state(report, report.verification)
         spec = gm.__dict__.get(INPUT_SPEC)
-        if spec is not None and result.tracer == "dynamo" and not opts.dynamic:
+        if spec is not None and result.tracer.split("+")[0] == "dynamo" and not opts.dynamic:
             progress.step("other batch sizes")
             batch.probe(model, gm, spec, example, lambda e: (split_calls(model, e, huggingface.without_added(concrete, absent))[0],
                                                              split_calls(model, e, concrete)[1]),
@@ -364,6 +364,7 @@ def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Mod
 def _guard_inputs(gm: fx.GraphModule, model: nn.Module, tracer: str, call: ExampleInputs | None,
                   concrete: dict[str, Any] | None, dynamic: Any, report: Report) -> None:
     """Record the inputs ``gm`` was captured for; each call is checked against them (fxprep.guard)."""
+    tracer = tracer.split("+")[0]  # dynamo+leaves: Dynamo's rules (static shapes) with opaque parts
     if call is None and tracer == "dynamo":  # captured on inputs built from a transformers config
         built = cascade.dynamo_call(model, None)
         call = split_calls(model, built, concrete)[1] if built is not None else None
@@ -379,7 +380,7 @@ def _guard_inputs(gm: fx.GraphModule, model: nn.Module, tracer: str, call: Examp
             value = values.get(name)
             rank = value.dim() if isinstance(value, torch.Tensor) else 0
             dims[name] = {d % rank for d in spec} if rank else set()
-    spec = guard.record(gm, call.args, call.kwargs, tracer.split("+")[0], dims)
+    spec = guard.record(gm, call.args, call.kwargs, tracer, dims)
     if spec is not None:
         set_preserved(gm, INPUT_SPEC, spec)
         if tracer == "dynamo" and any(n.get("kind") == "tensor" and None not in (n.get("shape") or [None])
