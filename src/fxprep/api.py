@@ -80,7 +80,8 @@ def capture(
                 continue
             changed: list[str] = []
             with restored_attributes(model, changed):  # Dynamo marks the root (_is_torch_compile)
-                result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=opts.dynamic)
+                result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=opts.dynamic,
+                                                 reuse=opts.reuse_blocks)
         attempts.append(attempt)
         if result is not None:
             return result, attempts
@@ -222,6 +223,9 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     gm = as_prepared(result.gm)
     report.tracer = result.tracer
     report.leaves.update(result.extra_leaves)
+    reuse = gm.meta.get("fxprep_reuse")
+    if reuse is not None:
+        report.reuse = reuse.to_dict()
     for note in result.notes:
         report.note(note)
     for note in mode_notes(gm, model):

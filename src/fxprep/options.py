@@ -47,6 +47,9 @@ class PrepareOptions:
         own module objects and parameters, so ``gm.eval()`` switches them too and training-mode
         runs update their BatchNorm statistics). True gives an independent module, at the cost of
         a second copy of every parameter.
+    reuse_blocks: on the Dynamo path, capture each repeated block (decoder layer, ViT block, ...)
+        once and stamp its graph out for the other instances that provably run the same code
+        (default); the graph is the one a whole-model capture gives. False: trace every block.
     """
 
     tracer: str = "auto"
@@ -65,6 +68,7 @@ class PrepareOptions:
     control_flow: str | None = None
     progress: bool | None = None
     copy: bool = False
+    reuse_blocks: bool = True
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PrepareOptions:
@@ -96,6 +100,8 @@ class PrepareOptions:
         if opts.progress not in (None, True, False) or opts.copy not in (True, False):
             raise InvalidInput(f"progress must be None, True or False and copy True or False, not "
                                f"progress={opts.progress!r}, copy={opts.copy!r}.")
+        if not isinstance(opts.reuse_blocks, bool):
+            raise InvalidInput(f"reuse_blocks must be True or False, not {opts.reuse_blocks!r}.")
         if not isinstance(opts.verify_inputs, (tuple, list)):
             raise InvalidInput("verify_inputs must be a list of example inputs (each a tensor, tuple or dict).")
         return dataclasses.replace(opts, autowrap_functions=tuple(opts.autowrap_functions),

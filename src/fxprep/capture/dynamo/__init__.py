@@ -52,6 +52,7 @@ from .export import (
 )
 from .names import resolve_source
 from .relift import ROUTE_META, relift, unreferenced_parameters
+from .reuse import REUSE_META, capture_reusing
 from .shapes import dynamic_dims, dynamic_shapes_spec, grown_example
 
 
@@ -75,13 +76,15 @@ def capture_dynamo(
     *,
     route: str = "auto",
     dynamic: Any = None,
+    reuse: bool = True,
 ) -> tuple[CaptureResult | None, CaptureAttempt]:
     """Capture ``model`` with Dynamo and re-lift it to module level.
 
     ``route`` is ``"auto"`` (the flag route when this torch has the flag, else regroup; a flag-route
     failure Dynamo only has on that route is retried with regroup), ``"flag"`` or ``"regroup"``.
-    ``dynamic`` marks dimensions dynamic (``"batch"`` or ``{arg: {dim: name}}``).
-    Never raises for a capture failure.
+    ``dynamic`` marks dimensions dynamic (``"batch"`` or ``{arg: {dim: name}}``). ``reuse``: capture
+    each repeated block once and stamp its graph out for the others (:mod:`.reuse`; flag route,
+    static shapes). Never raises for a capture failure.
     """
     start = time.perf_counter()
     if route not in ROUTES:
@@ -104,9 +107,17 @@ def capture_dynamo(
         try:
             with huggingface.capture_context(model, attempt_notes), guard:
                 call = requiring_grad(capture_call) if grad_inputs else capture_call
-                result = dynamo_export(model, call, current, spec)
-                guard.reset()  # Dynamo left fake tensors in attributes forward() writes
-                gm, extra = relift(result.graph_module, model, policy, capture_call, prepared_call, current, attempt_notes)
+                reused = None
+                if reuse and current == "flag" and spec is None:
+                    reused = capture_reusing(model, policy, call, capture_call, prepared_call, current, guard,
+                                             attempt_notes)
+                if reused is not None:
+                    gm, extra = reused
+                else:
+                    result = dynamo_export(model, call, current, spec)
+                    guard.reset()  # Dynamo left fake tensors in attributes forward() writes
+                    gm, extra = relift(result.graph_module, model, policy, capture_call, prepared_call, current,
+                                       attempt_notes)
             notes.extend(attempt_notes)
             break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
@@ -148,6 +159,7 @@ def capture_dynamo(
 
 __all__ = [
     "ROUTES",
+    "REUSE_META",
     "ROUTE_META",
     "capture_dynamo",
     "default_route",
