@@ -196,6 +196,37 @@ def test_a_constant_read_from_the_instance_is_its_own() -> None:
     assert "scale" in reuse["why"]["1"]
 
 
+class MaybeAux(nn.Module):
+    def __init__(self, aux: bool):
+        super().__init__()
+        self.aux = aux
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        y = self.fc(x)
+        return y, (y * 2 if self.aux else None)
+
+
+class AuxStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MaybeAux(aux) for aux in (False, True, False, True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = x.sum()
+        for layer in self.layers:
+            x, aux = layer(x)
+            if aux is not None:  # the outer code branches on what the block returned
+                total = total + aux.sum()
+        return x + total
+
+
+def test_an_output_structure_that_differs_by_layer_is_followed() -> None:
+    reuse = assert_reuse_exact(AuxStack().eval(), torch.randn(2, 4))
+    assert _stamped(reuse) == {"layers.0": ["layers.2"], "layers.1": ["layers.3"]}
+    assert "aux" in reuse["why"]["layers.1"]
+
+
 def test_inputs_of_another_shape_are_captured_apart() -> None:
     class Pyramid(nn.Module):
         def __init__(self) -> None:

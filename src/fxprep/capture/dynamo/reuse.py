@@ -43,7 +43,7 @@ from ..common import LeafPolicy
 from .blocks import call_inputs, find_groups, freeze, guard_differences, guard_key, input_key, self_guards
 from .export import AttributeGuard, dynamo_export
 from .relift import ROUTE_META, follow_input_device, relift
-from .stamp import Stamper
+from .stamp import Stamper, block_output_signature
 
 STUB_MODULE = "torch.nn.fxprep_block"  # Dynamo calls a module whose class lives in torch.nn as one node
 REUSE_META = "fxprep_reuse"
@@ -92,12 +92,14 @@ class _Stubs:
     that Dynamo calls as one ``call_module`` (see the module docstring), one subclass per block
     signature. The user's objects are untouched but for their ``__class__``, put back on exit."""
 
-    def __init__(self, instances: dict[int, tuple[nn.Module, Any]]):
+    def __init__(self, instances: dict[int, tuple[nn.Module, Any]], uncached: set[Any]):
         self.instances = instances  # id -> (module, signature key)
+        self.uncached = uncached  # signature keys whose fake outputs are computed for every call
         self.originals: dict[int, type] = {}
         self.classes: dict[Any, type] = {}
         self.cache: dict[Any, Any] = {}
         self.unsupported: set[Any] = set()  # signature keys of blocks returning what one call cannot
+        self.returned: dict[int, set[Any]] = {}  # id(instance) -> what its calls returned (output_signature)
 
     def __enter__(self) -> _Stubs:
         try:
@@ -140,11 +142,18 @@ class _Stubs:
                                            "__qualname__": cls.__qualname__})
 
     def fake_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The output of ``module(*args, **kwargs)`` on Dynamo's fake tensors."""
+        """The output of ``module(*args, **kwargs)`` on Dynamo's fake tensors. What it was is kept:
+        the block graph stamped at this call must return the same structure (the outer code may
+        have branched on it, e.g. on an output being None)."""
+        out = self._fake_call(module, args, kwargs)
+        self.returned.setdefault(id(module), set()).add(output_signature(out))
+        return out
+
+    def _fake_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         stub = type(module)
         flat, _ = pytree.tree_flatten((args, kwargs))
         key = (stub._fxprep_key, _fake_key(flat))  # type: ignore[attr-defined]
-        described = self.cache.get(key)
+        described = self.cache.get(key) if stub._fxprep_key not in self.uncached else None  # type: ignore[attr-defined]
         if described is not None:
             spec, leaves = described
             return pytree.tree_unflatten([_make(leaf, flat) for leaf in leaves], spec)
@@ -167,9 +176,25 @@ class _Stubs:
         return out
 
 
+class _OtherOutput(RuntimeError):
+    """A block instance returns another structure than the first one of its kind did, whose output
+    the outer capture repeated for it: the capture is retried computing every such output."""
+
+    def __init__(self, message: str, key: Any):
+        super().__init__(message)
+        self.key = key
+
+
 class _Unsupported(RuntimeError):
     """A block's output is not something Dynamo accepts from a ``call_module`` (a dict, a
     ``ModelOutput``): the capture is retried with that block's children as the blocks."""
+
+
+def output_signature(out: Any) -> Any:
+    """The structure of a block's output, its tensors' shapes and dtypes, and its other values."""
+    leaves, spec = pytree.tree_flatten(out)
+    return (str(spec), tuple(("t", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else freeze(x)
+                             for x in leaves))
 
 
 def _one_call_output(out: Any) -> bool:
@@ -340,7 +365,8 @@ def capture_reusing(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, c
     model). ``call`` is what Dynamo is called with, ``capture_call`` the same without grad-requiring
     inputs (the eager recording run), ``prepared_call`` how the prepared module is called."""
     descend: set[int] = set()
-    for _ in range(4):  # a retry looks inside blocks whose output one call cannot return
+    uncached: set[Any] = set()
+    for _ in range(4):  # a retry looks inside blocks whose output one call cannot return, or computes more
         instances: dict[int, tuple[nn.Module, Any]] = {}
         qualnames: dict[int, str] = {}
         for key, group in enumerate(find_groups(model, policy, descend)):
@@ -349,11 +375,14 @@ def capture_reusing(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, c
                 qualnames[id(module)] = name
         if not instances:
             return None
-        stubs = _Stubs(instances)
+        stubs = _Stubs(instances, uncached)
         try:
             return _capture(model, policy, call, capture_call, prepared_call, route, guard, notes, stubs, qualnames)
         except Exception as err:  # noqa: BLE001 - reuse is an optimisation: the whole-model capture decides
             guard.reset()
+            if isinstance(err, _OtherOutput) and err.key not in uncached:
+                uncached.add(err.key)
+                continue
             if stubs.unsupported:
                 descend.update(mid for mid, (_, key) in instances.items() if key in stubs.unsupported)
                 continue
@@ -410,6 +439,10 @@ def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_
     for done in captured:
         first = done.members[0]
         for member in done.members:
+            returned = stubs.returned.get(id(member.module), set())
+            if returned != {block_output_signature(done.gm)}:
+                raise _OtherOutput(f"the graph captured from '{first.name}' returns another structure than "
+                                   f"'{member.name}' did in the outer capture", instances[id(member.module)][1])
             stamper.inline(member.node, done.gm, first.module, member.name, member.module)
             for leaf, why in done.extra.items():
                 extra[f"{member.name}.{leaf}"] = why

@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .blocks import call_inputs
+from .blocks import call_inputs, freeze
 from .names import Names, get_path
 from .relift import _free_name, _Holder, _reorder_like
 
@@ -43,6 +43,18 @@ def _outputs(block: fx.GraphModule, env: dict[fx.Node, Any]) -> Any:
         raise StampError("the block graph has no output structure")
     mapped = [env[v] if isinstance(v, fx.Node) else v for v in flat]
     return pytree.tree_unflatten(mapped, info.out_spec)
+
+
+def block_output_signature(block: fx.GraphModule) -> Any:
+    """:func:`.reuse.output_signature` of what ``block`` returns, from its example values."""
+    output = next(n for n in reversed(block.graph.nodes) if n.op == "output")
+    flat = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    values = [v.meta.get("example_value") if isinstance(v, fx.Node) else v for v in flat]
+    info = block.graph._codegen.pytree_info if isinstance(block.graph._codegen, fx.graph._PyTreeCodeGen) else None
+    if info is None or info.out_spec is None:
+        raise StampError("the block graph has no output structure")
+    leaves = [("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else freeze(v) for v in values]
+    return (str(info.out_spec), tuple(leaves))
 
 
 def _same_value_kind(new: Any, old: fx.Node) -> bool:
