@@ -32,6 +32,7 @@ from .prepared import REPORT, as_prepared, set_preserved
 from .report import Report, Verification
 from .runs import preserved_state
 from .verify import run_original, verify
+from .weights import remember_original
 
 
 def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report,
@@ -288,6 +289,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         rewrite.report(report, result.extra_leaves, result.tracer)
     report.timings["total"] = time.perf_counter() - t0
     set_preserved(gm, REPORT, report)
+    remember_original(gm, model, concrete)  # for fxprep.load_weights / verify_prepared
     register_with_toolkits()
     return gm
 
