@@ -103,6 +103,18 @@ def test_gemma2_sliding_window_layers_are_captured_apart() -> None:
     assert "sliding_window" in reuse["why"]["model.layers.1"]
 
 
+def test_excluded_classes_inside_blocks_stay_leaves_in_every_copy() -> None:
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    model, example = hf("llama", layers=3)
+    reuse = assert_reuse_exact(model, example, module_classes_to_exclude=[LlamaMLP, LlamaRMSNorm])
+    assert _stamped(reuse) == {"model.layers.0": ["model.layers.1", "model.layers.2"]}
+    gm = fxprep.prepare_model(model, example_inputs=example, module_classes_to_exclude=[LlamaMLP])
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target.endswith("mlp")] == \
+        [f"model.layers.{i}.mlp" for i in range(3)]
+    assert set(fxprep.get_report(gm).leaves) == {f"model.layers.{i}.mlp" for i in range(3)}
+
+
 def test_t5_first_block_with_position_bias_is_its_own() -> None:
     reuse = assert_reuse_exact(*hf("t5", layers=3))
     assert _stamped(reuse) == {"encoder.block.1": ["encoder.block.2"], "decoder.block.1": ["decoder.block.2"]}

@@ -405,9 +405,15 @@ def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_
         result = dynamo_export(model, call, route, None)
     guard.reset()
     outer_notes: list[str] = []
-    outer, extra = relift(result.graph_module, model, policy, capture_call, prepared_call, route, outer_notes,
+    # Leaves the user named inside a block are called from the block's graph, not the outer one:
+    # the outer re-lifting must see the blocks as leaves then (it records the outermost leaves' calls).
+    user_leaves = any(policy.reason(m) is not None for m in model.modules() if m is not model)
+    outer_policy = LeafPolicy(modules=(*policy.modules, *(m for m, _ in instances.values())),
+                              classes=policy.classes) if user_leaves else policy
+    outer, extra = relift(result.graph_module, model, outer_policy, capture_call, prepared_call, route, outer_notes,
                           device_literals=False)
     by_name = {qualnames[mid]: module for mid, (module, _) in instances.items()}
+    extra = {k: v for k, v in extra.items() if k not in by_name}
     groups: dict[Any, list[Member]] = {}
     seen: dict[str, int] = {}
     for node in outer.graph.nodes:
