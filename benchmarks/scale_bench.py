@@ -247,6 +247,41 @@ def forward_overhead(name: str, rounds: int = 3, per_round: int = 20) -> dict[st
 
 
 # --------------------------------------------------------------------------------------------------
+# load_weights memory
+# --------------------------------------------------------------------------------------------------
+def load_memory(directory: str, shard_mb: int = 200) -> dict[str, Any]:
+    """Peak RSS growth of ``fxprep.load_weights`` on a sharded checkpoint of a ~0.5B Llama (fp32),
+    against the size of the result and of the largest shard. Runs in a child process."""
+    import glob
+    import shutil
+
+    import torch
+    import transformers
+
+    import fxprep
+
+    torch.set_num_threads(1)
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
+                                   num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False)
+    if not os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
+        shutil.rmtree(directory, ignore_errors=True)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(directory, max_shard_size=f"{shard_mb}MB")
+        return {"written": directory}
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": ids.to("meta")}, verify=False)
+    shards = glob.glob(os.path.join(directory, "*.safetensors"))
+    with PeakRss() as rss:
+        start = time.perf_counter()
+        fxprep.load_weights(gm, directory)
+        seconds = time.perf_counter() - start
+    result_mb = sum(t.numel() * t.element_size() for t in gm.state_dict().values()) / 2**20
+    return {"seconds": seconds, "rss_growth_mb": rss.growth_mb, "result_mb": result_mb,
+            "largest_shard_mb": max(os.path.getsize(f) for f in shards) / 2**20, "shards": len(shards)}
+
+
+# --------------------------------------------------------------------------------------------------
 # parent: the tables
 # --------------------------------------------------------------------------------------------------
 def _capture_table(models: list[str], methods: list[str], runs: int, timeout: float,
@@ -303,6 +338,24 @@ def _forward_table(models: list[str], raw: list[dict[str, Any]]) -> None:
         print(f"| {name} | {r['eager_ms']:.2f} | {r['ratio_cpu']:.3f}x | {rounds} | {r['ratio_wall']:.3f}x |")
 
 
+def _load_table(directory: str, raw: list[dict[str, Any]]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"}
+    results = []
+    for _ in range(2):  # the first run writes the checkpoint; then a fresh process loads it
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--load-child", directory],
+                              capture_output=True, text=True, env=env)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+        results.append(json.loads(lines[-1]) if lines else {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]})
+    r = results[-1]
+    raw.append({"load": True, **r})
+    if "error" in r:
+        print(f"\nload_weights: {r['error']}")
+        return
+    print(f"\nload_weights of a sharded fp32 checkpoint ({r['shards']} shards, largest {r['largest_shard_mb']:.0f} MB) "
+          f"into a graph prepared on meta: {r['seconds']:.1f} s, peak RSS growth {r['rss_growth_mb']:.0f} MB for a "
+          f"{r['result_mb']:.0f} MB result (+{r['rss_growth_mb'] - r['result_mb']:.0f} MB over the result).")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
@@ -312,11 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forward-models", default=",".join(FORWARD_MODELS))
     parser.add_argument("--no-forward", action="store_true", help="skip the forward-overhead table")
     parser.add_argument("--forward-only", action="store_true", help="only the forward-overhead table")
+    parser.add_argument("--load-memory", metavar="DIR", help="also measure load_weights' peak RSS (checkpoint "
+                        "written to DIR first, ~2 GB)")
+    parser.add_argument("--load-child", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", help="also write every raw measurement to this file")
     ns = parser.parse_args(argv)
     if ns.child:
         print(json.dumps(child(*ns.child), default=str))
+        return 0
+    if ns.load_child:
+        print(json.dumps(load_memory(ns.load_child), default=str))
         return 0
     import platform
 
@@ -331,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                        ns.runs, ns.timeout, raw)
     if not ns.no_forward:
         _forward_table([m for m in ns.forward_models.split(",") if m], raw)
+    if ns.load_memory:
+        _load_table(ns.load_memory, raw)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(raw, f, indent=2, default=str)

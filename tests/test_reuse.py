@@ -24,8 +24,13 @@ from tests.test_zoo import HF_ARCHS, build_torchvision, tiny_config
 
 def _shape(gm: fx.GraphModule) -> list[tuple[Any, ...]]:
     """Every node: op, target, arguments (nodes by position), module stack. Names are left out
-    (placeholders are named after them): copies of one block graph get fresh node names."""
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    (placeholders are named after them): copies of one block graph get fresh node names. A
+    ``get_attr`` is named by its target where it is used: Dynamo puts some at the top of the graph
+    it traces, which for a block captured alone is the top of the block (their set is compared too)."""
+    index: dict[fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            index[n] = len(index)
 
     def target(n: fx.Node) -> str:
         if n.op == "placeholder":
@@ -33,11 +38,12 @@ def _shape(gm: fx.GraphModule) -> list[tuple[Any, ...]]:
         return str(n.target) if n.op in ("call_module", "get_attr", "call_method") else repr(n.target)
 
     def args(value: Any) -> str:
-        return str(fx.node.map_arg(value, lambda n: f"%{index[n]}"))
+        return str(fx.node.map_arg(value, lambda n: f"@{n.target}" if n.op == "get_attr" else f"%{index[n]}"))
 
-    return [(n.op, target(n), args(n.args), args(n.kwargs),
-             [(q, c.__qualname__) for q, c in (n.meta.get("nn_module_stack") or {}).values()])
-            for n in gm.graph.nodes]
+    shape = [(n.op, target(n), args(n.args), args(n.kwargs),
+              [(q, c.__qualname__) for q, c in (n.meta.get("nn_module_stack") or {}).values()])
+             for n in gm.graph.nodes if n.op != "get_attr"]
+    return shape + sorted(("get_attr", str(n.target)) for n in gm.graph.nodes if n.op == "get_attr")
 
 
 def _call(gm: nn.Module, example: Any) -> Any:
@@ -347,3 +353,11 @@ def test_reuse_zoo_timm(family: str) -> None:
 
     reuse = assert_reuse_exact(*build_timm(family))
     assert _stamped(reuse)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("model_type", sorted(HF_ARCHS))
+def test_reuse_is_exact_on_the_whole_transformers_zoo(model_type: str) -> None:
+    """Every zoo architecture with 3 layers: reuse where it applies, and the same graph either way."""
+    extra = {"attention_types": [[["global", "local"], 1], [["global"], 1]]} if model_type == "gpt_neo" else {}
+    assert_reuse_exact(*hf(model_type, layers=3, **extra))

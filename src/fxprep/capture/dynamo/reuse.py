@@ -3,7 +3,7 @@
 Dynamo re-traces the bytecode of every decoder layer of an LLM although all 32 (or 80) are the same
 class with the same configuration; capture time grows with depth. Here, instead:
 
-1. The repeated blocks are found (:func:`.blocks.find_candidates`): the outermost submodules that
+1. The repeated blocks are found (:func:`.blocks.find_groups`): the outermost submodules that
    share their class and module tree with another one, owning everything under them.
 2. The model is captured once with those blocks as single calls (:class:`_Stubs`): for the length
    of the capture each instance gets a subclass of its own class that Dynamo treats like a
@@ -13,8 +13,8 @@ class with the same configuration; capture time grows with depth. Here, instead:
    others, so the cost does not grow with depth. The graph is re-lifted as usual.
 3. The calls are grouped: same block signature and same input specs at the call
    (:func:`.blocks.input_key`). The first call of a group is captured on its own, with Dynamo, on
-   the inputs it really receives (recorded by one eager run that stops as soon as they are all
-   seen: :func:`_record_inputs`); its guards are evaluated for the others
+   the inputs it really receives (recorded by one run of the outer graph that stops as soon as
+   they are all seen: :func:`_record_inputs`); its guards are evaluated for the others
    (:func:`.blocks.guard_differences`). Those it does not hold for form new groups, captured in a
    next round. Layer-index-dependent code (Gemma's sliding-window layers, a MoE layer every k-th
    layer, ``self.layer_idx`` in a branch) ends up in groups of its own this way.
@@ -23,8 +23,11 @@ class with the same configuration; capture time grows with depth. Here, instead:
    prepared module is assembled. The result is the graph a whole-model capture gives.
 
 :func:`capture_reusing` returns None when there is nothing to reuse, and when any step fails (the
-reason is noted): the caller then captures the whole model as before. Memory stays flat: nothing is
-copied but the recorded inputs of the first instance of each group.
+reason is noted): the caller then captures the whole model as before. Two failures are retried
+first: a block whose output one call cannot return (a dict, a ``ModelOutput``) is replaced by its
+children, and a block kind whose instances return differently shaped outputs gets each output
+computed. Memory stays flat: nothing is copied but the recorded inputs of the first call of each
+group, and the stub never copies a parameter (fake copies hold no data).
 """
 
 from __future__ import annotations
