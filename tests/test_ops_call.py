@@ -1,4 +1,4 @@
-"""The BoundOp call path: each template compiled once, making exactly the call ``_fill`` describes.
+"""The BoundOp call path: each template compiled once, making exactly the call ``fill_template`` describes.
 
 The speed is measured in ``benchmarks/scale_bench.py``; here only that the compiled call is the same
 call (same arguments, same containers, keyword arguments as keywords), survives copies, pickles and

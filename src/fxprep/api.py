@@ -81,8 +81,10 @@ def capture(
                 continue
             changed: list[str] = []
             with restored_attributes(model, changed):  # Dynamo marks the root (_is_torch_compile)
+                # block reuse stays off while control-flow sites are rewritten (their methods are
+                # bound to single instances for the capture)
                 result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=opts.dynamic,
-                                                 reuse=opts.reuse_blocks)
+                                                 reuse=opts.reuse_blocks and opts.control_flow is None)
         attempts.append(attempt)
         if result is not None:
             return result, attempts

@@ -46,7 +46,7 @@ from ..common import LeafPolicy
 from .blocks import call_inputs, find_groups, freeze, guard_differences, guard_key, input_key, self_guards
 from .export import AttributeGuard, dynamo_export
 from .relift import ROUTE_META, follow_input_device, relift
-from .stamp import Stamper, block_output_signature
+from .stamp import Stamper, block_output_signature, foreign_attributes
 
 STUB_MODULE = "torch.nn.fxprep_block"  # Dynamo calls a module whose class lives in torch.nn as one node
 REUSE_META = "fxprep_reuse"
@@ -333,13 +333,15 @@ def _capture_group(group: list[Member], recorded: Any, policy: LeafPolicy, route
     notes: list[str] = []
     gm, extra = relift(result.graph_module, first.module, policy, call, call, route, notes, device_literals=False)
     sources = self_guards(result.guards)
+    foreign = foreign_attributes(gm, first.module)
     same, rest = [first], []
     for member in group[1:]:
         if member.module is first.module:
             same.append(member)
             continue
-        if gm.meta.get("fxprep_constants"):
-            why[member.name] = f"the graph of '{first.name}' holds constant tensors, which may be its own"
+        if foreign:
+            why[member.name] = (f"the graph of '{first.name}' reads {', '.join(foreign[:3])}, which is not one of its "
+                                f"tensors and may be its own (a constant, a branch graph)")
             rest.append([member])
             continue
         differ = guard_differences(sources, first.module, member.module)
@@ -355,7 +357,7 @@ def _capture_group(group: list[Member], recorded: Any, policy: LeafPolicy, route
                 rest.append([member])
         else:
             same.append(member)
-    if gm.meta.get("fxprep_constants"):
+    if foreign:
         rest = [[m] for group_ in rest for m in group_]
     return _Captured(same, gm, extra, notes), rest
 

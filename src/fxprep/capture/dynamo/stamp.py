@@ -45,6 +45,24 @@ def _outputs(block: fx.GraphModule, env: dict[fx.Node, Any]) -> Any:
     return pytree.tree_unflatten(mapped, info.out_spec)
 
 
+def foreign_attributes(block: fx.GraphModule, first: nn.Module) -> list[str]:
+    """The ``get_attr`` targets of ``block`` that are not tensors of the instance it was captured
+    from: constants, ``torch.cond`` branch graphs. They may be that instance's own (a tensor in a
+    list attribute, a branch calling its leaves), so a graph holding any is not stamped for others."""
+    found = []
+    for node in block.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        obj = get_path(block, str(node.target))
+        try:
+            own = get_path(first, str(node.target)) is obj
+        except AttributeError:
+            own = False
+        if not (own and isinstance(obj, torch.Tensor)):
+            found.append(str(node.target))
+    return found
+
+
 def block_output_signature(block: fx.GraphModule) -> Any:
     """:func:`.reuse.output_signature` of what ``block`` returns, from its example values."""
     output = next(n for n in reversed(block.graph.nodes) if n.op == "output")
