@@ -205,3 +205,16 @@ def test_a_copy_shares_the_original_and_verify_needs_it(llama_dir: Path) -> None
     plain = torch.fx.GraphModule(gm, gm.graph)
     with pytest.raises(InvalidInput, match="does not know the model"):
         fxprep.verify_prepared(plain, {"input_ids": IDS})
+
+
+def test_readme_example_runs(llama_dir: Path) -> None:
+    """The README's LLM example, run as written on a tiny sharded checkpoint."""
+    from tests.test_readme import section_code
+
+    [block] = [b for b in section_code("Large language models") if "load_weights" in b]
+    scope: dict[str, Any] = {"checkpoint_dir": llama_dir}
+    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+    gm = scope["gm"]
+    assert _tensors_on_meta(gm) == []
+    assert fxprep.get_report(gm).verification.status == "passed"
+    assert fxprep.get_report(gm).reuse["captured"] == {"model.layers.0": ["model.layers.1", "model.layers.2"]}
