@@ -4,6 +4,11 @@ Public API::
 
     gm = fxprep.prepare_model(model, example_inputs=(x,))
     print(gm.fxprep_report)
+
+    # an LLM prepared on the meta device, real weights loaded afterwards
+    gm = fxprep.prepare_model(meta_model, example_inputs={"input_ids": ids_on_meta}, verify=False)
+    fxprep.load_weights(gm, "path/to/checkpoint_dir")   # sharded safetensors + index
+    fxprep.verify_prepared(gm, {"input_ids": ids})
 """
 
 from .api import get_report, prepare_model
@@ -27,10 +32,13 @@ from .opaque import opaque
 from .report import Report
 from .version import __version__
 from .view import show
+from .weights import WeightsError, load_weights, verify_prepared
 
 __all__ = [
     "__version__",
     "prepare_model",
+    "load_weights",
+    "verify_prepared",
     "check_traceability",
     "TraceReport",
     "save",
@@ -51,5 +59,6 @@ __all__ = [
     "EquivalenceError",
     "SerializationError",
     "ExportError",
+    "WeightsError",
     "FxprepWarning",
 ]

@@ -35,6 +35,7 @@ from .report import Report, Verification
 from .runs import preserved_state
 from .threads import GLOBAL_LOCK
 from .verify import run_original, verify
+from .weights import remember_original
 
 
 def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report,
@@ -55,7 +56,10 @@ def capture(
 ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """Run the tracers in order until one succeeds (:func:`fxprep.capture.cascade.capture`)."""
     return cascade.capture(model, tracers, policy, concrete_args, example,
-                           autowrap_functions=opts.autowrap_functions, dynamic=opts.dynamic)
+                           autowrap_functions=opts.autowrap_functions, dynamic=opts.dynamic,
+                           # block reuse stays off while control-flow sites are rewritten (their methods are
+                           # bound to single instances for the capture)
+                           reuse=opts.reuse_blocks and opts.control_flow is None)
 
 
 def _restore_output_type(gm: fx.GraphModule, reference: Any) -> None:
@@ -206,6 +210,9 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     gm = as_prepared(result.gm)
     report.tracer = result.tracer
     report.leaves.update(result.extra_leaves)
+    reuse = gm.meta.get("fxprep_reuse")
+    if reuse is not None:
+        report.reuse = reuse.to_dict()
     for note in result.notes:
         report.note(note)
     for note in mode_notes(gm, model):
@@ -282,6 +289,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         rewrite.report(report, result.extra_leaves, result.tracer)
     report.timings["total"] = time.perf_counter() - t0
     set_preserved(gm, REPORT, report)
+    remember_original(gm, model, concrete)  # for fxprep.load_weights / verify_prepared
     register_with_toolkits()
     return gm
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import importlib
+import keyword
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -46,7 +47,8 @@ class Slot:
 
 def fill_template(template: Any, inputs: tuple[Any, ...]) -> Any:
     """``template`` with each :class:`Slot` replaced by ``inputs[slot.index]`` (tensors at run time,
-    graph nodes when a pass rewrites a call)."""
+    graph nodes when a pass rewrites a call). The reference semantics of a :class:`BoundOp` call:
+    :func:`_caller` compiles the same thing once per template."""
     if isinstance(template, Slot):
         return inputs[template.index]
     if type(template) in (tuple, list):
@@ -56,6 +58,74 @@ def fill_template(template: Any, inputs: tuple[Any, ...]) -> Any:
     if type(template) is slice:
         return slice(fill_template(template.start, inputs), fill_template(template.stop, inputs), fill_template(template.step, inputs))
     return template
+
+
+# --- the call path ---------------------------------------------------------------------------------
+# A BoundOp runs on every calibration batch, and LLMs have hundreds of them per forward. Filling the
+# template (walking it, rebuilding every container) cost more than many of the ops themselves, so
+# each template is compiled once into a small Python function that makes exactly the call written
+# in the source: ``fn(inputs[0], inputs[1], dim=c0)``, ``inputs[0].transpose(c0, c1)``. Generated
+# code is cached by the template's shape (constants are bound, never printed into the source).
+_FACTORIES: dict[str, Callable[..., Callable[[tuple[Any, ...]], Any]]] = {}
+
+
+class _Emitter:
+    def __init__(self) -> None:
+        self.consts: list[Any] = []
+
+    def const(self, value: Any) -> str:
+        self.consts.append(value)
+        return f"c{len(self.consts) - 1}"
+
+    def emit(self, value: Any) -> str:
+        if isinstance(value, Slot):
+            return f"inputs[{int(value.index)}]"
+        if type(value) is tuple:
+            if not _has_slot(value):
+                return self.const(value)  # immutable: passed as it is
+            parts = [self.emit(v) for v in value]
+            return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
+        if type(value) is list:
+            return f"[{', '.join(self.emit(v) for v in value)}]"  # a new list per call, as fill_template makes
+        if type(value) is dict:
+            return "{" + ", ".join(f"{self.const(k)}: {self.emit(v)}" for k, v in value.items()) + "}"
+        if type(value) is slice and _has_slot(value):
+            return f"slice({self.emit(value.start)}, {self.emit(value.stop)}, {self.emit(value.step)})"
+        return self.const(value)
+
+    def call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        parts = [self.emit(a) for a in args]
+        parts += [f"{k}={self.emit(v)}" if k.isidentifier() and not keyword.iskeyword(k) else f"**{{{self.const(k)}: {self.emit(v)}}}"
+                  for k, v in kwargs.items()]
+        if isinstance(fn, _MethodCall) and fn.name.isidentifier() and args and isinstance(args[0], Slot):
+            return f"{parts[0]}.{fn.name}({', '.join(parts[1:])})"  # the method looked up as Tensor.<name>(x) would
+        return f"fn({', '.join(parts)})"
+
+
+def _has_slot(value: Any) -> bool:
+    if isinstance(value, Slot):
+        return True
+    if type(value) in (tuple, list):
+        return any(_has_slot(v) for v in value)
+    if type(value) is dict:
+        return any(_has_slot(v) for v in value.values())
+    if type(value) is slice:
+        return any(_has_slot(v) for v in (value.start, value.stop, value.step))
+    return False
+
+
+def _caller(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[tuple[Any, ...]], Any]:
+    """``inputs -> fn(*filled args, **filled kwargs)``, compiled for this template."""
+    emitter = _Emitter()
+    body = emitter.call(fn, args, kwargs)
+    names = ", ".join(f"c{i}" for i in range(len(emitter.consts)))
+    source = f"def make(fn{', ' if names else ''}{names}):\n    def call(inputs):\n        return {body}\n    return call\n"
+    factory = _FACTORIES.get(source)
+    if factory is None:
+        namespace: dict[str, Any] = {}
+        exec(compile(source, "<fxprep.ops.BoundOp>", "exec"), namespace)  # noqa: S102 - source built above from a template
+        factory = _FACTORIES[source] = namespace["make"]
+    return factory(fn, *emitter.consts)
 
 
 class _MethodCall:
@@ -154,7 +224,8 @@ def resolve_callable(name: str) -> Callable[..., Any]:
 class BoundOp(nn.Module):
     """One functional call, bound: ``forward(*tensors)`` calls ``fn(*args, **kwargs)`` with the
     tensors put back into their slots. Static arguments are attributes (``self.args``,
-    ``self.kwargs``), shown by ``print(module)``."""
+    ``self.kwargs``), shown by ``print(module)``. Setting ``fn``, ``args`` or ``kwargs`` recompiles
+    the call (see :func:`_caller`); copies and pickles rebuild it."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None):
         super().__init__()
@@ -163,12 +234,22 @@ class BoundOp(nn.Module):
         self.kwargs = dict(kwargs or {})
         self.num_inputs = _count_slots((self.args, self.kwargs))
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in ("fn", "args", "kwargs"):
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        state = self.__dict__
+        if "fn" in state and "args" in state and "kwargs" in state:
+            state["_call"] = _caller(state["fn"], state["args"], state["kwargs"])
+
     @property
     def fn_name(self) -> str:
         return qualified_name(self.fn)
 
     def forward(self, *inputs: Any) -> Any:
-        return self.fn(*fill_template(self.args, inputs), **fill_template(self.kwargs, inputs))
+        return self._call(inputs)
 
     def extra_repr(self) -> str:
         parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
@@ -179,6 +260,7 @@ class BoundOp(nn.Module):
         are closures that pickle cannot reach by reference (``F.max_pool2d`` is made by
         ``boolean_dispatch``), and AIMET's export ``torch.save``-s the whole model."""
         state = self.__dict__.copy()
+        state.pop("_call", None)  # generated code: rebuilt on load, never pickled or copied
         name = qualified_name(self.fn)
         try:
             if resolve_callable(name) is self.fn:
@@ -191,6 +273,7 @@ class BoundOp(nn.Module):
         if isinstance(state.get("fn"), _NamedCallable):
             state = {**state, "fn": resolve_callable(state["fn"].name)}
         super().__setstate__(state)
+        self._rebuild()
 
 
 class _NamedCallable:

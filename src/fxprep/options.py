@@ -48,6 +48,9 @@ class PrepareOptions:
         own module objects and parameters, so ``gm.eval()`` switches them too and training-mode
         runs update their BatchNorm statistics). True gives an independent module, at the cost of
         a second copy of every parameter.
+    reuse_blocks: on the Dynamo path, capture each repeated block (decoder layer, ViT block, ...)
+        once and stamp its graph out for the other instances that provably run the same code
+        (default); the graph is the one a whole-model capture gives. False: trace every block.
     """
 
     tracer: str = "auto"
@@ -66,6 +69,7 @@ class PrepareOptions:
     control_flow: str | None = None
     progress: bool | None = None
     copy: bool = False
+    reuse_blocks: bool = True
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> PrepareOptions:
@@ -97,7 +101,7 @@ def _check(opts: PrepareOptions) -> None:
     _one_of("verify", opts.verify, (True, False, "grad"))
     _one_of("control_flow", opts.control_flow, (None, "rewrite"))
     _one_of("progress", opts.progress, (None, True, False))
-    for flag in ("share_parameters", "convert_functionals", "unroll", "copy"):
+    for flag in ("share_parameters", "convert_functionals", "unroll", "copy", "reuse_blocks"):
         _one_of(flag, getattr(opts, flag), (True, False))
     for tol in ("rtol", "atol"):
         value = getattr(opts, tol)

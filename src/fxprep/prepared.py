@@ -25,6 +25,10 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 from torch.fx import graph_module
+from torch.fx.experimental import _config as fx_experimental_config
+from torch.fx.graph import PythonCode
+
+from fxprep.forward_code import HELPER, child, fast_source
 
 from . import guard
 
@@ -43,13 +47,25 @@ def set_preserved(gm: fx.GraphModule, name: str, value: Any) -> None:
 
 class PreparedModule(fx.GraphModule):
     """A ``torch.fx.GraphModule`` that pickles its graph exactly (see the module docstring) and
-    checks each call's inputs against those it was captured for (:mod:`fxprep.guard`)."""
+    checks each call's inputs against those it was captured for (:mod:`fxprep.guard`) and runs a
+    forward whose submodule lookups are dict reads (:mod:`fxprep.forward_code`)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec = self.__dict__.get(INPUT_SPEC)
         if spec is not None:
             guard.check(self, spec, args, kwargs)
         return super().__call__(*args, **kwargs)
+
+    def recompile(self) -> PythonCode:
+        python_code = super().recompile()
+        compile_forward = getattr(graph_module, "_forward_from_src", None)
+        if compile_forward is None or getattr(fx_experimental_config, "enrich_profiler_metadata", False):
+            return python_code  # another torch, or fx rewrote the code for the profiler: keep fx's forward
+        source = fast_source(self, self._code)
+        if source != self._code:
+            co_fields = getattr(self._graph, "_co_fields", {})
+            type(self).forward = compile_forward(source, {**python_code.globals, HELPER: child}, co_fields)
+        return python_code
 
     def __reduce__(self) -> tuple[Any, ...]:
         state = self.__dict__.copy()

@@ -101,6 +101,8 @@ class Report:
     timings: dict[str, float] = field(default_factory=dict)
     inputs: str = ""
     control_flow: list[RewrittenSite] = field(default_factory=list)
+    # Block reuse on the Dynamo path: {"captured": {block: [instances stamped from it]}, "why": {block: reason}}
+    reuse: dict[str, Any] = field(default_factory=dict)
 
     # --- recording (called by the passes) -------------------------------------------------------
     def module_added(self, name: str, cls: str, reason: str) -> None:
@@ -135,6 +137,7 @@ class Report:
             timings=dict(data.get("timings", {})),
             inputs=str(data.get("inputs", "")),
             control_flow=[RewrittenSite(**c) for c in data.get("control_flow", [])],
+            reuse=dict(data.get("reuse", {})),
         )
 
     # --- rendering ------------------------------------------------------------------------------
@@ -154,6 +157,7 @@ class Report:
             "extra_verifications": [asdict(v) for v in self.extra_verifications],
             "timings": {k: round(v, 4) for k, v in self.timings.items()},
             "control_flow": [asdict(c) for c in self.control_flow],
+            "reuse": dict(self.reuse),
         }
 
     def to_json(self, **kwargs: Any) -> str:

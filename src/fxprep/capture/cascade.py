@@ -58,6 +58,7 @@ def run_tracer(
     *,
     autowrap_functions: tuple[Callable[..., Any], ...] = (),
     dynamic: Any = None,
+    reuse: bool = False,
 ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """One tracer's capture (never raises for a capture failure); every attempt it made."""
     if name == "fx":
@@ -76,7 +77,7 @@ def run_tracer(
         return None, []
     changed: list[str] = []
     with restored_attributes(model, changed):  # Dynamo marks the root (_is_torch_compile)
-        result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=dynamic)
+        result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=dynamic, reuse=reuse)
     return result, [attempt]
 
 
@@ -89,13 +90,15 @@ def capture(
     *,
     autowrap_functions: tuple[Callable[..., Any], ...] = (),
     dynamic: Any = None,
+    reuse: bool = False,
 ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-    """Run the tracers in order until one succeeds; every attempt is returned for the report."""
+    """Run the tracers in order until one succeeds; every attempt is returned for the report
+    (``reuse``: Dynamo captures each repeated block once, :mod:`fxprep.capture.dynamo.reuse`)."""
     attempts: list[CaptureAttempt] = []
     for k, name in enumerate(tracers, 1):
         progress.stage(f"capture {k}/{len(tracers)}: {name}")
         result, tried = run_tracer(name, model, policy, concrete_args, example,
-                                   autowrap_functions=autowrap_functions, dynamic=dynamic)
+                                   autowrap_functions=autowrap_functions, dynamic=dynamic, reuse=reuse)
         attempts += tried
         if result is not None:
             return result, attempts

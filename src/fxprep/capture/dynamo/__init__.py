@@ -55,6 +55,7 @@ from .export import (
 from .names import resolve_source
 from .opaque import Recorded, black_box
 from .relift import ROUTE_META, relift, unreferenced_parameters
+from .reuse import REUSE_META, capture_reusing
 from .shapes import dynamic_dims, dynamic_shapes_spec, grown_example
 
 
@@ -80,6 +81,7 @@ def capture_dynamo(
     dynamic: Any = None,
     opaque: list[Site] | None = None,
     records: dict[Site, list[Recorded]] | None = None,
+    reuse: bool = True,
 ) -> tuple[CaptureResult | None, CaptureAttempt]:
     """Capture ``model`` with Dynamo and re-lift it to module level.
 
@@ -87,8 +89,9 @@ def capture_dynamo(
     failure Dynamo only has on that route is retried with regroup), ``"flag"`` or ``"regroup"``.
     ``dynamic`` marks dimensions dynamic (``"batch"`` or ``{arg: {dim: name}}``). ``opaque`` names
     more parts Dynamo must call without tracing into (the excluded modules always are, see
-    :mod:`.opaque`); ``records`` caches their eager recordings across calls.
-    Never raises for a capture failure.
+    :mod:`.opaque`); ``records`` caches their eager recordings across calls. ``reuse``: capture
+    each repeated block once and stamp its graph out for the others (:mod:`.reuse`; flag route,
+    static shapes, no opaque parts). Never raises for a capture failure.
     """
     start = time.perf_counter()
     if route not in ROUTES:
@@ -115,10 +118,17 @@ def capture_dynamo(
         try:
             with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, attempt_notes), guard:
                 call = requiring_grad(capture_call) if grad_inputs else capture_call
-                result = dynamo_export(model, call, current, spec)
-                guard.reset()  # Dynamo left fake tensors in attributes forward() writes
-                gm, extra = relift(result.graph_module, model, policy, capture_call, prepared_call, current,
-                                   attempt_notes, box)
+                reused = None
+                if reuse and current == "flag" and spec is None and not box:
+                    reused = capture_reusing(model, policy, call, capture_call, prepared_call, current, guard,
+                                             attempt_notes)
+                if reused is not None:
+                    gm, extra = reused
+                else:
+                    result = dynamo_export(model, call, current, spec)
+                    guard.reset()  # Dynamo left fake tensors in attributes forward() writes
+                    gm, extra = relift(result.graph_module, model, policy, capture_call, prepared_call, current,
+                                       attempt_notes, box)
             notes.extend(attempt_notes)
             break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
@@ -160,6 +170,7 @@ def capture_dynamo(
 
 __all__ = [
     "ROUTES",
+    "REUSE_META",
     "ROUTE_META",
     "capture_dynamo",
     "default_route",

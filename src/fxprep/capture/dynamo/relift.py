@@ -244,13 +244,15 @@ def _first_tensor(call: ExampleInputs) -> tuple[int, torch.Tensor] | None:
 
 
 def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_call: ExampleInputs,
-           prepared_call: ExampleInputs, route: str, notes: list[str], box: BlackBox | None = None,
-           ) -> tuple[fx.GraphModule, dict[str, str]]:
+           prepared_call: ExampleInputs, route: str, notes: list[str], box: BlackBox | None = None, *,
+           device_literals: bool = True) -> tuple[fx.GraphModule, dict[str, str]]:
     """Turn Dynamo's graph into the module-level one (see the module docstring).
 
     ``capture_call`` is what Dynamo was called with (``concrete_args`` included), ``prepared_call``
     how the prepared module will be called, ``box`` the parts Dynamo called without tracing into.
-    Returns the module and the extra leaves with reasons."""
+    Returns the module and the extra leaves with reasons. ``device_literals=False`` leaves device
+    literals as they are (block reuse replaces them once, on the assembled graph:
+    :func:`follow_input_device`)."""
     graph = dgm.graph
     names = Names(model)
     stacks = Stacks(model, names)
@@ -308,14 +310,22 @@ def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_ca
     in_spec = pytree.tree_structure((prepared_call.args, prepared_call.kwargs))
     pytree_info = torch.fx.graph._PyTreeInfo(orig_args, in_spec, info.out_spec)
 
-    first = _first_tensor(prepared_call)
-    anchor = kept[first[0]] if first is not None else None
-    device = first[1].device if first is not None else None
-    dynamo_cleanup.replace_device_literals(dgm, anchor, device, notes=notes)
+    if device_literals:
+        follow_input_device(dgm, kept, prepared_call, notes)
     gm = build(dgm, model, names, stacks, regrouper.targets, pytree_info, notes, wrappers)
     relift_conds(gm, model, names, stacks, policy, notes)  # torch.cond branches: leaves → call_module
     gm.meta[ROUTE_META] = route
     return gm, regrouper.extra_leaves
+
+
+def follow_input_device(gm: fx.GraphModule, placeholders: list[fx.Node], prepared_call: ExampleInputs,
+                        notes: list[str]) -> None:
+    """Device literals equal to the first input tensor's device read that input's device instead
+    (``placeholders``: the graph's inputs, in the order of the prepared call's flattened arguments)."""
+    first = _first_tensor(prepared_call)
+    anchor = placeholders[first[0]] if first is not None else None
+    device = first[1].device if first is not None else None
+    dynamo_cleanup.replace_device_literals(gm, anchor, device, notes=notes)
 
 
 def _input_name(path: tuple[Any, ...], orig_args: list[str], n_positional: int) -> str:

@@ -1,0 +1,342 @@
+"""Repeated blocks: which submodules are many instances of one block, and when two run the same code.
+
+Block reuse (:mod:`.reuse`) captures one instance of a repeated block (a decoder layer, a ViT
+block, a ResNet bottleneck) and stamps its graph out for the others. That is only right where the
+other instance provably runs the same code path on the same kind of inputs. This module holds the
+three checks, from cheapest to strongest:
+
+* :func:`find_groups` and :func:`signature`: the same class, the same module tree under it (the
+  same classes at the same relative paths, the same parameter and buffer shapes, dtypes and
+  devices, the same training flags, hooks and leaf decisions, and equal settings of every
+  ``torch.nn`` leaf inside: a convolution's stride changes the shapes after it), and nothing
+  shared with the rest of the model (a tensor reachable under two names keeps the first name, which
+  would then differ between a stamped copy and a whole-model capture);
+* :func:`input_key`: the same input specs at the call, read from the outer graph's Dynamo example
+  values (shapes, strides, dtypes, devices, requires_grad, which arguments are the same tensor) and
+  equal non-tensor arguments;
+* :func:`guard_differences`: the guards Dynamo installed while capturing the first instance,
+  evaluated for the other one. Every attribute the block's ``forward`` read (``self.layer_idx`` in
+  a branch, Gemma's ``sliding_window``, a MoE layer's ``is_sparse``) is guarded; where the other
+  instance's value fails the guard, its code path may differ and it is captured on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import types
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..common import LeafPolicy
+from .names import Names, _SourceParser, default_leaf
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_MISSING = object()
+
+
+def is_leaf(module: nn.Module, policy: LeafPolicy) -> bool:
+    return policy.reason(module) is not None or default_leaf(module)
+
+
+def find_groups(model: nn.Module, policy: LeafPolicy,
+                descend: set[int] | None = None) -> list[list[tuple[str, nn.Module]]]:
+    """The outermost non-leaf submodules that have a twin: another instance of the same class with
+    the same :func:`signature`, each owning everything under it (:func:`owned_by`). Grouped by
+    class and signature, in model order.
+
+    Walks the tree from the root and stops at the first module whose class has other instances (a
+    decoder layer, not its attention). An instance without a twin (Llama's final ``norm``, whose
+    siblings sit inside the layers; T5's encoder stack next to its decoder stack; T5's first block,
+    the only one with the position bias) is descended into instead. Modules without submodules
+    are not worth a capture of their own and are skipped. ``descend``: ids of modules to look
+    inside of in any case."""
+    counts = Counter(type(m) for m in model.modules() if _eligible_kind(m, model, policy))
+    names = Names(model)
+    descend = set(descend or ())
+    while True:
+        chosen = _outermost(model, policy, counts, descend)
+        groups: dict[Any, list[tuple[str, nn.Module]]] = {}
+        for qual, module in chosen:
+            key = (type(module), signature(module, policy)) if owned_by(module, qual, names) else ("own", id(module))
+            groups.setdefault(key, []).append((qual, module))
+        lonely = [m for group in groups.values() if len(group) < 2 for _, m in group]
+        if not lonely:
+            return list(groups.values())
+        descend.update(id(m) for m in lonely)
+
+
+def _outermost(model: nn.Module, policy: LeafPolicy, counts: Counter[type],
+               descend: set[int]) -> list[tuple[str, nn.Module]]:
+    chosen: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            qual = f"{prefix}{name}"
+            if _eligible_kind(child, model, policy) and counts[type(child)] >= 2 and id(child) not in descend:
+                chosen.append((qual, child))
+            elif not is_leaf(child, policy):
+                visit(f"{qual}.", child)
+
+    visit("", model)
+    return chosen
+
+
+def _eligible_kind(module: nn.Module, model: nn.Module, policy: LeafPolicy) -> bool:
+    return (
+        module is not model
+        and not isinstance(module, _CONTAINERS)
+        and not is_leaf(module, policy)
+        and bool(module._modules)
+        and not isinstance(module, torch.jit.ScriptModule)
+    )
+
+
+def _tensor_key(t: torch.Tensor | None) -> Any:
+    if t is None:
+        return None
+    return (type(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+def freeze(value: Any, depth: int = 0) -> Any:
+    """A hashable stand-in for ``value`` that is equal for equal plain values; any other object
+    stands for itself (by identity), which errs on the side of "different"."""
+    if isinstance(value, (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+                          torch.memory_format, torch.layout, type)) or value is Ellipsis:
+        return (type(value), value)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", _tensor_key(value))
+    if depth < 4 and type(value) in (tuple, list):
+        return (type(value), tuple(freeze(v, depth + 1) for v in value))
+    if depth < 4 and type(value) is dict:
+        return (dict, tuple(sorted(((repr(k), freeze(v, depth + 1)) for k, v in value.items()))))
+    if isinstance(value, slice):
+        return (slice, freeze((value.start, value.stop, value.step), depth + 1))
+    return ("id", id(value))
+
+
+def _settings(module: nn.Module) -> tuple[Any, ...]:
+    return tuple(sorted((k, freeze(v)) for k, v in vars(module).items()
+                        if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module))))
+
+
+def signature(block: nn.Module, policy: LeafPolicy) -> tuple[Any, ...]:
+    """What must be equal between two instances before their guards are even looked at (see the
+    module docstring). ``forward`` set on an instance counts as a setting (compared by identity)."""
+    entries = []
+    for rel, m in block.named_modules(remove_duplicate=False):
+        leaf = is_leaf(m, policy) and m is not block
+        entries.append((
+            rel, type(m), m.training, policy.reason(m),
+            tuple((k, _tensor_key(p)) for k, p in m._parameters.items()),
+            tuple((k, _tensor_key(b), k in m._non_persistent_buffers_set) for k, b in m._buffers.items()),
+            _settings(m) if leaf else (),
+            freeze(m.__dict__.get("forward")),
+        ))
+    return tuple(entries)
+
+
+def owned_by(block: nn.Module, prefix: str, names: Names) -> bool:
+    """Whether every module and tensor of ``block`` is known to the model under ``prefix`` + its
+    name inside the block (nothing tied to a module outside it, or to another instance)."""
+    inner = Names(block)
+    for mid, rel in inner.modules.items():
+        if names.modules.get(mid) != (f"{prefix}.{rel}" if rel else prefix):
+            return False
+    for tid, (rel, _) in inner.tensors.items():
+        if names.tensors.get(tid, ("",))[0] != f"{prefix}.{rel}":
+            return False
+    return True
+
+
+# --- inputs -------------------------------------------------------------------------------------
+def call_inputs(node: fx.Node) -> tuple[list[Any], Any]:
+    """The flattened ``(args, kwargs)`` of a call node (fx Nodes and constants) and their spec."""
+    plain = fx.node.map_aggregate((tuple(node.args), dict(node.kwargs)), lambda a: a)
+    args, kwargs = _plain(plain)
+    return pytree.tree_flatten((tuple(args), dict(kwargs)))
+
+
+def _plain(value: Any) -> Any:
+    """fx's immutable containers as the plain ones a pytree spec of the eager call has."""
+    if isinstance(value, tuple) and type(value) is not tuple and not hasattr(value, "_fields"):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def input_key(node: fx.Node) -> Any:
+    """The specs of a block call's inputs as Dynamo saw them in the outer graph (hashable)."""
+    flat, spec = call_inputs(node)
+    first: dict[fx.Node, int] = {}
+    out: list[Any] = []
+    for i, leaf in enumerate(flat):
+        if isinstance(leaf, fx.Node):
+            ev = leaf.meta.get("example_value")
+            if isinstance(ev, torch.Tensor):
+                desc: Any = ("t", tuple(ev.shape), tuple(ev.stride()), ev.dtype, ev.device, ev.requires_grad)
+            else:
+                desc = ("v", freeze(ev))
+            out.append((desc, first.setdefault(leaf, i)))
+        else:
+            out.append(("c", freeze(leaf)))
+    return (str(spec), tuple(out))
+
+
+# --- guards -------------------------------------------------------------------------------------
+_SELF_SOURCE = re.compile(r"L\[['\"]self['\"]\](?:\.[A-Za-z_]\w*|\[[^\[\]]*\])*")
+
+
+def _guard_kind(guard: Any) -> str:
+    fn = getattr(guard, "create_fn", None)
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "")
+    return str(name)
+
+
+class _Steps:
+    """Stands in for the root while a source is parsed: records the attribute and item accesses, so
+    each source is parsed once and replayed on every instance (a Llama-70B layer has ~150 guards)."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, steps: tuple[tuple[str, Any], ...] = ()):
+        object.__setattr__(self, "_steps", steps)
+
+    def __getattribute__(self, name: str) -> _Steps:
+        return _Steps(object.__getattribute__(self, "_steps") + (("attr", name),))
+
+    def __getitem__(self, key: Any) -> _Steps:
+        return _Steps(object.__getattribute__(self, "_steps") + (("item", key),))
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled(text: str) -> tuple[tuple[str, Any], ...] | None:
+    try:
+        parsed = _SourceParser(text, _Steps()).parse()  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - not a source this parser knows: never equal
+        return None
+    return object.__getattribute__(parsed, "_steps") if type(parsed) is _Steps else None
+
+
+def _resolve(text: str, root: nn.Module) -> Any:
+    steps = _compiled(text)
+    if steps is None:
+        return _MISSING
+    obj: Any = root
+    try:
+        for kind, key in steps:
+            obj = getattr(obj, key) if kind == "attr" else obj[key]
+    except Exception:  # noqa: BLE001 - a source that does not resolve for one instance is compared as such
+        return _MISSING
+    return obj
+
+
+def _same(a: Any, b: Any, kind: str, depth: int = 0) -> bool:
+    """Whether ``b`` passes the guard of kind ``kind`` that ``a`` was guarded with. Unknown guard
+    kinds compare values (the strict reading)."""
+    if a is b:
+        return True
+    if a is _MISSING or b is _MISSING:
+        return False
+    if isinstance(a, nn.Module) or isinstance(b, nn.Module):
+        return type(a) is type(b)  # its own contents are compared by the static signature and other guards
+    if kind in ("TYPE_MATCH", "CLASS_MATCH"):
+        return type(a) is type(b)
+    if kind == "SEQUENCE_LENGTH":
+        return type(a) is type(b) and _len(a) == _len(b)
+    if kind in ("DICT_KEYS_MATCH", "DICT_KEYS", "MAPPING_KEYS_CHECK"):
+        return type(a) is type(b) and isinstance(a, dict) and list(a) == list(b)
+    if kind == "TENSOR_MATCH" or isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and _tensor_key(a) == _tensor_key(b) and a.stride() == b.stride()
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return False  # not the same object (checked above)
+    if isinstance(a, types.MethodType):
+        return a.__func__ is b.__func__ and _same(a.__self__, b.__self__, kind, depth + 1)
+    if depth < 4 and isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y, kind, depth + 1) for x, y in zip(a, b))
+    if depth < 4 and isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k], kind, depth + 1) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - not comparable: different
+        return False
+
+
+def _len(value: Any) -> int | None:
+    try:
+        return len(value)
+    except TypeError:
+        return None
+
+
+def self_guards(guards: Iterable[Any]) -> list[tuple[str, str]]:
+    """``(source, kind)`` of every guard on the block (``L['self']...``); guards on the inputs are
+    covered by :func:`input_key`, guards on globals hold for every instance alike."""
+    out: dict[tuple[str, str], None] = {}
+    for guard in guards:
+        name = str(getattr(guard, "name", ""))
+        if "L['self']" not in name and 'L["self"]' not in name:
+            continue
+        kind = _guard_kind(guard)
+        if _SELF_SOURCE.fullmatch(name):
+            out[(name, kind)] = None
+        else:  # e.g. type(L['self'].attn.config).__mro__[1]: the value it starts from, by type
+            for m in _SELF_SOURCE.finditer(name):
+                out[(m.group(0), "TYPE_MATCH" if "type(" in name else kind)] = None
+    return list(out)
+
+
+def guard_differences(guards: list[tuple[str, str]], first: nn.Module, other: nn.Module) -> list[str]:
+    """The guarded sources (relative to the block) whose value on ``other`` fails ``first``'s guard."""
+    found = []
+    for source, kind in guards:
+        a, b = _resolve(source, first), _resolve(source, other)
+        if not _same(a, b, kind):
+            found.append(f"{_relative(source)} ({kind}: {_short(a)} vs {_short(b)})")
+    return found
+
+
+def guard_key(guards: list[tuple[str, str]], block: nn.Module) -> tuple[Any, ...]:
+    """What the guarded sources hold on ``block``, hashable: instances with equal keys are grouped
+    together for the next capture."""
+    out = []
+    for source, kind in guards:
+        value = _resolve(source, block)
+        if isinstance(value, nn.Module) or kind in ("TYPE_MATCH", "CLASS_MATCH"):
+            out.append(("type", type(value)))
+        elif kind == "SEQUENCE_LENGTH":
+            out.append(("len", _len(value)))
+        else:
+            out.append(freeze(value))
+    return tuple(out)
+
+
+def _relative(source: str) -> str:
+    text = re.sub(r"^L\[['\"]self['\"]\]\.?", "", source)
+    return text or "self"
+
+
+def _short(value: Any) -> str:
+    if value is _MISSING:
+        return "missing"
+    if isinstance(value, nn.Module):
+        return type(value).__name__
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

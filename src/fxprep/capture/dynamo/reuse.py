@@ -1,0 +1,470 @@
+"""Block reuse: each repeated block captured once, its graph stamped out for the other instances.
+
+Dynamo re-traces the bytecode of every decoder layer of an LLM although all 32 (or 80) are the same
+class with the same configuration; capture time grows with depth. Here, instead:
+
+1. The repeated blocks are found (:func:`.blocks.find_groups`): the outermost submodules that
+   share their class and module tree with another one, owning everything under them.
+2. The model is captured once with those blocks as single calls (:class:`_Stubs`): for the length
+   of the capture each instance gets a subclass of its own class that Dynamo treats like a
+   ``torch.nn`` layer (one ``call_module`` node, never traced into). Dynamo still needs each
+   call's output as a fake tensor; the subclass computes it by running the real ``forward`` on a
+   fake copy of the first instance called with each kind of input and repeats that result for the
+   others, so the cost does not grow with depth. The graph is re-lifted as usual.
+3. The calls are grouped: same block signature and same input specs at the call
+   (:func:`.blocks.input_key`). The first call of a group is captured on its own, with Dynamo, on
+   the inputs it really receives (recorded by one run of the outer graph that stops as soon as
+   they are all seen: :func:`_record_inputs`); its guards are evaluated for the others
+   (:func:`.blocks.guard_differences`). Those it does not hold for form new groups, captured in a
+   next round. Layer-index-dependent code (Gemma's sliding-window layers, a MoE layer every k-th
+   layer, ``self.layer_idx`` in a branch) ends up in groups of its own this way.
+4. Each group's graph is inlined at the calls of its instances (:mod:`.stamp`), bound to each
+   instance's own submodules and tensors; device literals are made to follow the input; the
+   prepared module is assembled. The result is the graph a whole-model capture gives.
+
+:func:`capture_reusing` returns None when there is nothing to reuse, and when any step fails (the
+reason is noted): the caller then captures the whole model as before. Two failures are retried
+first: a block whose output one call cannot return (a dict, a ``ModelOutput``) is replaced by its
+children, and a block kind whose instances return differently shaped outputs gets each output
+computed. Memory stays flat: nothing is copied but the recorded inputs of the first call of each
+group, and the stub never copies a parameter (fake copies hold no data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ...inputs import ExampleInputs
+from ...runs import SEED, preserved_state
+from ..common import LeafPolicy
+from .blocks import call_inputs, find_groups, freeze, guard_differences, guard_key, input_key, self_guards
+from .export import AttributeGuard, dynamo_export
+from .relift import ROUTE_META, follow_input_device, relift
+from .stamp import Stamper, block_output_signature, foreign_attributes
+
+STUB_MODULE = "torch.nn.fxprep_block"  # Dynamo calls a module whose class lives in torch.nn as one node
+REUSE_META = "fxprep_reuse"
+
+
+@dataclass
+class Member:
+    """One call of a block instance in the outer graph."""
+
+    node: fx.Node
+    name: str
+    module: nn.Module
+    k: int  # which call of this instance (0 for the first)
+
+
+@dataclass
+class ReuseInfo:
+    """What block reuse did, for the report: each block captured, the instances its graph was
+    stamped out for, and why a block was captured rather than stamped from an earlier capture."""
+
+    captured: dict[str, list[str]] = field(default_factory=dict)  # captured instance -> stamped for
+    why: dict[str, str] = field(default_factory=dict)  # captured instance -> why it has its own capture
+
+    def notes(self) -> list[str]:
+        reused = {k: v for k, v in self.captured.items() if v}
+        out = []
+        if reused:
+            total = sum(len(v) for v in reused.values())
+            parts = [f"'{k}' for {_names(v)}" for k, v in reused.items()]
+            out.append(f"block reuse: {len(reused)} block(s) captured once and stamped out for {total} other "
+                       f"instance(s) running the same code: {'; '.join(parts)}.")
+        for name, why in self.why.items():
+            out.append(f"block reuse: '{name}' was captured on its own: {why}.")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"captured": {k: list(v) for k, v in self.captured.items()}, "why": dict(self.why)}
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:2])}, ... {names[-1]} ({len(names)})"
+
+
+class _Stubs:
+    """For the length of the outer capture, every reused instance has a subclass of its own class
+    that Dynamo calls as one ``call_module`` (see the module docstring), one subclass per block
+    signature. The user's objects are untouched but for their ``__class__``, put back on exit."""
+
+    def __init__(self, instances: dict[int, tuple[nn.Module, Any]], uncached: set[Any]):
+        self.instances = instances  # id -> (module, signature key)
+        self.uncached = uncached  # signature keys whose fake outputs are computed for every call
+        self.originals: dict[int, type] = {}
+        self.classes: dict[Any, type] = {}
+        self.cache: dict[Any, Any] = {}
+        self.unsupported: set[Any] = set()  # signature keys of blocks returning what one call cannot
+        self.returned: dict[int, set[Any]] = {}  # id(instance) -> what its calls returned (output_signature)
+
+    def __enter__(self) -> _Stubs:
+        try:
+            for mid, (module, key) in self.instances.items():
+                cls = type(module)
+                if key not in self.classes:
+                    self.classes[key] = self._stub(cls, key)
+                module.__class__ = self.classes[key]
+                self.originals[mid] = cls
+        except Exception:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for mid, cls in self.originals.items():
+            self.instances[mid][0].__class__ = cls
+        self.originals.clear()
+
+    def _stub(self, cls: type, key: Any) -> type:
+        stubs = self
+
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return stubs.fake_call(module, args, kwargs)
+
+        def deepcopy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+            return module  # Dynamo copies a called layer to fake tensors; forward above needs none
+
+        def named_modules(module: nn.Module, memo: set[nn.Module] | None = None, prefix: str = "",
+                          remove_duplicate: bool = True) -> Any:
+            # The block alone: Dynamo walks the model's modules once per call it records and turns
+            # every parameter it finds into a fake tensor; a block's inside is not its business here.
+            if memo is None or module not in memo:
+                if memo is not None and remove_duplicate:
+                    memo.add(module)
+                yield prefix, module
+
+        return type(cls.__name__, (cls,), {"forward": forward, "__deepcopy__": deepcopy, "named_modules": named_modules,
+                                           "_fxprep_key": key, "_fxprep_original": cls, "__module__": STUB_MODULE,
+                                           "__qualname__": cls.__qualname__})
+
+    def fake_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The output of ``module(*args, **kwargs)`` on Dynamo's fake tensors. What it was is kept:
+        the block graph stamped at this call must return the same structure (the outer code may
+        have branched on it, e.g. on an output being None)."""
+        out = self._fake_call(module, args, kwargs)
+        self.returned.setdefault(id(module), set()).add(output_signature(out))
+        return out
+
+    def _fake_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        stub = type(module)
+        flat, _ = pytree.tree_flatten((args, kwargs))
+        key = (stub._fxprep_key, _fake_key(flat))  # type: ignore[attr-defined]
+        described = self.cache.get(key) if stub._fxprep_key not in self.uncached else None  # type: ignore[attr-defined]
+        if described is not None:
+            spec, leaves = described
+            return pytree.tree_unflatten([_make(leaf, flat) for leaf in leaves], spec)
+        import torch._guards
+        from torch._dynamo.utils import deepcopy_to_fake_tensor
+
+        fake_mode = torch._guards.detect_fake_mode(flat)
+        module.__class__ = stub._fxprep_original  # type: ignore[attr-defined]
+        try:
+            copy = deepcopy_to_fake_tensor(module, fake_mode)
+        finally:
+            module.__class__ = stub
+        out = copy(*args, **kwargs)
+        if not _one_call_output(out):
+            self.unsupported.add(stub._fxprep_key)  # type: ignore[attr-defined]
+            raise _Unsupported(f"{stub.__name__} returns {type(out).__name__}, which Dynamo cannot take from one call")
+        described = _describe(out, flat)
+        if described is not None:
+            self.cache[key] = described
+        return out
+
+
+class _OtherOutput(RuntimeError):
+    """A block instance returns another structure than the first one of its kind did, whose output
+    the outer capture repeated for it: the capture is retried computing every such output."""
+
+    def __init__(self, message: str, key: Any):
+        super().__init__(message)
+        self.key = key
+
+
+class _Unsupported(RuntimeError):
+    """A block's output is not something Dynamo accepts from a ``call_module`` (a dict, a
+    ``ModelOutput``): the capture is retried with that block's children as the blocks."""
+
+
+def output_signature(out: Any) -> Any:
+    """The structure of a block's output, its tensors' shapes and dtypes, and its other values."""
+    leaves, spec = pytree.tree_flatten(out)
+    return (str(spec), tuple(("t", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else freeze(x)
+                             for x in leaves))
+
+
+def _one_call_output(out: Any) -> bool:
+    """What Dynamo takes as the result of one ``call_module``: a tensor, or tuples / lists of
+    tensors, ``None`` and numbers (measured on torch 2.14: dicts and ``ModelOutput`` are refused)."""
+    if isinstance(out, torch.Tensor):
+        return True
+    if type(out) in (tuple, list):
+        return all(x is None or isinstance(x, (bool, int, float)) or _one_call_output(x) for x in out)
+    return False
+
+
+def _fake_key(flat: list[Any]) -> Any:
+    out = []
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor):
+            out.append((tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device, leaf.requires_grad,
+                        next(i for i, x in enumerate(flat) if x is leaf)))
+        else:
+            out.append(freeze(leaf))
+    return tuple(out)
+
+
+def _describe(out: Any, inputs: list[Any]) -> tuple[Any, list[Any]] | None:
+    leaves, spec = pytree.tree_flatten(out)
+    described: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            alias = next((i for i, x in enumerate(inputs) if x is leaf), None)
+            described.append(("in", alias) if alias is not None else
+                             ("t", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device, leaf.requires_grad))
+        elif isinstance(leaf, (type(None), bool, int, float, str)):
+            described.append(("c", leaf))
+        else:
+            return None  # anything else is computed afresh for every instance
+    return spec, described
+
+
+def _make(leaf: Any, inputs: list[Any]) -> Any:
+    if leaf[0] == "in":
+        return inputs[leaf[1]]
+    if leaf[0] == "c":
+        return leaf[1]
+    _, shape, stride, dtype, device, grad = leaf
+    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return t.requires_grad_(grad) if grad else t
+
+
+class _Recorded(BaseException):
+    """Stops the recording run once every wanted input is seen (not an Exception: model code that
+    catches those must not swallow it)."""
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    copy = t.detach().clone()
+    return copy if copy.stride() == t.stride() else t.detach()
+
+
+def _record_inputs(outer: fx.GraphModule, model: nn.Module, call: ExampleInputs,
+                   wanted: list[Member]) -> dict[tuple[int, int], Any]:
+    """The ``(args, kwargs)`` each wanted call really receives, from one run of the outer graph
+    (which calls the blocks as modules) that stops as soon as the last of them is seen.
+
+    Why the captured graph and not the model: code may take another path under Dynamo than
+    eagerly (transformers builds an explicit attention mask when compiling, ``None`` eagerly), and
+    the block must be captured on what it receives in the graph."""
+    want = {(id(m.module), m.k) for m in wanted}
+    counts: dict[int, int] = {}
+    got: dict[tuple[int, int], Any] = {}
+
+    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        k = counts.get(id(module), 0)
+        counts[id(module)] = k + 1
+        if (id(module), k) in want:
+            got[(id(module), k)] = pytree.tree_map_only(torch.Tensor, _keep, (tuple(args), dict(kwargs)))
+            if len(got) == len(want):
+                raise _Recorded
+
+    handles = [m.module.register_forward_pre_hook(pre, with_kwargs=True) for m in wanted]
+    fresh = call.fresh_copy()
+    try:
+        with preserved_state(model), torch.no_grad():
+            torch.manual_seed(SEED)
+            outer(*fresh.args, **fresh.kwargs)
+    except _Recorded:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [m.name for m in wanted if (id(m.module), m.k) not in got]
+    if missing:
+        raise RuntimeError(f"the captured graph did not call {', '.join(missing[:3])}")
+    return got
+
+
+def _block_call(member: Member, recorded: Any) -> ExampleInputs:
+    """The recorded inputs, requiring grad exactly where the outer capture's values did."""
+    flat, spec = call_inputs(member.node)
+    rec_flat, rec_spec = pytree.tree_flatten(recorded)
+    if str(spec) != str(rec_spec) or len(flat) != len(rec_flat):
+        raise RuntimeError(f"the inputs of '{member.name}' recorded eagerly do not match the captured call")
+    out = []
+    for node, value in zip(flat, rec_flat):
+        if isinstance(node, fx.Node) != isinstance(value, torch.Tensor) or (
+                not isinstance(node, fx.Node) and freeze(node) != freeze(value)):
+            raise RuntimeError(f"the inputs of '{member.name}' recorded eagerly do not match the captured call")
+        if isinstance(value, torch.Tensor) and isinstance(node, fx.Node):
+            ev = node.meta.get("example_value")
+            grad = bool(getattr(ev, "requires_grad", False)) and (value.is_floating_point() or value.is_complex())
+            if grad != value.requires_grad:
+                value = value.detach().requires_grad_(grad)
+        out.append(value)
+    args, kwargs = pytree.tree_unflatten(out, rec_spec)
+    return ExampleInputs(tuple(args), dict(kwargs))
+
+
+@dataclass
+class _Captured:
+    members: list[Member]
+    gm: fx.GraphModule
+    extra: dict[str, str]
+    notes: list[str]
+
+
+def _capture_group(group: list[Member], recorded: Any, policy: LeafPolicy, route: str,
+                   guard: AttributeGuard, why: dict[str, str]) -> tuple[_Captured, list[list[Member]]]:
+    """Capture the first member; the others its guards hold for share the graph, the rest are
+    regrouped (by what the guarded attributes hold) for the next round, with the reason in ``why``."""
+    first = group[0]
+    call = _block_call(first, recorded)
+    result = dynamo_export(first.module, call, route, None)
+    guard.reset()
+    notes: list[str] = []
+    gm, extra = relift(result.graph_module, first.module, policy, call, call, route, notes, device_literals=False)
+    sources = self_guards(result.guards)
+    foreign = foreign_attributes(gm, first.module)
+    same, rest = [first], []
+    for member in group[1:]:
+        if member.module is first.module:
+            same.append(member)
+            continue
+        if foreign:
+            why[member.name] = (f"the graph of '{first.name}' reads {', '.join(foreign[:3])}, which is not one of its "
+                                f"tensors and may be its own (a constant, a branch graph)")
+            rest.append([member])
+            continue
+        differ = guard_differences(sources, first.module, member.module)
+        if differ:
+            why[member.name] = (f"its forward reads {', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}, "
+                                f"where '{first.name}' differs (Dynamo's guards)")
+            regroup = guard_key(sources, member.module)
+            for other in rest:
+                if other[0].module is not first.module and guard_key(sources, other[0].module) == regroup:
+                    other.append(member)
+                    break
+            else:
+                rest.append([member])
+        else:
+            same.append(member)
+    if foreign:
+        rest = [[m] for group_ in rest for m in group_]
+    return _Captured(same, gm, extra, notes), rest
+
+
+def capture_reusing(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_call: ExampleInputs,
+                    prepared_call: ExampleInputs, route: str, guard: AttributeGuard,
+                    notes: list[str]) -> tuple[fx.GraphModule, dict[str, str]] | None:
+    """The model captured with each repeated block captured once (see the module docstring), or
+    None when nothing repeats or reuse does not work out here (then the caller captures the whole
+    model). ``call`` is what Dynamo is called with, ``capture_call`` the same without grad-requiring
+    inputs (the eager recording run), ``prepared_call`` how the prepared module is called."""
+    descend: set[int] = set()
+    uncached: set[Any] = set()
+    for _ in range(4):  # a retry looks inside blocks whose output one call cannot return, or computes more
+        instances: dict[int, tuple[nn.Module, Any]] = {}
+        qualnames: dict[int, str] = {}
+        for key, group in enumerate(find_groups(model, policy, descend)):
+            for name, module in group:
+                instances[id(module)] = (module, key)
+                qualnames[id(module)] = name
+        if not instances:
+            return None
+        stubs = _Stubs(instances, uncached)
+        try:
+            return _capture(model, policy, call, capture_call, prepared_call, route, guard, notes, stubs, qualnames)
+        except Exception as err:  # noqa: BLE001 - reuse is an optimisation: the whole-model capture decides
+            guard.reset()
+            if isinstance(err, _OtherOutput) and err.key not in uncached:
+                uncached.add(err.key)
+                continue
+            if stubs.unsupported:
+                descend.update(mid for mid, (_, key) in instances.items() if key in stubs.unsupported)
+                continue
+            notes.append(f"block reuse did not apply ({type(err).__name__}: {_first_line(err)}); the whole model "
+                         f"was captured instead.")
+            return None
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_call: ExampleInputs,
+             prepared_call: ExampleInputs, route: str, guard: AttributeGuard, notes: list[str],
+             stubs: _Stubs, qualnames: dict[int, str]) -> tuple[fx.GraphModule, dict[str, str]]:
+    instances = stubs.instances
+    with stubs:
+        result = dynamo_export(model, call, route, None)
+    guard.reset()
+    outer_notes: list[str] = []
+    # Leaves the user named inside a block are called from the block's graph, not the outer one:
+    # the outer re-lifting must see the blocks as leaves then (it records the outermost leaves' calls).
+    user_leaves = any(policy.reason(m) is not None for m in model.modules() if m is not model)
+    outer_policy = LeafPolicy(modules=(*policy.modules, *(m for m, _ in instances.values())),
+                              classes=policy.classes) if user_leaves else policy
+    outer, extra = relift(result.graph_module, model, outer_policy, capture_call, prepared_call, route, outer_notes,
+                          device_literals=False)
+    by_name = {qualnames[mid]: module for mid, (module, _) in instances.items()}
+    extra = {k: v for k, v in extra.items() if k not in by_name}
+    groups: dict[Any, list[Member]] = {}
+    seen: dict[str, int] = {}
+    for node in outer.graph.nodes:
+        if node.op == "call_module" and str(node.target) in by_name:
+            name = str(node.target)
+            module = by_name[name]
+            member = Member(node, name, module, seen.get(name, 0))
+            seen[name] = member.k + 1
+            groups.setdefault((instances[id(module)][1], input_key(node)), []).append(member)
+    info = ReuseInfo()
+    why: dict[str, str] = {}
+    firsts: dict[int, str] = {}
+    for key, group in groups.items():
+        first = firsts.setdefault(key[0], group[0].name)
+        if first != group[0].name:
+            why[group[0].name] = f"its inputs differ from those '{first}' is called with"
+    pending = list(groups.values())
+    captured: list[_Captured] = []
+    while pending:
+        recorded = _record_inputs(outer, model, prepared_call, [g[0] for g in pending])
+        guard.reset()
+        next_round: list[list[Member]] = []
+        for group in pending:
+            done, rest = _capture_group(group, recorded[(id(group[0].module), group[0].k)], policy, route, guard, why)
+            captured.append(done)
+            next_round.extend(rest)
+        pending = next_round
+    stamper = Stamper(outer, model)
+    for done in captured:
+        first = done.members[0]
+        for member in done.members:
+            returned = stubs.returned.get(id(member.module), set())
+            if returned != {block_output_signature(done.gm)}:
+                raise _OtherOutput(f"the graph captured from '{first.name}' returns another structure than "
+                                   f"'{member.name}' did in the outer capture", instances[id(member.module)][1])
+            stamper.inline(member.node, done.gm, first.module, member.name, member.module)
+            for leaf, why in done.extra.items():
+                extra[f"{member.name}.{leaf}"] = why
+        info.captured[first.name] = [m.name for m in done.members[1:] if m.name != first.name]
+        if first.name in why:
+            info.why[first.name] = why[first.name]
+        notes.extend(f"in '{first.name}'{' and the blocks stamped from it' if len(done.members) > 1 else ''}: {n}"
+                     for n in done.notes)
+    placeholders = [n for n in outer.graph.nodes if n.op == "placeholder"]
+    follow_input_device(outer, placeholders, prepared_call, outer_notes)
+    gm = stamper.assemble({ROUTE_META: route, REUSE_META: info})
+    notes.extend(outer_notes)
+    notes.extend(info.notes())
+    return gm, extra

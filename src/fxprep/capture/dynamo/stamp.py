@@ -1,0 +1,205 @@
+"""Stamping: one captured block graph inlined at every call of an instance that runs the same code.
+
+Block reuse (:mod:`.reuse`) captures the model with its repeated blocks as single ``call_module``
+nodes and each distinct block on its own. :func:`inline` replaces one such call with a copy of the
+block's module-level graph, bound to *that* instance: its ``call_module`` targets and ``get_attr``
+targets are the instance's own qualified names (so its own submodules and tensors), its inputs are
+the call's arguments, and the call's users read the copy's outputs. :func:`assemble` then builds the
+prepared ``GraphModule`` the way :func:`.relift.build` does for a whole-model capture: fresh
+containers holding the user's own leaf modules and tensors at their original paths, in the
+original order.
+
+Anything that does not line up (the block's outputs against what the outer graph made of the
+call, an argument structure, a name) raises :class:`StampError`; reuse then falls back to the
+whole-model capture.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .blocks import call_inputs, freeze
+from .names import Names, get_path
+from .relift import _free_name, _Holder, _reorder_like
+
+
+class StampError(RuntimeError):
+    """A block graph could not be inlined where its instance is called (reuse falls back)."""
+
+
+def _outputs(block: fx.GraphModule, env: dict[fx.Node, Any]) -> Any:
+    output = next(n for n in reversed(block.graph.nodes) if n.op == "output")
+    flat = output.args[0]
+    if not isinstance(flat, (list, tuple)):
+        flat = [flat]
+    info = block.graph._codegen.pytree_info if isinstance(block.graph._codegen, fx.graph._PyTreeCodeGen) else None
+    if info is None or info.out_spec is None:
+        raise StampError("the block graph has no output structure")
+    mapped = [env[v] if isinstance(v, fx.Node) else v for v in flat]
+    return pytree.tree_unflatten(mapped, info.out_spec)
+
+
+def foreign_attributes(block: fx.GraphModule, first: nn.Module) -> list[str]:
+    """The ``get_attr`` targets of ``block`` that are not tensors of the instance it was captured
+    from: constants, ``torch.cond`` branch graphs. They may be that instance's own (a tensor in a
+    list attribute, a branch calling its leaves), so a graph holding any is not stamped for others."""
+    found = []
+    for node in block.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        obj = get_path(block, str(node.target))
+        try:
+            own = get_path(first, str(node.target)) is obj
+        except AttributeError:
+            own = False
+        if not (own and isinstance(obj, torch.Tensor)):
+            found.append(str(node.target))
+    return found
+
+
+def block_output_signature(block: fx.GraphModule) -> Any:
+    """:func:`.reuse.output_signature` of what ``block`` returns, from its example values."""
+    output = next(n for n in reversed(block.graph.nodes) if n.op == "output")
+    flat = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    values = [v.meta.get("example_value") if isinstance(v, fx.Node) else v for v in flat]
+    info = block.graph._codegen.pytree_info if isinstance(block.graph._codegen, fx.graph._PyTreeCodeGen) else None
+    if info is None or info.out_spec is None:
+        raise StampError("the block graph has no output structure")
+    leaves = [("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else freeze(v) for v in values]
+    return (str(info.out_spec), tuple(leaves))
+
+
+def _same_value_kind(new: Any, old: fx.Node) -> bool:
+    """A stamped output against the value the outer graph had for it (Dynamo's example values)."""
+    ev_old = old.meta.get("example_value")
+    if not isinstance(new, fx.Node):
+        return not isinstance(ev_old, torch.Tensor)
+    ev_new = new.meta.get("example_value")
+    if isinstance(ev_old, torch.Tensor) or isinstance(ev_new, torch.Tensor):
+        return (isinstance(ev_old, torch.Tensor) and isinstance(ev_new, torch.Tensor)
+                and tuple(ev_old.shape) == tuple(ev_new.shape) and ev_old.dtype == ev_new.dtype)
+    return True
+
+
+def _rewire(node: fx.Node, value: Any) -> None:
+    """Make the users of ``node`` (the block call or an access into its output) read ``value``."""
+    if isinstance(value, fx.Node) or not isinstance(value, (tuple, list, dict)):
+        if node.users and not _same_value_kind(value, node):
+            raise StampError(f"the block's output differs from what the outer graph made of '{node.name}'")
+        for user in list(node.users):
+            user.replace_input_with(node, value)
+        return
+    for user in list(node.users):
+        if not (user.op == "call_function" and user.target is operator.getitem and user.args[0] is node
+                and len(user.args) == 2 and not isinstance(user.args[1], fx.Node)):
+            raise StampError(f"the block's output is used as a whole by '{user.name}'")
+        try:
+            part = value[user.args[1]]
+        except (IndexError, KeyError, TypeError) as err:
+            raise StampError(f"the block's output has no item {user.args[1]!r}") from err
+        _rewire(user, part)
+        user.graph.erase_node(user)
+
+
+class Stamper:
+    """Inlines block graphs into the outer graph and collects what the prepared module must hold."""
+
+    def __init__(self, outer: fx.GraphModule, model: nn.Module):
+        self.outer = outer
+        self.graph = outer.graph
+        self.model = model
+        self.objects: dict[str, Any] = {}  # get_attr target -> object, for targets stamped in
+        self.constants: list[str] = list(outer.meta.get("fxprep_constants", []))
+        self.taken: set[str] = {str(n.target) for n in self.graph.nodes if n.op == "get_attr"}
+
+    def inline(self, call: fx.Node, block: fx.GraphModule, first: nn.Module, prefix: str,
+               instance: nn.Module) -> None:
+        """Replace ``call`` (of ``instance``, at ``prefix``) by a copy of ``block``, the graph
+        captured from ``first``."""
+        flat, _ = call_inputs(call)
+        placeholders = [n for n in block.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(flat):
+            raise StampError(f"'{prefix}' is called with {len(flat)} inputs, its block graph takes {len(placeholders)}")
+        env: dict[fx.Node, Any] = dict(zip(placeholders, flat))
+        outer_stack = dict(call.meta.get("nn_module_stack") or {})
+        if outer_stack:  # the call's own frame names the class Dynamo saw during capture
+            key = next(reversed(outer_stack))
+            outer_stack[key] = (outer_stack[key][0], type(instance))
+        self.graph.owning_module = None  # targets are checked by assemble()
+        with self.graph.inserting_before(call):
+            for node in block.graph.nodes:
+                if node.op in ("placeholder", "output"):
+                    continue
+                new = self.graph.node_copy(node, lambda n: env[n])
+                if node.op == "call_module":
+                    new.target = f"{prefix}.{node.target}"
+                elif node.op == "get_attr":
+                    new.target = self._attr(str(node.target), block, first, prefix, instance)
+                stack = dict(outer_stack)
+                for key, (qual, cls) in (node.meta.get("nn_module_stack") or {}).items():
+                    stack[f"{prefix}.{key}" if key else prefix] = (f"{prefix}.{qual}" if qual else prefix, cls)
+                if stack:
+                    new.meta["nn_module_stack"] = stack
+                env[node] = new
+        _rewire(call, _outputs(block, env))
+        if call.users:
+            raise StampError(f"'{call.name}' is still used after inlining")
+        self.graph.erase_node(call)
+
+    def _attr(self, target: str, block: fx.GraphModule, first: nn.Module, prefix: str, instance: nn.Module) -> str:
+        obj = get_path(block, target)
+        try:
+            own = get_path(first, target) is obj
+        except AttributeError:
+            own = False
+        if own:  # a tensor of the block: the instance's own one
+            try:
+                mine = get_path(instance, target)
+            except AttributeError as err:
+                raise StampError(f"'{prefix}' has no '{target}'") from err
+            qual = f"{prefix}.{target}"
+            self.objects[qual] = mine
+            return qual
+        name = _free_name(self.taken, self.model, target.removeprefix("_fxprep_const_"))
+        self.objects[name] = obj
+        if isinstance(obj, torch.Tensor):
+            self.constants.append(name)
+        return name
+
+    def assemble(self, route_meta: dict[str, Any]) -> fx.GraphModule:
+        """The prepared module over the stamped graph, built like :func:`.relift.build` builds it."""
+        names = Names(self.model)
+        holder = _Holder()
+        for node in self.graph.nodes:
+            if node.op == "call_module":
+                try:
+                    module = self.model.get_submodule(str(node.target))
+                except AttributeError as err:
+                    raise StampError(f"no submodule '{node.target}'") from err
+                holder.install(str(node.target), module)
+        for node in self.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            target = str(node.target)
+            obj = self.objects[target] if target in self.objects else get_path(self.outer, target)
+            if isinstance(obj, torch.Tensor) and id(obj) in names.tensors:
+                qual, kind = names.tensors[id(obj)]
+                if qual != target:
+                    raise StampError(f"'{target}' is known to the model as '{qual}'")
+                holder.install(target, obj, persistent=kind != "attribute" and qual not in names.non_persistent)
+            elif isinstance(obj, torch.Tensor):
+                holder.install(target, obj, persistent=False)
+            else:
+                holder.install(target, obj)
+        self.graph.lint()
+        gm = fx.GraphModule(holder.root, self.graph, type(self.model).__name__)
+        gm.meta.update(route_meta)
+        gm.meta["fxprep_constants"] = self.constants
+        _reorder_like(gm, self.model)
+        return gm

@@ -1,0 +1,147 @@
+"""Reading weights without pickle: a state_dict, a ``.safetensors`` file, or a sharded directory.
+
+:func:`open_checkpoint` gives a :class:`Checkpoint`: every key's shape and dtype up front (from
+the safetensors headers, nothing loaded), and the tensors shard by shard (:meth:`Checkpoint.shards`),
+so that :func:`fxprep.load_weights` checks everything before it changes anything, and holds at most
+one shard of the file in memory at a time. A directory is read through its Hugging Face index
+(``model.safetensors.index.json``, ``weight_map``: key → shard file), or is a single
+``model.safetensors``. Pickled formats (``.bin``, ``.pt``) are refused: loading them runs code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import InvalidInput
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+    "C64": torch.complex64, "U16": getattr(torch, "uint16", None), "U32": getattr(torch, "uint32", None),
+    "U64": getattr(torch, "uint64", None),
+}
+
+
+@dataclass
+class Checkpoint:
+    """The keys of a checkpoint with their shapes and dtypes, and a way to read it shard by shard."""
+
+    where: str
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    files: dict[str, list[str]] = field(default_factory=dict)  # shard file -> its keys ("" for a state_dict)
+    state_dict: Mapping[str, Any] | None = None
+
+    def shards(self, wanted: set[str]) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+        """For each shard holding a wanted key, an iterator over its wanted ``(key, tensor)`` pairs
+        (CPU tensors). A shard file is open only while its iterator runs."""
+        for path, keys in self.files.items():
+            keys = [k for k in keys if k in wanted]
+            if keys:
+                yield self._read(path, keys)
+
+    def _read(self, path: str, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.state_dict is not None:
+            for key in keys:
+                yield key, self.state_dict[key]
+            return
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in keys:
+                yield key, _aligned(f.get_tensor(key))
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in storage starting on a 64-byte boundary, as torch's allocator gives (a copy only when
+    it does not). safetensors hands out tensors whose data may start anywhere, and vectorised CPU
+    kernels then take another path whose results differ in the last bits from the same model loaded
+    by ``from_pretrained`` (the reason :mod:`fxprep.io.format` aligns too)."""
+    return t if t.data_ptr() % 64 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
+def open_checkpoint(source: Any) -> Checkpoint:
+    """A :class:`Checkpoint` for a state_dict, a ``.safetensors`` file or a directory of shards."""
+    if isinstance(source, Mapping):
+        specs = {}
+        for key, value in source.items():
+            if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+                raise InvalidInput(f"a state_dict maps names (str) to tensors; got {key!r}: {type(value).__name__}.")
+            specs[key] = (tuple(value.shape), value.dtype)
+        return Checkpoint("the state_dict", specs, {"": list(source)}, source)
+    if not isinstance(source, (str, Path)):
+        raise InvalidInput(f"source must be a state_dict, a .safetensors file or a directory of them, not "
+                           f"{type(source).__name__}.")
+    path = Path(source)
+    if path.is_dir():
+        return _directory(path)
+    if not path.exists():
+        raise InvalidInput(f"no such file or directory: {path}")
+    if path.suffix != ".safetensors":
+        raise InvalidInput(f"{path.name}: only .safetensors files are read (pickled .bin/.pt files can run code "
+                           f"when loaded); convert it, or load it yourself and pass the state_dict.")
+    checkpoint = Checkpoint(str(path))
+    _add_file(checkpoint, path)
+    return checkpoint
+
+
+def _directory(path: Path) -> Checkpoint:
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise InvalidInput(f"{path} holds several indexes ({', '.join(i.name for i in indexes)}); pass one of them "
+                           f"by its shards' directory with only one index, or a single .safetensors file.")
+    checkpoint = Checkpoint(str(path))
+    if indexes:
+        try:
+            weight_map = json.loads(indexes[0].read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise InvalidInput(f"{indexes[0]} is not a safetensors index (no 'weight_map'): {err}") from err
+        by_file: dict[str, set[str]] = {}
+        for key, name in weight_map.items():
+            by_file.setdefault(str(name), set()).add(str(key))
+        for name, keys in by_file.items():
+            shard = path / name
+            if not shard.is_file():
+                raise InvalidInput(f"{indexes[0].name} names shard {name}, which is not in {path}.")
+            found = _add_file(checkpoint, shard)
+            if set(found) != keys:
+                missing = sorted(keys - set(found))[:5]
+                raise InvalidInput(f"shard {name} does not hold what {indexes[0].name} says it does "
+                                   f"(missing: {', '.join(missing) or 'none'}; extra: {', '.join(sorted(set(found) - keys)[:5]) or 'none'}).")
+        return checkpoint
+    files = sorted(path.glob("*.safetensors"))
+    if len(files) != 1:
+        listed = ", ".join(f.name for f in files[:5]) or "none"
+        raise InvalidInput(f"{path} has no *.safetensors.index.json and {len(files)} .safetensors files ({listed}); "
+                           f"expected an index or exactly one file.")
+    _add_file(checkpoint, files[0])
+    return checkpoint
+
+
+def _add_file(checkpoint: Checkpoint, path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys = list(f.keys())
+            for key in keys:
+                piece = f.get_slice(key)
+                dtype = _DTYPES.get(piece.get_dtype())
+                if dtype is None:
+                    raise InvalidInput(f"{path.name}: tensor {key!r} has dtype {piece.get_dtype()}, which this torch "
+                                       f"does not have.")
+                if key in checkpoint.specs:
+                    raise InvalidInput(f"{key!r} is in two shards of {checkpoint.where}.")
+                checkpoint.specs[key] = (tuple(piece.get_shape()), dtype)
+    except InvalidInput:
+        raise
+    except Exception as err:  # noqa: BLE001 - a broken file is the user's to fix: say which
+        raise InvalidInput(f"cannot read {path} as safetensors: {err}") from err
+    checkpoint.files[str(path)] = keys
+    return keys

@@ -1,0 +1,425 @@
+"""Weights after preparation: a graph prepared on ``meta`` materialised from a checkpoint.
+
+An LLM is prepared in seconds on the ``meta`` device (no weights in memory); :func:`load_weights`
+then puts the real weights in, shard by shard, by the original parameter names:
+
+* every tensor of the prepared module is one *slot*, however many names and modules share it (tied
+  embeddings, the shallow copies of unrolled modules, ``nn.Linear`` layers built from
+  ``F.linear``): the new tensor replaces the old object everywhere it occurs, in the prepared module
+  and in the model it was prepared from (whose leaf modules it shares), so ties stay ties;
+* everything is checked before anything changes: missing and unexpected keys, shapes, dtypes (a
+  checkpoint of another floating dtype is cast only when ``dtype=`` asks for it, and only to the
+  dtype the graph was prepared in: dtypes baked into the graph at capture would not follow);
+* non-persistent buffers, which no checkpoint holds and ``to_empty`` would leave as garbage
+  (rotary ``inv_freq``, causal masks, ``position_ids``), are recomputed by their owning module's
+  own initialisation (:func:`_recompute`): transformers' ``_init_weights``, which is how
+  ``from_pretrained`` fills them, or else the module's class built afresh from its own attributes.
+  A value is only taken when two runs from different garbage agree. What cannot be recomputed is
+  an error naming it (its value can be passed in the source);
+* device literals still naming the capture device (``meta``) are moved to the target device.
+
+:func:`verify_prepared` then compares the prepared module with the (now materialised) original on
+real inputs. The prepared module remembers its original for both (:func:`remember_original`);
+copies share that reference and pickling drops it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .errors import FxprepError, InvalidInput
+from .inputs import normalize_example_inputs, split_calls
+from .ops import BoundOp
+
+ORIGINAL_META = "fxprep_original"
+
+
+class WeightsError(FxprepError):
+    """The checkpoint does not fit the prepared module (keys, shapes, dtypes), or a tensor that no
+    checkpoint holds could not be recomputed."""
+
+
+class _Original:
+    """The model a prepared module came from, and the ``concrete_args`` it was captured with. A deep
+    copy of the prepared module shares it (a copy must not copy the model), pickling drops it."""
+
+    def __init__(self, model: nn.Module | None, concrete: dict[str, Any] | None):
+        self.model = model
+        self.concrete = concrete
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Original:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Original, (None, None))
+
+
+def remember_original(gm: fx.GraphModule, model: nn.Module, concrete: dict[str, Any] | None) -> None:
+    """Called by ``prepare_model``: what :func:`load_weights` and :func:`verify_prepared` need."""
+    gm.meta[ORIGINAL_META] = _Original(model, dict(concrete) if concrete else None)
+
+
+def _original(gm: nn.Module) -> _Original | None:
+    meta = getattr(gm, "meta", None)
+    found = meta.get(ORIGINAL_META) if isinstance(meta, dict) else None
+    return found if isinstance(found, _Original) and found.model is not None else None
+
+
+# --- the tensors of a prepared module --------------------------------------------------------------
+@dataclass
+class _Slot:
+    tensor: torch.Tensor
+    names: list[str] = field(default_factory=list)  # state_dict names (persistent)
+    paths: list[str] = field(default_factory=list)  # every path it is reachable under
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)  # (module, buffer name) of the original
+    in_gm: bool = False  # reachable from the prepared module (not only from the original)
+
+
+def _modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    seen: set[int] = set()
+    for name, module in root.named_modules(remove_duplicate=False):
+        if id(module) not in seen:
+            seen.add(id(module))
+            yield name, module
+
+
+def _tensors_of(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from ((k, t) for k, t in module._parameters.items() if t is not None)
+    yield from ((k, t) for k, t in module._buffers.items() if t is not None)
+    yield from ((k, t) for k, t in vars(module).items() if isinstance(t, torch.Tensor) and not k.startswith("__"))
+
+
+def _slots(gm: nn.Module, original: nn.Module | None) -> dict[int, _Slot]:
+    slots: dict[int, _Slot] = {}
+    for name, tensor in gm.state_dict(keep_vars=True).items():
+        slots.setdefault(id(tensor), _Slot(tensor)).names.append(name)
+    for root in (gm, original) if original is not None else (gm,):
+        for prefix, module in _modules(root):
+            for key, tensor in _tensors_of(module):
+                slot = slots.setdefault(id(tensor), _Slot(tensor))
+                path = f"{prefix}.{key}" if prefix else key
+                if path not in slot.paths:
+                    slot.paths.append(path)
+                if root is original and key in module._buffers:
+                    slot.owners.append((module, key))
+                slot.in_gm = slot.in_gm or root is gm
+    return slots
+
+
+# --- loading -----------------------------------------------------------------------------------------
+def load_weights(gm: fx.GraphModule, source: Any, *, device: Any = None, dtype: torch.dtype | None = None
+                 ) -> fx.GraphModule:
+    """Materialise ``gm`` (typically prepared on ``meta``) from ``source``: a state_dict, a
+    ``.safetensors`` file, or a directory of sharded safetensors with a Hugging Face index.
+
+    ``device``: where the weights go (default: where ``gm``'s tensors are, ``cpu`` for ``meta``).
+    ``dtype``: cast floating-point checkpoint tensors to it (it must be the dtype the graph was
+    prepared in); by default a checkpoint of another dtype is an error. Returns ``gm``, changed in
+    place; the model it was prepared from gets the same tensors. Raises :class:`WeightsError`
+    naming every missing or unexpected key, every shape or dtype mismatch and every tensor that
+    could not be recomputed, before anything is changed.
+    """
+    if not isinstance(gm, nn.Module):
+        raise InvalidInput(f"load_weights takes the module prepare_model returned, not {type(gm).__name__}.")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise InvalidInput(f"dtype must be a torch.dtype, not {dtype!r}.")
+    checkpoint = open_checkpoint(source)
+    remembered = _original(gm)
+    original = remembered.model if remembered is not None else None
+    slots = _slots(gm, original)
+    before = {t.device for s in slots.values() for t in (s.tensor,)}
+    target = torch.device(device) if device is not None else _default_device(before)
+    plan = _plan(slots, checkpoint, dtype)
+    recompute = [s for s in slots.values() if id(s.tensor) not in plan.keys and s.tensor.is_meta]
+    roots = [gm] if original is None else [gm, original]
+    new = _recompute(recompute, original, target)
+    failed = [s for s in recompute if id(s.tensor) not in new and s.in_gm]
+    if failed:
+        raise WeightsError(
+            f"{len(failed)} tensor(s) hold no value and are not in {checkpoint.where}, and could not be recomputed by "
+            f"their module's own initialisation: {_list(s.paths[0] for s in failed)}. Pass their values in the source "
+            f"(a state_dict may hold non-persistent buffers too)."
+        )
+    _replace(roots, new)
+    loaded = 0
+    for shard in checkpoint.shards(set(plan.first) | set(plan.duplicates)):
+        fresh: dict[int, torch.Tensor] = {}
+        for key, value in shard:
+            slot = plan.slot_of[key]
+            cast = value.to(device=target, dtype=plan.dtypes[key])
+            if key in plan.duplicates:
+                plan.pending[key] = cast
+                continue
+            fresh[id(slot.tensor)] = _like(slot.tensor, cast)
+            loaded += 1
+        _replace(roots, fresh)
+        new.update(fresh)
+    _check_duplicates(plan, new)
+    moved = _move_device_literals(gm, before, target)
+    left = [s.paths[0] for s in recompute if id(s.tensor) not in new]
+    done = [s.paths[0] for s in recompute if id(s.tensor) in new]
+    _note(gm, f"weights loaded from {checkpoint.where}: {loaded} tensor(s) onto {target}"
+              + (f", {len(done)} recomputed ({_list(done)})" if done else "")
+              + (f"; left on meta in the original model only (the graph does not use them): {_list(left)}" if left else "")
+              + (f", {moved} device literal(s) moved" if moved else "") + ".")
+    return gm
+
+
+def _default_device(devices: set[torch.device]) -> torch.device:
+    real = {d for d in devices if d.type != "meta"}
+    return next(iter(real)) if len(real) == 1 else torch.device("cpu")
+
+
+@dataclass
+class _Plan:
+    keys: set[int] = field(default_factory=set)  # ids of slots the checkpoint fills
+    first: dict[str, _Slot] = field(default_factory=dict)  # key loaded for each slot
+    duplicates: dict[str, str] = field(default_factory=dict)  # another key for a loaded slot -> the loaded key
+    slot_of: dict[str, _Slot] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _plan(slots: dict[int, _Slot], checkpoint: Checkpoint, dtype: torch.dtype | None) -> _Plan:
+    plan = _Plan()
+    by_name: dict[str, _Slot] = {}
+    for slot in slots.values():
+        for name in dict.fromkeys(slot.names + slot.paths):
+            by_name.setdefault(name, slot)
+    problems: list[str] = []
+    unexpected = [k for k in checkpoint.specs if k not in by_name]
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected key(s) not in the prepared module: {_list(unexpected)}")
+    for key, (shape, have) in checkpoint.specs.items():
+        slot = by_name.get(key)
+        if slot is None:
+            continue
+        plan.slot_of[key] = slot
+        if id(slot.tensor) in plan.keys:
+            plan.duplicates[key] = next(k for k, s in plan.first.items() if s is slot)
+        else:
+            plan.keys.add(id(slot.tensor))
+            plan.first[key] = slot
+        want = slot.tensor.dtype
+        if tuple(slot.tensor.shape) != shape:
+            problems.append(f"{key}: shape {list(shape)} in the checkpoint, {list(slot.tensor.shape)} in the module")
+        elif have != want and not (dtype is not None and have.is_floating_point and want.is_floating_point):
+            hint = f" (pass dtype={want} to cast)" if have.is_floating_point and want.is_floating_point else ""
+            problems.append(f"{key}: dtype {have} in the checkpoint, {want} in the module{hint}")
+        elif dtype is not None and want.is_floating_point and dtype != want:
+            problems.append(f"{key}: dtype={dtype} asked for, but the graph was prepared with {want}: dtypes baked "
+                            f"into it at capture would not follow; prepare the model in {dtype} instead")
+        plan.dtypes[key] = want
+    missing = [s.names[0] for s in slots.values() if s.names and id(s.tensor) not in plan.keys]
+    if missing:
+        problems.append(f"{len(missing)} missing key(s): {_list(missing)}")
+    if problems:
+        raise WeightsError(f"{checkpoint.where} does not fit the prepared module: " + "; ".join(problems) + ".")
+    return plan
+
+
+def _check_duplicates(plan: _Plan, new: dict[int, torch.Tensor]) -> None:
+    for key, value in plan.pending.items():
+        loaded = new.get(id(plan.slot_of[key].tensor))
+        if loaded is not None and not torch.equal(loaded.detach(), value):
+            raise WeightsError(f"the checkpoint holds different values for '{plan.duplicates[key]}' and '{key}', "
+                               f"which are one tensor in the model (tied); the first was loaded.")
+
+
+def _like(old: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if isinstance(old, nn.Parameter):
+        return nn.Parameter(value, requires_grad=old.requires_grad)
+    return value
+
+
+def _replace(roots: list[nn.Module], new: dict[int, torch.Tensor]) -> None:
+    """Every occurrence of an old tensor object (by identity) becomes its new one."""
+    if not new:
+        return
+    for root in roots:
+        for _, module in _modules(root):
+            for registry in (module._parameters, module._buffers):
+                for key, t in registry.items():
+                    if t is not None and id(t) in new:
+                        registry[key] = new[id(t)]
+            for key, t in list(vars(module).items()):
+                if isinstance(t, torch.Tensor) and id(t) in new:
+                    module.__dict__[key] = new[id(t)]
+            if isinstance(module, BoundOp):
+                module.args = _swap(module.args, new)
+                module.kwargs = _swap(module.kwargs, new)
+
+
+def _swap(value: Any, new: dict[int, Any]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return new.get(id(value), value)
+    if type(value) in (tuple, list):
+        return type(value)(_swap(v, new) for v in value)
+    if type(value) is dict:
+        return {k: _swap(v, new) for k, v in value.items()}
+    return value
+
+
+# --- tensors no checkpoint holds ---------------------------------------------------------------
+def _recompute(slots: list[_Slot], original: nn.Module | None, device: torch.device) -> dict[int, torch.Tensor]:
+    """New values for non-persistent buffers (and other tensors no checkpoint holds), each from its
+    owning module's own initialisation; those it cannot give are left out."""
+    by_owner: dict[int, tuple[nn.Module, list[tuple[str, _Slot]]]] = {}
+    for slot in slots:
+        for module, key in slot.owners:
+            by_owner.setdefault(id(module), (module, []))[1].append((key, slot))
+    out: dict[int, torch.Tensor] = {}
+    for owner, pairs in by_owner.values():
+        values = _by_hf_init(owner, [k for k, _ in pairs], original, device) or {}
+        missing = [k for k, _ in pairs if k not in values]
+        if missing:
+            values.update(_by_rebuild(owner, missing, device))
+        for key, slot in pairs:
+            value = values.get(key)
+            if value is not None and tuple(value.shape) == tuple(slot.tensor.shape) and value.dtype == slot.tensor.dtype:
+                out[id(slot.tensor)] = _like(slot.tensor, value)
+    return out
+
+
+def _by_hf_init(owner: nn.Module, keys: list[str], original: nn.Module | None,
+                device: torch.device) -> dict[str, torch.Tensor] | None:
+    """transformers' own ``_init_weights(owner)`` (how ``from_pretrained`` fills these buffers), run
+    twice on buffers filled with different garbage: a value both runs agree on is computed."""
+    init = getattr(original, "_init_weights", None)
+    if init is None or not callable(init) or any(not p.is_meta for p in owner.parameters(recurse=False)):
+        return None
+    old = {k: owner._buffers[k] for k in keys}
+    runs = []
+    try:
+        for fill in (0, 1):
+            for k, t in old.items():
+                owner._buffers[k] = torch.full(t.shape, fill, dtype=t.dtype, device=device)
+            with torch.no_grad():
+                init(owner)
+            runs.append({k: owner._buffers[k] for k in keys})
+    except Exception:  # noqa: BLE001 - not transformers' kind of module: the next way is tried
+        runs = []
+    finally:
+        for k, t in old.items():
+            owner._buffers[k] = t  # the caller puts the new values in everywhere at once
+    if len(runs) != 2:
+        return None
+    return {k: runs[1][k] for k in keys if torch.equal(runs[0][k], runs[1][k])}
+
+
+def _by_rebuild(owner: nn.Module, keys: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """The owner's class built again on ``device`` from its own attributes: every argument of its
+    ``__init__`` must be an attribute of the same name (``device`` and ``dtype`` aside), so no
+    default can stand in for a value the original was built with. Built twice; values both agree on."""
+    cls = type(owner)
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return {}
+    kwargs: dict[str, Any] = {}
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.kind is p.POSITIONAL_ONLY:
+            return {}
+        if p.name == "device":
+            kwargs[p.name] = device
+        elif p.name == "dtype" and keys:
+            kwargs[p.name] = owner._buffers[keys[0]].dtype
+        elif p.name in owner.__dict__ and not isinstance(owner.__dict__[p.name], torch.Tensor):
+            kwargs[p.name] = owner.__dict__[p.name]
+        else:
+            return {}
+    builds = []
+    try:
+        for _ in range(2):
+            with torch.device(device):
+                builds.append(cls(**kwargs))
+    except Exception:  # noqa: BLE001 - not rebuildable this way
+        return {}
+    out = {}
+    for k in keys:
+        a, b = builds[0]._buffers.get(k), builds[1]._buffers.get(k)
+        if a is not None and b is not None and a.device == device and torch.equal(a, b):
+            out[k] = a
+    return out
+
+
+# --- device literals, report, verification -----------------------------------------------------------
+def _move_device_literals(gm: fx.GraphModule, before: set[torch.device], target: torch.device) -> int:
+    """``torch.device`` literals naming the device the module was prepared on (``meta``) now name
+    ``target``: in graph arguments and in the templates of op modules."""
+    old = {d for d in before if d != target and d.type == "meta"}
+    if not old:
+        return 0
+    count = 0
+
+    def swap(value: Any) -> Any:
+        nonlocal count
+        if isinstance(value, torch.device) and value in old:
+            count += 1
+            return target
+        if type(value) in (tuple, list):
+            return type(value)(swap(v) for v in value)
+        if type(value) is dict:
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    changed = False
+    for node in gm.graph.nodes:
+        before_count = count
+        args, kwargs = swap(tuple(node.args)), swap(dict(node.kwargs))
+        if count != before_count:
+            node.args, node.kwargs = args, kwargs
+            changed = True
+    for _, module in _modules(gm):
+        if isinstance(module, BoundOp):
+            module.args, module.kwargs = swap(module.args), swap(module.kwargs)
+    if changed:
+        gm.recompile()
+    return count
+
+
+def _note(gm: nn.Module, text: str) -> None:
+    report = getattr(gm, "fxprep_report", None)
+    if report is not None and hasattr(report, "note"):
+        report.note(text)
+
+
+def _list(names: Any, limit: int = 8) -> str:
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    return shown + (f" ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def verify_prepared(gm: fx.GraphModule, example_inputs: Any, *, rtol: float | None = None,
+                    atol: float | None = None) -> Any:
+    """Compare ``gm`` with the model it was prepared from on ``example_inputs`` (after
+    :func:`load_weights`, real inputs on the weights' device). Raises ``EquivalenceError`` on a
+    difference; returns the :class:`~fxprep.report.Verification` and records it in the report."""
+    from .verify import verify
+
+    remembered = _original(gm)
+    if remembered is None or remembered.model is None:
+        raise InvalidInput("this module does not know the model it was prepared from (it was loaded from disk, or "
+                           "made elsewhere): compare it yourself, e.g. with torch.testing.assert_close.")
+    example = normalize_example_inputs(example_inputs)
+    if example is None:
+        raise InvalidInput("verify_prepared needs example_inputs.")
+    meta = [n for n, t in remembered.model.state_dict(keep_vars=True).items() if t.is_meta]
+    if meta:
+        raise InvalidInput(f"the original model still has tensors on 'meta' ({_list(meta, 4)}): load_weights first.")
+    original_call, prepared_call = split_calls(remembered.model, example, remembered.concrete)
+    result = verify(remembered.model, gm, original_call, prepared_example=prepared_call, rtol=rtol, atol=atol)
+    report = getattr(gm, "fxprep_report", None)
+    if report is not None:
+        report.verification = result
+    return result

@@ -1,0 +1,220 @@
+"""``fxprep.load_weights``: a graph prepared on ``meta`` materialised from a checkpoint.
+
+Checked against transformers' own ``from_pretrained`` on the same files (sharded safetensors with
+an index, written by ``save_pretrained(max_shard_size=...)``): the outputs are equal, tied weights
+stay tied, non-persistent buffers (rotary ``inv_freq``, BERT's ``position_ids``) are recomputed,
+a bfloat16 checkpoint loads, and checkpoints that do not fit fail with errors naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torchvision
+from safetensors.torch import save_file
+from torch import nn
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+
+import fxprep
+from fxprep.errors import InvalidInput
+
+LLAMA = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True)
+IDS = torch.randint(0, 99, (1, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _meta_prepared(cls: Any, config: Any, example: dict[str, torch.Tensor], **kwargs: Any) -> Any:
+    with torch.device("meta"):
+        model = cls._from_config(config, **kwargs).eval()
+    meta_example = {k: v.to("meta") for k, v in example.items()}
+    return model, fxprep.prepare_model(model, example_inputs=meta_example, verify=False)
+
+
+def _tensors_on_meta(module: nn.Module) -> list[str]:
+    found = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_meta]
+    found += [f"{n}.{b}" for n, m in module.named_modules() for b, t in m._buffers.items() if t is not None and t.is_meta]
+    return found
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**LLAMA)).eval().save_pretrained(path, max_shard_size="20KB")
+    return path
+
+
+def test_sharded_checkpoint_gives_what_from_pretrained_gives(llama_dir: Path) -> None:
+    assert (llama_dir / "model.safetensors.index.json").is_file()
+    assert len(list(llama_dir.glob("*.safetensors"))) > 3  # really sharded
+    reference = LlamaForCausalLM.from_pretrained(llama_dir).eval()
+    model, gm = _meta_prepared(LlamaForCausalLM, LlamaConfig(**LLAMA), {"input_ids": IDS})
+    assert fxprep.load_weights(gm, llama_dir) is gm
+    assert _tensors_on_meta(gm) == [] and _tensors_on_meta(model) == []
+    with torch.no_grad():
+        got = gm(input_ids=IDS).logits
+        want = reference(input_ids=IDS, use_cache=False).logits
+    assert torch.equal(got, want)
+    # tied weights stay one tensor; the rotary buffer no checkpoint holds is recomputed exactly
+    assert gm.lm_head.weight is gm.model.embed_tokens.weight
+    assert torch.equal(gm.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    assert "recomputed" in " ".join(fxprep.get_report(gm).notes)
+    # verification on real inputs, against the original (now materialised too)
+    assert fxprep.verify_prepared(gm, {"input_ids": IDS}).status == "passed"
+    assert fxprep.get_report(gm).verification.status == "passed"
+
+
+def test_bfloat16_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**LLAMA)).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
+    reference = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    _, gm = _meta_prepared(LlamaForCausalLM, LlamaConfig(**LLAMA), {"input_ids": IDS}, dtype=torch.bfloat16)
+    fxprep.load_weights(gm, tmp_path)
+    assert gm.get_submodule("model.layers.0.mlp.up_proj").weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(gm(input_ids=IDS).logits, reference(input_ids=IDS, use_cache=False).logits)
+    # the same checkpoint into a graph prepared in float32: refused, unless asked to cast
+    _, gm32 = _meta_prepared(LlamaForCausalLM, LlamaConfig(**LLAMA), {"input_ids": IDS})
+    with pytest.raises(fxprep.WeightsError, match=r"dtype torch.bfloat16 in the checkpoint.*pass dtype=torch.float32"):
+        fxprep.load_weights(gm32, tmp_path)
+    assert _tensors_on_meta(gm32)  # nothing changed
+    fxprep.load_weights(gm32, tmp_path, dtype=torch.float32)
+    reference32 = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(gm32(input_ids=IDS).logits, reference32(input_ids=IDS, use_cache=False).logits)
+    _, gm_other = _meta_prepared(LlamaForCausalLM, LlamaConfig(**LLAMA), {"input_ids": IDS})
+    with pytest.raises(fxprep.WeightsError, match="prepare the model in torch.bfloat16"):
+        fxprep.load_weights(gm_other, tmp_path, dtype=torch.bfloat16)
+
+
+def test_mismatched_checkpoints_name_what_is_wrong(llama_dir: Path) -> None:
+    state = LlamaForCausalLM.from_pretrained(llama_dir).state_dict()
+    _, gm = _meta_prepared(LlamaForCausalLM, LlamaConfig(**LLAMA), {"input_ids": IDS})
+    missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(fxprep.WeightsError, match=r"1 missing key\(s\): model.layers.1.mlp.up_proj.weight"):
+        fxprep.load_weights(gm, missing)
+    with pytest.raises(fxprep.WeightsError, match=r"unexpected key\(s\).*model.layers.9.gate"):
+        fxprep.load_weights(gm, {**state, "model.layers.9.gate": torch.zeros(2)})
+    wrong = {**state, "model.norm.weight": torch.ones(33)}
+    with pytest.raises(fxprep.WeightsError, match=r"model.norm.weight: shape \[33\] in the checkpoint, \[32\]"):
+        fxprep.load_weights(gm, wrong)
+    tied = {**state, "lm_head.weight": state["model.embed_tokens.weight"] + 1}
+    with pytest.raises(fxprep.WeightsError, match="tied"):
+        fxprep.load_weights(gm, tied)
+    with pytest.raises(InvalidInput, match="only .safetensors"):
+        torch.save(state, llama_dir / "pytorch_model.bin")
+        fxprep.load_weights(gm, llama_dir / "pytorch_model.bin")
+    os.remove(llama_dir / "pytorch_model.bin")
+    with pytest.raises(InvalidInput, match="no such file"):
+        fxprep.load_weights(gm, llama_dir / "nothing.safetensors")
+
+
+def test_single_file_and_state_dict_sources(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18(weights=None).eval()
+    save_file(reference.state_dict(), str(tmp_path / "model.safetensors"))
+    x = torch.randn(1, 3, 32, 32)
+    for source in (tmp_path / "model.safetensors", tmp_path, reference.state_dict()):
+        with torch.device("meta"):
+            model = torchvision.models.resnet18(weights=None).eval()
+        gm = fxprep.prepare_model(model, example_inputs=x.to("meta"), verify=False)
+        fxprep.load_weights(gm, source)
+        assert gm.get_submodule("layer1.0.bn1").num_batches_tracked.dtype == torch.int64
+        with torch.no_grad():
+            assert torch.equal(gm(x), reference(x))
+
+
+def test_bert_position_ids_are_recomputed(tmp_path: Path) -> None:
+    config = BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    BertModel(config).eval().save_pretrained(tmp_path)
+    reference = BertModel.from_pretrained(tmp_path).eval()
+    example = {"input_ids": IDS, "attention_mask": torch.ones_like(IDS)}
+    _, gm = _meta_prepared(BertModel, config, example)
+    fxprep.load_weights(gm, tmp_path)
+    with torch.no_grad():
+        got, want = gm(**example), reference(**example)
+    assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+    notes = " ".join(fxprep.get_report(gm).notes)
+    assert "embeddings.position_ids" in notes and "embeddings.token_type_ids" in notes
+
+
+class Positional(nn.Module):
+    """A buffer computed at construction from the module's own settings."""
+
+    def __init__(self, dim: int, length: int):
+        super().__init__()
+        self.dim, self.length = dim, length
+        self.fc = nn.Linear(dim, dim)
+        self.register_buffer("table", torch.arange(length * dim, dtype=torch.float32).view(length, dim) / 100,
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.table[: x.shape[0]]
+
+
+class Hidden(nn.Module):
+    """A buffer computed from an argument the module does not keep: cannot be recomputed."""
+
+    def __init__(self, dim: int, scale: float):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.register_buffer("scales", torch.full((dim,), scale), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scales
+
+
+def test_buffers_of_other_modules(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    reference = Positional(4, 8).eval()
+    with torch.device("meta"):
+        model = Positional(4, 8).eval()
+    x = torch.randn(3, 4)
+    gm = fxprep.prepare_model(model, example_inputs=x.to("meta"), verify=False)
+    fxprep.load_weights(gm, reference.state_dict())
+    with torch.no_grad():
+        assert torch.equal(gm(x), reference(x))
+
+    reference = Hidden(4, 3.0).eval()
+    with torch.device("meta"):
+        model = Hidden(4, 3.0).eval()
+    gm = fxprep.prepare_model(model, example_inputs=x.to("meta"), verify=False)
+    with pytest.raises(fxprep.WeightsError, match=r"could not be recomputed.*scales"):
+        fxprep.load_weights(gm, reference.state_dict())
+    # its value can be given in the source
+    fxprep.load_weights(gm, {**reference.state_dict(), "scales": reference.scales})
+    with torch.no_grad():
+        assert torch.equal(gm(x), reference(x))
+
+
+def test_a_copy_shares_the_original_and_verify_needs_it(llama_dir: Path) -> None:
+    import copy
+
+    model, gm = _meta_prepared(LlamaForCausalLM, LlamaConfig(**LLAMA), {"input_ids": IDS})
+    twin = copy.deepcopy(gm)
+    assert twin.meta["fxprep_original"].model is model  # the model is not copied along
+    with pytest.raises(InvalidInput, match="load_weights first"):
+        fxprep.verify_prepared(gm, {"input_ids": IDS})
+    fxprep.load_weights(gm, llama_dir)
+    plain = torch.fx.GraphModule(gm, gm.graph)
+    with pytest.raises(InvalidInput, match="does not know the model"):
+        fxprep.verify_prepared(plain, {"input_ids": IDS})
+
+
+def test_readme_example_runs(llama_dir: Path) -> None:
+    """The README's LLM example, run as written on a tiny sharded checkpoint."""
+    from tests.test_readme import section_code
+
+    [block] = [b for b in section_code("Large language models") if "load_weights" in b]
+    scope: dict[str, Any] = {"checkpoint_dir": llama_dir}
+    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+    gm = scope["gm"]
+    assert _tensors_on_meta(gm) == []
+    assert fxprep.get_report(gm).verification.status == "passed"
+    assert fxprep.get_report(gm).reuse["captured"] == {"model.layers.0": ["model.layers.1", "model.layers.2"]}

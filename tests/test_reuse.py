@@ -1,0 +1,363 @@
+"""Block reuse on the Dynamo path: each repeated block captured once, its graph stamped out.
+
+The contract: ``prepare_model`` with reuse gives exactly the graph of a whole-model capture (the
+same nodes with the same targets and arguments in the same order, the same module stacks, the same
+``state_dict`` keys, bit-equal outputs), and reuses a block only where the other instance runs the
+same code. The zoo (``-m zoo``) runs the same check over more architectures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import fxprep
+from fxprep.capture.common import LeafPolicy
+from fxprep.capture.dynamo import blocks
+from tests.test_zoo import HF_ARCHS, build_torchvision, tiny_config
+
+
+def _shape(gm: fx.GraphModule) -> list[tuple[Any, ...]]:
+    """Every node: op, target, arguments (nodes by position), module stack. Names are left out
+    (placeholders are named after them): copies of one block graph get fresh node names. A
+    ``get_attr`` is named by its target where it is used: Dynamo puts some at the top of the graph
+    it traces, which for a block captured alone is the top of the block (their set is compared too)."""
+    index: dict[fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            index[n] = len(index)
+
+    def target(n: fx.Node) -> str:
+        if n.op == "placeholder":
+            return ""
+        return str(n.target) if n.op in ("call_module", "get_attr", "call_method") else repr(n.target)
+
+    def args(value: Any) -> str:
+        return str(fx.node.map_arg(value, lambda n: f"@{n.target}" if n.op == "get_attr" else f"%{index[n]}"))
+
+    shape = [(n.op, target(n), args(n.args), args(n.kwargs),
+              [(q, c.__qualname__) for q, c in (n.meta.get("nn_module_stack") or {}).values()])
+             for n in gm.graph.nodes if n.op != "get_attr"]
+    return shape + sorted(("get_attr", str(n.target)) for n in gm.graph.nodes if n.op == "get_attr")
+
+
+def _call(gm: nn.Module, example: Any) -> Any:
+    with torch.no_grad():
+        if isinstance(example, dict):
+            return gm(**example)
+        return gm(*example) if isinstance(example, tuple) else gm(example)
+
+
+def assert_reuse_exact(model: nn.Module, example: Any, **options: Any) -> dict[str, Any]:
+    """Prepare with and without reuse; the two must be the same graph. Returns the reuse record."""
+    whole = fxprep.prepare_model(model, example_inputs=example, tracer="dynamo", reuse_blocks=False, **options)
+    reused = fxprep.prepare_model(model, example_inputs=example, tracer="dynamo", **options)
+    assert _shape(reused) == _shape(whole)
+    assert [n.target for n in reused.graph.nodes if n.op == "call_module"] == \
+        [n.target for n in whole.graph.nodes if n.op == "call_module"]
+    assert list(reused.state_dict()) == list(whole.state_dict())
+    assert list(reused.state_dict()) == list(model.state_dict())
+    a, b = pytree.tree_leaves(_call(whole, example)), pytree.tree_leaves(_call(reused, example))
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b) if isinstance(x, torch.Tensor))
+    report = fxprep.get_report(reused)
+    assert report.verification.status == "passed"
+    assert fxprep.get_report(whole).reuse == {}
+    return report.reuse
+
+
+def _stamped(reuse: dict[str, Any]) -> dict[str, list[str]]:
+    return {k: v for k, v in reuse.get("captured", {}).items() if v}
+
+
+def hf(model_type: str, layers: int = 3, **extra: Any) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A tiny transformers model (the zoo's config) with ``layers`` layers in each stack."""
+    import transformers
+
+    from fxprep.capture.huggingface import example_inputs_for
+
+    auto, arch_extra = HF_ARCHS[model_type]
+    known = transformers.AutoConfig.for_model(model_type).to_dict()
+    depth = {k: layers for k in ("num_hidden_layers", "num_layers", "n_layer", "encoder_layers", "decoder_layers",
+                                 "num_decoder_layers") if k in known}
+    nested = {k: {**v, "num_hidden_layers": layers} for k, v in arch_extra.items() if isinstance(v, dict)}
+    config = tiny_config(model_type, {**arch_extra, **depth, **nested, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, auto).from_config(config).eval()
+    example = example_inputs_for(model, batch=1, seq_len=8)
+    assert example is not None
+    return model, example
+
+
+# --------------------------------------------------------------------------------------------------
+# The default suite: one decoder, alternating layers, an encoder-decoder, encoders, a CNN
+# --------------------------------------------------------------------------------------------------
+def test_llama_reuses_every_layer() -> None:
+    reuse = assert_reuse_exact(*hf("llama", layers=4))
+    assert _stamped(reuse) == {"model.layers.0": ["model.layers.1", "model.layers.2", "model.layers.3"]}
+    assert reuse["why"] == {}
+
+
+def test_gemma2_sliding_window_layers_are_captured_apart() -> None:
+    reuse = assert_reuse_exact(*hf("gemma2", layers=4))
+    # layer_types alternate sliding / full: two kinds of layer, each captured once
+    assert _stamped(reuse) == {"model.layers.0": ["model.layers.2"], "model.layers.1": ["model.layers.3"]}
+    assert "sliding_window" in reuse["why"]["model.layers.1"]
+
+
+def test_excluded_classes_inside_blocks_stay_leaves_in_every_copy() -> None:
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    model, example = hf("llama", layers=3)
+    reuse = assert_reuse_exact(model, example, module_classes_to_exclude=[LlamaMLP, LlamaRMSNorm])
+    assert _stamped(reuse) == {"model.layers.0": ["model.layers.1", "model.layers.2"]}
+    gm = fxprep.prepare_model(model, example_inputs=example, module_classes_to_exclude=[LlamaMLP])
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target.endswith("mlp")] == \
+        [f"model.layers.{i}.mlp" for i in range(3)]
+    assert set(fxprep.get_report(gm).leaves) == {f"model.layers.{i}.mlp" for i in range(3)}
+
+
+def test_t5_first_block_with_position_bias_is_its_own() -> None:
+    reuse = assert_reuse_exact(*hf("t5", layers=3))
+    assert _stamped(reuse) == {"encoder.block.1": ["encoder.block.2"], "decoder.block.1": ["decoder.block.2"]}
+    # inside the first blocks, the sublayers encoder and decoder have in common are looked at too; the
+    # decoder's run on another sequence length
+    assert "inputs differ" in reuse["why"]["decoder.block.0.layer.2"]
+
+
+def test_bert_and_vit_encoders() -> None:
+    reuse = assert_reuse_exact(*hf("bert", layers=3))
+    assert _stamped(reuse) == {"encoder.layer.0": ["encoder.layer.1", "encoder.layer.2"]}
+    reuse = assert_reuse_exact(*hf("vit", layers=3))
+    assert _stamped(reuse) == {"vit.layers.0": ["vit.layers.1", "vit.layers.2"]}
+
+
+def test_resnet_bottlenecks_reuse_within_a_stage() -> None:
+    model, example = build_torchvision("resnet50")
+    reuse = assert_reuse_exact(model, example)
+    # the first bottleneck of a stage has the downsample (another module tree): captured on its own
+    assert _stamped(reuse) == {
+        "layer1.1": ["layer1.2"], "layer2.1": ["layer2.2", "layer2.3"],
+        "layer3.1": ["layer3.2", "layer3.3", "layer3.4", "layer3.5"], "layer4.1": ["layer4.2"],
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Soundness: layers that run different code are never stamped from each other
+# --------------------------------------------------------------------------------------------------
+class IndexedLayer(nn.Module):
+    def __init__(self, dim: int, layer_idx: int, branch: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.branch = branch
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.fc(x))
+        if self.branch and self.layer_idx % 2 == 1:  # layer-index-dependent code path
+            x = torch.tanh(x) * 2
+        return x + 1
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 4, branch: bool = True):
+        super().__init__()
+        self.layers = nn.ModuleList(IndexedLayer(8, i, branch) for i in range(n))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_layer_idx_branch_is_not_wrongly_reused() -> None:
+    torch.manual_seed(0)
+    model = Stack(4, branch=True).eval()
+    reuse = assert_reuse_exact(model, torch.randn(2, 8))
+    # Dynamo guards the value of layer_idx (the branch computes with it): no layer can be proven to run
+    # another's code, so each is captured on its own, and the graph is still the whole-model one
+    assert _stamped(reuse) == {}
+    assert sorted(reuse["captured"]) == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    assert all("layer_idx" in reuse["why"][f"layers.{i}"] for i in (1, 2, 3))
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 8))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module" and "tanh" in str(n.target)] == \
+        ["layers.1.tanh", "layers.3.tanh"]
+
+
+def test_an_unread_layer_idx_does_not_stop_reuse() -> None:
+    torch.manual_seed(0)
+    model = Stack(4, branch=False).eval()
+    reuse = assert_reuse_exact(model, torch.randn(2, 8))
+    assert _stamped(reuse) == {"layers.0": ["layers.1", "layers.2", "layers.3"]}
+
+
+class Scaled(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale  # baked into the graph as a constant
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
+def test_a_constant_read_from_the_instance_is_its_own() -> None:
+    model = nn.Sequential(Scaled(1.0), Scaled(2.0), Scaled(1.0)).eval()
+    reuse = assert_reuse_exact(model, torch.randn(2, 4))
+    assert _stamped(reuse) == {"0": ["2"]}
+    assert "scale" in reuse["why"]["1"]
+
+
+class MaybeAux(nn.Module):
+    def __init__(self, aux: bool):
+        super().__init__()
+        self.aux = aux
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        y = self.fc(x)
+        return y, (y * 2 if self.aux else None)
+
+
+class AuxStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MaybeAux(aux) for aux in (False, True, False, True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = x.sum()
+        for layer in self.layers:
+            x, aux = layer(x)
+            if aux is not None:  # the outer code branches on what the block returned
+                total = total + aux.sum()
+        return x + total
+
+
+def test_an_output_structure_that_differs_by_layer_is_followed() -> None:
+    reuse = assert_reuse_exact(AuxStack().eval(), torch.randn(2, 4))
+    assert _stamped(reuse) == {"layers.0": ["layers.2"], "layers.1": ["layers.3"]}
+    assert "aux" in reuse["why"]["layers.1"]
+
+
+def test_inputs_of_another_shape_are_captured_apart() -> None:
+    class Pyramid(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Scaled(1.0) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = self.blocks[0](x)
+            b = self.blocks[1](x[:1])  # another batch size: other shapes in the graph
+            return self.blocks[2](a) + b.sum()
+
+    reuse = assert_reuse_exact(Pyramid().eval(), torch.randn(2, 4))
+    assert _stamped(reuse) == {"blocks.0": ["blocks.2"]}
+    assert "inputs differ" in reuse["why"]["blocks.1"]
+
+
+def test_shared_submodules_are_not_reused() -> None:
+    shared = nn.Linear(4, 4)
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = shared
+            self.out = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.fc(x))
+
+    model = nn.Sequential(Tied(), Tied(), Tied()).eval()
+    reuse = assert_reuse_exact(model, torch.randn(2, 4))
+    assert reuse == {}  # 1.fc is 0.fc: a stamped copy would name it differently from a whole capture
+
+
+def test_signature_tells_leaf_settings_apart() -> None:
+    a = nn.Sequential(nn.Conv2d(3, 3, 3, stride=1), nn.ReLU())
+    b = nn.Sequential(nn.Conv2d(3, 3, 3, stride=2), nn.ReLU())
+    policy = LeafPolicy()
+    assert blocks.signature(a, policy) != blocks.signature(b, policy)
+    assert blocks.signature(a, policy) == blocks.signature(nn.Sequential(nn.Conv2d(3, 3, 3), nn.ReLU()), policy)
+
+
+def test_find_groups_takes_the_outermost_repeated_block() -> None:
+    model = Stack(3)
+    found = blocks.find_groups(model, LeafPolicy())
+    assert [[n for n, _ in group] for group in found] == [["layers.0", "layers.1", "layers.2"]]
+    # an excluded block is a leaf: nothing to reuse
+    assert blocks.find_groups(model, LeafPolicy(classes=(IndexedLayer,))) == []
+    # T5: the two stacks differ, so their blocks are looked at; the first block of each has the bias
+    t5, _ = hf("t5", layers=3)
+    found = blocks.find_groups(t5, LeafPolicy())
+    names = [[n for n, _ in group] for group in found]
+    assert ["encoder.block.1", "encoder.block.2"] in names and ["decoder.block.1", "decoder.block.2"] in names
+    assert not any("encoder.block.0" in group or "encoder" in group for group in names)
+
+
+def test_reuse_can_be_switched_off_and_the_user_model_is_untouched() -> None:
+    model = Stack(3, branch=False).eval()
+    classes = [type(m) for m in model.modules()]
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 8), reuse_blocks=False)
+    assert fxprep.get_report(gm).reuse == {}
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 8))
+    assert _stamped(fxprep.get_report(gm).reuse)
+    assert [type(m) for m in model.modules()] == classes
+    assert any("block reuse" in n for n in fxprep.get_report(gm).notes)
+    with pytest.raises(fxprep.InvalidInput):
+        fxprep.prepare_model(model, example_inputs=torch.randn(2, 8), reuse_blocks="yes")
+
+
+def test_meta_model_reuse() -> None:
+    with torch.device("meta"):
+        model, _ = hf("llama", layers=3)
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": ids}, verify=False)
+    assert _stamped(fxprep.get_report(gm).reuse) == {"model.layers.0": ["model.layers.1", "model.layers.2"]}
+    assert all(p.is_meta for p in gm.parameters())
+
+
+# --------------------------------------------------------------------------------------------------
+# The zoo: every architecture of the issue
+# --------------------------------------------------------------------------------------------------
+ZOO: dict[str, tuple[int, dict[str, Any]]] = {
+    "mistral": (3, {}), "qwen2": (3, {}), "mixtral": (3, {}), "qwen2_moe": (3, {}), "phi3": (3, {}),
+    "gemma3_text": (4, {"layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "gpt2": (3, {}), "whisper": (3, {}), "roberta": (3, {}), "bart": (3, {}), "clip": (3, {}),
+}
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("model_type", sorted(ZOO))
+def test_reuse_zoo_transformers(model_type: str) -> None:
+    layers, extra = ZOO[model_type]
+    reuse = assert_reuse_exact(*hf(model_type, layers=layers, **extra))
+    assert _stamped(reuse)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("name", ["resnet18", "vit_b_16", "swin_t", "convnext_tiny", "efficientnet_b0"])
+def test_reuse_zoo_torchvision(name: str) -> None:
+    assert_reuse_exact(*build_torchvision(name))
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("family", ["vision_transformer", "resnet", "convnext"])
+def test_reuse_zoo_timm(family: str) -> None:
+    from tests.test_zoo import build_timm
+
+    reuse = assert_reuse_exact(*build_timm(family))
+    assert _stamped(reuse)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("model_type", sorted(HF_ARCHS))
+def test_reuse_is_exact_on_the_whole_transformers_zoo(model_type: str) -> None:
+    """Every zoo architecture with 3 layers: reuse where it applies, and the same graph either way."""
+    extra = {"attention_types": [[["global", "local"], 1], [["global"], 1]]} if model_type == "gpt_neo" else {}
+    assert_reuse_exact(*hf(model_type, layers=3, **extra))
