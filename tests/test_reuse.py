@@ -114,7 +114,12 @@ def test_excluded_classes_inside_blocks_stay_leaves_in_every_copy() -> None:
 
     model, example = hf("llama", layers=3)
     reuse = assert_reuse_exact(model, example, module_classes_to_exclude=[LlamaMLP, LlamaRMSNorm])
-    assert _stamped(reuse) == {"model.layers.0": ["model.layers.1", "model.layers.2"]}
+    # excluded modules are called without Dynamo tracing into them (issue 13); block reuse does not
+    # handle such parts yet: it is switched off, and the report says so
+    assert _stamped(reuse) == {}
+    notes = fxprep.get_report(fxprep.prepare_model(model, example_inputs=example, tracer="dynamo",
+                                                   module_classes_to_exclude=[LlamaMLP])).notes
+    assert any(n.startswith("block reuse: off for this capture") for n in notes), notes
     gm = fxprep.prepare_model(model, example_inputs=example, module_classes_to_exclude=[LlamaMLP])
     assert [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target.endswith("mlp")] == \
         [f"model.layers.{i}.mlp" for i in range(3)]

@@ -119,6 +119,11 @@ def capture_dynamo(
             with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, attempt_notes), guard:
                 call = requiring_grad(capture_call) if grad_inputs else capture_call
                 reused = None
+                if reuse and current == "flag" and spec is None and box:
+                    attempt_notes.append(
+                        f"block reuse: off for this capture: {len(box.sites)} part(s) are called without tracing "
+                        f"into them (excluded or opaque modules), which block reuse does not handle yet; every "
+                        f"block was captured by the whole-model capture.")
                 if reuse and current == "flag" and spec is None and not box:
                     reused = capture_reusing(model, policy, call, capture_call, prepared_call, current, guard,
                                              attempt_notes)
