@@ -36,9 +36,10 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
+
+from dynamo_bench import PeakRss  # the same peak-RSS measurement as the Dynamo benchmark
 
 METHODS = ("fxprep", "fxprep_noreuse", "dynamo_export", "export_nonstrict")
 MODELS = ("llama7b", "llama70b", "mixtral", "qwen2moe")
@@ -48,50 +49,6 @@ FORWARD_MODELS = ("resnet50", "mobilenet_v3_small", "llama4")
 # --------------------------------------------------------------------------------------------------
 # child: one capture
 # --------------------------------------------------------------------------------------------------
-def _rss_kb(field: str = "VmRSS") -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-class PeakRss:
-    """Peak RSS during a block: the kernel's high-water mark after a reset, else a 2 ms sampler."""
-
-    def __enter__(self) -> PeakRss:
-        self.before = _rss_kb()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.kernel = True
-        except OSError:
-            self.kernel = False
-        self.peak = self.before
-        self._stop = threading.Event()
-        if not self.kernel:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_kb())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self.kernel:
-            self.peak = max(self.peak, _rss_kb("VmHWM"))
-        else:
-            self._thread.join()
-            self.peak = max(self.peak, _rss_kb())
-
-    @property
-    def growth_mb(self) -> float:
-        return (self.peak - self.before) / 1024
-
-
 def config(name: str) -> Any:
     """The transformers config of a benchmark model (published shapes; vocabulary 32000)."""
     import transformers
