@@ -10,6 +10,7 @@ user's very objects: this module maps modules and tensors to their qualified nam
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
 
 class ReliftError(RuntimeError):
@@ -292,3 +294,15 @@ class Group:
 def frames_meta(frames: list[Frame]) -> dict[str, tuple[str, type]]:
     """``frames`` in ``nn_module_stack`` form."""
     return {f.key: (f.source, f.cls) for f in frames}
+
+
+def read_part(graph: fx.Graph, value: fx.Node, key: Any) -> fx.Node:
+    """A node reading one pytree step (``key``) of ``value``: the output of a regrouped call or of an
+    opaque part, taken apart into the pieces Dynamo's graph used."""
+    if isinstance(key, pytree.SequenceKey):
+        return graph.call_function(operator.getitem, (value, key.idx))
+    if isinstance(key, pytree.MappingKey):
+        return graph.call_function(operator.getitem, (value, key.key))
+    if isinstance(key, pytree.GetAttrKey):
+        return graph.call_function(getattr, (value, key.name))
+    raise ReliftError(f"cannot read part {key!r} of a call's output")

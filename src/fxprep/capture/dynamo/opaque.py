@@ -43,7 +43,7 @@ from ...inputs import ExampleInputs
 from ...runs import SEED, preserved_state
 from ..common import LeafPolicy
 from ..sites import FUNCTIONS, Site
-from .names import Names, ReliftError
+from .names import Names, ReliftError, read_part
 
 _MISSING = object()
 OPAQUE_PREFIX = "fxprep_opaque_"  # the name of every function an opaque part is in Dynamo's graph
@@ -468,16 +468,6 @@ def black_box(model: nn.Module, policy: LeafPolicy, sites: list[Site], call: Exa
 
 
 # --- re-lifting -----------------------------------------------------------------------------------
-def _access(graph: fx.Graph, value: fx.Node, key: Any) -> fx.Node:
-    if isinstance(key, pytree.SequenceKey):
-        return graph.call_function(operator.getitem, (value, key.idx))
-    if isinstance(key, pytree.MappingKey):
-        return graph.call_function(operator.getitem, (value, key.key))
-    if isinstance(key, pytree.GetAttrKey):
-        return graph.call_function(getattr, (value, key.name))
-    raise ReliftError(f"cannot read part {key!r} of an opaque part's output")
-
-
 def _carried(dgm: fx.GraphModule, graph: fx.Graph, node: fx.Node, rec: Recorded, names: Names) -> None:
     """The arguments Dynamo's graph could not carry (a config, a module) back in the call: a
     ``get_attr`` of the very object the eager run passed (a submodule by its qualified name)."""
@@ -543,7 +533,7 @@ def relift_opaque(dgm: fx.GraphModule, box: BlackBox | None, names: Names) -> tu
             cursor = new
             for key in path:
                 with graph.inserting_after(cursor):
-                    value = _access(graph, value, key)
+                    value = read_part(graph, value, key)
                 value.meta["nn_module_stack"] = dict(parent)
                 cursor = value
             if value is not new or single:

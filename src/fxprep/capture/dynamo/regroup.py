@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from ...inputs import ExampleInputs
 from ..common import LeafPolicy
 from .flag import direct_call
-from .names import Frame, Group, Names, ReliftError, Stacks, default_leaf, frames_meta
+from .names import Frame, Group, Names, ReliftError, Stacks, default_leaf, frames_meta, read_part
 from .record import Call, TensorSpec, record_calls, record_values
 
 _CONSTANT_TYPES = (type(None), bool, int, float, str, complex, torch.dtype, torch.device, torch.memory_format,
@@ -421,7 +421,7 @@ class Regrouper:
             value: fx.Node = call
             for key in leaf_paths[paths[node]]:
                 with self.graph.inserting_after(cursor):
-                    value = _access(self.graph, value, key)
+                    value = read_part(self.graph, value, key)
                 value.meta["nn_module_stack"] = dict(parent)
                 self.order[value] = self.order[call] + 0.01
                 cursor = value
@@ -478,13 +478,3 @@ class Regrouper:
             m = self.model.get_submodule(path)
             out[f"fxprep:{path}"] = (f"L['self'].{path}", type(m))
         return out
-
-
-def _access(graph: fx.Graph, value: fx.Node, key: Any) -> fx.Node:
-    if isinstance(key, pytree.SequenceKey):
-        return graph.call_function(operator.getitem, (value, key.idx))
-    if isinstance(key, pytree.MappingKey):
-        return graph.call_function(operator.getitem, (value, key.key))
-    if isinstance(key, pytree.GetAttrKey):
-        return graph.call_function(getattr, (value, key.name))
-    raise ReliftError(f"cannot access output part {key!r}")
