@@ -170,3 +170,8 @@ def test_guard_survives_save_and_load_as_data(tmp_path) -> None:
     manifest.write_text(json.dumps(data))
     with pytest.raises(fxprep.SerializationError, match="input_guard .* malformed"):
         fxprep.load(tmp_path / "saved")
+    for kind in ([], {}, 3):  # found by the tamper fuzzer: an unhashable kind was a TypeError
+        data["input_guard"] = {"params": {"xs": {"kind": kind}}, "tracer": "fx"}
+        manifest.write_text(json.dumps(data))
+        with pytest.raises(fxprep.SerializationError, match="input_guard .* malformed"):
+            fxprep.load(tmp_path / "saved")

@@ -94,7 +94,7 @@ _KINDS = {"tensor", "none", "seq", "dict", "value", "leaf"}
 
 def _check_node(node: Any, depth: int) -> None:
     """A spec read from a file: only the shapes this module writes, nothing deeper than 64."""
-    if depth > 64 or not isinstance(node, dict) or node.get("kind") not in _KINDS:
+    if depth > 64 or not isinstance(node, dict) or not isinstance(node.get("kind"), str) or node["kind"] not in _KINDS:
         raise ValueError("malformed input spec")
     kind = node["kind"]
     if kind == "tensor":
