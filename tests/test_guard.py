@@ -144,7 +144,47 @@ def test_batch_dimension_probed_and_left_free_when_the_graph_agrees() -> None:
 
 def test_batch_specialised_graph_is_named_in_the_report() -> None:
     gm = fxprep.prepare_model(ShapeBranch().eval(), example_inputs=torch.randn(3, 4), tracer="dynamo", progress=False)
-    assert "specialised to batch 3: at batch 2" in gm.fxprep_report.to_text()
+    text = gm.fxprep_report.to_text()
+    assert "specialised to batch 3: at batch 2" in text
+    # the branch itself, from Dynamo's guards: its source line and the side the graph took
+    assert "if x.shape[0] > 2:" in text and "batch > 2 only" in text
+
+
+class FarBranch(nn.Module):
+    """A branch on the batch size that batch +- 1 of the example does not reach."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x) > 7:
+            return self.lin(x) * 3
+        return self.lin(x)
+
+
+def test_branch_the_probe_misses_is_found_from_dynamos_guards() -> None:
+    """Before: batch 2 +- 1 agreed, so dimension 0 was freed and a call at batch 8 silently took the
+    batch-2 side (outputs 3x too small). Dynamo's guards with a symbolic batch name the branch."""
+    model = FarBranch().eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 4), tracer="dynamo", progress=False)
+    text = gm.fxprep_report.to_text()
+    assert "if len(x) > 7:" in text and "batch <= 7 only" in text
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(gm(x), model(x))
+    with pytest.raises(fxprep.InputMismatch, match="shape 2x4 at capture"):
+        gm(torch.randn(8, 4))
+
+
+def test_no_batch_branch_frees_the_batch_with_the_guards_as_evidence() -> None:
+    gm = fxprep.prepare_model(FarBranch().eval(), example_inputs=torch.randn(9, 4)[:1], tracer="dynamo", progress=False)
+    # traced at batch 2 (Dynamo never makes a size of 1 symbolic): the branch is still found
+    assert "batch <= 7 only" in gm.fxprep_report.to_text()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 4), tracer="dynamo", progress=False)
+    assert "Dynamo's guards, traced with a symbolic batch, show no branch on it" in gm.fxprep_report.to_text()
+    x = torch.randn(32, 4)
+    torch.testing.assert_close(gm(x), model(x))
 
 
 def test_verify_input_the_graph_refuses_is_a_verification_failure() -> None:

@@ -260,7 +260,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
             progress.step("other batch sizes")
             batch.probe(model, gm, spec, example, lambda e: (split_calls(model, e, huggingface.without_added(concrete, absent))[0],
                                                              split_calls(model, e, concrete)[1]),
-                        report, opts.rtol, opts.atol, absent)
+                        report, opts.rtol, opts.atol, absent, captured=lambda e: split_calls(model, e, concrete)[0])
         if opts.dynamic:
             _verify_second_size(model, gm, example, concrete, opts, report, absent)
         constructed = rewrite.coverage() if rewrite is not None else []

@@ -12,8 +12,12 @@ through the original and the prepared module. When both agree at both sizes, dim
 unchecked and the report says which sizes it was compared at; when either size fails or differs
 (a shape-dependent branch, a baked size), the check stays and the report names the batch size the
 graph is specialised to and what happened at the other size. Only the batch dimension is probed:
-other dimensions (sequence length, image size) stay checked. A probe is evidence, not proof (a
-branch on ``x.shape[0] > 7`` is not found from an example of 2), so the report words it as such.
+other dimensions (sequence length, image size) stay checked. A probe is evidence, not proof: a
+branch on ``x.shape[0] > 7`` is not reached from an example of 2. So the probe also asks Dynamo
+(:mod:`fxprep.capture.dynamo.branches`): traced once more with the batch symbolic, every decision the
+code makes on it is a guard with its source line. A branch that some batch size would take the
+other way keeps the check, and the report names it; when Dynamo cannot trace the model that way,
+the report says the probe's evidence is all there is.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .capture.dynamo.branches import Branch, batch_branches
 from .guard import InputSpec
 from .inputs import ExampleInputs
 from .prepared import INPUT_SPEC
@@ -85,15 +90,33 @@ def _free_batch(spec: InputSpec, batch: int) -> None:
         free(node)
 
 
+def _branches(model: nn.Module, example: ExampleInputs, batch: int,
+              captured: Callable[[ExampleInputs], ExampleInputs]) -> tuple[list[Branch], str | None]:
+    """The branches on the batch size that restrict it (Dynamo's guards, :mod:`fxprep.capture.dynamo.branches`),
+    and why they could not be listed (None when they were). Traced at batch 2 when the example's is 1."""
+    traced = max(batch, 2)
+    try:
+        found = batch_branches(model, captured(with_batch(example, batch, traced)), traced)
+    except Exception as err:  # noqa: BLE001 - a model Dynamo cannot trace with a symbolic batch: say so
+        return [], f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+    return [b for b in found if b.restricts()], None
+
+
 def probe(model: nn.Module, gm: fx.GraphModule, spec: InputSpec, example: ExampleInputs,
           calls: Callable[[ExampleInputs], tuple[ExampleInputs, ExampleInputs]], report: Report,
-          rtol: float | None, atol: float | None, absent: dict[str, str] | None) -> None:
+          rtol: float | None, atol: float | None, absent: dict[str, str] | None,
+          captured: Callable[[ExampleInputs], ExampleInputs]) -> None:
     """Probe the batch dimension of ``gm``'s static-shape capture (see the module docstring).
 
-    ``calls(example) -> (original call, prepared call)`` splits an example as prepare_model does."""
+    ``calls(example) -> (original call, prepared call)`` splits an example as prepare_model does for
+    verification; ``captured(example)`` as it does for the capture (with the arguments it adds, such
+    as ``use_cache=False``)."""
     batch = example_batch(example)
     if batch is None:
         return
+    branches, unlisted = _branches(model, example, batch, captured)
+    named = (", from Dynamo's guards (traced with a symbolic batch): " + "; ".join(b.describe() for b in branches)
+             if branches else "")
     sizes = [s for s in (batch - 1, batch + 1) if s >= 1]
     for size in sizes:
         original, prepared = calls(with_batch(example, batch, size))
@@ -107,13 +130,22 @@ def probe(model: nn.Module, gm: fx.GraphModule, spec: InputSpec, example: Exampl
             reason = reason[:300].rstrip(".")
             report.note(
                 f"The graph is specialised to batch {batch}: at batch {size}, {reason[:1].lower()}{reason[1:]} (a shape-dependent branch or "
-                f"a size Dynamo baked in). Calls at another batch size raise InputMismatch; prepare with "
+                f"a size Dynamo baked in){named}. Calls at another batch size raise InputMismatch; prepare with "
                 f"dynamic='batch' if the model supports it."
             )
             return
+    if branches:
+        report.note(
+            f"The graph is specialised to batch {batch}: it matched the original at batch {' and '.join(map(str, sizes))}, but "
+            f"the model's code branches on the batch size{named}. Calls at another batch size raise InputMismatch; "
+            f"prepare with dynamic='batch' if the model supports it."
+        )
+        return
     _free_batch(spec, batch)
+    seen = ("and Dynamo's guards, traced with a symbolic batch, show no branch on it" if unlisted is None else
+            f"(a branch on the batch size that neither size reaches would not be seen: Dynamo could not trace the model "
+            f"with a symbolic batch to list them, {unlisted})")
     report.note(
         f"Batch size: the prepared module matched the original at batch {' and '.join(map(str, sizes))} as well as "
-        f"{batch}, so dimension 0 of the inputs is not checked (other dimensions are; a branch on the batch size "
-        f"that neither size reaches would not be seen)."
+        f"{batch}, {seen}, so dimension 0 of the inputs is not checked (other dimensions are)."
     )
