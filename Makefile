@@ -20,8 +20,11 @@ test: $(STAMP)
 	$(BIN)/python -m ruff check src tests benchmarks
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
+# Two workers for the zoo, then the models of 100M+ parameters one at a time (two of them at once
+# need more than 24 GB).
 test-zoo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m zoo
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "zoo and not serial"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "zoo and serial"
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check src tests benchmarks

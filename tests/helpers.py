@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.fx as fx
 from torch import nn
@@ -77,6 +78,21 @@ class STE(torch.autograd.Function):
 
 
 # ViTs take their image size as an argument: a few patches instead of 224x224 (vit_h_14: 632M params).
+# torchvision models of 100M parameters or more. Prepared, verified, saved and loaded, one needs up to
+# ~10 GB (weights, the verification runs, the saved copy and the loaded one), so two at once exhaust
+# a 24 GB machine: their zoo cases are marked ``serial`` and `make test-zoo` runs them one at a time.
+BIG_TORCHVISION = frozenset({
+    "vit_h_14", "vit_l_16", "vit_l_32", "convnext_large", "regnet_y_128gf", "regnet_y_32gf", "regnet_x_32gf",
+    "vgg11", "vgg11_bn", "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19", "vgg19_bn",
+    "wide_resnet101_2", "efficientnet_v2_l",
+})
+
+
+def zoo_params(names: list[str]) -> list[Any]:
+    """``names`` for ``parametrize``, the models in :data:`BIG_TORCHVISION` marked ``serial``."""
+    return [pytest.param(n, marks=pytest.mark.serial) if n in BIG_TORCHVISION else n for n in names]
+
+
 TV_VIT_KWARGS: dict[str, dict[str, Any]] = {
     "vit_b_16": {"image_size": 32},
     "vit_b_32": {"image_size": 64},

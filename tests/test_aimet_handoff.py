@@ -122,6 +122,7 @@ def test_quantsim_on_vision_models(name, tmp_path):
 
 
 @pytest.mark.zoo
+@pytest.mark.serial  # QuantSim keeps a quantized copy of every layer: ~4x the model in memory
 @pytest.mark.parametrize("name", sorted(VISION_FULL))
 def test_quantsim_on_larger_vision_models(name, tmp_path):
     build, shape = VISION_FULL[name]

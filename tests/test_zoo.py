@@ -28,7 +28,7 @@ from fxprep.capture.huggingface import capture_concrete_args
 from fxprep.inputs import normalize_example_inputs
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
-from .helpers import TV_VIT_KWARGS
+from .helpers import TV_VIT_KWARGS, zoo_params
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -163,7 +163,7 @@ def build_torchvision(name: str) -> tuple[nn.Module, Any]:
 
 
 @pytest.mark.zoo
-@pytest.mark.parametrize("name", TV_CLASSIFICATION + TV_SEGMENTATION + TV_VIDEO + TV_FLOW)
+@pytest.mark.parametrize("name", zoo_params(TV_CLASSIFICATION + TV_SEGMENTATION + TV_VIDEO + TV_FLOW))
 def test_torchvision_zoo(name: str) -> None:
     run_zoo_case(build_torchvision, name, TV_KNOWN_FAILURES)
 

@@ -29,7 +29,7 @@ from torch import nn
 import fxprep
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
-from .helpers import TV_VIT_KWARGS
+from .helpers import TV_VIT_KWARGS, zoo_params
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -229,13 +229,13 @@ def test_zoo_subset_train(name: str) -> None:
 
 
 @pytest.mark.zoo
-@pytest.mark.parametrize("name", ALL_MODELS)
+@pytest.mark.parametrize("name", zoo_params(ALL_MODELS))
 def test_zoo_full_eval(name: str) -> None:
     check_model(name, training=False)
 
 
 @pytest.mark.zoo
-@pytest.mark.parametrize("name", ALL_MODELS)
+@pytest.mark.parametrize("name", zoo_params(ALL_MODELS))
 def test_zoo_full_train(name: str) -> None:
     check_model(name, training=True)
 
