@@ -80,12 +80,36 @@ def test_check_traceability_reports_tracers_issues_and_opaque_parts():
     report = fxprep.check_traceability(Net(), example_inputs=torch.randn(2, 8))
     assert not report.traceable and report.hybrid_ok
     assert list(report.opaque) == ["gate"]
-    assert {a.tracer for a in report.attempts} >= {"fx", "fx+leaves"}
+    assert {a.tracer for a in report.attempts} >= {"fx", "dynamo+leaves"}  # prepare_model's order
     assert any(i.category == "data-dependent branch" and i.module == "gate" for i in report.issues)
     text, md = report.to_text(), report.to_markdown()
     assert "would become opaque" in text and "gate" in text
     assert "| `gate` | data-dependent branch |" in md
     assert fxprep.check_traceability(torchvision.models.resnet18(), example_inputs=torch.randn(1, 3, 32, 32)).traceable
+
+
+class RowLoop(nn.Module):
+    """A root only Dynamo can trace (a Python loop over the batch), around a part only eager can run."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = Gate()
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):
+        rows = [self.gate(x[i : i + 1]) for i in range(x.shape[0])]
+        return self.out(torch.cat(rows))
+
+
+def test_check_traceability_names_the_parts_prepare_model_makes_opaque():
+    """Before: check ran fx with opaque parts, which cannot trace the loop at the root, and said
+    "not traceable, even with opaque parts" for a model prepare_model prepares with one opaque part."""
+    model, x = RowLoop().eval(), torch.randn(3, 8)
+    report = fxprep.check_traceability(model, example_inputs=x)
+    assert not report.traceable and report.hybrid_ok
+    gm = fxprep.prepare_model(model, example_inputs=x, progress=False)
+    assert gm.fxprep_report.tracer == "dynamo+leaves"
+    assert list(report.opaque) == list(gm.fxprep_report.leaves) == ["gate"]
 
 
 def test_root_forward_untraceable_fails_with_issue():
