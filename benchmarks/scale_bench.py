@@ -23,9 +23,11 @@ Imports, building the model and one eager forward on ``meta`` happen before the 
 
 Forward overhead (``--forward``, on by default): prepared / eager forward time, on real weights,
 one thread, for resnet50 and mobilenet_v3_small (1x3x224x224) and a 4-layer Llama (hidden 256,
-input 1x16): 3 rounds of 20 forwards of each, interleaved, median per-round ratio. Time is the
-thread's CPU time (``time.thread_time``), which a busy shared machine disturbs far less than the
-wall clock; the wall-clock ratio is shown beside it.
+input 1x16): 3 rounds, each of N calls of the eager model and N of the prepared module alternating
+call by call (N >= 20, enough for ~2 s of eager time: 20 calls of a 7 ms forward move by 10-20%
+from round to round), the ratio of the median calls per round, the median of the 3 rounds. Time is
+the thread's CPU time (``time.thread_time``), which a busy shared machine disturbs far less than
+the wall clock; the wall-clock ratio is shown beside it.
 """
 
 from __future__ import annotations
@@ -180,21 +182,30 @@ def forward_overhead(name: str, rounds: int = 3, per_round: int = 20) -> dict[st
         def prepared() -> Any:
             return gm(x)
 
-    def batch(fn: Any) -> tuple[float, float]:
+    def timed(fn: Any) -> tuple[float, float]:
         cpu, wall = time.thread_time(), time.perf_counter()
-        for _ in range(per_round):
-            fn()
-        return (time.thread_time() - cpu) / per_round, (time.perf_counter() - wall) / per_round
+        fn()
+        return time.thread_time() - cpu, time.perf_counter() - wall
 
     with torch.no_grad():
         for _ in range(5):
             eager()
             prepared()
+        # enough calls that a round lasts ~2 s of eager time (20 at least): a 7 ms forward timed 20
+        # times moves by 10-20% from round to round on a shared machine
+        per_call = min(timed(eager)[0] for _ in range(3))
+        calls = max(per_round, int(2.0 / max(per_call, 1e-4)))
         cpu_ratios, wall_ratios, cpu_eager = [], [], []
         for i in range(rounds):
-            first, second = (eager, prepared) if i % 2 == 0 else (prepared, eager)
-            a, b = batch(first), batch(second)
-            e, p = (a, b) if first is eager else (b, a)
+            # alternate call by call (which goes first alternates too), so a slow second on a shared
+            # machine hits both alike; the median call of each kind per round
+            times: dict[str, list[tuple[float, float]]] = {"eager": [], "prepared": []}
+            for k in range(calls):
+                order = (("eager", eager), ("prepared", prepared)) if (i + k) % 2 == 0 else (("prepared", prepared), ("eager", eager))
+                for kind, fn in order:
+                    times[kind].append(timed(fn))
+            e = [statistics.median(t[j] for t in times["eager"]) for j in (0, 1)]
+            p = [statistics.median(t[j] for t in times["prepared"]) for j in (0, 1)]
             cpu_ratios.append(p[0] / e[0])
             wall_ratios.append(p[1] / e[1])
             cpu_eager.append(e[0])

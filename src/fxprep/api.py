@@ -207,7 +207,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         if rewrite is not None:
             failure.args = (f"{failure.args[0]}\n\n{rewrite.explain()}",)
         raise failure
-    gm = as_prepared(result.gm)
+    gm = as_prepared(result.gm, compiled=False)  # recompiled once, after the passes
     report.tracer = result.tracer
     report.leaves.update(result.extra_leaves)
     reuse = gm.meta.get("fxprep_reuse")

@@ -20,6 +20,7 @@ against (:mod:`fxprep.guard`). Two kinds of copy would lose them or worse:
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch.fx as fx
@@ -35,6 +36,8 @@ from . import guard
 REPORT = "fxprep_report"
 INPUT_SPEC = "fxprep_input_spec"  # a guard.InputSpec: what each call is checked against
 _PRESERVED = getattr(graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
+# Set while as_prepared(..., compiled=False) builds a module: its code is generated later, once.
+_DEFER = threading.local()
 # Node metadata that pickles and means something without the tracer that wrote it.
 _PICKLED_META = ("nn_module_stack", "stack_trace")
 
@@ -57,6 +60,8 @@ class PreparedModule(fx.GraphModule):
         return super().__call__(*args, **kwargs)
 
     def recompile(self) -> PythonCode:
+        if getattr(_DEFER, "active", False):
+            return None  # type: ignore[return-value]  # as_prepared(compiled=False): the caller recompiles
         python_code = super().recompile()
         compile_forward = getattr(graph_module, "_forward_from_src", None)
         if compile_forward is None or getattr(fx_experimental_config, "enrich_profiler_metadata", False):
@@ -73,14 +78,22 @@ class PreparedModule(fx.GraphModule):
         return (_rebuild, (state, _picklable_graph(graph)))
 
 
-def as_prepared(gm: fx.GraphModule) -> PreparedModule:
+def as_prepared(gm: fx.GraphModule, *, compiled: bool = True) -> PreparedModule:
     """``gm`` as a :class:`PreparedModule` sharing its modules and tensors (nothing is copied).
 
     Call it before anything else is attached to ``gm`` (hooks, attributes): like any GraphModule
-    built from a root, it takes over only what the graph references, and ``meta``."""
+    built from a root, it takes over only what the graph references, and ``meta``.
+
+    ``compiled=False`` leaves out generating and compiling its Python code (a ``forward``), for a
+    caller that rewrites the graph and calls :meth:`~PreparedModule.recompile` itself before the
+    module is called: on an 80-layer LLM graph each generation costs ~0.3 s."""
     if isinstance(gm, PreparedModule):
         return gm
-    out = PreparedModule(gm, gm.graph, type(gm).__name__)
+    _DEFER.active = not compiled
+    try:
+        out = PreparedModule(gm, gm.graph, type(gm).__name__)
+    finally:
+        _DEFER.active = False
     out.meta.update(gm.meta)
     out.training = gm.training
     return out

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from ..opaque import is_opaque_module
@@ -86,3 +87,18 @@ class CaptureResult:
     notes: list[str] = field(default_factory=list)
     # Qualified names of modules kept as leaves beyond torch's default rule, with the reason.
     extra_leaves: dict[str, str] = field(default_factory=dict)
+
+
+def graph_module(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph, class_name)`` whose Python code is generated when first needed
+    (torch's own lazy GraphModule, where this torch has it).
+
+    Why: a capture's graph is rewritten by every pass after it and compiled once at the end
+    (``prepare_model``); generating and compiling the code of an 80-layer LLM graph costs ~0.3 s,
+    which a capture that never runs its module would pay for nothing. Called or asked for its
+    ``code``, the module generates it then, as an eager GraphModule would have."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # another torch: the eager GraphModule
+        return fx.GraphModule(root, graph, class_name)
+    return _LazyGraphModule(root, graph, class_name)

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from ...inputs import ExampleInputs
 from ...passes import dynamo_cleanup
-from ..common import LeafPolicy
+from ..common import LeafPolicy, graph_module
 from ..sites import Site
 from .cond import relift_conds
 from .flag import module_method_calls
@@ -143,7 +143,7 @@ def build(dgm: fx.GraphModule, model: nn.Module, names: Names, stacks: Stacks, t
             graph.erase_node(node)
     graph._codegen = torch.fx.graph._PyTreeCodeGen(pytree_info)
     graph.lint()
-    gm = fx.GraphModule(holder.root, graph, type(model).__name__)
+    gm = graph_module(holder.root, graph, type(model).__name__)
     if constants:
         notes.append(
             f"{len(constants)} tensor(s) that are neither parameters nor buffers of the model were baked into "

@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..common import graph_module
 from .blocks import call_inputs, freeze
 from .names import Names, get_path
 from .relift import _free_name, _Holder, _reorder_like
@@ -198,7 +199,7 @@ class Stamper:
             else:
                 holder.install(target, obj)
         self.graph.lint()
-        gm = fx.GraphModule(holder.root, self.graph, type(self.model).__name__)
+        gm = graph_module(holder.root, self.graph, type(self.model).__name__)
         gm.meta.update(route_meta)
         gm.meta["fxprep_constants"] = self.constants
         _reorder_like(gm, self.model)
