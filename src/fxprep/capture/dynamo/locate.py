@@ -3,7 +3,7 @@
 Dynamo reports a failure with the user frames it was tracing (``err.real_stack``: file, line and
 function name of each), but not with the objects running them: the stack says
 ``PixtralAttention.forward`` failed, not *which* attention. The eager model knows: :func:`locate`
-runs it once on the captured inputs with a profile hook (``sys.setprofile``) and stops at every call
+runs it once on the captured inputs with a trace hook (``sys.settrace``, frame entries only) and stops at every call
 of the failing function whose callers are the frames of Dynamo's stack, call line for call line.
 Each such call gives the live frames (their ``self`` objects), from which
 :func:`~fxprep.capture.sites.sites_from_frames` reads the opaque sites. Dynamo traces in program
@@ -126,14 +126,18 @@ def locate(stack: list[tuple[str, str, int]], model: nn.Module, call: ExampleInp
         return None
     target_file, target_name, _ = stack[-1]
     candidates: list[tuple[list[tuple[str, str, int]], list[FrameRecord]]] = []
-    previous = sys.getprofile()
+    previous = sys.gettrace()
 
-    def profile(frame: Any, event: str, arg: Any) -> None:
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        # a global trace function is called once per new Python frame (a profile function would
+        # also be called for every C call and return: several times slower on a detector's forward);
+        # whoever traced before (a debugger, coverage) keeps tracing
+        local = previous(frame, event, arg) if previous is not None else None
         if event != "call" or len(candidates) >= MAX_MATCHES:
-            return
+            return local
         code = frame.f_code
         if code.co_name != target_name or _norm(code.co_filename) != target_file:
-            return
+            return local
         frames = []
         f = frame
         while f is not None:
@@ -145,16 +149,17 @@ def locate(stack: list[tuple[str, str, int]], model: nn.Module, call: ExampleInp
         if _chain_matches(described, stack, exact=False):
             records = [FrameRecord.of(f) for f in frames[len(frames) - len(stack):]]
             candidates.append((described, records))
+        return local
 
     fresh = call.fresh_copy()
     try:
         with preserved_state(model), torch.no_grad():
             torch.manual_seed(SEED)
-            sys.setprofile(profile)
+            sys.settrace(trace)
             try:
                 model(*fresh.args, **fresh.kwargs)
             finally:
-                sys.setprofile(previous)
+                sys.settrace(previous)
     except Exception:  # noqa: BLE001 - the calls seen before an eager failure still locate it
         pass
     if not candidates:
