@@ -429,6 +429,7 @@ def _call_targets(gm: torch.fx.GraphModule) -> list[str]:
 def assert_routes_agree(model: nn.Module, example: Any) -> None:
     from fxprep.capture import dynamo
     from fxprep.capture.common import LeafPolicy
+    from fxprep.capture.dynamo.names import default_leaf
     from fxprep.capture.fx import capture_fx
 
     ex = normalize_example_inputs(example)
@@ -441,7 +442,7 @@ def assert_routes_agree(model: nn.Module, example: Any) -> None:
     assert len({tuple(t) for t in got.values()}) == 1, got
     # Subclasses keeping a torch.nn layer's forward (Conv3DSimple(nn.Conv3d)) are leaves on the Dynamo
     # path; give fx the same rule so the comparison is about capture, not about the leaf rule.
-    inherited = tuple({type(m) for m in model.modules() if m is not model and dynamo.default_leaf(m)
+    inherited = tuple({type(m) for m in model.modules() if m is not model and default_leaf(m)
                        and not type(m).__module__.startswith("torch.")})
     fx_result, _ = capture_fx(model, LeafPolicy(classes=inherited), concrete)
     if fx_result is not None:
