@@ -215,3 +215,12 @@ def test_guard_survives_save_and_load_as_data(tmp_path) -> None:
         manifest.write_text(json.dumps(data))
         with pytest.raises(fxprep.SerializationError, match="input_guard .* malformed"):
             fxprep.load(tmp_path / "saved")
+
+
+def test_branches_are_not_listed_on_meta_and_the_report_says_why() -> None:
+    """On meta (LLM-size models prepared without weights) the second, whole-model Dynamo trace is
+    not paid; the report says the probe's evidence is all there is."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 4, device="meta"), tracer="dynamo", progress=False)
+    assert "the inputs are on meta" in gm.fxprep_report.to_text()

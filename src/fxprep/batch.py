@@ -95,6 +95,10 @@ def _branches(model: nn.Module, example: ExampleInputs, batch: int,
     """The branches on the batch size that restrict it (Dynamo's guards, :mod:`fxprep.capture.dynamo.branches`),
     and why they could not be listed (None when they were). Traced at batch 2 when the example's is 1."""
     traced = max(batch, 2)
+    if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in pytree.tree_leaves((example.args, example.kwargs))):
+        # an LLM-size model prepared on meta with block reuse captures in seconds; a second,
+        # whole-model Dynamo trace would cost several times that
+        return [], "the inputs are on meta, where listing them would cost a second whole-model Dynamo trace"
     try:
         found = batch_branches(model, captured(with_batch(example, batch, traced)), traced)
     except Exception as err:  # noqa: BLE001 - a model Dynamo cannot trace with a symbolic batch: say so
