@@ -41,6 +41,9 @@ from .errors import InputMismatch
 # Spec nodes (plain data, JSON-able): {"kind": "tensor", "shape": [2, None, 8] | None},
 # {"kind": "none"}, {"kind": "seq", "type": "list", "items": [...]}, {"kind": "dict", "items":
 # {key: ...}}, {"kind": "value", "value": 3}, {"kind": "leaf"} (anything but None or a container).
+# A node made from a tensor also keeps the example's own "example": {"shape": [1, 3, 8], "dtype":
+# "float32"}: never checked against a call (``shape`` says what is), but it lets a loaded save be run
+# on fake inputs shaped like the example it was captured on (fxprep.io.selfcheck).
 SCALARS = (bool, int, float, str)
 
 
@@ -97,6 +100,11 @@ def _check_node(node: Any, depth: int) -> None:
     if depth > 64 or not isinstance(node, dict) or not isinstance(node.get("kind"), str) or node["kind"] not in _KINDS:
         raise ValueError("malformed input spec")
     kind = node["kind"]
+    example = node.get("example")
+    if example is not None and not (
+            isinstance(example, dict) and isinstance(example.get("dtype"), str) and isinstance(example.get("shape"), list)
+            and len(example["shape"]) <= 64 and all(type(d) is int and 0 <= d < 2**40 for d in example["shape"])):
+        raise ValueError("malformed input spec")
     if kind == "tensor":
         shape = node.get("shape")
         if shape is not None and not (isinstance(shape, list) and all(d is None or type(d) is int for d in shape)):
@@ -119,10 +127,11 @@ def _describe(value: Any, tracer: str, dynamic: set[int] | None) -> dict[str, An
     if value is None:
         return {"kind": "none"}
     if isinstance(value, torch.Tensor):
+        example = {"shape": [int(s) for s in value.shape], "dtype": str(value.dtype).removeprefix("torch.")}
         if tracer != "dynamo":
-            return {"kind": "leaf"}
+            return {"kind": "leaf", "example": example}
         shape = [None if d in (dynamic or set()) else int(s) for d, s in enumerate(value.shape)]
-        return {"kind": "tensor", "shape": shape}
+        return {"kind": "tensor", "shape": shape, "example": example}
     if isinstance(value, (list, tuple)):
         return {"kind": "seq", "type": "list" if isinstance(value, list) else "tuple",
                 "items": [_describe(v, tracer, None) for v in value]}

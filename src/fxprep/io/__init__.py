@@ -28,6 +28,7 @@ from ..guard import InputSpec
 from ..passes import state_dict as state_dict_pass
 from ..prepared import INPUT_SPEC, REPORT, PreparedModule, set_preserved
 from ..version import __version__
+from . import selfcheck
 from .decode import (
     Decoder,
     assign_tensors,
@@ -99,6 +100,8 @@ def save(
     inputs = input_spec(example_inputs)
     tensors = contiguous_unshared(writer.tensors)
     report = getattr(gm, "fxprep_report", None)
+    guard = getattr(gm, INPUT_SPEC, None)
+    self_check = selfcheck.record(gm, guard)
     target = Path(directory)
     with staged(target, overwrite) as fresh:
         try:
@@ -118,7 +121,8 @@ def save(
                 "devices": sorted({str(t.device) for t in writer.tensors.values()}),
                 "trusted_modules": list(policy.modules),
                 "report": report.to_dict() if report is not None and hasattr(report, "to_dict") else None,
-                "input_guard": guard.to_dict() if (guard := getattr(gm, INPUT_SPEC, None)) is not None else None,
+                "input_guard": guard.to_dict() if guard is not None else None,
+                "self_check": self_check,
                 "sha256": {name: sha256(fresh / name) for name in CHECKED_FILES},
             }
             write_new(fresh / MANIFEST, json.dumps(manifest, indent=1, default=str))
@@ -185,11 +189,15 @@ def load(
         gm.register_state_dict_post_hook(state_dict_pass._drop_aliases)
         gm.register_load_state_dict_pre_hook(state_dict_pass._fill_aliases)
     set_preserved(gm, REPORT, report_from_dict(manifest.get("report"), directory))
+    spec = None
     if manifest.get("input_guard") is not None:  # plain data (fxprep.guard): what each call is checked against
         try:
-            set_preserved(gm, INPUT_SPEC, InputSpec.from_dict(manifest["input_guard"]))
+            spec = InputSpec.from_dict(manifest["input_guard"])
         except ValueError as err:
             raise SerializationError(f"the input_guard in {MANIFEST} is malformed.") from err
+        set_preserved(gm, INPUT_SPEC, spec)
+    # the module does, on fake inputs shaped like its example, what the saved one did (io/selfcheck.py)
+    selfcheck.check(gm, spec, manifest.get("self_check"), str(directory))
     register_with_toolkits()
     return gm
 

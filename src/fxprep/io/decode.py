@@ -29,7 +29,18 @@ from .. import ops
 from ..errors import SerializationError
 from ..report import Report
 from . import allowlist
-from .format import CONTAINERS, GRAPH, LIMITS, MANIFEST, MODULES, TYPES, WEIGHTS, check_shape, entries
+from .format import (
+    CONTAINERS,
+    GRAPH,
+    LIMITS,
+    MANIFEST,
+    MODULES,
+    TYPES,
+    WEIGHTS,
+    check_shape,
+    entries,
+    training_flag,
+)
 from .objects import ObjectReader, class_name, method_function
 from .trust import TrustPolicy, check_attribute, check_getattr, check_member, is_atom
 
@@ -162,7 +173,7 @@ def build_modules(tree: dict[str, Any], decode: Decoder, policy: TrustPolicy) ->
             module = fx.GraphModule(nn.Module(), fx.Graph(), name if name.isidentifier() else "GraphModule")
         else:
             module = _build_one(entry, kind, decode, policy)
-        module.training = bool(entry.get("training", False))
+        module.training = training_flag(entry)
         if path and kind != "owned":
             modules[parent_path]._modules[atom] = module
         modules[path] = module

@@ -39,7 +39,8 @@ from ..inputs import normalize_example_inputs
 
 FORMAT = "fxprep.saved_module"
 # 2: tensor slots and constants record dtype and shape; opaque parts and helper objects.
-FORMAT_VERSION = 2
+# 3: the manifest records the self-check (io/selfcheck.py); input-guard tensors keep the example shape and dtype.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 GRAPH = "graph.json"
 MODULES = "modules.json"
@@ -204,6 +205,15 @@ def entries(container: Any, key: str, path: str) -> list[Any]:
     if len(value) > LIMITS["entries"]:
         raise SerializationError(f"{path} lists {len(value)} {key}, more than any fxprep save ({LIMITS['entries']}).")
     return value
+
+
+def training_flag(entry: dict[str, Any]) -> bool:
+    """A module entry's ``training``: a bool (anything else would be truthy and switch train mode on)."""
+    flag = entry.get("training", False)
+    if type(flag) is not bool:
+        raise SerializationError(f"malformed {MODULES}: {str(entry.get('path'))[:80]!r} has training={str(flag)[:40]!r}, "
+                                 f"not true or false.")
+    return flag
 
 
 def is_save(directory: Path) -> bool:

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import SerializationError
 from .allowlist import canonical_name
-from .format import HOOK_DICTS, MODULE_INTERNALS, own_attrs
+from .format import HOOK_DICTS, MODULE_INTERNALS, own_attrs, training_flag
 from .trust import TrustPolicy, check_attribute, is_default_module_class
 
 
@@ -158,7 +158,7 @@ class ObjectReader:
 
     def _module_parts(self, module: nn.Module, entry: dict[str, Any], decode: Callable[[Any], Any]) -> None:
         cls = type(module)
-        module.training = bool(entry.get("training", False))
+        module.training = training_flag(entry)
         for field_name in ("parameters", "buffers", "children"):
             if not isinstance(entry.get(field_name), dict):
                 raise SerializationError(f"malformed saved {class_name(cls)}: {field_name!r} missing.")
