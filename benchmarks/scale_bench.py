@@ -11,7 +11,9 @@ fresh one-thread process, and the runs interleaved (run 1 of every model and met
 
 * ``fxprep``: ``prepare_model(model, example_inputs=..., tracer="dynamo", verify=False)``, block reuse
   on (the default): capture, re-lifting, functional → module, unrolling, state-dict parity, report;
-* ``fxprep_noreuse``: the same with ``reuse_blocks=False`` (every layer traced by Dynamo);
+* ``fxprep_noreuse``: the same with ``reuse_blocks=False`` (every layer traced by Dynamo); its run
+  also clocks the time spent inside ``torch._dynamo.export``'s call, so fxprep's own work over bare
+  Dynamo is also shown as a ratio inside each run (immune to the run-to-run spread of Dynamo);
 * ``dynamo_export``: fxprep's own ``torch._dynamo.export`` call alone
   (``fxprep.capture.dynamo.export.dynamo_export``, same settings): the floor of any capture that
   starts with a whole-model Dynamo trace;
@@ -33,6 +35,7 @@ the wall clock; the wall-clock ratio is shown beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -89,12 +92,14 @@ def capture(method: str, model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     if method in ("fxprep", "fxprep_noreuse"):
         import fxprep
 
-        gm = fxprep.prepare_model(model, example_inputs=kwargs, verify=False, tracer="dynamo",
-                                  reuse_blocks=method == "fxprep")
+        with dynamo_clock() as inside:
+            gm = fxprep.prepare_model(model, example_inputs=kwargs, verify=False, tracer="dynamo",
+                                      reuse_blocks=method == "fxprep")
         report = fxprep.get_report(gm)
         stamped = sum(len(v) for v in report.reuse.get("captured", {}).values())
         return {"modules": sum(1 for n in gm.graph.nodes if n.op == "call_module"), "stamped": stamped,
-                "blocks_captured": len(report.reuse.get("captured", {})), "timings": report.timings}
+                "blocks_captured": len(report.reuse.get("captured", {})), "timings": report.timings,
+                "inside_dynamo": inside[0]}
     kwargs = {**kwargs, "use_cache": False}  # what fxprep does itself for transformers models
     if method == "dynamo_export":
         from fxprep.capture.dynamo.export import default_route, dynamo_export
@@ -104,6 +109,35 @@ def capture(method: str, model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         return {"nodes": len(result.graph_module.graph.nodes)}
     ep = torch.export.export(model, (), kwargs, strict=False)
     return {"nodes": len(ep.graph.nodes)}
+
+
+@contextlib.contextmanager
+def dynamo_clock() -> Any:
+    """Seconds spent inside ``torch._dynamo.export``'s traced call during the block (a one-item list).
+
+    fxprep's own work over bare Dynamo is then measured inside one run (total / time in Dynamo),
+    beside the ratio of two medians from separate processes, which moves by 30% from run to run."""
+    import torch._dynamo as dynamo
+
+    spent = [0.0]
+    real = dynamo.export
+
+    def export(*args: Any, **kwargs: Any) -> Any:
+        traced = real(*args, **kwargs)
+
+        def call(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return traced(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return call
+
+    dynamo.export = export
+    try:
+        yield spent
+    finally:
+        dynamo.export = real
 
 
 def child(model_name: str, method: str) -> dict[str, Any]:
@@ -286,6 +320,12 @@ def _capture_table(models: list[str], methods: list[str], runs: int, timeout: fl
             n = "" if row["n"] == runs else f" ({row['n']} of {runs} runs)"
             print(f"| {model_name} | {params} | {method}{n} | {row['seconds']:.2f} | {x_base} | {x_floor} "
                   f"| {row['rss']:.0f} |")
+    own = [(m, [r["seconds"] / r["inside_dynamo"] for r in results[(m, "fxprep_noreuse")] if r.get("inside_dynamo")])
+           for m in models if (m, "fxprep_noreuse") in results]
+    if any(v for _, v in own):
+        print("\nfxprep's own work over bare Dynamo, inside each fxprep_noreuse run (prepare time / time in "
+              "torch._dynamo.export's call): " + "; ".join(
+                  f"{m} {statistics.median(v):.3f}x (runs {', '.join(f'{x:.3f}' for x in v)})" for m, v in own if v))
     if "llama7b" in models and "llama70b" in models:
         print("\nDepth (80-layer 70B-shaped / 32-layer 7B-shaped, same method):", ", ".join(
             f"{m} {med[('llama70b', m)]['seconds'] / med[('llama7b', m)]['seconds']:.2f}x"

@@ -8,18 +8,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import gc
 import inspect
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from . import batch, guard, progress
+from . import batch, guard, heap, progress
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 from .capture import cascade, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
@@ -119,30 +117,8 @@ def prepare_model(
     Options are keyword-only; see :class:`fxprep.options.PrepareOptions`.
     """
     title = str(options.get("name") or type(model).__name__)
-    with _frozen_heap(), progress.reporting(options.get("progress"), title):
+    with heap.frozen_heap(), progress.reporting(options.get("progress"), title):
         return _prepare(model, modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs, options)
-
-
-@contextlib.contextmanager
-def _frozen_heap() -> Iterator[None]:
-    """Keep the objects that exist before preparing out of the garbage collector's full passes.
-
-    Why: capture allocates hundreds of thousands of short-lived objects, which sets off a full
-    (oldest-generation) collection, and that pass walks every object in the process: with
-    ``transformers`` imported and a Llama model built, one pass took 0.3 s of a 3 s prepare
-    (measured on the 2-core dev machine). ``gc.freeze()`` moves what already exists to the
-    permanent generation, so a full pass only walks what preparing created; ``gc.unfreeze()``
-    puts it back. Left alone when the caller has frozen objects itself (a pre-fork server does):
-    unfreezing would undo their freeze.
-    """
-    if gc.get_freeze_count() or not gc.isenabled():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclude: Any, concrete_args: Any,

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ... import heap
 from ...inputs import ExampleInputs
 from ...threads import GLOBAL_LOCK
 
@@ -230,7 +231,9 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
     if dynamic_spec is not None:
         kwargs["dynamic_shapes"] = dynamic_spec
     with GLOBAL_LOCK, dynamo.config.patch(**patches), DynamoGlobalState(), DynamoCacheScope():
-        return dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
+        result = dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
+    heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.heap)
+    return result
 
 
 def requiring_grad(call: ExampleInputs) -> ExampleInputs:
