@@ -1,6 +1,7 @@
-"""fxprep.load's self-check (fxprep.io.selfcheck): a re-signed save that loads must not fail on its
-first call. Each edit below gave, before the self-check, a module that loaded without complaint and
-raised inside torch when called (the tamper fuzzer found them: tests/test_tamper_fuzz.py)."""
+"""fxprep.load's self-check (fxprep.io.selfcheck): a re-signed save that loads must compute what the
+saved module computed. Each edit below gave, before the self-check, a module that loaded without
+complaint and then raised inside torch when called, or returned other values (the tamper fuzzer
+found them: tests/test_tamper_fuzz.py)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def test_untouched_save_records_its_outputs_and_loads(saved):
     record = json.loads((directory / io.MANIFEST).read_text())["self_check"]
     with torch.no_grad():
         expected = gm(x)
-    assert record["run"] == "outputs"
-    assert record["outputs"] == {"shape": list(expected.shape), "dtype": "float32"}
+    assert record["run"] == "outputs" and record["device"] == "cpu"
+    assert {k: v for k, v in record["outputs"].items() if k != "sums"} == {"shape": list(expected.shape), "dtype": "float32"}
+    assert len(record["outputs"]["sums"]) == 3
     with torch.no_grad():
         assert torch.equal(io.load(directory)(x), expected)
 
@@ -123,9 +125,32 @@ def test_training_flag_must_be_a_bool(saved):
         io.load(directory)
 
 
+def test_swapped_weights_of_one_shape_are_refused(tmp_path):
+    """Two tensors of the same shape and dtype swapped in the weights header (the form is unchanged:
+    only the values show it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
+    directory = io.save(fxprep.prepare_model(model, example_inputs=torch.randn(2, 8)), tmp_path / "s")
+    path = directory / io.WEIGHTS
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    by_form: dict = {}
+    for key, entry in header.items():
+        if key != "__metadata__":
+            by_form.setdefault((entry["dtype"], tuple(entry["shape"])), []).append(key)
+    a, b = next(keys for keys in by_form.values() if len(keys) >= 2)[:2]
+    header[a], header[b] = header[b], header[a]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    _edit_manifest(directory, lambda m: m["sha256"].update({io.WEIGHTS: io.format.sha256(path)}))
+    with pytest.raises(SerializationError, match="values differ"):
+        io.load(directory)
+
+
 class DataDependent(nn.Module):
-    """``nonzero``: an output size no fake run can know, so the self-check stops there, at save and
-    at load alike, and the save still loads."""
+    """``nonzero``: an output size only a run on real values knows; the probe runs it."""
 
     def __init__(self):
         super().__init__()
@@ -136,17 +161,46 @@ class DataDependent(nn.Module):
         return torch.nonzero(y > 0), y
 
 
-def test_module_that_cannot_run_on_fake_tensors_still_loads(tmp_path):
+def test_data_dependent_module_is_checked_by_its_values(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(4, 8)
     gm = fxprep.prepare_model(DataDependent().eval(), example_inputs=x, tracer="fx")
     directory = io.save(gm, tmp_path / "s")
     record = json.loads((directory / io.MANIFEST).read_text())["self_check"]
-    assert record["run"] == "stopped" and record["error"] != "TypeError"
+    assert record["run"] == "outputs" and record["outputs"]["tuple"][0]["dtype"] == "int64"
     loaded = io.load(directory)
     with torch.no_grad():
         for a, b in zip(loaded(x), gm(x)):
             assert torch.equal(a, b)
+    _edit(directory, io.MODULES, lambda data: _module(data, "fc").update(training=True))  # harmless: no dropout
+    io.load(directory)
+
+
+class OneRowEmbedding(nn.Module):
+    """Runs on its example (ids 0) and fails on the probe (ids 1): the failure is the record."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1, 4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+def test_module_that_fails_on_the_probe_records_where_and_still_loads(tmp_path):
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    gm = fxprep.prepare_model(OneRowEmbedding().eval(), example_inputs=ids)
+    directory = io.save(gm, tmp_path / "s")
+    record = json.loads((directory / io.MANIFEST).read_text())["self_check"]
+    emb = next(n.name for n in gm.graph.nodes if n.op == "call_module" and n.target == "emb")
+    assert (record["run"], record["node"], record["error"]) == ("stopped", emb, "IndexError")
+    with torch.no_grad():
+        assert torch.equal(io.load(directory)(ids), gm(ids))
+    # the same save whose embedding lost its input stops there with another error: refused
+    _edit(directory, io.GRAPH, lambda data: _node(data, "emb").update(args=[]))
+    with pytest.raises(SerializationError, match="does not describe"):
+        io.load(directory)
 
 
 def test_module_saved_without_example_inputs_loads(tmp_path):
@@ -159,8 +213,8 @@ def test_module_saved_without_example_inputs_loads(tmp_path):
 
 
 def test_self_check_leaves_a_train_mode_module_as_saved(tmp_path):
-    """BatchNorm in train mode updates its statistics on every run: the fake runs at save and load
-    must not (nor rebind any buffer to a fake tensor)."""
+    """BatchNorm in train mode updates its statistics on every run: the probe runs at save and load
+    must not."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
     x = torch.randn(2, 3, 8, 8)

@@ -85,6 +85,8 @@ def save(
     replaced whole. Raises :class:`SerializationError` for anything that could not be loaded back (a
     leaf module with unknown constructor state, a function without an importable name, hooks, an
     opaque part outside ``trusted_modules``), naming the module or node; nothing is written then.
+    The module is run once on a probe shaped like its example, and what it computed is recorded for
+    ``load`` to check (:mod:`.selfcheck`).
     """
     if not isinstance(gm, fx.GraphModule):
         raise SerializationError(f"fxprep.save expects a torch.fx.GraphModule, not {type(gm).__name__}.")
@@ -145,7 +147,9 @@ def load(
     (leaves or opaque parts from your own package, torchvision's detectors, timm, transformers):
     each is still checked to be the very object its package defines under that name
     (docs/security.md). ``check_integrity`` compares each file with the checksum in the manifest.
-    Every problem, tampering included, is a :class:`SerializationError` that says what was refused.
+    Every problem, tampering included, is a :class:`SerializationError` that says what was refused;
+    that includes a module that does not compute, on the probe ``save`` recorded, what the saved one
+    did (:mod:`.selfcheck`: the loaded module is run once).
     """
     directory = Path(directory)
     if not directory.is_dir():

@@ -1,49 +1,55 @@
-"""A save's self-check: the loaded module, run on fake inputs shaped like its example, must do what
-the saved module did.
+"""A save's self-check: the loaded module, run on a probe input shaped like its example, must compute
+what the saved module computed.
 
 Checksums prove that files are intact, not that they are the files fxprep wrote: whoever edits one
 can recompute its checksum. Every name in a save is checked by identity (:mod:`.trust`), so an edited
 save cannot run code; but it can still describe a module that is broken in ways no single field
-shows - a call that lost an argument, a convolution given three strides, a weight whose shape was
-transposed, an input guard that no longer accepts the example. Such a module loads, and fails on its
-first call, far from the file at fault (or, worse, in a calibration job hours later).
+shows - a call that lost an argument, a convolution given three strides, two weights of one shape
+swapped, an input guard that no longer accepts the example - and such a module loads and fails, or
+silently computes something else, far from the file at fault. The same run also catches a loader
+bug: a module rebuilt wrongly from honest files.
 
-So :func:`record` runs the module at save time on *fake* tensors (``FakeTensorMode``: shapes and
-dtypes only, no data, no memory, parameters never copied) built from the example the input guard
-describes, and the manifest keeps what that run gave: the outputs' structure, shapes and dtypes, or
-the node where it stopped (data-dependent code, such as a detector's ``nonzero``, cannot run on fake
-tensors; where it stops is as much a property of the module as its outputs). :func:`check` does the
-same run on the loaded module and raises :class:`SerializationError` when the two differ, naming the
-node. A value edit (another weight, another constant of the same shape) is not seen: it describes
-another model of the same form, which no loader can tell from a legitimate save.
+So :func:`record` runs the module once at save time on a *probe*: inputs built from the example the
+input guard describes (its shapes and dtypes; floating values drawn from a fixed seed, integers and
+booleans all ones, which is a valid token id, index and mask), with the RNG seeded (train-mode
+dropout draws the same masks). The manifest keeps what the run gave - the outputs' structure,
+shapes and dtypes and, per tensor, a fingerprint of its values (sum, sum of magnitudes, and a sum
+weighted by a fixed pattern, in float64) - or the node where it stopped and the error's type.
+:func:`check` repeats the run on the loaded module and raises :class:`SerializationError` when the
+two differ, naming the node or the output. Values are compared to a tolerance of 1e-4 of the
+output's magnitude (another CPU's kernels round differently); a module saved from another device
+than it is loaded on is compared by form only (GPU and CPU kernels differ by more).
 
-A save without an input guard (a module prepared without example inputs) records that there was no
-example; the loaded module must then have none either. The run leaves the module exactly as it was
-(:func:`fxprep.runs.preserved_state`).
+What no loader can see: a consistent forgery (files, fingerprint and checksums rewritten together:
+the save then describes another model, which is what a save may do), and a module saved without
+example inputs (nothing to run it on: the record says so, and the loaded module is not checked).
+The run leaves the module exactly as it was (:func:`fxprep.runs.preserved_state`), like a call of
+the loaded module would if it were not for its state updates.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import math
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import guard
 from ..errors import InputMismatch, SerializationError
 from ..guard import InputSpec
-from ..runs import preserved_state
+from ..runs import SEED, preserved_state
 from . import allowlist
 
 _DTYPES = allowlist.dtype_table(torch.dtype)
 _NO_EXAMPLE = {"run": "none", "why": "no example inputs recorded"}
+RTOL = 1e-4
 
 
 class _Stopped(Exception):
-    """The fake run stopped at ``node`` (an input guard refusing the example counts as a node)."""
+    """The probe run stopped at ``node`` (an input guard refusing the probe counts as a node)."""
 
     def __init__(self, node: str, error: BaseException):
         super().__init__(node)
@@ -62,40 +68,65 @@ class _Interpreter(fx.Interpreter):
             raise _Stopped(n.name, err) from err
 
 
-def _example_value(node: dict[str, Any], device: torch.device) -> Any:
-    """The value an input-guard node describes, tensors built empty in the active fake mode; raises
-    LookupError where the guard does not say (a non-tensor leaf, a tensor without its example)."""
+def _probe_value(node: dict[str, Any], device: torch.device, generator: torch.Generator) -> Any:
+    """The probe value for an input-guard node; raises LookupError where the guard does not say (a
+    non-tensor leaf, a tensor recorded without its example)."""
     kind = node["kind"]
     if kind == "none":
         return None
     if kind == "value":
         return node["value"]
     if kind == "seq":
-        items = [_example_value(item, device) for item in node["items"]]
+        items = [_probe_value(item, device, generator) for item in node["items"]]
         return items if node["type"] == "list" else tuple(items)
     if kind == "dict":
-        return {k: _example_value(v, device) for k, v in node["items"].items()}
+        return {k: _probe_value(v, device, generator) for k, v in node["items"].items()}
     example = node.get("example")
     if example is None:
         raise LookupError("an input the guard does not describe")
     dtype = _DTYPES.get(example["dtype"])
     if dtype is None:
         raise SerializationError(f"the input guard names an unknown dtype {str(example['dtype'])[:40]!r}.")
-    return torch.empty(example["shape"], dtype=dtype, device=device)
+    shape = example["shape"]
+    if math.prod(shape) > 2**28:
+        raise LookupError(f"an example input of {math.prod(shape)} elements")
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype).to(device)
+    return torch.ones(shape, dtype=dtype, device=device)
+
+
+def _fingerprint(t: torch.Tensor) -> dict[str, Any]:
+    """Shape, dtype and three float64 sums of ``t``'s values (NaN and inf survive as strings)."""
+    out: dict[str, Any] = {"shape": [int(s) for s in t.shape], "dtype": str(t.dtype).removeprefix("torch.")}
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        return out
+    v = t.detach().flatten()
+    v = torch.view_as_real(v).flatten() if v.is_complex() else v
+    v = v.to(device="cpu", dtype=torch.float64)
+    pattern = torch.cos(torch.arange(v.numel(), dtype=torch.float64) * 0.7548776662466927)  # fixed, not periodic
+    out["sums"] = [_number(v.sum()), _number(v.abs().sum()), _number((v * pattern).sum())]
+    return out
+
+
+def _number(x: torch.Tensor) -> float | str:
+    value = float(x)
+    return value if math.isfinite(value) else str(value)
 
 
 def _describe(value: Any, depth: int = 0) -> Any:
-    """The outputs as JSON data: tensors by shape and dtype, containers by structure."""
+    """The outputs as JSON data: tensors by :func:`_fingerprint`, containers by structure."""
     if depth > 32:
         return {"type": "deep"}
     if isinstance(value, torch.Tensor):
-        return {"shape": [int(s) for s in value.shape], "dtype": str(value.dtype).removeprefix("torch.")}
+        return _fingerprint(value)
     if isinstance(value, (list, tuple)):
         return {type(value).__name__ if type(value) in (list, tuple) else "seq": [_describe(v, depth + 1) for v in value]}
     if isinstance(value, dict):
         return {"dict": [[str(k), _describe(v, depth + 1)] for k, v in value.items()]}
-    if value is None or type(value) in (bool, int, float, str):
+    if value is None or type(value) in (bool, int, str):
         return {"value": value}
+    if type(value) is float:
+        return {"value": _number(torch.tensor(value, dtype=torch.float64))}
     return {"type": type(value).__name__}
 
 
@@ -106,16 +137,19 @@ def _device(gm: torch.nn.Module) -> torch.device:
 
 
 def record(gm: fx.GraphModule, spec: InputSpec | None) -> dict[str, Any]:
-    """What a fake run of ``gm`` on the example ``spec`` describes gives (JSON data for the manifest)."""
+    """What the probe run of ``gm`` gives (JSON data for the manifest)."""
     if spec is None:
         return dict(_NO_EXAMPLE)
     device = _device(gm)
+    generator = torch.Generator().manual_seed(SEED)
+    try:
+        kwargs = {name: _probe_value(node, device, generator) for name, node in spec.params.items()}
+    except LookupError as err:
+        return {"run": "none", "why": str(err)}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    with preserved_state(gm), torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-        try:
-            kwargs = {name: _example_value(node, device) for name, node in spec.params.items()}
-        except LookupError as err:
-            return {"run": "none", "why": str(err)}
+    result: dict[str, Any] = {"device": device.type}
+    with preserved_state(gm), torch.no_grad():
+        torch.manual_seed(SEED)
         try:
             try:
                 guard.check(gm, spec, (), kwargs)
@@ -129,19 +163,21 @@ def record(gm: fx.GraphModule, spec: InputSpec | None) -> dict[str, Any]:
             try:
                 outputs = gm.forward(*args)  # the generated code: fast
             except Exception:  # noqa: BLE001 - run again node by node, to say where
+                torch.manual_seed(SEED)
                 _Interpreter(gm).run(*args)
                 raise
         except _Stopped as stop:
-            return {"run": "stopped", "node": stop.node, "error": type(stop.error).__name__,
+            return {**result, "run": "stopped", "node": stop.node, "error": type(stop.error).__name__,
                     "detail": str(stop.error)[:300]}
         except Exception as err:  # noqa: BLE001 - outside any node (the interpreter itself)
-            return {"run": "stopped", "node": "", "error": type(err).__name__, "detail": str(err)[:300]}
-        return {"run": "outputs", "outputs": json.loads(json.dumps(_describe(outputs)))}
+            return {**result, "run": "stopped", "node": "", "error": type(err).__name__, "detail": str(err)[:300]}
+        return {**result, "run": "outputs", "outputs": json.loads(json.dumps(_describe(outputs)))}
 
 
+# --- comparing ----------------------------------------------------------------------------------------
 def _said(result: dict[str, Any]) -> str:
     if result.get("run") == "outputs":
-        return f"it returned {_short(result.get('outputs'))}"
+        return f"it returned {_short(_form(result.get('outputs')))}"
     if result.get("run") == "stopped":
         return f"it stopped at node {result.get('node')!r} with {result.get('error')}: {str(result.get('detail'))[:200]}"
     return f"it could not be run ({result.get('why')})"
@@ -152,27 +188,69 @@ def _short(outputs: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _key(result: Any) -> Any:
-    """What must agree: the outputs, or where and how the run stopped (not the wording of the error,
-    which may change between torch versions)."""
-    if not isinstance(result, dict):
+def _form(outputs: Any) -> Any:
+    """The outputs without the value fingerprints."""
+    if isinstance(outputs, dict):
+        return {k: _form(v) for k, v in outputs.items() if k != "sums"}
+    if isinstance(outputs, list):
+        return [_form(v) for v in outputs]
+    return outputs
+
+
+def _value_difference(saved: Any, now: Any, path: str = "output") -> str | None:
+    """Where the fingerprints of two outputs of the same form differ beyond the tolerance."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        if "sums" in saved or "sums" in now:
+            a, b = saved.get("sums"), now.get("sums")
+            if not (isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 3):
+                return f"{path}: no value fingerprint to compare"
+            scale = a[1] if isinstance(a[1], float) else 0.0
+            for x, y in zip(a, b):
+                if isinstance(x, str) or isinstance(y, str):
+                    if x != y:
+                        return f"{path}: {x} when saved, {y} now"
+                elif not isinstance(x, float | int) or not isinstance(y, float | int) or abs(x - y) > RTOL * scale + 1e-6:
+                    return f"{path}: values differ (sums {a} when saved, {b} now)"
+            return None
+        for k in saved:
+            found = _value_difference(saved[k], now.get(k), path)
+            if found:
+                return found
         return None
-    if result.get("run") == "stopped":
-        return ("stopped", result.get("node"), result.get("error"))
-    if result.get("run") == "outputs":
-        return ("outputs", json.dumps(result.get("outputs"), sort_keys=True))
-    return ("none", result.get("why"))
+    if isinstance(saved, list) and isinstance(now, list):
+        for i, (x, y) in enumerate(zip(saved, now)):
+            found = _value_difference(x, y, f"{path}[{i}]")
+            if found:
+                return found
+    return None
 
 
 def check(gm: fx.GraphModule, spec: InputSpec | None, saved: Any, where: str) -> None:
-    """Raise :class:`SerializationError` unless ``gm`` run on its example does what the save recorded."""
+    """Raise :class:`SerializationError` unless ``gm`` run on its probe does what the save recorded."""
     if not isinstance(saved, dict) or saved.get("run") not in ("outputs", "stopped", "none"):
         raise SerializationError(f"{where} has no valid self_check record (written by every fxprep.save): "
                                  f"the manifest was edited or damaged.")
     now = record(gm, spec)
-    if _key(now) == _key(saved):
-        return
-    raise SerializationError(
-        f"{where} does not describe the module that was saved: run on fake inputs shaped like its example, "
-        f"{_said(now)}; when it was saved, {_said(saved)}. The files were changed after saving (their "
-        f"checksums may have been recomputed): load a save as fxprep.save wrote it.")
+    problem = None
+    if now.get("run") != saved.get("run"):
+        problem = "differs"
+    elif now["run"] == "stopped":
+        if (now.get("node"), now.get("error")) != (saved.get("node"), saved.get("error")):
+            problem = "differs"  # not the wording of the error, which may change between torch versions
+    elif now["run"] == "none":
+        if now.get("why") != saved.get("why"):
+            problem = "differs"
+    elif json.dumps(_form(now.get("outputs")), sort_keys=True) != json.dumps(_form(saved.get("outputs")), sort_keys=True):
+        problem = "differs"
+    elif saved.get("device") == now.get("device"):
+        found = _value_difference(saved.get("outputs"), now.get("outputs"))
+        if found:
+            raise SerializationError(
+                f"{where} does not describe the module that was saved: run on its probe input (the example's "
+                f"shapes, fixed values), {found}. The files were changed after saving (their checksums may have "
+                f"been recomputed): load a save as fxprep.save wrote it.")
+    if problem:
+        raise SerializationError(
+            f"{where} does not describe the module that was saved: run on its probe input (the example's shapes, "
+            f"fixed values), {_said(now)}; when it was saved, {_said(saved)}. The files were changed after saving "
+            f"(their checksums may have been recomputed): load a save as fxprep.save wrote it.")
