@@ -14,8 +14,8 @@ For every mutated save:
 * no dangerous object (``os.system``, ``eval``, the FakeQuantize class, the sentinel, the canary's
   own stand-ins...) may end up anywhere in the loaded module: as a graph target, a module's class,
   an op's callable or any attribute value, however deep;
-* a canary (recording stand-ins for ``os.system``, ``subprocess.Popen``, ``eval`` (other than torch.fx
-  reading an operator's schema), ``exec`` other than fx compiling its generated forward, ``torch.hub.load``, ``pickle``, ``shutil.rmtree``,
+* a canary (recording stand-ins for ``os.system``, ``subprocess.Popen``, ``eval``, ``exec`` other
+  than fx compiling its generated forward, ``torch.hub.load``, ``pickle``, ``shutil.rmtree``,
   ``torch.load``; ``importlib.import_module`` / ``__import__`` of code from outside the installed
   packages; a planted ``hubconf.py``; a sentinel function and a sentinel file that payloads such as
   ``touch <file>`` would create) is armed around each load and each run of the loaded module, and
@@ -135,10 +135,6 @@ class Canary:
         self.real_import_module = importlib.import_module
         self.fx_exec = torch.fx.graph_module._exec_with_source.__code__
         self.op_exec = fxprep.ops._caller.__code__
-        # torch.fx reading an operator's TorchScript schema (fake tensors normalise arguments with it):
-        # eval of a type string from torch's own op registry, with a fixed table of torch types
-        self.schema_eval = torch.fx.operator_schemas._torchscript_type_to_python_type.__code__
-        self.real_eval = builtins.eval
         self.installed = tuple({sys.prefix, sys.base_prefix, str(Path(fxprep.__file__).parents[1])})
         self.bad = {id(obj) for obj in _dangerous_objects()}  # and every stand-in below
         self._keep: list[Any] = []
@@ -176,23 +172,15 @@ class Canary:
             self._keep.append(import_)
             return import_
 
-        def eval_(source: Any, *args: Any, **kwargs: Any) -> Any:
-            if sys._getframe(1).f_code is self.schema_eval:
-                return self.real_eval(source, *args, **kwargs)
-            CALLS.append(f"builtins.eval{str(source)[:200]}")
-            raise RuntimeError("canary: builtins.eval called")
-
-        for stand_in in (exec_, eval_):
-            self.bad.add(id(stand_in))
-            self._keep.append(stand_in)
+        self.bad.add(id(exec_))
+        self._keep.append(exec_)
         with self.monkeypatch.context() as m:
             for target, attr in [(os, "system"), (os, "popen"), (os, "execv"), (os, "execve"), (os, "spawnv"),
-                                 (subprocess, "Popen"),
+                                 (subprocess, "Popen"), (builtins, "eval"),
                                  (torch.hub, "load"), (pickle, "loads"), (pickle, "load"), (pickle, "Unpickler"),
                                  (shutil, "rmtree"), (torch, "load"), (torch, "save")]:
                 m.setattr(target, attr, record(f"{getattr(target, '__name__', target)}.{attr}"))
             m.setattr(builtins, "exec", exec_)
-            m.setattr(builtins, "eval", eval_)
             # importing installed modules is how a trusted package's class is found; importing code from
             # anywhere else (a hubconf.py next to the save) is not
             m.setattr(builtins, "__import__", importing(self.real_import, "import"))
