@@ -18,14 +18,6 @@ from fxprep.errors import SerializationError
 from tests.test_io import _edit, _module, _node
 
 
-@pytest.fixture
-def saved(tmp_path):
-    model = ModelWithReusedReLU().eval()
-    x = torch.randn(1, 3, 32, 32)
-    gm = fxprep.prepare_model(model, example_inputs=x)
-    return io.save(gm, tmp_path / "saved"), gm, x
-
-
 def _edit_manifest(directory, change) -> None:
     path = directory / io.MANIFEST
     manifest = json.loads(path.read_text())
@@ -33,8 +25,8 @@ def _edit_manifest(directory, change) -> None:
     path.write_text(json.dumps(manifest))
 
 
-def test_untouched_save_records_its_outputs_and_loads(saved):
-    directory, gm, x = saved
+def test_untouched_save_records_its_outputs_and_loads(seed_save):
+    directory, gm, x = seed_save
     record = json.loads((directory / io.MANIFEST).read_text())["self_check"]
     with torch.no_grad():
         expected = gm(x)
@@ -45,8 +37,8 @@ def test_untouched_save_records_its_outputs_and_loads(saved):
         assert torch.equal(io.load(directory)(x), expected)
 
 
-def test_call_that_lost_its_argument_is_refused_naming_the_node(saved):
-    directory, _, x = saved
+def test_call_that_lost_its_argument_is_refused_naming_the_node(seed_save):
+    directory, _, x = seed_save
     names = {}
 
     def change(data):
@@ -59,8 +51,8 @@ def test_call_that_lost_its_argument_is_refused_naming_the_node(saved):
         io.load(directory)
 
 
-def test_call_given_an_extra_argument_is_refused(saved):
-    directory, _, x = saved
+def test_call_given_an_extra_argument_is_refused(seed_save):
+    directory, _, x = seed_save
 
     def change(data):
         node = _node(data, "fc1")
@@ -72,8 +64,8 @@ def test_call_given_an_extra_argument_is_refused(saved):
 
 
 @pytest.mark.parametrize("field,value", [("stride", [1, 1, 1]), ("dilation", []), ("padding", None)])
-def test_convolution_with_impossible_arguments_is_refused(saved, field, value):
-    directory, _, x = saved
+def test_convolution_with_impossible_arguments_is_refused(seed_save, field, value):
+    directory, _, x = seed_save
 
     def change(data):
         init = _module(data, "conv1")["init"]
@@ -84,15 +76,15 @@ def test_convolution_with_impossible_arguments_is_refused(saved, field, value):
         io.load(directory)
 
 
-def test_changed_stride_changes_the_form_and_is_refused(saved):
-    directory, _, x = saved
+def test_changed_stride_changes_the_form_and_is_refused(seed_save):
+    directory, _, x = seed_save
     _edit(directory, io.MODULES, lambda data: _module(data, "conv1")["init"].update(stride={"$": "tuple", "v": [2, 2]}))
     with pytest.raises(SerializationError, match="when it was saved, it returned"):
         io.load(directory)
 
 
-def test_input_guard_that_rejects_its_own_example_is_refused(saved):
-    directory, _, x = saved
+def test_input_guard_that_rejects_its_own_example_is_refused(seed_save):
+    directory, _, x = seed_save
 
     def change(manifest):
         manifest["input_guard"]["params"]["x"]["shape"] = [None, 3, 32]
@@ -104,8 +96,8 @@ def test_input_guard_that_rejects_its_own_example_is_refused(saved):
 
 @pytest.mark.parametrize("record", [None, {"run": "maybe"}, [], {"run": "outputs", "outputs": {"shape": [1, 11], "dtype": "float32"}},
                                     {"run": "none", "why": "no example inputs recorded"}])
-def test_missing_or_edited_record_is_refused(saved, record):
-    directory, _, _ = saved
+def test_missing_or_edited_record_is_refused(seed_save, record):
+    directory, _, _ = seed_save
 
     def change(manifest):
         if record is None:
@@ -118,8 +110,8 @@ def test_missing_or_edited_record_is_refused(saved, record):
         io.load(directory)
 
 
-def test_training_flag_must_be_a_bool(saved):
-    directory, _, _ = saved
+def test_training_flag_must_be_a_bool(seed_save):
+    directory, _, _ = seed_save
     _edit(directory, io.MODULES, lambda data: _module(data, "conv1").update(training={"$": "fn", "v": "torch.relu"}))
     with pytest.raises(SerializationError, match="training="):
         io.load(directory)

@@ -17,17 +17,14 @@ from torch import nn
 
 import fxprep
 from fxprep import io
-from fxprep.cli.demo import ModelWithElementwiseAddOp, ModelWithReusedReLU
+from fxprep.cli.demo import ModelWithElementwiseAddOp
 from fxprep.errors import SerializationError
 from tests.test_io import _edit, _module, _node
 
 
 @pytest.fixture
-def saved(tmp_path):
-    model = ModelWithReusedReLU().eval()
-    x = torch.randn(1, 3, 32, 32)
-    gm = fxprep.prepare_model(model, example_inputs=x)
-    return io.save(gm, tmp_path / "saved"), gm, x
+def saved(seed_save):
+    return seed_save  # tests/conftest.py
 
 
 def _resign(directory: Path, name: str) -> None:
