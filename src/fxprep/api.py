@@ -22,7 +22,6 @@ from .arguments import check_concrete_args, check_model, defaults_as_concrete, l
 from .capture import cascade, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
 from .capture.fx import mode_notes, trace_failure
-from .capture.leaves import capture_hybrid
 from .capture.rewrite import branches
 from .errors import EquivalenceError, InputMismatch, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
@@ -159,18 +158,21 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
             result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
         else:
             result, attempts = capture(model, tracers, policy, concrete, example, opts)
-        if result is None and opts.fallback == "leaf":  # Dynamo again, the failing parts opaque
-            result = _dynamo_leaves(model, policy, concrete, example, opts, attempts, report, rewrite)
         sites: list[Any] = []
-        # the hybrid capture is fx-based: never the answer to a forced tracer="dynamo"
-        if result is None and opts.fallback == "leaf" and opts.tracer != "dynamo":
-            progress.stage("capture: fx with the untraceable parts opaque")
+        if result is None and opts.fallback == "leaf":  # Dynamo again with the failing parts opaque, then fx
             with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
-                result, attempt, sites = capture_hybrid(model, policy, concrete, prepared_call, opts.autowrap_functions,
-                                                        handled=rewrite.learn if rewrite is not None else None)
-            attempts.append(attempt)
+                result, sites = cascade.capture_with_opaque_parts(
+                    model, policy, concrete, example, attempts, fx_too=opts.tracer != "dynamo", dynamic=opts.dynamic,
+                    autowrap_functions=opts.autowrap_functions, handled=rewrite.learn if rewrite is not None else None)
     report.issues.extend(issue for _, issue in sites)
-    if result is not None and sites:
+    if result is not None and sites and result.tracer.startswith("dynamo"):
+        report.note(
+            f"{len(sites)} part(s) could not be captured by Dynamo and run eagerly as opaque calls (see 'kept as "
+            f"leaves'); their outputs were recorded from the example inputs: sizes that followed the data stay "
+            f"symbolic, but Python values they return (ints, list lengths, None-ness) are the example's, so "
+            f"inputs giving different ones need verify_inputs=[...] to be checked."
+        )
+    elif result is not None and sites:
         report.note(
             f"{len(sites)} part(s) could not be traced and run eagerly as opaque calls (see 'kept as "
             f"leaves'); their output structure (list lengths, None-ness) was recorded from the example "
@@ -280,34 +282,6 @@ def _note_state(report: Report, verification: Verification) -> None:
             f"prepared module does (a counter or running value the original's forward updates and the graph "
             f"does not, or the reverse). Outputs matched on this call; later calls may not."
         )
-
-
-def _dynamo_leaves(model: nn.Module, policy: LeafPolicy, concrete: dict[str, Any] | None, example: ExampleInputs | None,
-                   opts: PrepareOptions, attempts: list[CaptureAttempt], report: Report, rewrite: Any) -> CaptureResult | None:
-    """The opaque-leaf fallback on the Dynamo path (:mod:`fxprep.capture.dynamo.fallback`), started
-    from the whole-model Dynamo failure; None when there was none or the fallback failed too."""
-    failed = next((a for a in attempts if a.tracer == "dynamo" and a.exception is not None), None)
-    if failed is None or example is None or failed.exception is None:
-        return None
-    from .capture.dynamo.fallback import capture_dynamo_leaves
-
-    progress.stage("capture: Dynamo with the untraceable parts opaque")
-    bound = rewrite.bound() if rewrite is not None else contextlib.nullcontext()
-    with bound, preserved_state(model):
-        result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete, failed.exception,
-                                                       dynamic=opts.dynamic,
-                                                       handled=rewrite.learn if rewrite is not None else None)
-    attempts.append(attempt)
-    if result is not None:
-        report.issues.extend(issue for _, issue in sites)
-        if sites:
-            report.note(
-                f"{len(sites)} part(s) could not be captured by Dynamo and run eagerly as opaque calls (see 'kept as "
-                f"leaves'); their outputs were recorded from the example inputs: sizes that followed the data stay "
-                f"symbolic, but Python values they return (ints, list lengths, None-ness) are the example's, so "
-                f"inputs giving different ones need verify_inputs=[...] to be checked."
-            )
-    return result
 
 
 def register_with_toolkits() -> None:

@@ -20,7 +20,6 @@ from torch import nn
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 from .capture import cascade, huggingface
 from .capture.common import CaptureAttempt
-from .capture.leaves import capture_hybrid
 from .diagnose import (
     CUSTOM_OP,
     DATA_DEPENDENT_BRANCH,
@@ -33,9 +32,8 @@ from .diagnose import (
     is_user_file,
     module_at,
 )
-from .inputs import normalize_example_inputs, split_calls
+from .inputs import normalize_example_inputs
 from .report import Report, RewrittenSite
-from .runs import preserved_state
 from .threads import GLOBAL_LOCK
 
 # Tracers that capture the model whole (the hybrid leaf fallback is reported apart).
@@ -228,7 +226,7 @@ def _check_traceability(model: Any, example_inputs: Any, modules_to_exclude: Any
             if attempt.exception is not None:
                 out.issues += diagnose(attempt.exception, attempt.tracer.replace("hf_fx", "fx"), model)
     if not out.traceable:
-        result, sites = _opaque_capture(model, policy, concrete, example, out.attempts)
+        result, sites = cascade.capture_with_opaque_parts(model, policy, concrete, example, out.attempts)
         out.hybrid_ok = result is not None
         for site, issue in sites:
             out.opaque[site.qualname] = issue
@@ -239,27 +237,6 @@ def _check_traceability(model: Any, example_inputs: Any, modules_to_exclude: Any
         if control_flow and found:
             out.control_flow, out.rewrite_tracer = _rewrite(model, policy, example, concrete, found)
     return out
-
-
-def _opaque_capture(model: nn.Module, policy: Any, concrete: dict[str, Any] | None, example: Any,
-                    attempts: list[CaptureAttempt]) -> tuple[Any, list[tuple[Any, Issue]]]:
-    """The capture with opaque parts that ``prepare_model`` would use, in its order: Dynamo with the
-    failing parts opaque (dynamo+leaves) when Dynamo failed on example inputs, else (or when that
-    fails too) fx with them (fx+leaves). The parts listed are that capture's, so the check names
-    the same opaque parts the prepared module's report will."""
-    failed = next((a.exception for a in attempts if a.tracer == "dynamo" and a.exception is not None), None)
-    if failed is not None and example is not None:
-        from .capture.dynamo.fallback import capture_dynamo_leaves
-
-        with preserved_state(model):
-            result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete, failed)
-        attempts.append(attempt)
-        if result is not None:
-            return result, sites
-    hybrid_call = split_calls(model, example, concrete)[1] if example is not None else None
-    result, attempt, sites = capture_hybrid(model, policy, concrete, hybrid_call)
-    attempts.append(attempt)
-    return result, sites
 
 
 def _rewrite(model: nn.Module, policy: Any, example: Any, concrete: dict[str, Any] | None, issues: list[Issue]

@@ -18,10 +18,12 @@ from torch import nn
 
 from .. import progress
 from ..errors import InvalidInput
-from ..inputs import ExampleInputs, normalize_example_inputs
+from ..inputs import ExampleInputs, normalize_example_inputs, split_calls
+from ..runs import preserved_state
 from . import dynamo_available, huggingface
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
 from .fx import capture_fx, restored_attributes
+from .leaves import capture_hybrid
 
 NO_INPUTS_DYNAMO = ("No example_inputs: Dynamo captured with inputs built from the model config "
                     "(input_ids, attention_mask, ...); the result is not verified.")
@@ -103,3 +105,42 @@ def capture(
         if result is not None:
             return result, attempts
     return None, attempts
+
+
+def capture_with_opaque_parts(
+    model: nn.Module,
+    policy: LeafPolicy,
+    concrete_args: dict[str, Any] | None,
+    example: ExampleInputs | None,
+    attempts: list[CaptureAttempt],
+    *,
+    fx_too: bool = True,
+    dynamic: Any = None,
+    autowrap_functions: tuple[Any, ...] = (),
+    handled: Callable[[BaseException], bool] | None = None,
+) -> tuple[CaptureResult | None, list[Any]]:
+    """The fallback after every whole-model tracer failed, in the one order ``prepare_model`` and
+    ``check_traceability`` share: Dynamo again with the failing parts opaque (``dynamo+leaves``,
+    when Dynamo failed on example inputs), then fx with them (``fx+leaves``, unless ``fx_too`` is
+    False: a forced ``tracer="dynamo"`` never takes fx's result). Returns the capture (None when both
+    failed) and its opaque parts as ``(site, issue)`` pairs; each run is appended to ``attempts``.
+    The model is left as it was (:func:`fxprep.runs.preserved_state`)."""
+    failed = next((a.exception for a in attempts if a.tracer == "dynamo" and a.exception is not None), None)
+    if failed is not None and example is not None:
+        from .dynamo.fallback import capture_dynamo_leaves
+
+        progress.stage("capture: Dynamo with the untraceable parts opaque")
+        with preserved_state(model):
+            result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete_args, failed,
+                                                           dynamic=dynamic, handled=handled)
+        attempts.append(attempt)
+        if result is not None:
+            return result, sites
+    if not fx_too:
+        return None, []
+    progress.stage("capture: fx with the untraceable parts opaque")
+    hybrid_call = split_calls(model, example, concrete_args)[1] if example is not None else None
+    result, attempt, sites = capture_hybrid(model, policy, concrete_args, hybrid_call, autowrap_functions,
+                                            handled=handled)
+    attempts.append(attempt)
+    return result, sites
