@@ -42,8 +42,8 @@ from .errors import InputMismatch
 # {"kind": "none"}, {"kind": "seq", "type": "list", "items": [...]}, {"kind": "dict", "items":
 # {key: ...}}, {"kind": "value", "value": 3}, {"kind": "leaf"} (anything but None or a container).
 # A node made from a tensor also keeps the example's own "example": {"shape": [1, 3, 8], "dtype":
-# "float32"}: never checked against a call (``shape`` says what is), but it lets a loaded save be run
-# on fake inputs shaped like the example it was captured on (fxprep.io.selfcheck).
+# "float32"}: never checked against a call (``shape`` says what is), but it lets a save be run on a
+# probe shaped like the example it was captured on (fxprep.io.selfcheck).
 SCALARS = (bool, int, float, str)
 
 

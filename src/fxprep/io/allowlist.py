@@ -200,7 +200,9 @@ def torchvision_classes() -> dict[str, type]:
     return _module_classes((TORCHVISION_OPS,))
 
 
+@functools.cache
 def dtype_table(kind: type) -> dict[str, Any]:
     """``{"float32": torch.float32, ...}`` for dtypes, layouts and memory formats, from torch's own
-    module dict (never ``getattr(torch, saved_name)``, which may import submodules)."""
+    module dict (never ``getattr(torch, saved_name)``, which may import submodules); built once per
+    kind (the loader and the self-check read the same table; nobody writes to it)."""
     return {str(v).removeprefix("torch."): v for v in list(vars(torch).values()) if isinstance(v, kind)}

@@ -43,7 +43,6 @@ from ..guard import InputSpec
 from ..runs import SEED, preserved_state
 from . import allowlist
 
-_DTYPES = allowlist.dtype_table(torch.dtype)
 _NO_EXAMPLE = {"run": "none", "why": "no example inputs recorded"}
 RTOL = 1e-4
 
@@ -84,7 +83,7 @@ def _probe_value(node: dict[str, Any], device: torch.device, generator: torch.Ge
     example = node.get("example")
     if example is None:
         raise LookupError("an input the guard does not describe")
-    dtype = _DTYPES.get(example["dtype"])
+    dtype = allowlist.dtype_table(torch.dtype).get(example["dtype"])
     if dtype is None:
         raise SerializationError(f"the input guard names an unknown dtype {str(example['dtype'])[:40]!r}.")
     shape = example["shape"]
@@ -104,12 +103,12 @@ def _fingerprint(t: torch.Tensor) -> dict[str, Any]:
     v = torch.view_as_real(v).flatten() if v.is_complex() else v
     v = v.to(device="cpu", dtype=torch.float64)
     pattern = torch.cos(torch.arange(v.numel(), dtype=torch.float64) * 0.7548776662466927)  # fixed, not periodic
-    out["sums"] = [_number(v.sum()), _number(v.abs().sum()), _number((v * pattern).sum())]
+    out["sums"] = [_number(float(v.sum())), _number(float(v.abs().sum())), _number(float((v * pattern).sum()))]
     return out
 
 
-def _number(x: torch.Tensor) -> float | str:
-    value = float(x)
+def _number(value: float) -> float | str:
+    """JSON has no NaN or infinity: those are kept as their names."""
     return value if math.isfinite(value) else str(value)
 
 
@@ -126,7 +125,7 @@ def _describe(value: Any, depth: int = 0) -> Any:
     if value is None or type(value) in (bool, int, str):
         return {"value": value}
     if type(value) is float:
-        return {"value": _number(torch.tensor(value, dtype=torch.float64))}
+        return {"value": _number(value)}
     return {"type": type(value).__name__}
 
 
