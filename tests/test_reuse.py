@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
 import fxprep
@@ -281,6 +282,58 @@ def test_shared_submodules_are_not_reused() -> None:
     model = nn.Sequential(Tied(), Tied(), Tied()).eval()
     reuse = assert_reuse_exact(model, torch.randn(2, 4))
     assert reuse == {}  # 1.fc is 0.fc: a stamped copy would name it differently from a whole capture
+
+
+class FunctionalLayer(nn.Module):
+    """Functional ops around one layer: ``F.linear`` on its own parameters (becomes an ``nn.Linear``
+    bound to them), an arithmetic op and an activation (become fxprep op modules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.weight = nn.Parameter(torch.randn(8, 8))
+        self.bias = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(F.linear(self.norm(x), self.weight, self.bias) * 0.5 + x)
+
+
+def _added(gm: fx.GraphModule) -> list[tuple[str, str, str]]:
+    return [(a.name, a.cls, a.reason) for a in fxprep.get_report(gm).added]
+
+
+def test_blocks_converted_once_get_their_own_op_modules_bound_to_their_own_weights() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[FunctionalLayer() for _ in range(3)]).eval()
+    x = torch.randn(2, 8)
+    reuse = assert_reuse_exact(model, x)
+    assert _stamped(reuse) == {"0": ["1", "2"]}
+    reused = fxprep.prepare_model(model, example_inputs=x)
+    whole = fxprep.prepare_model(model, example_inputs=x, reuse_blocks=False)
+    # the report lists the same modules, in graph order, as the whole-graph conversion
+    assert _added(reused) == _added(whole)
+    assert [name for name, _, _ in _added(reused)][:3] == ["0.linear", "0.mul", "0.add"]
+    for i, layer in enumerate(model):
+        linear = reused.get_submodule(f"{i}.linear")
+        assert linear.weight is layer.weight and linear.bias is layer.bias  # that layer's own
+    ops = [reused.get_submodule(f"{i}.mul") for i in range(3)]
+    assert len({id(m) for m in ops}) == 3  # one module per call site (toolkits attach quantizers to each)
+    layer = model[2]
+    layer.weight.data.mul_(2)  # the prepared module follows the user's parameters
+    with torch.no_grad():
+        assert torch.equal(reused(x), model(x))
+
+
+def test_a_name_taken_in_one_instance_is_not_stamped_over() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[FunctionalLayer() for _ in range(3)]).eval()
+    model[2].mul = 3  # an attribute where the first layer's conversion puts its Mul module
+    x = torch.randn(2, 8)
+    reused = fxprep.prepare_model(model, example_inputs=x)
+    whole = fxprep.prepare_model(model, example_inputs=x, reuse_blocks=False)
+    assert _shape(reused) == _shape(whole) and _added(reused) == _added(whole)
+    assert "2.mul_1" in dict(reused.named_modules()) and model[2].mul == 3
+    assert _stamped(fxprep.get_report(reused).reuse) == {"0": ["1", "2"]}  # still reused, converted afterwards
 
 
 def test_signature_tells_leaf_settings_apart() -> None:

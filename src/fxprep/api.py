@@ -56,7 +56,23 @@ def capture(
                            autowrap_functions=opts.autowrap_functions, dynamic=opts.dynamic,
                            # block reuse stays off while control-flow sites are rewritten (their methods are
                            # bound to single instances for the capture)
-                           reuse=opts.reuse_blocks and opts.control_flow is None)
+                           reuse=opts.reuse_blocks and opts.control_flow is None,
+                           block_pass=_block_conversion(model, opts))
+
+
+def _block_conversion(model: nn.Module, opts: PrepareOptions) -> Any:
+    """The functional-to-module pass for each repeated block, run once before the block is stamped
+    out (with block reuse): converting an 80-layer LLM node by node on the whole graph cost ~0.25 s
+    of a 2 s prepare. It is the pass :func:`_prepare` runs on the whole graph, which then reports
+    these modules and converts the rest."""
+    if not opts.convert_functionals:
+        return None
+
+    def convert(block: fx.GraphModule, first: nn.Module) -> None:
+        values.annotate(block)
+        functional_to_module.run(block, training=model.training, original=first, recompile=False)
+
+    return convert
 
 
 def _restore_output_type(gm: fx.GraphModule, reference: Any) -> None:
@@ -78,6 +94,7 @@ def _match_modes(gm: fx.GraphModule, model: nn.Module) -> None:
     """Give modules fxprep created the training flag of the scope they came from; the user's own
     module objects are left exactly as they are (setting gm.train() would flip them)."""
     originals = {id(m) for m in model.modules()}
+    scopes = dict(model.named_modules(remove_duplicate=False))
     gm.training = model.training
     for name, module in gm.named_modules():
         if id(module) in originals or module is gm:
@@ -86,11 +103,9 @@ def _match_modes(gm: fx.GraphModule, model: nn.Module) -> None:
         mode = model.training
         while scope:
             scope = scope.rpartition(".")[0]
-            try:
-                mode = model.get_submodule(scope).training if scope else model.training
+            if scope in scopes:
+                mode = scopes[scope].training
                 break
-            except AttributeError:
-                continue
         if "." not in name:
             mode = model.training
         module.training = mode

@@ -229,10 +229,13 @@ class BoundOp(nn.Module):
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None):
         super().__init__()
-        self.fn = fn
-        self.args = tuple(args)
-        self.kwargs = dict(kwargs or {})
-        self.num_inputs = _count_slots((self.args, self.kwargs))
+        args, kwargs = tuple(args), dict(kwargs or {})
+        if isinstance(fn, (nn.Module, torch.Tensor)):  # nn.Module's bookkeeping, then the call compiled
+            self.fn, self.args, self.kwargs = fn, args, kwargs
+        else:  # plain attributes: written directly (an LLM graph builds thousands of these)
+            self.__dict__.update(fn=fn, args=args, kwargs=kwargs)
+            self._rebuild()
+        self.__dict__["num_inputs"] = _count_slots((args, kwargs))
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)

@@ -61,6 +61,7 @@ def run_tracer(
     autowrap_functions: tuple[Callable[..., Any], ...] = (),
     dynamic: Any = None,
     reuse: bool = False,
+    block_pass: Any = None,
 ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """One tracer's capture (never raises for a capture failure); every attempt it made."""
     if name == "fx":
@@ -79,7 +80,8 @@ def run_tracer(
         return None, []
     changed: list[str] = []
     with restored_attributes(model, changed):  # Dynamo marks the root (_is_torch_compile)
-        result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=dynamic, reuse=reuse)
+        result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=dynamic, reuse=reuse,
+                                         block_pass=block_pass)
     return result, [attempt]
 
 
@@ -93,14 +95,17 @@ def capture(
     autowrap_functions: tuple[Callable[..., Any], ...] = (),
     dynamic: Any = None,
     reuse: bool = False,
+    block_pass: Any = None,
 ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """Run the tracers in order until one succeeds; every attempt is returned for the report
-    (``reuse``: Dynamo captures each repeated block once, :mod:`fxprep.capture.dynamo.reuse`)."""
+    (``reuse``: Dynamo captures each repeated block once, :mod:`fxprep.capture.dynamo.reuse`;
+    ``block_pass``: run once on each such block before it is stamped out)."""
     attempts: list[CaptureAttempt] = []
     for k, name in enumerate(tracers, 1):
         progress.stage(f"capture {k}/{len(tracers)}: {name}")
         result, tried = run_tracer(name, model, policy, concrete_args, example,
-                                   autowrap_functions=autowrap_functions, dynamic=dynamic, reuse=reuse)
+                                   autowrap_functions=autowrap_functions, dynamic=dynamic, reuse=reuse,
+                                   block_pass=block_pass)
         attempts += tried
         if result is not None:
             return result, attempts

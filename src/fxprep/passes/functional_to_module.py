@@ -466,6 +466,9 @@ def _left_reason(node: fx.Node) -> str:
     return "not a torch op fxprep knows how to turn into a module: kept as a call"
 
 
+UNREPORTED = "fxprep_unreported"  # node meta: (class name, reason) of a conversion not yet in a report
+
+
 def run(gm: fx.GraphModule, *, training: bool = False, original: nn.Module | None = None,
         report: Report | None = None, recompile: bool = True) -> fx.GraphModule:
     """Replace every tensor-computing functional node of ``gm`` by a ``call_module``.
@@ -473,10 +476,17 @@ def run(gm: fx.GraphModule, *, training: bool = False, original: nn.Module | Non
     ``training`` is the mode the graph was captured in (decides which dropouts follow the module
     mode). ``original`` is the user's model, consulted so new names never collide with its
     attributes. Nodes must carry ``meta['fxprep_kind']`` (see :mod:`fxprep.passes.values`).
+    Without a ``report``, each module added is marked on its node and reported by the run over
+    the graph the node is later copied into (a repeated block converted once, then stamped out).
     """
     taken: set[str] = set()
     used_attrs: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
+        if node.op == "call_module" and UNREPORTED in node.meta:  # converted in a block before it was stamped out
+            cls_name, reason = node.meta.pop(UNREPORTED)
+            if report is not None:
+                report.module_added(str(node.target), cls_name, reason)
+            continue
         rep = replacement_for(gm, node, training)
         if rep is None:
             if node.op in ("call_function", "call_method") and not is_allowed_functional(node) \
@@ -493,6 +503,8 @@ def run(gm: fx.GraphModule, *, training: bool = False, original: nn.Module | Non
             new = gm.graph.call_module(qualname, tuple(rep.inputs), {})
         new.meta = dict(node.meta)
         new.meta["fxprep_origin"] = _describe_target(node)
+        if report is None:  # reported when the graph it is stamped into is converted (block reuse)
+            new.meta[UNREPORTED] = (type(rep.module).__name__, rep.reason)
         node.replace_all_uses_with(new)
         used_attrs.update(n for n in node.all_input_nodes if n.op == "get_attr")
         gm.graph.erase_node(node)

@@ -39,9 +39,11 @@ def run(gm: fx.GraphModule, *, share_parameters: bool = True, original: nn.Modul
         report: Report | None = None, recompile: bool = True) -> fx.GraphModule:
     """Give every ``call_module`` node its own module object (identity decides reuse, not names)."""
     calls: dict[int, list[fx.Node]] = {}
+    modules = dict(gm.named_modules(remove_duplicate=False))  # one walk, not one per node (LLM graphs: thousands)
     for node in gm.graph.nodes:
         if node.op == "call_module":
-            calls.setdefault(id(gm.get_submodule(node.target)), []).append(node)
+            module = modules.get(str(node.target))
+            calls.setdefault(id(module if module is not None else gm.get_submodule(node.target)), []).append(node)
     taken: set[str] = set()
     for nodes in calls.values():
         if len(nodes) < 2:

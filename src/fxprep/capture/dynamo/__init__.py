@@ -82,6 +82,7 @@ def capture_dynamo(
     opaque: list[Site] | None = None,
     records: dict[Site, list[Recorded]] | None = None,
     reuse: bool = True,
+    block_pass: Any = None,
 ) -> tuple[CaptureResult | None, CaptureAttempt]:
     """Capture ``model`` with Dynamo and re-lift it to module level.
 
@@ -91,7 +92,9 @@ def capture_dynamo(
     more parts Dynamo must call without tracing into (the excluded modules always are, see
     :mod:`.opaque`); ``records`` caches their eager recordings across calls. ``reuse``: capture
     each repeated block once and stamp its graph out for the others (:mod:`.reuse`; flag route,
-    static shapes, no opaque parts). Never raises for a capture failure.
+    static shapes, no opaque parts); ``block_pass(block_gm, first_instance)`` is then run once on
+    each repeated block before it is stamped out (:func:`.reuse.capture_reusing`). Never raises
+    for a capture failure.
     """
     start = time.perf_counter()
     if route not in ROUTES:
@@ -126,7 +129,7 @@ def capture_dynamo(
                         f"block was captured by the whole-model capture.")
                 if reuse and current == "flag" and spec is None and not box:
                     reused = capture_reusing(model, policy, call, capture_call, prepared_call, current, guard,
-                                             attempt_notes)
+                                             attempt_notes, block_pass)
                 if reused is not None:
                     gm, extra = reused
                 else:

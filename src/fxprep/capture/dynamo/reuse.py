@@ -32,6 +32,7 @@ group, and the stub never copies a parameter (fake copies hold no data).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +47,9 @@ from ..common import LeafPolicy
 from .blocks import call_inputs, find_groups, freeze, guard_differences, guard_key, input_key, self_guards
 from .export import AttributeGuard, dynamo_export
 from .relift import ROUTE_META, follow_input_device, relift
-from .stamp import Stamper, block_output_signature, foreign_attributes
+from .stamp import Stamper, block_output_signature, converted_block, foreign_attributes, names_free
 
+BlockPass = Callable[[fx.GraphModule, nn.Module], Any]  # (block graph, its first instance) -> rewritten in place
 STUB_MODULE = "torch.nn.fxprep_block"  # Dynamo calls a module whose class lives in torch.nn as one node
 REUSE_META = "fxprep_reuse"
 
@@ -364,11 +366,14 @@ def _capture_group(group: list[Member], recorded: Any, policy: LeafPolicy, route
 
 def capture_reusing(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_call: ExampleInputs,
                     prepared_call: ExampleInputs, route: str, guard: AttributeGuard,
-                    notes: list[str]) -> tuple[fx.GraphModule, dict[str, str]] | None:
+                    notes: list[str], convert: BlockPass | None = None) -> tuple[fx.GraphModule, dict[str, str]] | None:
     """The model captured with each repeated block captured once (see the module docstring), or
     None when nothing repeats or reuse does not work out here (then the caller captures the whole
     model). ``call`` is what Dynamo is called with, ``capture_call`` the same without grad-requiring
-    inputs (the eager recording run), ``prepared_call`` how the prepared module is called."""
+    inputs (the eager recording run), ``prepared_call`` how the prepared module is called.
+    ``convert(block_gm, first_instance)``: a pass the caller runs on the whole graph later, run
+    once on each repeated block's graph before it is stamped out (the work of a pass that goes
+    node by node then does not grow with depth); it must give what it gives on the whole graph."""
     descend: set[int] = set()
     uncached: set[Any] = set()
     for _ in range(4):  # a retry looks inside blocks whose output one call cannot return, or computes more
@@ -382,7 +387,8 @@ def capture_reusing(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, c
             return None
         stubs = _Stubs(instances, uncached)
         try:
-            return _capture(model, policy, call, capture_call, prepared_call, route, guard, notes, stubs, qualnames)
+            return _capture(model, policy, call, capture_call, prepared_call, route, guard, notes, stubs, qualnames,
+                            convert)
         except Exception as err:  # noqa: BLE001 - reuse is an optimisation: the whole-model capture decides
             guard.reset()
             if isinstance(err, _OtherOutput) and err.key not in uncached:
@@ -404,7 +410,8 @@ def _first_line(err: BaseException) -> str:
 
 def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_call: ExampleInputs,
              prepared_call: ExampleInputs, route: str, guard: AttributeGuard, notes: list[str],
-             stubs: _Stubs, qualnames: dict[int, str]) -> tuple[fx.GraphModule, dict[str, str]]:
+             stubs: _Stubs, qualnames: dict[int, str],
+             convert: BlockPass | None) -> tuple[fx.GraphModule, dict[str, str]]:
     instances = stubs.instances
     with stubs:
         result = dynamo_export(model, call, route, None)
@@ -449,12 +456,19 @@ def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_
     stamper = Stamper(outer, model)
     for done in captured:
         first = done.members[0]
+        block, made = done.gm, None
+        if convert is not None and len({id(m.module) for m in done.members}) == len(done.members) > 1:
+            # converted once here rather than once per instance on the whole graph; an instance
+            # called twice keeps the whole-graph conversion (its second call's ops get other names)
+            converted = converted_block(done.gm, convert, first.module)
+            if converted is not None and names_free(converted[1], [m.module for m in done.members[1:]]):
+                block, made = converted
         for member in done.members:
             returned = stubs.returned.get(id(member.module), set())
             if returned != {block_output_signature(done.gm)}:
                 raise _OtherOutput(f"the graph captured from '{first.name}' returns another structure than "
                                    f"'{member.name}' did in the outer capture", instances[id(member.module)][1])
-            stamper.inline(member.node, done.gm, first.module, member.name, member.module)
+            stamper.inline(member.node, block, first.module, member.name, member.module, made)
             for leaf, why in done.extra.items():
                 extra[f"{member.name}.{leaf}"] = why
         info.captured[first.name] = [m.name for m in done.members[1:] if m.name != first.name]

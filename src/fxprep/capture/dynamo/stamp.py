@@ -16,6 +16,7 @@ whole-model capture.
 
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Any
 
@@ -118,11 +119,19 @@ class Stamper:
         self.objects: dict[str, Any] = {}  # get_attr target -> object, for targets stamped in
         self.constants: list[str] = list(outer.meta.get("fxprep_constants", []))
         self.taken: set[str] = {str(n.target) for n in self.graph.nodes if n.op == "get_attr"}
+        self.added: dict[str, nn.Module] = {}  # call_module target -> a module a pass made in a block
+        self.tensors: dict[int, dict[int, str]] = {}  # id(first instance) -> its tensors' paths
 
     def inline(self, call: fx.Node, block: fx.GraphModule, first: nn.Module, prefix: str,
-               instance: nn.Module) -> None:
+               instance: nn.Module, made: dict[str, nn.Module] | None = None) -> None:
         """Replace ``call`` (of ``instance``, at ``prefix``) by a copy of ``block``, the graph
-        captured from ``first``."""
+        captured from ``first``. ``made``: the block's modules that passes created (functional
+        ops turned into modules, :func:`converted_block`), by target: each instance gets its own
+        copy, bound to its own tensors."""
+        made = made or {}
+        if made and id(first) not in self.tensors:
+            self.tensors[id(first)] = _tensor_names(first)
+        tensors = self.tensors.get(id(first), {})
         flat, _ = call_inputs(call)
         placeholders = [n for n in block.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(flat):
@@ -140,6 +149,8 @@ class Stamper:
                 new = self.graph.node_copy(node, lambda n: env[n])
                 if node.op == "call_module":
                     new.target = f"{prefix}.{node.target}"
+                    if node.target in made:
+                        self._add(new.target, str(node.target), made[str(node.target)], first, instance, tensors)
                 elif node.op == "get_attr":
                     new.target = self._attr(str(node.target), block, first, prefix, instance)
                 stack = dict(outer_stack)
@@ -152,6 +163,14 @@ class Stamper:
         if call.users:
             raise StampError(f"'{call.name}' is still used after inlining")
         self.graph.erase_node(call)
+
+    def _add(self, qual: str, target: str, module: nn.Module, first: nn.Module, instance: nn.Module,
+             tensors: dict[int, str]) -> None:
+        # the name the pass chose in the first instance must be free in this one too (on the whole
+        # graph the pass would have chosen another)
+        if qual in self.added or _has_attribute(instance, target):
+            raise StampError(f"'{qual}' is taken: a module made in the block cannot be placed there")
+        self.added[qual] = module if instance is first else _instance_copy(module, instance, tensors)
 
     def _attr(self, target: str, block: fx.GraphModule, first: nn.Module, prefix: str, instance: nn.Module) -> str:
         obj = get_path(block, target)
@@ -179,8 +198,9 @@ class Stamper:
         holder = _Holder()
         for node in self.graph.nodes:
             if node.op == "call_module":
+                module = self.added.get(str(node.target))
                 try:
-                    module = self.model.get_submodule(str(node.target))
+                    module = self.model.get_submodule(str(node.target)) if module is None else module
                 except AttributeError as err:
                     raise StampError(f"no submodule '{node.target}'") from err
                 holder.install(str(node.target), module)
@@ -204,3 +224,86 @@ class Stamper:
         gm.meta["fxprep_constants"] = self.constants
         _reorder_like(gm, self.model)
         return gm
+
+
+def converted_block(block: fx.GraphModule, convert: Any,
+                    first: nn.Module) -> tuple[fx.GraphModule, dict[str, nn.Module]] | None:
+    """``block`` (captured from ``first``) run through ``convert(gm, first)`` (a pass rewriting a
+    graph module in place: fxprep's functional-to-module conversion), on a copy: so each op of a repeated block is converted once,
+    then stamped out, rather than once per layer on the whole graph. Returns the converted copy and
+    the modules the pass made, by target; None when one of them cannot be copied per instance
+    (one with submodules), and then the block is stamped as captured and converted on the whole graph."""
+    graph = copy.deepcopy(block.graph)  # nodes copied, their metadata shared (fx's Graph.__deepcopy__)
+    converted = graph_module(block, graph, type(block).__name__)
+    converted.meta.update(block.meta)
+    convert(converted, first)
+    made: dict[str, nn.Module] = {}
+    for node in converted.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = converted.get_submodule(str(node.target))
+        try:
+            own = block.get_submodule(str(node.target)) is module
+        except AttributeError:
+            own = False
+        if not own:
+            if module._modules:
+                return None
+            made[str(node.target)] = module
+    return converted, made
+
+
+def names_free(made: dict[str, nn.Module], instances: list[nn.Module]) -> bool:
+    """Whether every instance has nothing where the block's made modules go (the pass chose the
+    names in the first instance; on the whole graph it would choose others where one is taken)."""
+    return not any(_has_attribute(instance, target) for instance in instances for target in made)
+
+
+def _tensor_names(root: nn.Module) -> dict[int, str]:
+    """Every parameter and buffer of ``root`` by identity, with its path."""
+    out: dict[int, str] = {}
+    for name, tensor in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
+        out.setdefault(id(tensor), name)
+    return out
+
+
+def _instance_copy(module: nn.Module, instance: nn.Module, tensors: dict[int, str]) -> nn.Module:
+    """A copy of ``module`` (made by a pass inside the first instance's block graph) for ``instance``:
+    the same class and settings, its own containers, and every tensor of the first instance it held
+    (an ``F.linear``'s weight turned into an ``nn.Linear``) replaced by ``instance``'s tensor at the
+    same path. Not ``copy.copy``: that pickles a module's state (slow, and a BoundOp names its
+    callable on the way)."""
+    new = object.__new__(type(module))
+    state = {k: v.copy() if isinstance(v, (dict, set, list)) else v for k, v in module.__dict__.items()}
+    new.__dict__.update(state)
+    for kind in ("_parameters", "_buffers"):
+        held = new.__dict__[kind]
+        for key, tensor in held.items():
+            if tensor is None:
+                continue
+            path = tensors.get(id(tensor))
+            if path is None:
+                raise StampError(f"'{type(module).__name__}' holds a tensor that is not the block's own")
+            try:
+                held[key] = get_path(instance, path)
+            except AttributeError as err:
+                raise StampError(f"the instance has no '{path}'") from err
+    return new
+
+
+def _has_attribute(root: nn.Module, path: str) -> bool:
+    """Whether ``root`` has anything at ``path``; submodules are looked up in ``_modules`` (an
+    attribute miss on a module raises inside ``nn.Module.__getattr__``, slow in a loop over layers)."""
+    *steps, last = path.split(".")
+    obj: Any = root
+    for atom in steps:
+        if isinstance(obj, nn.Module) and atom in obj._modules:
+            obj = obj._modules[atom]
+        elif hasattr(obj, atom):
+            obj = getattr(obj, atom)
+        else:
+            return False
+    if isinstance(obj, nn.Module) and type(obj).__getattr__ is nn.Module.__getattr__:
+        return (last in obj._modules or last in obj._parameters or last in obj._buffers or last in obj.__dict__
+                or hasattr(type(obj), last))
+    return hasattr(obj, last)

@@ -51,12 +51,15 @@ def _one_module_per_call_site(gm: fx.GraphModule, original: nn.Module | None, sh
     Besides per-call-site statistics, this keeps every call site visible to a toolkit walking
     ``named_modules()``, which lists an object once: a branch calling the very object the top
     graph calls would keep calling the original after the toolkit swapped the top one."""
+    branches = _branches(gm)
+    if not branches:  # the usual case: nothing to look up (an LLM graph has thousands of call sites)
+        return
     users = {id(m) for m in original.modules()} if original is not None else set()
     first: dict[int, str] = {}
     for node in gm.graph.nodes:
         if node.op == "call_module":
             first.setdefault(id(gm.get_submodule(str(node.target))), str(node.target))
-    for path, branch in _branches(gm):
+    for path, branch in branches:
         taken: set[str] = set()
         targets = [str(n.target) for n in branch.graph.nodes if n.op == "call_module"]
         for node in branch.graph.nodes:
