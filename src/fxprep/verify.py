@@ -48,6 +48,27 @@ def flatten_output(value: Any, path: str = "out") -> list[tuple[str, Any]]:
     return [(path, value)]
 
 
+def _key_order_differences(ref: Any, got: Any, path: str = "out") -> list[tuple[str, list[Any], list[Any]]]:
+    """``(path, original keys, prepared keys)`` of each dict in the outputs that has the same keys in
+    another order.
+
+    Why: a ``ModelOutput`` rebuilt from its pytree (as every prepared module's output is) has its
+    keys in the class's field order, while the original may have set a field after the others
+    (transformers 5.24's Llava sets ``image_outputs.pooler_output`` last). Values by key are what a
+    user reads; the order matters only to positional access (``out[1]``), so it is stated, not failed."""
+    found: list[tuple[str, list[Any], list[Any]]] = []
+    if isinstance(ref, dict) and isinstance(got, dict):
+        if list(ref) != list(got) and set(ref) == set(got):
+            found.append((path, list(ref), list(got)))
+        for k in ref:
+            if k in got:
+                found += _key_order_differences(ref[k], got[k], f"{path}[{k!r}]")
+    elif isinstance(ref, (tuple, list)) and isinstance(got, (tuple, list)):
+        for i, (a, b) in enumerate(zip(ref, got)):
+            found += _key_order_differences(a, b, f"{path}[{i}]")
+    return found
+
+
 def run_original(model: nn.Module, example: ExampleInputs, what: str = "the example inputs") -> tuple[Any, dict[str, Any]]:
     """The reference run of the user's model: its output, and the state it leaves behind
     (:func:`fxprep.runs.observed_state`, restored afterwards). Its failure is the user's to fix,
@@ -105,6 +126,12 @@ def _compare(ref: Any, got: Any, rtol: float, atol: float,
                 continue
             kept.append((path, value))
         ref_leaves = kept
+    reordered = _key_order_differences(ref, got)
+    if reordered and sorted(p for p, _ in ref_leaves) == sorted(p for p, _ in got_leaves):
+        by_path = dict(got_leaves)
+        got_leaves = [(p, by_path[p]) for p, _ in ref_leaves]
+        out.accepted.extend(f"{p}: the same keys in another order (original {a}, prepared {b}); compared key by key"
+                            for p, a, b in reordered)
     if [p for p, _ in ref_leaves] != [p for p, _ in got_leaves]:
         out.worst, out.problem = math.inf, (
             f"output structure differs: original {[p for p, _ in ref_leaves]} vs prepared {[p for p, _ in got_leaves]}"

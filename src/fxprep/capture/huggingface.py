@@ -56,12 +56,13 @@ def capture_concrete_args(model: nn.Module, concrete_args: dict[str, Any] | None
     return {**(concrete_args or {}), "use_cache": False}
 
 
-# What a transformers model captured with use_cache=False does not return that the original may.
-ABSENT_WITHOUT_CACHE = {"past_key_values": "captured with use_cache=False"}
+# What a transformers model captured with use_cache=False does not return that the original may
+# (the output is named ``cache`` from transformers 5.24 on, ``past_key_values`` before).
+ABSENT_WITHOUT_CACHE = {"past_key_values": "captured with use_cache=False", "cache": "captured with use_cache=False"}
 CACHE_OFF_NOTE = (
     "transformers model captured with use_cache=False (fxprep's default when you do not fix use_cache): a KV "
     "cache is not part of a graph to quantize, and Dynamo cannot capture cache objects. The prepared module "
-    "returns no past_key_values where the original, called with its default use_cache=True, does; "
+    "returns no past_key_values (or cache) where the original, called with its default use_cache=True, does; "
     "verification compares everything else and states this difference. Pass concrete_args={'use_cache': "
     "False} to say you expect it."
 )

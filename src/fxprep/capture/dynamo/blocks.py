@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..common import LeafPolicy
-from .names import Names, _SourceParser, default_leaf
+from .names import Names, _SourceParser, canonical_source, default_leaf, self_alias
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _MISSING = object()
@@ -286,12 +286,14 @@ def _len(value: Any) -> int | None:
         return None
 
 
-def self_guards(guards: Iterable[Any]) -> list[tuple[str, str]]:
-    """``(source, kind)`` of every guard on the block (``L['self']...``); guards on the inputs are
-    covered by :func:`input_key`, guards on globals hold for every instance alike."""
+def self_guards(guards: Iterable[Any], block: nn.Module) -> list[tuple[str, str]]:
+    """``(source, kind)`` of every guard on the block (``L['self']...``, however its ``forward``'s
+    frame names it: :func:`~.names.self_alias`); guards on the inputs are covered by
+    :func:`input_key`, guards on globals hold for every instance alike."""
     out: dict[tuple[str, str], None] = {}
+    alias = self_alias(block)
     for guard in guards:
-        name = str(getattr(guard, "name", ""))
+        name = canonical_source(str(getattr(guard, "name", "")), alias)
         if "L['self']" not in name and 'L["self"]' not in name:
             continue
         kind = _guard_kind(guard)

@@ -10,6 +10,7 @@ user's very objects: this module maps modules and tensors to their qualified nam
 
 from __future__ import annotations
 
+import inspect
 import operator
 import re
 from dataclasses import dataclass
@@ -180,6 +181,28 @@ def resolve_source(text: str, root: nn.Module) -> Any:
         return None
 
 
+def self_alias(module: nn.Module) -> re.Pattern[str] | None:
+    """How Dynamo names ``module`` in the frame of its own ``forward`` when that is not
+    ``L['self']`` (a pattern matching it), else None.
+
+    Why: a ``forward`` wrapped by a decorator whose wrapper takes ``(*args, **kwargs)`` (transformers
+    5.24's ``deprecate_kwarg`` on every Llama-family ``forward``) is the frame Dynamo traces, and
+    there ``self`` is ``args[0]``: the module stack says ``L['args'][0].model.embed_tokens``. Only a
+    wrapper with no named positional parameter qualifies; in ``forward(self, *args)`` the varargs
+    are inputs."""
+    fn = getattr(module.forward, "__func__", module.forward)
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_argcount or code.co_posonlyargcount or not code.co_flags & inspect.CO_VARARGS:
+        return None
+    name = code.co_varnames[code.co_kwonlyargcount]
+    return re.compile(r"L\[(['\"])" + re.escape(name) + r"\1\]\[0\]")
+
+
+def canonical_source(text: str, alias: re.Pattern[str] | None) -> str:
+    """``text`` with the traced module named ``L['self']`` (see :func:`self_alias`)."""
+    return text if alias is None else alias.sub("L['self']", text)
+
+
 def _source_path(text: str) -> str:
     """A readable dotted path from a source name (only for modules outside the user's tree)."""
     text = re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", text)
@@ -206,6 +229,7 @@ class Stacks:
     def __init__(self, model: nn.Module, names: Names):
         self.model = model
         self.names = names
+        self.alias = self_alias(model)
         self.cache: dict[tuple[str, str], Frame] = {}
 
     def frame(self, key: str, source: str, cls: type) -> Frame:
@@ -213,7 +237,7 @@ class Stacks:
         if cached is not None:
             return cached
         base, _, k = key.partition("@")
-        obj = resolve_source(source, self.model) if isinstance(source, str) else None
+        obj = resolve_source(canonical_source(source, self.alias), self.model) if isinstance(source, str) else None
         if not isinstance(obj, nn.Module) and base.isdigit():
             obj = self.names.module_objs.get(int(base))  # inlined route: keys are id(module)
         module = obj if isinstance(obj, nn.Module) else None

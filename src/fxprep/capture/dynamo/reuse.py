@@ -334,7 +334,7 @@ def _capture_group(group: list[Member], recorded: Any, policy: LeafPolicy, route
     guard.reset()
     notes: list[str] = []
     gm, extra = relift(result.graph_module, first.module, policy, call, call, route, notes, device_literals=False)
-    sources = self_guards(result.guards)
+    sources = self_guards(result.guards, first.module)
     foreign = foreign_attributes(gm, first.module)
     same, rest = [first], []
     for member in group[1:]:

@@ -1,0 +1,138 @@
+"""Forwards behind a ``(*args, **kwargs)`` decorator, and outputs whose keys were set out of order.
+
+transformers 5.24 wraps every Llama-family ``forward`` in ``deprecate_kwarg``, whose wrapper takes
+``(*args, **kwargs)``: Dynamo then traces the wrapper's frame, where the module is ``args[0]``, and
+names it ``L['args'][0]`` in module stacks and guards instead of ``L['self']``. The same release has
+Llava set ``image_outputs.pooler_output`` after building the output, so the original's keys are in
+another order than a ``ModelOutput`` rebuilt from its pytree. These tests build both situations
+without depending on which transformers version is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+import fxprep
+from fxprep.capture.dynamo.names import canonical_source, self_alias
+
+
+def passes_through(fn: Any) -> Any:
+    """A decorator like transformers' ``deprecate_kwarg``: the wrapper names no parameter."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+class Block(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.scale = scale  # a Python attribute the forward reads: Dynamo guards on it
+
+    @passes_through
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + torch.relu(self.fc(x)) * self.scale)
+
+
+class Net(nn.Module):
+    def __init__(self, scales: list[float]) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(Block(s) for s in scales)
+        self.head = nn.Linear(8, 2)
+
+    @passes_through
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class Plain(nn.Module):
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return args[0]
+
+
+def test_alias_only_for_a_wrapper_that_names_no_parameter() -> None:
+    alias = self_alias(Net([1.0]))
+    assert alias is not None
+    assert canonical_source("getattr(L['args'][0].layers, '0').fc", alias) == "getattr(L['self'].layers, '0').fc"
+    assert canonical_source('type(L["args"][0].layers)', alias) == "type(L['self'].layers)"
+    assert self_alias(nn.Linear(2, 2)) is None
+    assert self_alias(Plain()) is None  # forward(self, *args): args[0] is an input, not the module
+
+
+def test_wrapped_forwards_prepare_module_level_on_dynamo() -> None:
+    torch.manual_seed(0)
+    model = Net([1.0, 1.0, 1.0]).eval()
+    x = torch.randn(2, 4)
+    gm = fxprep.prepare_model(model, example_inputs=(x,), tracer="dynamo")
+    report = fxprep.get_report(gm)
+    assert report.tracer == "dynamo" and report.verification.status == "passed"
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    for name in ("embed", "layers.0.fc", "layers.1.norm", "layers.2.fc", "head"):
+        assert name in called
+        assert gm.get_submodule(name) is model.get_submodule(name)
+    assert report.reuse["captured"] == {"layers.0": ["layers.1", "layers.2"]}
+    torch.testing.assert_close(gm(x * 3), model(x * 3))
+
+
+def test_a_guarded_attribute_behind_a_wrapper_keeps_blocks_apart() -> None:
+    """The guards on ``scale`` name the block ``L['args'][0]``: they must still be read as the
+    block's own, or the third block would be stamped from the first and compute with its scale."""
+    torch.manual_seed(0)
+    model = Net([1.0, 1.0, 3.0]).eval()
+    x = torch.randn(2, 4)
+    gm = fxprep.prepare_model(model, example_inputs=(x,), tracer="dynamo")
+    report = fxprep.get_report(gm)
+    assert report.verification.status == "passed"
+    assert report.reuse["captured"].get("layers.0") == ["layers.1"]
+    assert "scale" in report.reuse["why"]["layers.2"]
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_output_keys_set_out_of_order_are_compared_key_by_key_and_stated() -> None:
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.pool = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            h = self.fc(x)
+            out = BaseModelOutputWithPooling(last_hidden_state=h, hidden_states=(x, h))
+            out.pooler_output = self.pool(h.mean(0))  # set last: after hidden_states
+            return out
+
+    model = Encoder().eval()
+    x = torch.randn(3, 8)
+    assert list(model(x)) == ["last_hidden_state", "hidden_states", "pooler_output"]
+    gm = fxprep.prepare_model(model, example_inputs=(x,), tracer="dynamo")
+    verification = fxprep.get_report(gm).verification
+    assert verification.status == "passed"
+    assert "the same keys in another order" in verification.detail and "pooler_output" in verification.detail
+    got = gm(x)
+    for key in ("last_hidden_state", "pooler_output"):
+        torch.testing.assert_close(got[key], model(x)[key])
+
+
+def test_a_missing_key_is_still_a_structure_difference() -> None:
+    """Only a reordering is accepted: an output the prepared module lacks still fails."""
+    from fxprep.verify import _compare
+
+    a, b = torch.ones(2), torch.zeros(2)
+    assert _compare({"x": a, "y": b}, {"y": b, "x": a}, 1e-4, 1e-5).problem is None
+    assert "structure differs" in (_compare({"x": a, "y": b}, {"x": a}, 1e-4, 1e-5).problem or "")
+    swapped = _compare({"x": a, "y": b}, {"y": a, "x": b}, 1e-4, 1e-5)  # reordered, and x/y swapped
+    assert swapped.worst == 1.0 and swapped.accepted
