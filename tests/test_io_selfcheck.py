@@ -219,3 +219,30 @@ def test_self_check_leaves_a_train_mode_module_as_saved(tmp_path):
         assert state.keys() == before.keys()
         for k, v in before.items():
             assert type(state[k]) is torch.Tensor and torch.equal(state[k], v), k
+
+
+@pytest.mark.parametrize("device", [None, "", "gpu0", 3, ["cpu"]])
+def test_record_naming_no_device_is_refused(seed_save, device):
+    """The tamper fuzzer's find: with the record's device edited, the values went uncompared, and a
+    second edit (an argument duplicated in the graph) loaded and computed other outputs."""
+    directory, _, _ = seed_save
+    _edit_manifest(directory, lambda m: m["self_check"].update(device=device))
+    with pytest.raises(SerializationError, match="self_check"):
+        io.load(directory)
+
+
+def test_a_save_said_to_be_from_another_device_is_still_compared_by_value(tmp_path):
+    """Claiming the save was made on a GPU loosens the tolerance; it does not switch the check off."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
+    directory = io.save(fxprep.prepare_model(model, example_inputs=torch.randn(2, 8)), tmp_path / "s")
+    _edit_manifest(directory, lambda m: m["self_check"].update(device="cuda"))
+    io.load(directory)  # an honest save from another device loads
+
+    def scale(manifest):
+        sums = manifest["self_check"]["outputs"]["sums"]
+        sums[0] = sums[0] + 0.5 * sums[1]  # values half the outputs' magnitude away
+
+    _edit_manifest(directory, scale)
+    with pytest.raises(SerializationError, match="values differ"):
+        io.load(directory)

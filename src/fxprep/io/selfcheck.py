@@ -18,7 +18,9 @@ weighted by a fixed pattern, in float64) - or the node where it stopped and the 
 :func:`check` repeats the run on the loaded module and raises :class:`SerializationError` when the
 two differ, naming the node or the output. Values are compared to a tolerance of 1e-4 of the
 output's magnitude (another CPU's kernels round differently); a module saved from another device
-than it is loaded on is compared by form only (GPU and CPU kernels differ by more).
+than it is loaded on is compared to 1e-2 (GPU and CPU kernels, TF32 matmuls, differ by more). The
+device the record names must be a device type torch knows: the record is the save's word, and a
+value a tamper could set to skip the comparison would make the whole check optional.
 
 What no loader can see: a consistent forgery (files, fingerprint and checksums rewritten together:
 the save then describes another model, which is what a save may do), and a module saved without
@@ -45,6 +47,7 @@ from . import allowlist
 
 _NO_EXAMPLE = {"run": "none", "why": "no example inputs recorded"}
 RTOL = 1e-4
+CROSS_DEVICE_RTOL = 1e-2  # saved on one device type, loaded on another
 
 
 class _Stopped(Exception):
@@ -196,7 +199,17 @@ def _form(outputs: Any) -> Any:
     return outputs
 
 
-def _value_difference(saved: Any, now: Any, path: str = "output") -> str | None:
+def _known_device(value: Any) -> bool:
+    """Whether ``value`` is a device type torch knows (``"cpu"``, ``"cuda"``), as :func:`record` writes it."""
+    if not isinstance(value, str):
+        return False
+    try:
+        return torch.device(value).type == value
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _value_difference(saved: Any, now: Any, path: str = "output", rtol: float = RTOL) -> str | None:
     """Where the fingerprints of two outputs of the same form differ beyond the tolerance."""
     if isinstance(saved, dict) and isinstance(now, dict):
         if "sums" in saved or "sums" in now:
@@ -208,17 +221,17 @@ def _value_difference(saved: Any, now: Any, path: str = "output") -> str | None:
                 if isinstance(x, str) or isinstance(y, str):
                     if x != y:
                         return f"{path}: {x} when saved, {y} now"
-                elif not isinstance(x, float | int) or not isinstance(y, float | int) or abs(x - y) > RTOL * scale + 1e-6:
+                elif not isinstance(x, float | int) or not isinstance(y, float | int) or abs(x - y) > rtol * scale + 1e-6:
                     return f"{path}: values differ (sums {a} when saved, {b} now)"
             return None
         for k in saved:
-            found = _value_difference(saved[k], now.get(k), path)
+            found = _value_difference(saved[k], now.get(k), path, rtol)
             if found:
                 return found
         return None
     if isinstance(saved, list) and isinstance(now, list):
         for i, (x, y) in enumerate(zip(saved, now)):
-            found = _value_difference(x, y, f"{path}[{i}]")
+            found = _value_difference(x, y, f"{path}[{i}]", rtol)
             if found:
                 return found
     return None
@@ -226,7 +239,8 @@ def _value_difference(saved: Any, now: Any, path: str = "output") -> str | None:
 
 def check(gm: fx.GraphModule, spec: InputSpec | None, saved: Any, where: str) -> None:
     """Raise :class:`SerializationError` unless ``gm`` run on its probe does what the save recorded."""
-    if not isinstance(saved, dict) or saved.get("run") not in ("outputs", "stopped", "none"):
+    if (not isinstance(saved, dict) or saved.get("run") not in ("outputs", "stopped", "none")
+            or (saved.get("run") != "none" and not _known_device(saved.get("device")))):
         raise SerializationError(f"{where} has no valid self_check record (written by every fxprep.save): "
                                  f"the manifest was edited or damaged.")
     now = record(gm, spec)
@@ -241,8 +255,9 @@ def check(gm: fx.GraphModule, spec: InputSpec | None, saved: Any, where: str) ->
             problem = "differs"
     elif json.dumps(_form(now.get("outputs")), sort_keys=True) != json.dumps(_form(saved.get("outputs")), sort_keys=True):
         problem = "differs"
-    elif saved.get("device") == now.get("device"):
-        found = _value_difference(saved.get("outputs"), now.get("outputs"))
+    else:
+        rtol = RTOL if saved.get("device") == now.get("device") else CROSS_DEVICE_RTOL
+        found = _value_difference(saved.get("outputs"), now.get("outputs"), rtol=rtol)
         if found:
             raise SerializationError(
                 f"{where} does not describe the module that was saved: run on its probe input (the example's "
