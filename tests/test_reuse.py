@@ -110,6 +110,18 @@ def test_gemma2_sliding_window_layers_are_captured_apart() -> None:
     assert "sliding_window" in reuse["why"]["model.layers.1"]
 
 
+def test_moe_every_kth_layer_is_captured_apart_and_said_why() -> None:
+    """Qwen2-MoE with a sparse block every 2nd layer: dense and MoE layers are two kinds, each
+    captured once; with one dense layer among MoE ones, that layer has no twin."""
+    reuse = assert_reuse_exact(*hf("qwen2_moe", layers=4, decoder_sparse_step=2))
+    assert _stamped(reuse) == {"model.layers.0": ["model.layers.2"], "model.layers.1": ["model.layers.3"]}
+    assert "'mlp' is a Qwen2MoeSparseMoeBlock, in 'model.layers.0' a Qwen2MoeMLP" in reuse["why"]["model.layers.1"]
+    reuse = assert_reuse_exact(*hf("qwen2_moe", layers=4, mlp_only_layers=[2]))
+    assert _stamped(reuse) == {"model.layers.0": ["model.layers.1", "model.layers.3"]}
+    assert "'mlp' is a Qwen2MoeMLP" in reuse["why"]["model.layers.2"]
+    assert "no other instance" in reuse["why"]["model.layers.2"]
+
+
 def test_excluded_classes_inside_blocks_stay_leaves_in_every_copy() -> None:
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 

@@ -57,7 +57,7 @@ def find_groups(model: nn.Module, policy: LeafPolicy,
     the only one with the position bias) is descended into instead. Modules without submodules
     are not worth a capture of their own and are skipped. ``descend``: ids of modules to look
     inside of in any case."""
-    counts = Counter(type(m) for m in model.modules() if _eligible_kind(m, model, policy))
+    counts = Counter(type(m) for m in model.modules() if eligible_kind(m, model, policy))
     names = Names(model)
     descend = set(descend or ())
     while True:
@@ -83,7 +83,7 @@ def _outermost(model: nn.Module, policy: LeafPolicy, counts: Counter[type],
                 continue
             seen.add(id(child))
             qual = f"{prefix}{name}"
-            if _eligible_kind(child, model, policy) and counts[type(child)] >= 2 and id(child) not in descend:
+            if eligible_kind(child, model, policy) and counts[type(child)] >= 2 and id(child) not in descend:
                 chosen.append((qual, child))
             elif not is_leaf(child, policy):
                 visit(f"{qual}.", child)
@@ -92,7 +92,7 @@ def _outermost(model: nn.Module, policy: LeafPolicy, counts: Counter[type],
     return chosen
 
 
-def _eligible_kind(module: nn.Module, model: nn.Module, policy: LeafPolicy) -> bool:
+def eligible_kind(module: nn.Module, model: nn.Module, policy: LeafPolicy) -> bool:
     return (
         module is not model
         and not isinstance(module, _CONTAINERS)
@@ -144,6 +144,25 @@ def signature(block: nn.Module, policy: LeafPolicy) -> tuple[Any, ...]:
             freeze(m.__dict__.get("forward")),
         ))
     return tuple(entries)
+
+
+def structure_difference(block: nn.Module, other: nn.Module, other_name: str, policy: LeafPolicy) -> str:
+    r"""Why ``block`` is not reused from ``other`` (same class), for the report: the first submodule
+    where their :func:`signature`\ s differ, or the sharing that kept it out of :func:`find_groups`."""
+    mine = {entry[0]: entry for entry in signature(block, policy)}
+    theirs = {entry[0]: entry for entry in signature(other, policy)}
+    for rel in [*mine, *(r for r in theirs if r not in mine)]:
+        a, b = mine.get(rel), theirs.get(rel)
+        if a is None:
+            return f"it has no submodule '{rel}', which '{other_name}' has"
+        if b is None:
+            return f"its submodule '{rel}' is not in '{other_name}'"
+        where = f"'{rel}'" if rel else "own settings"
+        if a[1] is not b[1]:
+            return f"its {where} is a {a[1].__name__}, in '{other_name}' a {b[1].__name__}"
+        if a != b:
+            return f"its {where} has other parameters, buffers or settings than in '{other_name}'"
+    return "it shares a module or tensor with another part of the model"
 
 
 def owned_by(block: nn.Module, prefix: str, names: Names) -> bool:

@@ -44,7 +44,17 @@ from torch.utils import _pytree as pytree
 from ...inputs import ExampleInputs
 from ...runs import SEED, preserved_state
 from ..common import LeafPolicy
-from .blocks import call_inputs, find_groups, freeze, guard_differences, guard_key, input_key, self_guards
+from .blocks import (
+    call_inputs,
+    eligible_kind,
+    find_groups,
+    freeze,
+    guard_differences,
+    guard_key,
+    input_key,
+    self_guards,
+    structure_difference,
+)
 from .export import AttributeGuard, dynamo_export
 from .relift import ROUTE_META, follow_input_device, relift
 from .stamp import Stamper, block_output_signature, converted_block, foreign_attributes, names_free
@@ -403,6 +413,33 @@ def capture_reusing(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, c
     return None
 
 
+def _structure_whys(model: nn.Module, policy: LeafPolicy, instances: dict[int, tuple[nn.Module, Any]],
+                    qualnames: dict[int, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Why instances of a reused block's class are not stamped from its first instance, by their
+    module tree: the first of each further group of that class (a MoE layer among dense ones, a
+    ResNet stage's wider bottlenecks), and each instance with no twin at all, captured as part of the
+    model around it (a layer with ``mlp_only_layers``, T5's first block)."""
+    reference: dict[type, tuple[str, nn.Module]] = {}
+    groups: dict[str, str] = {}
+    seen_keys: set[Any] = set()
+    for mid, (module, key) in instances.items():  # group by group, each in model order
+        if key in seen_keys:
+            continue
+        seen_keys.add(key)
+        first = reference.setdefault(type(module), (qualnames[mid], module))
+        if first[1] is not module:
+            groups[qualnames[mid]] = structure_difference(module, first[1], first[0], policy)
+    members = set(qualnames.values())
+    alone: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if (type(module) in reference and id(module) not in instances and eligible_kind(module, model, policy)
+                and not any(name.startswith(f"{m}.") for m in members)):
+            first_name, first = reference[type(module)]
+            alone[name] = (f"no other instance has its module tree ({structure_difference(module, first, first_name, policy)}"
+                           f"), so its inside is captured with the model around it")
+    return groups, alone
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0][:200] if text else ""
@@ -436,7 +473,7 @@ def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_
             seen[name] = member.k + 1
             groups.setdefault((instances[id(module)][1], input_key(node)), []).append(member)
     info = ReuseInfo()
-    why: dict[str, str] = {}
+    why, alone = _structure_whys(model, policy, instances, qualnames)
     firsts: dict[int, str] = {}
     for key, group in groups.items():
         first = firsts.setdefault(key[0], group[0].name)
@@ -476,6 +513,7 @@ def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_
             info.why[first.name] = why[first.name]
         notes.extend(f"in '{first.name}'{' and the blocks stamped from it' if len(done.members) > 1 else ''}: {n}"
                      for n in done.notes)
+    info.why.update(alone)
     placeholders = [n for n in outer.graph.nodes if n.op == "placeholder"]
     follow_input_device(outer, placeholders, prepared_call, outer_notes)
     gm = stamper.assemble({ROUTE_META: route, REUSE_META: info})
