@@ -219,3 +219,99 @@ def test_fx_diagnoses_a_shape_condition_as_shape_dependent() -> None:
     issue = diagnose(info.value, "fx", model)[0]
     assert issue.category == SHAPE_DEPENDENT_BRANCH
     assert issue.category != DATA_DEPENDENT_BRANCH and "shape" in issue.fix
+
+
+def _dynamo_error(model: nn.Module, *args: torch.Tensor) -> BaseException:
+    try:
+        torch._dynamo.export(model)(*args)
+    except Exception as err:  # noqa: BLE001 - the failure is what is wanted
+        return err
+    finally:
+        torch._dynamo.reset()
+    raise AssertionError("Dynamo captured the model: the test needs one it cannot")
+
+
+def test_a_failure_in_a_unique_module_is_located_without_running_the_model() -> None:
+    """The stack alone names the objects (one ``HelperBlock``, a free function): the frames are the
+    very ones the eager replay finds, and the sites the same."""
+    from fxprep.capture.dynamo.locate import locate, resolve, user_stack
+    from fxprep.inputs import ExampleInputs
+
+    model = Host(HelperBlock()).eval()
+    x = torch.randn(2, 8)
+    stack = user_stack(_dynamo_error(model, x))
+    static = resolve(stack, model)
+    eager = locate(stack, model, ExampleInputs((x,), {}))
+    assert static is not None and eager is not None and len(eager.chains) == 1
+    assert len(static.chains[0]) == len(eager.chains[0]) == len(stack)
+    for mine, live in zip(static.chains[0], eager.chains[0]):
+        assert mine.code is live.code and mine.owner is live.owner and mine.globals is live.globals
+    assert static.chains[0][0].owner is model and static.chains[0][1].owner is model.middle
+    assert [s.qualname for s, _ in static.sites(model)] == [s.qualname for s, _ in eager.sites(model)]
+    assert static.sites(model)[0][0].qualname == "middle._flip"
+
+
+def test_a_failure_in_one_of_several_identical_blocks_needs_the_eager_run() -> None:
+    """Three ``Block``s run the failing code: the stack cannot say which, so nothing is guessed."""
+    from fxprep.capture.dynamo.locate import resolve, user_stack
+
+    model = Tower().eval()
+    stack = user_stack(_dynamo_error(model, torch.randn(2, 8)))
+    assert stack and resolve(stack, model) is None
+
+
+@pytest.mark.parametrize(("make", "replayed"), [(lambda: Host(HelperBlock()), False), (Tower, True)])
+def test_prepare_replays_the_model_only_when_the_stack_is_ambiguous(monkeypatch, make, replayed) -> None:
+    """Each eager replay is one forward of the model (5 s for a Mask R-CNN on one thread)."""
+    from fxprep.capture.dynamo import fallback
+
+    real = fallback.locate
+    stacks: list[list[tuple[str, str, int]]] = []
+
+    def counting(stack, *args):  # noqa: ANN001, ANN202 - records the calls, then does the real work
+        stacks.append(stack)
+        return real(stack, *args)
+
+    monkeypatch.setattr(fallback, "locate", counting)
+    model = make().eval()
+    x = torch.randn(2, 8)
+    gm = fxprep.prepare_model(model, example_inputs=(x,))
+    assert gm.fxprep_report.tracer == "dynamo+leaves" and gm.fxprep_report.verification.status == "passed"
+    assert any(stacks) is replayed
+    torch.testing.assert_close(gm(-x), model(-x))
+
+
+class Tail(nn.Module):
+    """Counts its calls (outside the model: fxprep puts a model's own state back after each run)."""
+
+    def __init__(self, calls: list[int]) -> None:
+        super().__init__()
+        self.log = calls.append
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log(x.shape[0])
+        return x * 2
+
+
+def test_the_perturbed_recording_run_stops_after_the_last_opaque_call() -> None:
+    """The second (perturbed) recording run is only compared up to the opaque part's calls: the
+    rest of the model (a detector's heads) is not run a second time for nothing."""
+    from fxprep.capture.dynamo.recording import record_sites
+    from fxprep.capture.sites import Site
+    from fxprep.inputs import ExampleInputs
+
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.middle = ListDriven()
+            self.tail = Tail(calls)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.tail(self.middle(x))
+
+    calls: list[int] = []
+    model = Chain().eval()
+    site = Site("middle")
+    records = record_sites(model, ExampleInputs((torch.randn(3, 8),), {}), [site])
+    assert len(records[site]) == 1 and records[site][0].inputs2 == [(3, 8)]  # the perturbed run got there
+    assert calls == [3]  # the first run went through the whole model, the second stopped

@@ -30,10 +30,9 @@ from ..threads import GLOBAL_LOCK, confined
 from ..wrap import find_proxy
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
 from .fx import FxprepTracer, capture_fx, flatten_container_inputs
-from .sites import FUNCTIONS, OpaqueFunction, OpaqueMethod, Site, failure_site
+from .sites import FUNCTIONS, MISSING, OpaqueFunction, OpaqueMethod, Site, failure_site, put_back
 
 MAX_ROUNDS = 40
-_MISSING = object()
 
 
 # --- output structure --------------------------------------------------------------------------
@@ -190,13 +189,13 @@ class HybridTracer(FxprepTracer):
             if site.func is not None:
                 fn, places = FUNCTIONS[site]
                 for g in places:
-                    patched.append((g, site.method, g.get(site.method, _MISSING)))
+                    patched.append((g, site.method, g.get(site.method, MISSING)))
                     g[site.method] = confined(call, fn)  # a module global: other threads call the function itself
                 continue
             owner = site.owner(self.model)
             if not hasattr(owner, "__dict__"):
                 continue
-            patched.append((owner.__dict__, site.method, owner.__dict__.get(site.method, _MISSING)))
+            patched.append((owner.__dict__, site.method, owner.__dict__.get(site.method, MISSING)))
             owner.__dict__[site.method] = call
         return patched
 
@@ -281,11 +280,7 @@ def _capture_hybrid(
         try:
             result, attempt = capture_fx(model, policy, concrete, autowrap_functions, tracer=tracer)
         finally:
-            for place, name, before in reversed(patched):
-                if before is _MISSING:
-                    place.pop(name, None)
-                else:
-                    place[name] = before
+            put_back(patched)
         if result is not None:
             result.tracer = "fx+leaves"
             for site, issue in found:

@@ -119,6 +119,19 @@ def helper_objects(model: nn.Module) -> dict[int, tuple[str, str]]:
     return out
 
 
+MISSING = object()  # "the name was not set": what :func:`put_back` removes again
+
+
+def put_back(changes: list[tuple[dict[str, Any], str, Any]]) -> None:
+    """Undo ``(namespace, name, value before)`` patches, last first (a site's method on its owner,
+    a function in its callers' globals); a name that was :data:`MISSING` before is removed."""
+    for place, name, before in reversed(changes):
+        if before is MISSING:
+            place.pop(name, None)
+        else:
+            place[name] = before
+
+
 # Free functions made opaque: site → (function, the globals dicts where its name is patched).
 FUNCTIONS: dict[Site, tuple[Any, list[dict[str, Any]]]] = {}
 
@@ -157,7 +170,7 @@ def _function_of(frame: FrameRecord, caller_globals: dict[str, Any]) -> tuple[An
     return (fn, places) if fn is not None else None
 
 
-def _wrapped_codes(fn: Any) -> list[types.CodeType]:
+def wrapped_codes(fn: Any) -> list[types.CodeType]:
     """The code objects of ``fn`` and of every function it wraps (``functools.wraps`` chains)."""
     codes = []
     seen = 0
@@ -187,7 +200,7 @@ def method_name(owner: Any, code: types.CodeType) -> str | None:
         found = None
         for attr in ("forward", *sorted(n for k in cls.__mro__ for n in vars(k) if not n.startswith("__"))):
             fn = getattr(cls, attr, None)
-            if callable(fn) and code in _wrapped_codes(fn):
+            if callable(fn) and code in wrapped_codes(fn):
                 found = attr
                 break
         _METHOD_CACHE[key] = found
@@ -243,4 +256,4 @@ def failure_site(err: BaseException, model: nn.Module) -> Site | None:
 
 
 __all__ = ["FUNCTIONS", "FrameRecord", "OpaqueFunction", "OpaqueMethod", "Site", "failure_site", "frames_of",
-           "helper_objects", "method_name", "sites_from_frames"]
+           "MISSING", "helper_objects", "method_name", "put_back", "sites_from_frames", "wrapped_codes"]

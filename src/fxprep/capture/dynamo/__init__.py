@@ -53,7 +53,8 @@ from .export import (
     tensor_caches,
 )
 from .names import resolve_source
-from .opaque import Recorded, black_box
+from .opaque import black_box
+from .recording import Recorded
 from .relift import ROUTE_META, relift, unreferenced_parameters
 from .reuse import REUSE_META, capture_reusing
 from .shapes import dynamic_dims, dynamic_shapes_spec, grown_example

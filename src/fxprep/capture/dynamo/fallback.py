@@ -29,8 +29,9 @@ from ...inputs import ExampleInputs, split_calls
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
 from ..sites import Site
 from . import capture_dynamo
-from .locate import locate, origin_stack, user_stack
-from .opaque import Recorded, excluded_sites, inside, record_sites
+from .locate import Located, locate, origin_stack, resolve, user_stack
+from .opaque import excluded_sites, inside
+from .recording import Recorded, record_sites
 
 MAX_ROUNDS = 40
 TRACER = "dynamo+leaves"
@@ -41,31 +42,48 @@ def _usable(records: dict[Site, list[Recorded]], site: Site) -> bool:
     return bool(calls) and not any(rec.unsupported for rec in calls)
 
 
+def _group(located: Located, model: nn.Module, call: ExampleInputs, taken: list[Site],
+           records: dict[Site, list[Recorded]]) -> list[Site] | None:
+    """The innermost site of ``located`` that can be made opaque, with the same site in the other
+    instances, recorded into ``records``; ``[]`` when only the root's own ``forward`` is left, None
+    when no site on this path was called in the eager run."""
+    for site, same in located.sites(model):
+        if site.is_module and not site.path:
+            return []  # the root's own forward: nothing smaller is left
+        if site in taken or inside(site, taken):
+            continue
+        group = [site] + [s for s in same if s not in taken and not inside(s, taken)]
+        missing = [s for s in group if s not in records]
+        if missing:
+            try:
+                records.update(record_sites(model, call, missing))
+            except Exception:  # noqa: BLE001 - a part the eager run cannot record: try the next outer one
+                continue
+        if _usable(records, site):
+            return [s for s in group if _usable(records, s)]
+    return None
+
+
 def next_sites(err: BaseException, model: nn.Module, call: ExampleInputs, taken: list[Site],
                records: dict[Site, list[Recorded]]) -> tuple[list[Site], tuple[str, str, int] | None]:
     """The smallest part to make opaque for ``err`` (and the same part in the other instances that
     reach it the same way), recorded into ``records``; empty when nothing smaller than the root's
     own ``forward`` can be made opaque. A guard on a data-dependent size is located where the size
     was made (unless it came out of an opaque part), then where it failed; the second value is the
-    frame where the size was made, when that located it."""
+    frame where the size was made, when that located it.
+
+    The stack is resolved without running the model where it names its objects unambiguously
+    (:func:`~.locate.resolve`), else by an eager replay (:func:`~.locate.locate`); a resolved path
+    the recording run never took is replayed as well."""
     for origin, stack in ((True, origin_stack(err)), (False, user_stack(err))):
-        located = locate(stack, model, call)
-        if located is None:
-            continue
-        for site, same in located.sites(model):
-            if site.is_module and not site.path:
-                return [], None  # the root's own forward: nothing smaller is left
-            if site in taken or inside(site, taken):
-                continue
-            group = [site] + [s for s in same if s not in taken and not inside(s, taken)]
-            missing = [s for s in group if s not in records]
-            if missing:
-                try:
-                    records.update(record_sites(model, call, missing))
-                except Exception:  # noqa: BLE001 - a part the eager run cannot record: try the next outer one
-                    continue
-            if _usable(records, site):
-                return [s for s in group if _usable(records, s)], stack[-1] if origin else None
+        static = resolve(stack, model)
+        located = static if static is not None else locate(stack, model, call)
+        group = _group(located, model, call, taken, records) if located is not None else None
+        if group is None and static is not None:
+            located = locate(stack, model, call)
+            group = _group(located, model, call, taken, records) if located is not None else None
+        if group is not None:
+            return group, (stack[-1] if origin and group else None)
     return [], None
 
 

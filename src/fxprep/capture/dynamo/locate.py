@@ -10,6 +10,12 @@ Each such call gives the live frames (their ``self`` objects), from which
 order, so the first matching call is the one it failed in; the later ones are the other instances
 reaching the same code through the same path (the next layers of a stack of identical blocks),
 which would fail the same way.
+
+The eager run costs one forward of the model per failure (5 s for a Mask R-CNN on one CPU thread),
+and it is only needed when the stack alone cannot name the objects. :func:`resolve` tries that
+first: when every frame's function is found in the model's code and each method frame's class has
+exactly one instance in the model (a detector's ``rpn`` and ``roi_heads``), the frames are known
+without running anything, and there are no other instances to make opaque alongside.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +33,7 @@ from torch import nn
 from ...diagnose import is_user_file
 from ...inputs import ExampleInputs
 from ...runs import SEED, preserved_state
-from ..sites import FrameRecord, Site, sites_from_frames
+from ..sites import FrameRecord, Site, helper_objects, sites_from_frames, wrapped_codes
 from .opaque import OPAQUE_PREFIX
 
 MAX_MATCHES = 256
@@ -81,10 +88,10 @@ def _norm(filename: str) -> str:
 
 @dataclass
 class Located:
-    """The frames of each eager call on the failing path, the first being the one Dynamo failed in."""
+    """The frames of each eager call on the failing path, the first being the one Dynamo failed in
+    (calls matching Dynamo's stack call line for call line if there are any, else by function names)."""
 
     chains: list[list[FrameRecord]]
-    exact: bool  # matched call line for call line (False: by function names only)
 
     def sites(self, model: nn.Module) -> list[tuple[Site, list[Site]]]:
         """The candidate sites, innermost first, each with the same site in the other matching
@@ -165,9 +172,114 @@ def locate(stack: list[tuple[str, str, int]], model: nn.Module, call: ExampleInp
     if not candidates:
         return None
     exact = [records for described, records in candidates if _chain_matches(described, stack, exact=True)]
-    if exact:
-        return Located(exact, True)
-    return Located([records for _, records in candidates], False)
+    return Located(exact or [records for _, records in candidates])
 
 
-__all__ = ["Located", "locate", "origin_stack", "user_stack"]
+def _lines(code: types.CodeType) -> range:
+    last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
+    return range(code.co_firstlineno, last + 1)
+
+
+def _matches(code: Any, file: str, name: str, line: int) -> bool:
+    return (isinstance(code, types.CodeType) and code.co_name == name and _norm(code.co_filename) == file
+            and line in _lines(code))
+
+
+def _method_codes(cls: type) -> list[types.CodeType]:
+    """The code objects of the methods ``cls`` has or inherits, decorator wrappers included (a
+    ``super().forward`` runs a base class's code with the subclass's ``self``)."""
+    found: list[types.CodeType] = []
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            found.extend(wrapped_codes(fn))
+    return found
+
+
+def _nested(code: types.CodeType, file: str, name: str, line: int) -> types.CodeType | None:
+    """A function defined inside ``code`` (a closure, a comprehension) at ``file:line``."""
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            if _matches(const, file, name, line):
+                return const
+            inner = _nested(const, file, name, line)
+            if inner is not None:
+                return inner
+    return None
+
+
+def _module_globals(file: str, cache: dict[str, dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The globals of the loaded module whose source is ``file``."""
+    if file not in cache:
+        cache[file] = None
+        for module in list(sys.modules.values()):
+            path = getattr(module, "__file__", None)
+            if isinstance(path, str) and _norm(path) == file:
+                cache[file] = vars(module)
+                break
+    return cache[file]
+
+
+def _method_frame(file: str, name: str, line: int, by_class: dict[type, list[Any]],
+                  methods: dict[type, list[types.CodeType]], module_globals: dict[str, Any] | None
+                  ) -> tuple[bool, FrameRecord | None]:
+    """The frame as a method of the one object in the model that can run it. The first value says
+    whether any class has a method there (then a None record means: not one code, or not one owner)."""
+    owners: dict[int, Any] = {}
+    codes: list[types.CodeType] = []
+    for cls, instances in by_class.items():
+        for code in methods[cls]:
+            if _matches(code, file, name, line):
+                if code not in codes:
+                    codes.append(code)
+                if code.co_argcount and code.co_varnames[0] == "self":
+                    owners.update((id(obj), obj) for obj in instances)
+    if len(codes) != 1 or len(owners) != 1 or module_globals is None:
+        return bool(codes), None
+    return True, FrameRecord(codes[0], next(iter(owners.values())), module_globals, line)
+
+
+def _function_frame(file: str, name: str, line: int, previous: FrameRecord | None,
+                    module_globals: dict[str, Any] | None) -> FrameRecord | None:
+    """The frame as a function found where its caller (or its own module) looks it up, or as a
+    closure or comprehension defined in its caller."""
+    scopes = [g for g in (previous.globals if previous is not None else None, module_globals) if g is not None]
+    for scope in scopes:
+        fn = scope.get(name)
+        code = getattr(fn, "__code__", None)
+        if _matches(code, file, name, line):
+            return FrameRecord(code, None, fn.__globals__, line)
+    if previous is not None:
+        code = _nested(previous.code, file, name, line)
+        if code is not None:
+            return FrameRecord(code, None, previous.globals, line)
+    return None
+
+
+def resolve(stack: list[tuple[str, str, int]], model: nn.Module) -> Located | None:
+    """The frames of ``stack`` found without running the model, or None when the stack alone does
+    not say which objects ran it: a method whose class has several instances in the model (which
+    block of a stack of identical layers?), a decorator's wrapper shared by many methods, a
+    function that is not found where its caller looks it up."""
+    if not stack:
+        return None
+    objects: list[Any] = list(model.modules())
+    objects.extend(getattr(model.get_submodule(path), attr) for path, attr in helper_objects(model).values())
+    by_class: dict[type, list[Any]] = {}
+    for obj in objects:
+        by_class.setdefault(type(obj), []).append(obj)
+    methods = {cls: _method_codes(cls) for cls in by_class}
+    files: dict[str, dict[str, Any] | None] = {}
+    records: list[FrameRecord] = []
+    for file, name, line in stack:
+        module_globals = _module_globals(file, files)
+        is_method, record = _method_frame(file, name, line, by_class, methods, module_globals)
+        if not is_method:
+            record = _function_frame(file, name, line, records[-1] if records else None, module_globals)
+        if record is None:
+            return None
+        records.append(record)
+    return Located([records])
+
+
+__all__ = ["Located", "locate", "origin_stack", "resolve", "user_stack"]

@@ -258,7 +258,7 @@ class Stacks:
         frames = []
         for key, value in stack.items():
             source, cls = value if isinstance(value, tuple) and len(value) == 2 else (str(value), object)
-            cls = cls.__dict__.get("__fxprep_original_class__", cls) if isinstance(cls, type) else cls  # opaque.patched
+            cls = cls.__dict__.get("__fxprep_original_class__", cls) if isinstance(cls, type) else cls  # recording.patched
             frames.append(self.frame(str(key), source, cls))
         return frames
 

@@ -3,10 +3,11 @@
 Dynamo traces into every Python call; an excluded module (``modules_to_exclude``) or a part the
 fallback found untraceable must instead be ONE call in its graph, whatever its code does. How:
 
-* **Record** (:func:`record_sites`): the model runs eagerly with each site wrapped; every call's
-  output is kept as its pytree structure with tensors described (shape, dtype, device, strides) and
-  other leaves kept as values. A second run on perturbed inputs (floating-point inputs shuffled)
-  tells which output sizes follow the data (boxes kept by NMS) rather than the input shapes.
+* **Record** (:func:`~.recording.record_sites`, in :mod:`.recording`): the model runs eagerly with
+  each site wrapped; every call's output is kept as its pytree structure with tensors described
+  (shape, dtype, device, strides) and other leaves kept as values. A second run on perturbed inputs
+  (floating-point inputs shuffled) tells which output sizes follow the data (boxes kept by NMS)
+  rather than the input shapes.
 * **Capture** (:class:`BlackBox`, :meth:`BlackBox.installed`): each site is patched (the instance's
   ``forward``, the method on the instance, the function in its callers' globals) with a *shim*:
   plain Python Dynamo traces, calling a per-site function registered with
@@ -21,7 +22,7 @@ fallback found untraceable must instead be ONE call in its graph, whatever its c
   from the call's output by its path. No custom op and no fxprep function is left in the graph: the
   prepared module runs the original code eagerly at that point.
 
-The cost: two eager runs of the model per set of new sites (recording), and nothing at run time.
+The cost: up to two eager runs of the model per set of new sites (recording), and nothing at run time.
 Python values an opaque part returns (an ``int``, a list length) are those of the example inputs.
 """
 
@@ -40,208 +41,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...inputs import ExampleInputs
-from ...runs import SEED, preserved_state
 from ..common import LeafPolicy
-from ..sites import FUNCTIONS, Site
+from ..sites import Site
 from .names import Names, ReliftError, read_part
+from .recording import MARK, Recorded, TensorMeta, graphable, is_mark, patched, real_callable, record_sites
 
-_MISSING = object()
 OPAQUE_PREFIX = "fxprep_opaque_"  # the name of every function an opaque part is in Dynamo's graph
-_CONSTANT_LEAVES = (type(None), bool, int, float, str, complex, torch.dtype, torch.device, torch.memory_format,
-                    torch.layout, type(Ellipsis))
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """A tensor an opaque part returned in the eager run: enough to make a fake one like it."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    stride: tuple[int, ...] | None
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> TensorMeta:
-        try:
-            stride: tuple[int, ...] | None = tuple(t.stride())
-        except Exception:  # noqa: BLE001 - sparse and other layouts have no strides
-            stride = None
-        return cls(tuple(t.shape), t.dtype, t.device, stride)
-
-
-@dataclass
-class Recorded:
-    """One eager call of a site: input tensor shapes and the output, as structure plus leaves."""
-
-    inputs: list[tuple[int, ...] | None]  # per flat (args, kwargs) leaf: a tensor's shape, else None
-    spec: pytree.TreeSpec
-    leaves: list[Any]  # TensorMeta for tensors, the value for anything else
-    paths: list[tuple[Any, ...]]  # the pytree key path of each tensor leaf, in order
-    inputs2: list[tuple[int, ...] | None] | None = None  # the same call in the perturbed run
-    shapes2: list[tuple[int, ...]] | None = None  # its tensor outputs' shapes
-    objects: dict[int | str, Any] = field(default_factory=dict)  # arguments a graph cannot carry
-
-    @property
-    def unsupported(self) -> list[str]:
-        """Output leaves that are neither tensors nor plain constants (they cannot be rebuilt), and
-        arguments a graph cannot carry that hold tensors (they would be the example's at run time)."""
-        bad = [type(v).__name__ for v in self.leaves if not isinstance(v, (TensorMeta, *_CONSTANT_LEAVES))]
-        for value in self.objects.values():
-            if not isinstance(value, nn.Module) and any(isinstance(v, torch.Tensor) for v in _attributes(value)):
-                bad.append(type(value).__name__)
-        return bad
-
-
-def _attributes(value: Any) -> list[Any]:
-    try:
-        return list(vars(value).values())
-    except TypeError:
-        return []
-
-
-MARK = "fxprep-opaque-argument:"  # stands, in Dynamo's graph, for an argument a graph cannot carry
-
-
-def graphable(value: Any) -> bool:
-    """Whether Dynamo can put ``value`` in a graph node's arguments (run by Dynamo in the shim)."""
-    if value is None or isinstance(value, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device)):
-        return True
-    if type(value) in (list, tuple, torch.Size):
-        return all(graphable(v) for v in value)
-    if type(value) is dict:
-        return all(isinstance(k, str) and graphable(v) for k, v in value.items())
-    return False
-
-
-def _is_mark(value: Any) -> bool:
-    return isinstance(value, str) and value.startswith(MARK)
-
-
-def _describe_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, ...] | None]:
-    return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves((args, kwargs))]
-
-
-def _recorded(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Recorded:
-    flat, spec = pytree.tree_flatten_with_path(out)
-    leaves = [TensorMeta.of(v) if isinstance(v, torch.Tensor) else v for _, v in flat]
-    paths = [tuple(p) for p, v in flat if isinstance(v, torch.Tensor)]
-    objects: dict[int | str, Any] = {k: v for k, v in [*enumerate(args), *kwargs.items()] if not graphable(v)}
-    return Recorded(_describe_inputs(args, kwargs), spec, leaves, paths, objects=objects)
-
-
-def real_callable(site: Site, model: nn.Module) -> Any:
-    """What runs for ``site`` without fxprep: an instance-level override first (a patched
-    ``forward``), else the class's method bound to the owner, else the function."""
-    if site.func is not None:
-        return FUNCTIONS[site][0]
-    owner = site.owner(model)
-    own = owner.__dict__.get(site.method, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-    return own if own is not _MISSING else getattr(owner, site.method)
-
-
-@contextlib.contextmanager
-def patched(model: nn.Module, replacements: dict[Site, Any], classes: bool = False) -> Iterator[None]:
-    """Each site's callable replaced by the given one, put back on exit.
-
-    With ``classes``, a module site gets its replacement ``forward`` from a subclass its object is
-    switched to, not from its ``__dict__``: Dynamo takes a module whose instance has a ``forward``
-    attribute for a monkey-patched one and treats it (and its attributes, e.g. ``.dtype``)
-    differently from the unpatched model it must capture."""
-    undo: list[tuple[dict[str, Any], str, Any]] = []
-    swapped: list[tuple[nn.Module, type]] = []
-    try:
-        for site, new in replacements.items():
-            if site.func is not None:
-                for g in FUNCTIONS[site][1]:
-                    undo.append((g, site.method, g.get(site.method, _MISSING)))
-                    g[site.method] = new
-                continue
-            owner = site.owner(model)
-            if classes and site.is_module and "forward" not in owner.__dict__:
-                cls = type(owner)
-                swapped.append((owner, cls))
-                owner.__class__ = _forward_subclass(cls, new)
-                continue
-            undo.append((owner.__dict__, site.method, owner.__dict__.get(site.method, _MISSING)))
-            owner.__dict__[site.method] = new
-        yield
-    finally:
-        for place, name, before in reversed(undo):
-            if before is _MISSING:
-                place.pop(name, None)
-            else:
-                place[name] = before
-        for owner, cls in reversed(swapped):
-            owner.__class__ = cls
-
-
-ORIGINAL_CLASS = "__fxprep_original_class__"  # on the subclass a module site is switched to
-
-
-def _forward_subclass(cls: type, shim: Any) -> type:
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return shim(*args, **kwargs)
-
-    namespace = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                 ORIGINAL_CLASS: cls}
-    return type(cls.__name__, (cls,), namespace)
-
-
-def original_class(cls: Any) -> Any:
-    """The user's class behind a class :func:`patched` switched a module to (else ``cls``)."""
-    return cls.__dict__.get(ORIGINAL_CLASS, cls) if isinstance(cls, type) else cls
-
-
-def perturbed(call: ExampleInputs) -> ExampleInputs:
-    """``call`` with every floating-point tensor's values shuffled (same shape, dtype and value
-    distribution, different data): a size an opaque part returns that changes with it follows the
-    data, not the shapes."""
-    gen = torch.Generator().manual_seed(SEED)
-
-    def shuffle(t: torch.Tensor) -> torch.Tensor:
-        if not t.is_floating_point() or t.numel() < 2:
-            return t.detach().clone()
-        flat = t.detach().reshape(-1)
-        return flat[torch.randperm(flat.numel(), generator=gen).to(flat.device)].reshape(t.shape).clone()
-
-    args, kwargs = pytree.tree_map_only(torch.Tensor, shuffle, (call.args, call.kwargs))
-    return ExampleInputs(tuple(args), dict(kwargs))
-
-
-def record_sites(model: nn.Module, call: ExampleInputs, sites: list[Site]) -> dict[Site, list[Recorded]]:
-    """Run ``model`` eagerly with every site wrapped; each site's calls, in order. Sites whose calls
-    an eager failure prevents from being recorded are left out."""
-    runs: list[dict[Site, list[Recorded]]] = []
-    for k, inputs in enumerate((call, perturbed(call))):
-        found: dict[Site, list[Recorded]] = {site: [] for site in sites}
-
-        def recorder(site: Site, real: Any, found: dict[Site, list[Recorded]] = found) -> Any:
-            def recording(*args: Any, **kwargs: Any) -> Any:
-                out = real(*args, **kwargs)
-                found[site].append(_recorded(args, kwargs, out))
-                return out
-
-            return recording
-
-        wrappers = {site: recorder(site, real_callable(site, model)) for site in sites}
-        fresh = inputs.fresh_copy()
-        try:
-            with patched(model, wrappers), preserved_state(model), torch.no_grad():
-                torch.manual_seed(SEED)
-                model(*fresh.args, **fresh.kwargs)
-        except Exception:  # noqa: BLE001 - perturbed inputs a model refuses: one run only
-            if k == 0:
-                raise
-            break
-        runs.append(found)
-    records = runs[0]
-    if len(runs) == 2:
-        for site, calls in records.items():
-            for rec, rec2 in zip(calls, runs[1][site]):
-                if rec2.spec == rec.spec:
-                    rec.inputs2 = rec2.inputs
-                    rec.shapes2 = [m.shape for m in rec2.leaves if isinstance(m, TensorMeta)]
-    return records
 
 
 # --- during capture -------------------------------------------------------------------------------
@@ -349,8 +154,8 @@ class SiteCall:
             if _is_fake((args, kwargs)):
                 return _fake_outputs(_matching(records, index, args, kwargs), args, kwargs, unbacked)
             objects = records[min(index, len(records) - 1)].objects
-            args = tuple(objects.get(k, a) if _is_mark(a) else a for k, a in enumerate(args))
-            kwargs = {k: objects.get(k, v) if _is_mark(v) else v for k, v in kwargs.items()}
+            args = tuple(objects.get(k, a) if is_mark(a) else a for k, a in enumerate(args))
+            kwargs = {k: objects.get(k, v) if is_mark(v) else v for k, v in kwargs.items()}
             out = real(*args, **kwargs)
             return tuple(v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor))
 
@@ -473,7 +278,7 @@ def _carried(dgm: fx.GraphModule, graph: fx.Graph, node: fx.Node, rec: Recorded,
     ``get_attr`` of the very object the eager run passed (a submodule by its qualified name)."""
 
     def restore(key: int | str, value: Any) -> Any:
-        if not _is_mark(value) or key not in rec.objects:
+        if not is_mark(value) or key not in rec.objects:
             return value
         obj = rec.objects[key]
         qualname = names.module_name(obj) if isinstance(obj, nn.Module) else None
@@ -584,5 +389,5 @@ def _size_arithmetic(node: fx.Node) -> bool:
         getattr(node.target, "__name__", "").startswith("sym_") or "aten.sym_" in str(node.target)
 
 
-__all__ = ["BlackBox", "OpaquePolicy", "with_opaque", "Recorded", "TensorMeta", "black_box", "drop_size_asserts", "excluded_sites", "inside", "original_class", "patched", "running_opaque", "real_callable",
-           "record_sites", "relift_opaque"]
+__all__ = ["OPAQUE_PREFIX", "BlackBox", "OpaquePolicy", "with_opaque", "black_box", "drop_size_asserts", "excluded_sites",
+           "inside", "running_opaque", "relift_opaque"]
