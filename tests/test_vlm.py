@@ -62,10 +62,18 @@ def check_vlm(name: str) -> None:
     ran: set[str] = set()  # the Linears the forward runs (Gemma3 skips SigLIP's pooling head)
     handles = [m.register_forward_hook(lambda mod, i, o, n=n: ran.add(n))
                for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    with torch.no_grad():  # (transformers also installs its output-capturing hooks on the first call)
-        model(**inputs, use_cache=False)
-    for handle in handles:
-        handle.remove()
+    try:
+        with torch.no_grad():  # (transformers also installs its output-capturing hooks on the first call)
+            model(**inputs, use_cache=False)
+    except Exception as err:  # noqa: BLE001 - the installed transformers' own model is broken
+        # (transformers 5.24's Llama4ForConditionalGeneration reads `image_outputs` off a text-model
+        # output that has none): fxprep must say the model itself failed, not crash inside a tracer
+        with pytest.raises(fxprep.ModelError, match="The model itself failed"):
+            fxprep.prepare_model(model, example_inputs=inputs)
+        pytest.xfail(f"the model's own forward fails in this transformers: {type(err).__name__}: {err}")
+    finally:
+        for handle in handles:
+            handle.remove()
     before = module_snapshot(model)
     gm = fxprep.prepare_model(model, example_inputs=inputs)
     report = gm.fxprep_report
