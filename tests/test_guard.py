@@ -224,3 +224,43 @@ def test_branches_are_not_listed_on_meta_and_the_report_says_why() -> None:
         model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
     gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 4, device="meta"), tracer="dynamo", progress=False)
     assert "the inputs are on meta" in gm.fxprep_report.to_text()
+
+
+class BakedBatch(nn.Module):
+    """``reshape(x.shape[0], ...)``: Dynamo bakes the example's batch in, so at another batch the
+    prepared graph raises where the original runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).reshape(x.shape[0], 2, 2)
+
+
+def test_the_batch_probe_prints_no_fx_traceback(capsys) -> None:
+    """The probe's failing run at another batch is a finding for the report; fx's own print of the
+    error (a traceback and the generated code) is not shown in the middle of a successful prepare."""
+    gm = fxprep.prepare_model(BakedBatch().eval(), example_inputs=torch.randn(3, 4), tracer="dynamo", progress=False)
+    assert "specialised to batch 3" in gm.fxprep_report.to_text()
+    err = capsys.readouterr().err
+    assert "FX-traced" not in err and "Traceback" not in err
+    with pytest.raises(fxprep.InputMismatch):
+        gm(torch.randn(2, 4))
+
+
+def test_quiet_fx_errors_drops_only_fx_error_prints(capsys) -> None:
+    import sys
+    import threading
+
+    from fxprep.runs import quiet_fx_errors
+
+    with quiet_fx_errors():
+        print("Traceback (most recent call last):\nCall using an FX-traced Module, line 3 of ...", file=sys.stderr)
+        print("a warning of the user's own", file=sys.stderr)
+        other = threading.Thread(target=lambda: print("Call using an FX-traced Module (another thread)", file=sys.stderr))
+        other.start()
+        other.join()
+    print("after", file=sys.stderr)
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["a warning of the user's own", "Call using an FX-traced Module (another thread)", "after"]

@@ -36,6 +36,7 @@ from .guard import InputSpec
 from .inputs import ExampleInputs
 from .prepared import INPUT_SPEC
 from .report import Report
+from .runs import quiet_fx_errors
 from .verify import verify
 
 
@@ -125,7 +126,7 @@ def probe(model: nn.Module, gm: fx.GraphModule, spec: InputSpec, example: Exampl
     for size in sizes:
         original, prepared = calls(with_batch(example, batch, size))
         try:
-            with unchecked(gm):
+            with unchecked(gm), quiet_fx_errors():  # a failure here is a finding, said in the report
                 verify(model, gm, original, prepared_example=prepared, rtol=rtol, atol=atol, absent=absent,
                        what=f"the example at batch {size}")
         except Exception as err:  # noqa: BLE001 - any failure (FxprepError or not) keeps the check

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,3 +210,49 @@ def run_model(model: nn.Module, example: ExampleInputs, *, grad: bool = False, w
     ctx = contextlib.nullcontext() if grad else torch.no_grad()
     with ctx:
         return model(*fresh.args, **fresh.kwargs)
+
+
+FX_ERROR_PREFIX = "Call using an FX-traced Module"
+
+
+class _WithoutFxErrorPrint:
+    """``sys.stderr`` minus what fx prints, in one thread, when a GraphModule's forward raises.
+
+    Why: a GraphModule prints "Call using an FX-traced Module, line N of the traced Module's
+    generated forward function: ..." to stderr before re-raising any error of its forward. Where
+    fxprep runs a prepared module expecting it may fail (the batch probe at another batch size, on a
+    graph Dynamo specialised to the example's), that text is a scary traceback in the middle of a
+    successful prepare: the failure is already said in the report. Other threads' writes, and every
+    other write of this one, pass through."""
+
+    def __init__(self, stream: Any, thread: int):
+        self._stream = stream
+        self._thread = thread
+        self._dropping = False
+
+    def write(self, text: str) -> int:
+        if threading.get_ident() == self._thread:
+            if FX_ERROR_PREFIX in text:  # one write: the traceback, this line, the code around it
+                self._dropping = True
+                return len(text)
+            if self._dropping and text == "\n":  # print()'s end after the message
+                self._dropping = False
+                return len(text)
+            self._dropping = False
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def quiet_fx_errors() -> Iterator[None]:
+    """Within: fx's error print for a failing GraphModule forward is dropped in this thread (see
+    :class:`_WithoutFxErrorPrint`); the error itself is raised as before."""
+    before = sys.stderr
+    sys.stderr = _WithoutFxErrorPrint(before, threading.get_ident())
+    try:
+        yield
+    finally:
+        if isinstance(sys.stderr, _WithoutFxErrorPrint) and sys.stderr._stream is before:
+            sys.stderr = before
