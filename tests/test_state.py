@@ -182,3 +182,29 @@ def test_state_the_next_output_depends_on_is_a_verification_failure(tracer: str)
     with pytest.raises(fxprep.EquivalenceError, match=r"second call: .*depends on state its forward updates \(calls\)"):
         fxprep.prepare_model(model, example_inputs=torch.ones(3), tracer=tracer, progress=False)
     assert model.calls == 0  # and the user's counter is untouched
+
+
+class LazyHooks(nn.Module):
+    """Registers a forward hook on a child the first time it runs, and marks itself (as
+    transformers 5 does with its output-capturing hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "_hooked", False):
+            self.inner.register_forward_hook(lambda m, i, o: None)
+            self._hooked = True
+        return self.inner(x).relu()
+
+
+def test_hooks_a_forward_registers_are_not_left_behind() -> None:
+    """fxprep's runs put the flag back; the hook must go too, or the next call adds a second one."""
+    model = LazyHooks().eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 4), progress=False)
+    assert fxprep.get_report(gm).verification.status == "passed"
+    assert not model.inner._forward_hooks and "_hooked" not in model.__dict__
+    model(torch.randn(2, 4))
+    assert len(model.inner._forward_hooks) == 1  # the user's own first call, as without fxprep

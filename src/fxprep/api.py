@@ -29,7 +29,7 @@ from .options import PrepareOptions
 from .passes import aimet_modules, aimet_names, functional_to_module, state_dict, unroll, values
 from .prepared import INPUT_SPEC, REPORT, as_prepared, set_preserved
 from .report import Report, Verification
-from .runs import preserved_state
+from .runs import hooks_left_as_found, preserved_state
 from .threads import GLOBAL_LOCK
 from .verify import run_original, verify
 from .weights import remember_original
@@ -131,7 +131,8 @@ def prepare_model(
     Options are keyword-only; see :class:`fxprep.options.PrepareOptions`.
     """
     title = str(options.get("name") or type(model).__name__)
-    with heap.frozen_heap(), progress.reporting(options.get("progress"), title):
+    with heap.frozen_heap(), progress.reporting(options.get("progress"), title), \
+            hooks_left_as_found(model), huggingface.output_capturing_hooks(model):
         return _prepare(model, modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs, options)
 
 

@@ -34,6 +34,7 @@ from .diagnose import (
 )
 from .inputs import normalize_example_inputs
 from .report import Report, RewrittenSite
+from .runs import hooks_left_as_found
 from .threads import GLOBAL_LOCK
 
 # Tracers that capture the model whole (the hybrid leaf fallback is reported apart).
@@ -204,7 +205,8 @@ def check_traceability(
     ``control_flow="rewrite"`` capture loop and names, for each data-dependent site, whether the
     rewrite applies (``torch.where`` / ``torch.cond``) or why not.
     """
-    with GLOBAL_LOCK:  # every tracer patches process-wide state (fxprep.threads)
+    # tracers patch process-wide state (fxprep.threads)
+    with GLOBAL_LOCK, hooks_left_as_found(model), huggingface.output_capturing_hooks(model):
         return _check_traceability(model, example_inputs, modules_to_exclude, module_classes_to_exclude,
                                    concrete_args, draft_export, control_flow)
 

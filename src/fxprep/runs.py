@@ -256,3 +256,33 @@ def quiet_fx_errors() -> Iterator[None]:
     finally:
         if isinstance(sys.stderr, _WithoutFxErrorPrint) and sys.stderr._stream is before:
             sys.stderr = before
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+@contextlib.contextmanager
+def hooks_left_as_found(model: nn.Module) -> Iterator[None]:
+    """Within, hooks a forward registers on ``model``'s modules stay (the capture must see them);
+    on exit every hook registered since entry is removed.
+
+    Why: :func:`preserved_state` puts back what a forward writes in a module's attributes, but a
+    hook lives in a dict the module keeps: transformers 5 registers its output-capturing hooks on the
+    first call and sets a flag, and after fxprep's reference run the flag was gone and the hooks were
+    not, so the user's next call registered them a second time."""
+    if not isinstance(model, nn.Module):
+        yield
+        return
+    before = {id(m): {d: set(getattr(m, d, None) or ()) for d in _HOOK_DICTS} for m in model.modules()}
+    try:
+        yield
+    finally:
+        for m in model.modules():
+            known = before.get(id(m))
+            for d in _HOOK_DICTS:
+                hooks = getattr(m, d, None)
+                if isinstance(hooks, dict) and hooks:
+                    for key in [k for k in hooks if known is None or k not in known[d]]:
+                        del hooks[key]

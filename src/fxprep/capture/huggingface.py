@@ -98,12 +98,15 @@ def _configs(model: nn.Module) -> list[Any]:
 @contextlib.contextmanager
 def capture_context(model: nn.Module, notes: list[str] | None = None) -> Iterator[None]:
     """During capture: attention implementations Dynamo cannot capture (flash, flex, paged) are
-    switched to ``sdpa`` and put back afterwards. A no-op for other models."""
+    switched to ``sdpa``, and transformers' output-capturing hooks are marked installed
+    (:func:`_hooks_flagged`); both are put back afterwards. A no-op for other models."""
     if not is_hf_model(model):
         yield
         return
     changed: list[tuple[Any, Any]] = []
+    flagged: list[nn.Module] = []
     try:
+        flagged = _hooks_flagged(model)
         for config in _configs(model):
             impl = getattr(config, "_attn_implementation", None)
             if impl is not None and impl not in CAPTURE_ATTENTION:
@@ -117,6 +120,65 @@ def capture_context(model: nn.Module, notes: list[str] | None = None) -> Iterato
     finally:
         for config, impl in changed:
             config._attn_implementation = impl
+        for m in flagged:
+            m.__dict__.pop(_HOOKS_FLAG, None)
+
+
+_HOOKS_FLAG = "_output_capturing_hooks_installed"
+_INSTALLED: list[dict[int, nn.Module]] = []  # per prepare in progress: the submodels whose hooks it installed
+
+
+@contextlib.contextmanager
+def output_capturing_hooks(model: Any) -> Iterator[None]:
+    """For as long as fxprep works on a transformers ``model``: its output-capturing hooks are
+    installed once, by the first run that needs them, as transformers would; never a second time.
+
+    Why: transformers 5 installs these hooks on a model's first call that collects hidden states or
+    attentions (``maybe_install_capturing_hooks``) and marks the model with a flag, the installation
+    under a ``threading.Lock`` that Dynamo cannot trace ("Unsupported context manager"). fxprep puts
+    the model back as it was after each of its runs: the flag went, the hooks stayed, so every later
+    eager run installed them again (hidden states recorded twice) and the capture stopped at the
+    lock: a Llava or Mistral3 built and handed straight to ``prepare_model`` could not be prepared.
+    Here the installer remembers what it installed (by identity, not by the flag), and
+    :func:`capture_context` sets the flag on those submodels while Dynamo traces, so the lock is
+    never reached. :func:`fxprep.runs.hooks_left_as_found` takes the hooks out at the end."""
+    installer = None
+    if isinstance(model, nn.Module) and is_hf_model(model):
+        with contextlib.suppress(ImportError):
+            from transformers.utils import output_capturing
+
+            installer = getattr(output_capturing, "maybe_install_capturing_hooks", None)
+    if installer is None:
+        yield
+        return
+    installed: dict[int, nn.Module] = {}
+
+    def install_once(submodel: nn.Module) -> None:
+        if getattr(submodel, _HOOKS_FLAG, False) or id(submodel) in installed:
+            return
+        installer(submodel)
+        installed[id(submodel)] = submodel
+
+    output_capturing.maybe_install_capturing_hooks = install_once
+    _INSTALLED.append(installed)
+    try:
+        yield
+    finally:
+        _INSTALLED.remove(installed)
+        if output_capturing.maybe_install_capturing_hooks is install_once:
+            output_capturing.maybe_install_capturing_hooks = installer
+        for submodel in installed.values():
+            submodel.__dict__.pop(_HOOKS_FLAG, None)
+
+
+def _hooks_flagged(model: nn.Module) -> list[nn.Module]:
+    """The flag set, for a capture, on the submodels whose hooks :func:`output_capturing_hooks`
+    installed and lacking it now; returns those, to take it off again."""
+    mine = {k: m for installed in _INSTALLED for k, m in installed.items()}
+    flagged = [m for m in model.modules() if id(m) in mine and not getattr(m, _HOOKS_FLAG, False)] if mine else []
+    for m in flagged:
+        m.__dict__[_HOOKS_FLAG] = True
+    return flagged
 
 
 def _get(config: Any, *names: str, default: Any = None) -> Any:
