@@ -264,3 +264,40 @@ def test_quiet_fx_errors_drops_only_fx_error_prints(capsys) -> None:
     print("after", file=sys.stderr)
     err = capsys.readouterr().err
     assert err.splitlines() == ["a warning of the user's own", "Call using an FX-traced Module (another thread)", "after"]
+
+
+def test_fast_bind_gives_what_signature_bind_gives() -> None:
+    """The guard's shortcut for ``Signature.bind``: the same arguments whenever it answers, and no
+    answer (so ``bind`` runs and words the error) for every call ``bind`` refuses."""
+    import inspect
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from fxprep.guard import _fast_bind, _plain_parameters
+
+    def f(a, b, c=None, d=3):  # noqa: ANN001, ANN202 - a forward's shape
+        return a
+
+    signature = inspect.signature(f)
+    plain = _plain_parameters(signature)
+    assert plain is not None
+    assert _plain_parameters(inspect.signature(lambda x, *rest: x)) is None
+    assert _plain_parameters(inspect.signature(lambda x, *, y: x)) is None
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.integers(0, 5), st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), unique=True, max_size=5))
+    def agree(n_args: int, keys: list[str]) -> None:
+        args = tuple(range(n_args))
+        kwargs = {k: k for k in keys}
+        try:
+            expected = dict(signature.bind(*args, **kwargs).arguments)
+        except TypeError:
+            expected = None
+        got = _fast_bind(plain, args, kwargs)
+        if expected is None:
+            assert got is None
+        elif got is not None:
+            assert got == expected
+
+    agree()
