@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils.deprecation import deprecate_kwarg
 
 import fxprep
 from fxprep.capture.dynamo.names import canonical_source, self_alias
@@ -136,3 +137,25 @@ def test_a_missing_key_is_still_a_structure_difference() -> None:
     assert "structure differs" in (_compare({"x": a, "y": b}, {"x": a}, 1e-4, 1e-5).problem or "")
     swapped = _compare({"x": a, "y": b}, {"y": a, "x": b}, 1e-4, 1e-5)  # reordered, and x/y swapped
     assert swapped.worst == 1.0 and swapped.accepted
+
+
+class ModeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    @deprecate_kwarg("y", "99.0.0", new_name="x")  # transformers' own: its wrapper lives in another file
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:  # the line the note must name
+            x = x * 2
+        return self.fc(x)
+
+
+def test_a_training_read_behind_a_decorator_is_named_at_its_own_line() -> None:
+    import inspect
+
+    gm = fxprep.prepare_model(nn.Sequential(ModeBlock()).eval(), example_inputs=(torch.randn(2, 4),), progress=False)
+    notes = [n for n in fxprep.get_report(gm).notes if "reads self.training" in n]
+    file = inspect.getsourcefile(ModeBlock)
+    line = next(i for i, text in enumerate(open(file).read().splitlines(), 1) if "the line the note must name" in text)
+    assert len(notes) == 1 and f"{file}:{line}" in notes[0], notes

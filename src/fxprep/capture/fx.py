@@ -212,6 +212,9 @@ def _training_reads(cls: type) -> tuple[str, ...]:
     """``file:line`` of every ``self.training`` read in ``cls.forward`` (cached per class)."""
     fwd = getattr(cls, "forward", None)
     try:
+        # the decorated function's own code: getsourcelines unwraps decorators, getsourcefile does not
+        # (transformers 5.24's deprecate_kwarg put its own file beside the forward's line numbers)
+        fwd = inspect.unwrap(fwd) if callable(fwd) else fwd
         lines, start = inspect.getsourcelines(fwd)  # type: ignore[arg-type]
         filename = inspect.getsourcefile(fwd)  # type: ignore[arg-type]
     except (OSError, TypeError):
