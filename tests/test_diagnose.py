@@ -189,3 +189,28 @@ def test_autograd_function_category_and_fx_keeps_it_one_call():
     gm = fxprep.prepare_model(UsesFunction(), example_inputs=(x,), verify="grad")
     assert gm.fxprep_report.tracer == "fx"
     assert gm.fxprep_report.verification.grad
+
+
+def test_a_dynamo_stop_inside_the_standard_library_is_shown_at_the_models_line(tmp_path) -> None:
+    """Dynamo stopped in ``inspect.Signature._bind`` (called by a transformers decorator on
+    Mistral3's ``get_image_features``): the issue names the user's line that called into the
+    standard library, and an ``Unsupported`` whose text does not say so is unsupported Python."""
+    import inspect as inspect_module
+    import traceback
+
+    from fxprep.diagnose import UNSUPPORTED, categorise, user_frame
+
+    user = tmp_path / "decorators.py"
+    user.write_text("def wrapper(self, *args, **kwargs):\n    arguments = signature.bind(self, *args, **kwargs)\n")
+    stdlib = inspect_module.__file__
+
+    class Unsupported(Exception):  # noqa: N818 - Dynamo's own name, which categorise reads
+        pass
+
+    err = Unsupported(
+        "mapping proxy affected by dictionary mutation\n\nfrom user code:\n"
+        f'  File "{user}", line 2, in wrapper\n    arguments = signature.bind(self, *args, **kwargs)\n'
+        f'  File "{stdlib}", line 3081, in _bind\n    parameters = iter(self.parameters.values())\n')
+    err.innermost_user_frame_summary = traceback.FrameSummary(stdlib, 3081, "_bind")
+    assert user_frame(err) == (str(user), 2, "arguments = signature.bind(self, *args, **kwargs)")
+    assert categorise(err, "arguments = signature.bind(self, *args, **kwargs)") == UNSUPPORTED

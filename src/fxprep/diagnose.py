@@ -159,7 +159,11 @@ def user_frame(err: BaseException) -> tuple[str, int, str] | None:
     """The innermost user frame of the traceback (Dynamo's own record first)."""
     summary = getattr(err, "innermost_user_frame_summary", None)
     if summary is not None and getattr(summary, "filename", None):
-        return summary.filename, summary.lineno, (summary.line or "").strip()
+        if is_user_file(summary.filename):
+            return summary.filename, summary.lineno, (summary.line or "").strip()
+        # Dynamo stopped inside the standard library (``inspect.Signature.bind`` called by a
+        # transformers decorator): the line to show is the innermost one of the model's own code
+        return _innermost_user_line(str(err)) or (summary.filename, summary.lineno, (summary.line or "").strip())
     found = None
     for frame, lineno in _tb_frames(err):
         if is_user_file(frame.f_code.co_filename):
@@ -167,10 +171,16 @@ def user_frame(err: BaseException) -> tuple[str, int, str] | None:
     if found is None and err.__cause__ is not None and err.__cause__ is not err:
         return user_frame(err.__cause__)
     if found is None:  # Dynamo's shape errors carry the user stack only in their text
-        for filename, lineno in reversed(_FILE_LINE.findall(str(err))):
-            if is_user_file(filename):
-                return filename, int(lineno), linecache.getline(filename, int(lineno)).strip()
+        return _innermost_user_line(str(err))
     return found
+
+
+def _innermost_user_line(text: str) -> tuple[str, int, str] | None:
+    """The last ``File "...", line N`` of ``text`` (an exception's message) in the user's code."""
+    for filename, lineno in reversed(_FILE_LINE.findall(text)):
+        if is_user_file(filename):
+            return filename, int(lineno), linecache.getline(filename, int(lineno)).strip()
+    return None
 
 
 def _code_span(fn: object) -> tuple[str, int, int] | None:
@@ -281,7 +291,7 @@ def categorise(err: BaseException, code: str | None) -> str:
     text = str(err)
     code = code or ""
     gb_type = str(getattr(err, "gb_type", "") or "")
-    low = (text + " " + gb_type).lower()
+    low = (text + " " + gb_type + " " + type(err).__name__).lower()  # Dynamo's Unsupported says so only in its type
     stripped = code.lstrip()
     is_branch_line = stripped.startswith(("if ", "elif ", "while ", "assert ")) or " if " in code
     if "print(" in code or "logging." in code or "logger." in code or "side effect" in low:
