@@ -135,7 +135,7 @@ def test_user_code_includes_site_packages_models():
 
 def test_every_category_has_a_fix():
     categories = [d.DATA_DEPENDENT_BRANCH, d.DATA_DEPENDENT_VALUE, d.ITERATION, d.CONSTRUCTOR, d.NON_TORCH_CALL,
-                  d.SIDE_EFFECT, d.AUTOGRAD_FUNCTION, d.CUSTOM_OP, d.SPECIALISATION, d.UNSUPPORTED, d.OTHER]
+                  d.SIDE_EFFECT, d.AUTOGRAD_FUNCTION, d.CUSTOM_OP, d.SPECIALISATION, d.UNSUPPORTED, d.DECORATED_FORWARD, d.OTHER]
     for c in categories:
         assert c in d.FIXES and d.FIXES[c]
 

@@ -159,3 +159,28 @@ def test_a_training_read_behind_a_decorator_is_named_at_its_own_line() -> None:
     file = inspect.getsourcefile(ModeBlock)
     line = next(i for i, text in enumerate(open(file).read().splitlines(), 1) if "the line the note must name" in text)
     assert len(notes) == 1 and f"{file}:{line}" in notes[0], notes
+
+
+def test_fx_on_a_wrapped_forward_is_explained() -> None:
+    """torch.fx's own words on a Llama of transformers >= 5.24 are "code: co_varnames is too
+    small"; the report says what it means and points at the decorated ``forward``."""
+    import inspect
+
+    from fxprep.capture.fx import _explained
+    from fxprep.diagnose import DECORATED_FORWARD
+
+    from .test_verify_meaning import llama_inputs, tiny_llama
+
+    model = tiny_llama()
+    report = fxprep.check_traceability(model, example_inputs=llama_inputs())
+    fx_issues = [i for i in report.issues if i.tracer == "fx"]
+    if hasattr(type(model).forward, "__wrapped__"):  # transformers 5.24 on: deprecate_kwarg
+        assert fx_issues and fx_issues[0].category == DECORATED_FORWARD
+        assert "decorator taking (*args, **kwargs)" in fx_issues[0].message and "tracer='dynamo'" in fx_issues[0].fix
+        original = inspect.unwrap(type(model).forward)
+        assert (fx_issues[0].file, fx_issues[0].line) == (original.__code__.co_filename, original.__code__.co_firstlineno)
+    # the same explanation, independent of the installed transformers
+    explained = _explained(ValueError("code: co_varnames is too small"), Net([1.0]))
+    assert type(explained).__name__ == "DecoratedForward" and explained.__cause__ is not None
+    plain = ValueError("code: co_varnames is too small")
+    assert _explained(plain, nn.Linear(2, 2)) is plain  # no wrapper: fx's own error stands

@@ -33,9 +33,14 @@ AUTOGRAD_FUNCTION = "custom autograd.Function"
 CUSTOM_OP = "unsupported custom op"
 SPECIALISATION = "shape/device specialisation"
 UNSUPPORTED = "unsupported python"
+DECORATED_FORWARD = "decorated forward"
 OTHER = "other"
 
 FIXES: dict[str, str] = {
+    DECORATED_FORWARD: (
+        "torch.fx cannot trace a `forward` behind a decorator that takes `(*args, **kwargs)` (transformers' "
+        "`deprecate_kwarg`); Dynamo can: keep tracer='auto' (Dynamo first) or pass tracer='dynamo'."
+    ),
     DATA_DEPENDENT_BRANCH: (
         "replace the Python `if` on a tensor with `torch.where(cond, a, b)` (both sides computed) or "
         "`torch.cond(pred, true_fn, false_fn, operands)`, or let fxprep do it with "
@@ -292,6 +297,8 @@ def categorise(err: BaseException, code: str | None) -> str:
     code = code or ""
     gb_type = str(getattr(err, "gb_type", "") or "")
     low = (text + " " + gb_type + " " + type(err).__name__).lower()  # Dynamo's Unsupported says so only in its type
+    if type(err).__name__ == "DecoratedForward":  # fxprep's own explanation of an fx failure
+        return DECORATED_FORWARD
     stripped = code.lstrip()
     is_branch_line = stripped.startswith(("if ", "elif ", "while ", "assert ")) or " if " in code
     if "print(" in code or "logging." in code or "logger." in code or "side effect" in low:

@@ -28,6 +28,7 @@ import operator
 import re
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -324,6 +325,31 @@ def _name_concrete_placeholders(gm: fx.GraphModule, model: nn.Module, concrete_a
     gm.recompile()
 
 
+class DecoratedForward(TypeError):
+    """torch.fx cannot trace a ``forward`` wrapped by a decorator that takes ``(*args, **kwargs)``."""
+
+
+def _explained(err: Exception, model: nn.Module) -> Exception:
+    """``err``, or what it means in words where torch.fx's own text says nothing a person can use:
+    fx builds the traced signature from the outermost function's code, and a ``functools.wraps``
+    wrapper taking ``(*args, **kwargs)`` (transformers 5.24's ``deprecate_kwarg`` on every
+    Llama-family ``forward``) has too few names for it ("code: co_varnames is too small"). The
+    explanation points at the decorated ``forward``'s own ``def`` line."""
+    forward = getattr(type(model).forward, "__wrapped__", None)
+    if not (isinstance(err, ValueError) and "co_varnames is too small" in str(err) and forward is not None):
+        return err
+    explained = DecoratedForward(
+        f"torch.fx cannot trace {type(model).__name__}.forward: it is wrapped by a decorator taking "
+        f"(*args, **kwargs), and fx builds the traced signature from the wrapper's code (fx: {err})")
+    explained.__cause__ = err
+    original = inspect.unwrap(forward)
+    code = getattr(original, "__code__", None)
+    if code is not None:
+        explained.innermost_user_frame_summary = traceback.FrameSummary(  # type: ignore[attr-defined]
+            code.co_filename, code.co_firstlineno, code.co_name)
+    return explained
+
+
 def capture_fx(
     model: nn.Module,
     policy: LeafPolicy,
@@ -350,7 +376,7 @@ def capture_fx(
             gm = tracer.make_graph_module(graph, model.__class__.__name__)
         changed = [c for c in changed if not c.rpartition(".")[2].startswith("_tensor_constant")]
     except Exception as err:  # noqa: BLE001 - every tracer failure is reported, not raised
-        return None, CaptureAttempt.failed("fx", err, start)
+        return None, CaptureAttempt.failed("fx", _explained(err, model), start)
     if concrete_args:
         _name_concrete_placeholders(gm, model, concrete_args)
     notes = []
