@@ -110,3 +110,14 @@ def test_vlm(name: str) -> None:
 @pytest.mark.parametrize("name", [n for n in EXPECTED if n not in FAST])
 def test_vlm_zoo(name: str) -> None:
     check_vlm(name)
+
+
+def test_verify_prepared_leaves_a_never_called_vlm_untouched() -> None:
+    """verify_prepared runs the user's model too: transformers' first-call hooks are installed once
+    for it and taken out after, as in prepare_model."""
+    torch.manual_seed(0)
+    model, inputs = vlm_models.llava_pixtral()
+    before = module_snapshot(model)
+    gm = fxprep.prepare_model(model, example_inputs=inputs)
+    assert fxprep.verify_prepared(gm, inputs).status == "passed"
+    assert_unchanged(model, before)

@@ -405,6 +405,8 @@ def verify_prepared(gm: fx.GraphModule, example_inputs: Any, *, rtol: float | No
     """Compare ``gm`` with the model it was prepared from on ``example_inputs`` (after
     :func:`load_weights`, real inputs on the weights' device). Raises ``EquivalenceError`` on a
     difference; returns the :class:`~fxprep.report.Verification` and records it in the report."""
+    from .capture import huggingface
+    from .runs import hooks_left_as_found
     from .verify import verify
 
     remembered = _original(gm)
@@ -418,7 +420,10 @@ def verify_prepared(gm: fx.GraphModule, example_inputs: Any, *, rtol: float | No
     if meta:
         raise InvalidInput(f"the original model still has tensors on 'meta' ({_list(meta, 4)}): load_weights first.")
     original_call, prepared_call = split_calls(remembered.model, example, remembered.concrete)
-    result = verify(remembered.model, gm, original_call, prepared_example=prepared_call, rtol=rtol, atol=atol)
+    # the user's model is run here as in prepare_model: hooks transformers installs on a first call
+    # are installed once and taken out after (fxprep.capture.huggingface.output_capturing_hooks)
+    with hooks_left_as_found(remembered.model), huggingface.output_capturing_hooks(remembered.model):
+        result = verify(remembered.model, gm, original_call, prepared_example=prepared_call, rtol=rtol, atol=atol)
     report = getattr(gm, "fxprep_report", None)
     if report is not None:
         report.verification = result
