@@ -152,8 +152,12 @@ def output_capturing_hooks(model: Any) -> Iterator[None]:
         yield
         return
     installed: dict[int, nn.Module] = {}
+    ours = {id(m) for m in model.modules()}  # another thread's models get transformers' own behaviour
 
     def install_once(submodel: nn.Module) -> None:
+        if id(submodel) not in ours:
+            installer(submodel)
+            return
         if getattr(submodel, _HOOKS_FLAG, False) or id(submodel) in installed:
             return
         installer(submodel)
