@@ -56,7 +56,6 @@ class InputSpec:
         self.params = params
         self.tracer = tracer
         self._signature: inspect.Signature | None = None
-        self._plain: tuple[tuple[str, ...], frozenset[str]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"params": self.params, "tracer": self.tracer}
@@ -73,7 +72,7 @@ class InputSpec:
         return self.to_dict()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.params, self.tracer, self._signature, self._plain = state["params"], state["tracer"], None, None
+        self.params, self.tracer, self._signature = state["params"], state["tracer"], None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> InputSpec:
         return InputSpec(_copy(self.params), self.tracer)
@@ -179,53 +178,21 @@ def _tracing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(v, fx.Proxy) for v in (*args, *kwargs.values()))
 
 
-def _plain_parameters(signature: inspect.Signature) -> tuple[tuple[str, ...], frozenset[str]] | None:
-    """The parameter names and the required ones, when every parameter can be given by position or
-    keyword (no ``*args``, ``**kwargs``, positional-only or keyword-only): then :func:`_fast_bind`
-    applies."""
-    params = signature.parameters.values()
-    if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
-        return None
-    return tuple(signature.parameters), frozenset(p.name for p in params if p.default is inspect.Parameter.empty)
-
-
-def _fast_bind(plain: tuple[tuple[str, ...], frozenset[str]] | None, args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """What ``Signature.bind(*args, **kwargs).arguments`` gives, for the calls it accepts without
-    applying anything but names (positional arguments, then keywords, no name twice, every required
-    one given): cheaper than ``bind`` on each call of the prepared module. None: use ``bind`` (it
-    also words the error)."""
-    if plain is None:
-        return None
-    names, required = plain
-    if len(args) > len(names):
-        return None
-    arguments = dict(zip(names, args))
-    for key, value in kwargs.items():
-        if key in arguments or key not in names:
-            return None
-        arguments[key] = value
-    return arguments if required.issubset(arguments) else None
-
-
 def check(gm: torch.nn.Module, spec: InputSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise :class:`InputMismatch` when ``gm(*args, **kwargs)`` does not fit ``spec``."""
     if _tracing(args, kwargs):
         return
     if spec._signature is None:
         spec._signature = inspect.signature(gm.forward)
-        spec._plain = _plain_parameters(spec._signature)
-    arguments = _fast_bind(spec._plain, args, kwargs)
-    if arguments is None:
-        try:
-            arguments = spec._signature.bind(*args, **kwargs).arguments
-        except TypeError as err:
-            raise InputMismatch(f"the prepared module was called with arguments its forward does not take: {err}. "
-                                f"It takes {', '.join(spec._signature.parameters)}.") from err
+    try:
+        bound = spec._signature.bind(*args, **kwargs)
+    except TypeError as err:
+        raise InputMismatch(f"the prepared module was called with arguments its forward does not take: {err}. "
+                            f"It takes {', '.join(spec._signature.parameters)}.") from err
     problems: list[str] = []
     for name, node in spec.params.items():
-        if name in arguments:
-            _match(node, arguments[name], name, problems)
+        if name in bound.arguments:
+            _match(node, bound.arguments[name], name, problems)
         else:
             default = spec._signature.parameters[name].default
             if default is not inspect.Parameter.empty:
