@@ -126,7 +126,7 @@ def _compare(ref: Any, got: Any, rtol: float, atol: float,
                 continue
             kept.append((path, value))
         ref_leaves = kept
-    reordered = _key_order_differences(ref, got)
+    reordered = _key_order_differences(ref, got) if [p for p, _ in ref_leaves] != [p for p, _ in got_leaves] else []
     if reordered and sorted(p for p, _ in ref_leaves) == sorted(p for p, _ in got_leaves):
         by_path = dict(got_leaves)
         got_leaves = [(p, by_path[p]) for p, _ in ref_leaves]
