@@ -3,7 +3,8 @@
 Tiny configs of the architectures LLM-compression tools test (:mod:`tests.vlm_models`), prepared with
 realistic multimodal inputs. Dynamo cannot capture four of them whole (Pixtral's and Qwen's vision
 towers size tensors from tensor values, Mistral3's feature selection mutates a dict behind a
-mappingproxy): the Dynamo opaque-leaf fallback makes only the failing parts opaque, and each model
+mappingproxy): values read from data are decided from the example where that captures more layers
+(Pixtral, Qwen2-VL), else the Dynamo opaque-leaf fallback makes only the failing parts opaque; each model
 must still verify with every language-model decoder layer's Linears (and every Linear outside the
 stated opaque parts) as ``call_module``s of the user's own layers. The opaque parts are stated
 exactly, so that a change in what becomes opaque shows here.
@@ -26,13 +27,16 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 # model -> (tracer, opaque parts (report.leaves keys), the module paths those parts run)
 EXPECTED: dict[str, tuple[str, set[str], tuple[str, ...]]] = {
-    # image_sizes slice the patch grid (`embed[..., :size[0] // p]`): every size after it is data-dependent
-    "llava_pixtral": ("dynamo+leaves", {"model.vision_tower"}, ("model.vision_tower",)),
-    # `lengths.tolist()` splits the attention per image: only each vision attention is opaque, with the
-    # cu_seqlens and rope-index helpers; the vision MLPs, the merger and the whole LM are captured
-    "qwen2_vl": ("dynamo+leaves", {"model.visual.blocks.0.attn", "model.visual.blocks.1.attn",
-                                   "model.visual.get_vision_attention_seqlens", "model.get_rope_index"},
-                 ("model.visual.blocks.0.attn", "model.visual.blocks.1.attn")),
+    # image_sizes slice the patch grid (`embed[..., :size[0] // p]`): with the opaque-leaf fallback the
+    # whole vision tower was opaque; deciding those sizes from the example (checked in the graph)
+    # captures every layer (fxprep.capture.dynamo.values)
+    "llava_pixtral": ("dynamo+values", set(), ()),
+    # `lengths.tolist()` splits the vision attention per image: decided from the example, so the
+    # attentions' qkv/proj are captured; only the rope index (itertools.groupby, no layers) stays opaque
+    "qwen2_vl": ("dynamo+values", {"model.get_rope_index"}, ()),
+    # deciding values fails inside PyTorch here (a guard in real-tensor propagation's own check on
+    # `cu_seqlens_tmp.tolist()`), so the fallback's parts stay: each vision attention, with the
+    # window-index and rope-index helpers; the vision MLPs, the merger and the whole LM are captured
     "qwen2_5_vl": ("dynamo+leaves", {"model.visual.blocks.0.attn", "model.visual.blocks.1.attn",
                                      "model.visual.get_vision_window_index", "model.get_rope_index"},
                    ("model.visual.blocks.0.attn", "model.visual.blocks.1.attn")),
@@ -121,3 +125,23 @@ def test_verify_prepared_leaves_a_never_called_vlm_untouched() -> None:
     gm = fxprep.prepare_model(model, example_inputs=inputs)
     assert fxprep.verify_prepared(gm, inputs).status == "passed"
     assert_unchanged(model, before)
+
+
+def test_transformers_output_recorders_do_not_keep_a_layer_whole() -> None:
+    """transformers' output-capturing hooks only append a layer's output to a list the traced graph
+    returns anyway: such a layer is traced into (its Linears become graph nodes); a hook of the
+    user's still keeps the layer one call so that it runs."""
+    from fxprep.capture.common import LeafPolicy
+
+    torch.manual_seed(0)
+    model, inputs = vlm_models.llava_pixtral()
+    with torch.no_grad():
+        model(**inputs, use_cache=False)  # transformers installs its recorders on the first call
+    layer = model.model.vision_tower.transformer.layers[0]
+    assert layer._forward_hooks  # the recorders are there
+    assert LeafPolicy().reason(layer) is None
+    handle = layer.register_forward_hook(lambda m, i, o: None)
+    try:
+        assert LeafPolicy().reason(layer) == "has forward hooks"
+    finally:
+        handle.remove()

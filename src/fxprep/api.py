@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import batch, guard, heap, progress
+from . import batch, decisions, guard, heap, progress
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 from .capture import cascade, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
@@ -236,6 +236,12 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     _restore_output_type(gm, reference)
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
     _guard_inputs(gm, model, result.tracer, prepared_call, concrete, opts.dynamic, report)
+    decided = decisions.summary(gm)
+    if decided:
+        report.note(
+            f"The graph reads values from data (.item(), .tolist(), sizes from tensors) at {len(decided)} place(s) of the "
+            f"model's code; what the capture took from the example's values there is checked on every call (an input "
+            f"deciding otherwise raises InputMismatch): " + "; ".join(decided))
     report.timings["passes"] = time.perf_counter() - t2
 
     where_rewrite = rewrite is not None and rewrite.joins_with_where

@@ -31,7 +31,7 @@ from torch.fx.graph import PythonCode
 
 from fxprep.forward_code import HELPER, child, fast_source
 
-from . import guard
+from . import decisions, guard
 
 REPORT = "fxprep_report"
 INPUT_SPEC = "fxprep_input_spec"  # a guard.InputSpec: what each call is checked against
@@ -50,14 +50,21 @@ def set_preserved(gm: fx.GraphModule, name: str, value: Any) -> None:
 
 class PreparedModule(fx.GraphModule):
     """A ``torch.fx.GraphModule`` that pickles its graph exactly (see the module docstring) and
-    checks each call's inputs against those it was captured for (:mod:`fxprep.guard`) and runs a
+    checks each call's inputs against those it was captured for (:mod:`fxprep.guard`; a value the
+    capture decided from the example's data is checked in the graph, :mod:`fxprep.decisions`) and runs a
     forward whose submodule lookups are dict reads (:mod:`fxprep.forward_code`)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec = self.__dict__.get(INPUT_SPEC)
         if spec is not None:
             guard.check(self, spec, args, kwargs)
-        return super().__call__(*args, **kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        except RuntimeError as err:  # a value decided from the example, which this input decides otherwise
+            mismatch = decisions.failed_check(self, err)
+            if mismatch is None:
+                raise
+            raise mismatch from err
 
     def recompile(self) -> PythonCode:
         if getattr(_DEFER, "active", False):

@@ -125,13 +125,16 @@ def capture_with_opaque_parts(
     handled: Callable[[BaseException], bool] | None = None,
 ) -> tuple[CaptureResult | None, list[Any]]:
     """The fallback after every whole-model tracer failed, in the one order ``prepare_model`` and
-    ``check_traceability`` share: Dynamo again with the failing parts opaque (``dynamo+leaves``,
-    when Dynamo failed on example inputs), then fx with them (``fx+leaves``, unless ``fx_too`` is
-    False: a forced ``tracer="dynamo"`` never takes fx's result). Returns the capture (None when both
+    ``check_traceability`` share: Dynamo with the failing parts opaque (``dynamo+leaves``, when
+    Dynamo failed on example inputs); where those parts hide layers and Dynamo stopped at a value
+    read from data, Dynamo again deciding such values from the example, taken when its decisions
+    follow the inputs' structure (``dynamo+values``, :mod:`.dynamo.values`); then fx with them
+    (``fx+leaves``, unless ``fx_too`` is False: a forced ``tracer="dynamo"`` never takes fx's result). Returns the capture (None when both
     failed) and its opaque parts as ``(site, issue)`` pairs; each run is appended to ``attempts``.
     The model is left as it was (:func:`fxprep.runs.preserved_state`)."""
     failed = next((a.exception for a in attempts if a.tracer == "dynamo" and a.exception is not None), None)
     if failed is not None and example is not None:
+        from .dynamo import values
         from .dynamo.fallback import capture_dynamo_leaves
 
         progress.stage("capture: Dynamo with the untraceable parts opaque")
@@ -139,6 +142,17 @@ def capture_with_opaque_parts(
             result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete_args, failed,
                                                            dynamic=dynamic, handled=handled)
         attempts.append(attempt)
+        hidden = values.hidden_layers(model, result, [s for s, _ in sites]) if result is not None else None
+        if hidden != [] and values.decidable(failed, model):
+            progress.stage("capture: Dynamo deciding values read from data from the example")
+            with restored_attributes(model, []):
+                decided, attempt, decided_sites = values.capture_deciding_values(model, policy, example,
+                                                                                 concrete_args, dynamic=dynamic)
+            attempts.append(attempt)
+            still = values.hidden_layers(model, decided, [s for s, _ in decided_sites]) if decided else []
+            if decided is not None and (hidden is None or len(still) < len(hidden)):
+                decided.notes.append(values.why_taken(hidden, still))
+                return decided, decided_sites
         if result is not None:
             return result, sites
     if not fx_too:

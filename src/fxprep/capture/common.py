@@ -21,7 +21,8 @@ class LeafPolicy:
     the user's ``modules_to_exclude`` (by identity) and ``module_classes_to_exclude`` (subclasses
     included), modules marked with :func:`fxprep.opaque`, TorchScript modules (nothing can trace
     into them), and modules carrying forward hooks or pre-hooks: tracing into those would silently
-    drop the hooks, so they stay calls and their hooks keep running.
+    drop the hooks, so they stay calls and their hooks keep running (transformers' own output
+    recorders aside: tracing reproduces them, see :mod:`.recorders`).
     """
 
     modules: tuple[nn.Module, ...] = ()
@@ -40,8 +41,13 @@ class LeafPolicy:
             return "marked with fxprep.opaque"
         if isinstance(module, torch.jit.ScriptModule):
             return "TorchScript module"
-        if module._forward_hooks or module._forward_pre_hooks:
+        if module._forward_pre_hooks:
             return "has forward hooks"
+        if module._forward_hooks:
+            from .recorders import only_output_recorders
+
+            if not only_output_recorders(module._forward_hooks.values()):
+                return "has forward hooks"
         return None
 
     def is_leaf(self, module: nn.Module, default: bool) -> bool:

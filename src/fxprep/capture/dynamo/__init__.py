@@ -60,8 +60,8 @@ from .reuse import REUSE_META, capture_reusing
 from .shapes import dynamic_dims, dynamic_shapes_spec, grown_example
 
 
-def _failure(err: BaseException, start: float) -> tuple[None, CaptureAttempt]:
-    return None, CaptureAttempt.failed("dynamo", err, start)
+def _failure(err: BaseException, start: float, tracer: str = "dynamo") -> tuple[None, CaptureAttempt]:
+    return None, CaptureAttempt.failed(tracer, err, start)
 
 
 _RETRY_ON_REGROUP = ("neither buffers/parameters/constants", "install_free_tensors")
@@ -84,6 +84,7 @@ def capture_dynamo(
     records: dict[Site, list[Recorded]] | None = None,
     reuse: bool = True,
     block_pass: Any = None,
+    real_values: bool = False,
 ) -> tuple[CaptureResult | None, CaptureAttempt]:
     """Capture ``model`` with Dynamo and re-lift it to module level.
 
@@ -94,26 +95,29 @@ def capture_dynamo(
     :mod:`.opaque`); ``records`` caches their eager recordings across calls. ``reuse``: capture
     each repeated block once and stamp its graph out for the others (:mod:`.reuse`; flag route,
     static shapes, no opaque parts); ``block_pass(block_gm, first_instance)`` is then run once on
-    each repeated block before it is stamped out (:func:`.reuse.capture_reusing`). Never raises
-    for a capture failure.
+    each repeated block before it is stamped out (:func:`.reuse.capture_reusing`).
+    ``real_values``: values read from data are decided from the example's, each decision checked in
+    the graph (:mod:`fxprep.decisions`; tracer "dynamo+values", no block reuse). Never raises for a
+    capture failure.
     """
     start = time.perf_counter()
+    tracer = "dynamo+values" if real_values else "dynamo"
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
     if route == "flag" and not flag_available():
         err = RuntimeError(f"this torch has no torch._dynamo.config.{FLAG}; use route='regroup'")
-        return _failure(err, start)
+        return _failure(err, start, tracer)
     current = default_route() if route == "auto" else route
     capture_call, prepared_call = split_calls(model, example, concrete_args)
     notes: list[str] = []
     try:
         spec = dynamic_shapes_spec(model, capture_call, dynamic)
     except Exception as err:  # noqa: BLE001
-        return _failure(err, start)
+        return _failure(err, start, tracer)
     try:
         box = black_box(model, policy, opaque or [], capture_call, records)
     except Exception as err:  # noqa: BLE001 - an opaque part the eager run cannot record
-        return _failure(err, start)
+        return _failure(err, start, tracer)
     caches = tensor_caches(model)
     grad_inputs = True
     while True:  # each failure below relaxes one thing and tries again, or gives up
@@ -128,16 +132,16 @@ def capture_dynamo(
                         f"block reuse: off for this capture: {len(box.sites)} part(s) are called without tracing "
                         f"into them (excluded or opaque modules), which block reuse does not handle yet; every "
                         f"block was captured by the whole-model capture.")
-                if reuse and current == "flag" and spec is None and not box:
+                if reuse and current == "flag" and spec is None and not box and not real_values:
                     reused = capture_reusing(model, policy, call, capture_call, prepared_call, current, guard,
                                              attempt_notes, block_pass)
                 if reused is not None:
                     gm, extra = reused
                 else:
-                    result = dynamo_export(model, call, current, spec)
+                    result = dynamo_export(model, call, current, spec, real_values=real_values)
                     guard.reset()  # Dynamo left fake tensors in attributes forward() writes
                     gm, extra = relift(result.graph_module, model, policy, capture_call, prepared_call, current,
-                                       attempt_notes, box)
+                                       attempt_notes, box, decided=real_values)
             notes.extend(attempt_notes)
             break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
@@ -149,7 +153,7 @@ def capture_dynamo(
                 notes.append(f"Dynamo's call_module route failed ({type(err).__name__}); used the regroup route.")
                 current = "regroup"
             else:
-                return _failure(err, start)
+                return _failure(err, start, tracer)
             progress.step(f"retrying after {type(err).__name__}")
     written = guard.written
     if caches:
@@ -173,8 +177,8 @@ def capture_dynamo(
         )
     if dynamic:
         notes.append(f"dynamic dimensions: {dynamic_dims(model, capture_call, dynamic)}")
-    result_ = CaptureResult(gm, "dynamo", notes=notes, extra_leaves=extra)
-    return result_, CaptureAttempt("dynamo", True, time.perf_counter() - start)
+    result_ = CaptureResult(gm, tracer, notes=notes, extra_leaves=extra)
+    return result_, CaptureAttempt(tracer, True, time.perf_counter() - start)
 
 
 __all__ = [

@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -211,9 +214,13 @@ class DynamoCacheScope:
             pass
 
 
-def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spec: dict[str, Any] | None) -> Any:
+def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spec: dict[str, Any] | None,
+                  *, real_values: bool = False) -> Any:
     """``torch._dynamo.export`` of ``model`` on ``call``, configured for ``route`` (static shapes
     unless ``dynamic_spec`` names dynamic dimensions), with Dynamo's global state put back after.
+    ``real_values``: values read from data (``.item()``, ``.tolist()``) become symbols, and
+    questions about them are decided from the example's real values, each decision kept in the
+    graph as a runtime check (:mod:`fxprep.decisions`).
 
     Runs under :data:`fxprep.threads.GLOBAL_LOCK` (Dynamo's config and caches are process-wide),
     with the recompile limits lifted and the cache entries the call added dropped
@@ -230,10 +237,36 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
     kwargs: dict[str, Any] = {"assume_static_by_default": True}
     if dynamic_spec is not None:
         kwargs["dynamic_shapes"] = dynamic_spec
-    with GLOBAL_LOCK, dynamo.config.patch(**patches), DynamoGlobalState(), DynamoCacheScope():
+    if real_values:
+        patches["capture_scalar_outputs"] = True
+        patches["capture_dynamic_output_shape_ops"] = True
+    real = _real_value_propagation() if real_values else contextlib.nullcontext()
+    with GLOBAL_LOCK, dynamo.config.patch(**patches), real, DynamoGlobalState(), DynamoCacheScope():
         result = dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
     heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.heap)
     return result
+
+
+@contextlib.contextmanager
+def _real_value_propagation() -> Iterator[None]:
+    """Fake tensors that carry the real values along (the config switch ``torch.export``'s draft
+    mode uses), so that a question about a value read from data has an answer. PyTorch logs each
+    answer as a warning ("propagate_real_tensors evaluate_expr(u2*u3 > 1) -> True"); the report
+    states them as the graph's checks instead, so they are kept off the user's terminal."""
+    from torch._functorch import config as functorch_config
+
+    if not hasattr(functorch_config, "fake_tensor_propagate_real_tensors"):
+        yield
+        return
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with functorch_config.patch(fake_tensor_propagate_real_tensors=True,
+                                    generate_fake_kernels_from_real_mismatches=True):
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def requiring_grad(call: ExampleInputs) -> ExampleInputs:

@@ -35,6 +35,7 @@ from .recording import Recorded, record_sites
 
 MAX_ROUNDS = 40
 TRACER = "dynamo+leaves"
+VALUES_TRACER = "dynamo+values"
 
 
 def _usable(records: dict[Site, list[Recorded]], site: Site) -> bool:
@@ -103,19 +104,23 @@ def capture_dynamo_leaves(
     policy: LeafPolicy,
     example: ExampleInputs,
     concrete_args: dict[str, Any] | None,
-    first_error: BaseException,
+    first_error: BaseException | None,
     *,
     dynamic: Any = None,
     handled: Callable[[BaseException], bool] | None = None,
+    real_values: bool = False,
 ) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
     """Capture with Dynamo, making the smallest failing parts opaque until it succeeds.
 
-    ``first_error`` is the whole-model Dynamo failure to start from. Returns the result (or None),
-    the attempt for the report, and each opaque site with the issue that made it opaque.
-    ``handled`` is asked first about each failure (``control_flow="rewrite"`` rewrote the ``if``):
-    True means capture is simply tried again.
+    ``first_error`` is the whole-model Dynamo failure to start from (None: capture first, with
+    nothing opaque). Returns the result (or None), the attempt for the report, and each opaque site
+    with the issue that made it opaque. ``handled`` is asked first about each failure
+    (``control_flow="rewrite"`` rewrote the ``if``): True means capture is simply tried again.
+    ``real_values``: each capture decides values read from data from the example
+    (:mod:`.values`), so only what Dynamo cannot trace for other reasons is made opaque.
     """
     start = time.perf_counter()
+    tracer = VALUES_TRACER if real_values else TRACER
     capture_call, _ = split_calls(model, example, concrete_args)
     sites: list[Site] = []
     found: list[tuple[Site, Issue, Site | None]] = []
@@ -123,7 +128,7 @@ def capture_dynamo_leaves(
     err = first_error
     excluded = excluded_sites(model, policy)
     for _ in range(MAX_ROUNDS):
-        if handled is None or not handled(err):
+        if err is not None and (handled is None or not handled(err)):
             new, made_at = next_sites(err, model, capture_call, sites + excluded, records)
             if not new:
                 break
@@ -133,20 +138,21 @@ def capture_dynamo_leaves(
             more = f" and {len(new) - 1} more like it" if len(new) > 1 else ""
             progress.step(f"{new[0].qualname} made opaque{more} ({issue.category})")
         result, attempt = capture_dynamo(model, policy, example, concrete_args, dynamic=dynamic, opaque=sites,
-                                         records=records)
+                                         records=records, reuse=not real_values, real_values=real_values)
         if result is not None:
-            result.tracer = TRACER
+            result.tracer = tracer
             for site, issue, first in found:
                 if inside(site, sites):
                     continue  # a later, enclosing part took it in
                 like = f" (like '{first.qualname}')" if first is not None else ""
                 result.extra_leaves[site.qualname] = f"opaque: {issue.category} at {issue.location}{like}"
             elapsed = time.perf_counter() - start
-            return result, CaptureAttempt(TRACER, True, elapsed), [(s, i) for s, i, _ in found if not inside(s, sites)]
+            return result, CaptureAttempt(tracer, True, elapsed), [(s, i) for s, i, _ in found if not inside(s, sites)]
         assert attempt.exception is not None
         err = attempt.exception
-    failed = CaptureAttempt.failed(TRACER, err, start)
+    assert err is not None
+    failed = CaptureAttempt.failed(tracer, err, start)
     return None, failed, [(s, i) for s, i, _ in found]
 
 
-__all__ = ["MAX_ROUNDS", "TRACER", "capture_dynamo_leaves", "next_sites"]
+__all__ = ["MAX_ROUNDS", "TRACER", "VALUES_TRACER", "capture_dynamo_leaves", "next_sites"]

@@ -166,11 +166,11 @@ def original_class(cls: Any) -> Any:
     return cls.__dict__.get(ORIGINAL_CLASS, cls) if isinstance(cls, type) else cls
 
 
-def perturbed(call: ExampleInputs) -> ExampleInputs:
+def perturbed(call: ExampleInputs, seed: int = 0) -> ExampleInputs:
     """``call`` with every floating-point tensor's values shuffled (same shape, dtype and value
-    distribution, different data): a size an opaque part returns that changes with it follows the
-    data, not the shapes."""
-    gen = torch.Generator().manual_seed(SEED)
+    distribution, different data; ``seed`` picks the shuffle): a size an opaque part returns that
+    changes with it follows the data, not the shapes."""
+    gen = torch.Generator().manual_seed(SEED + seed)
 
     def shuffle(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point() or t.numel() < 2:

@@ -245,14 +245,16 @@ def _first_tensor(call: ExampleInputs) -> tuple[int, torch.Tensor] | None:
 
 def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_call: ExampleInputs,
            prepared_call: ExampleInputs, route: str, notes: list[str], box: BlackBox | None = None, *,
-           device_literals: bool = True) -> tuple[fx.GraphModule, dict[str, str]]:
+           device_literals: bool = True, decided: bool = False) -> tuple[fx.GraphModule, dict[str, str]]:
     """Turn Dynamo's graph into the module-level one (see the module docstring).
 
     ``capture_call`` is what Dynamo was called with (``concrete_args`` included), ``prepared_call``
     how the prepared module will be called, ``box`` the parts Dynamo called without tracing into.
     Returns the module and the extra leaves with reasons. ``device_literals=False`` leaves device
     literals as they are (block reuse replaces them once, on the assembled graph:
-    :func:`follow_input_device`)."""
+    :func:`follow_input_device`). ``decided``: the capture decided values read from data from the
+    example, and the run-time asserts on unbacked sizes are those decisions' checks
+    (:mod:`fxprep.decisions`): every one is kept, also where opaque parts are re-lifted."""
     graph = dgm.graph
     names = Names(model)
     stacks = Stacks(model, names)
@@ -271,7 +273,7 @@ def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_ca
     dynamo_cleanup.restore_autograd_functions(dgm, stacks.owner)
     dynamo_cleanup.remove_noise(dgm)
     opaque_calls, wrappers = relift_opaque(dgm, box, names)  # opaque parts → call_module
-    if opaque_calls:
+    if opaque_calls and not decided:
         drop_size_asserts(dgm)
     policy = with_opaque(policy, box)
 

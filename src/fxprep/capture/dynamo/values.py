@@ -1,0 +1,128 @@
+"""dynamo+values: capture again deciding values read from data from the example, when that is sound.
+
+Some models size their tensors from tensor *values*: Pixtral slices each image's patch grid to
+its ``image_sizes`` (``embed[..., : size[0] // p]``), Qwen2-VL splits its vision attention by
+``cu_seqlens.tolist()``. Dynamo stops there ("Could not guard on data-dependent expression"), and
+the opaque-leaf fallback (:mod:`.fallback`) then keeps the enclosing part eager, hiding its layers
+from a quantizer (Pixtral's whole vision tower).
+
+Dynamo can instead carry the example's real values along (:func:`.export.dynamo_export` with
+``real_values``): each question about such a value is answered from the example and kept in the
+graph as a runtime check (:mod:`fxprep.decisions`), so the graph is exact for every input that
+decides the same way and refuses the others with :class:`~fxprep.errors.InputMismatch`.
+
+That is only worth it, and only sound enough, when two things hold, and this module checks both:
+
+* the opaque parts of the fallback hide layers (:func:`hidden_layers`): otherwise the fallback's
+  graph is as useful to a quantizer and runs for any input (detection post-processing);
+* the decisions follow the inputs' *structure* (sizes, grids, token ids), not the values a layer
+  computes: the captured graph must pass its own checks on inputs whose floating-point values are
+  shuffled (:func:`broken_on_perturbed`). A branch on activations (``if count % 2``) fails that and
+  stays an opaque part, which runs both ways.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ... import decisions
+from ...diagnose import Issue
+from ...errors import InputMismatch
+from ...inputs import ExampleInputs, split_calls
+from ...runs import preserved_state
+from ..common import CaptureAttempt, CaptureResult, LeafPolicy
+from ..sites import Site
+from .fallback import VALUES_TRACER as TRACER
+from .fallback import capture_dynamo_leaves
+from .names import default_leaf
+from .recording import perturbed
+
+PERTURBED_RUNS = 3  # each with other shuffles; a decision that follows activations rarely survives all
+
+
+def decidable(err: BaseException, model: nn.Module) -> bool:
+    """Whether Dynamo's failure ``err`` is a value read from data (a size from ``.item()`` or
+    ``.tolist()``, a slice bound from a tensor, or a question about such a size: torch's
+    ``GuardOnDataDependentSymNode``), which real values could get past."""
+    from ...diagnose import DATA_DEPENDENT_VALUE, diagnose
+
+    if type(err).__name__ == "GuardOnDataDependentSymNode" or "data-dependent expression" in str(err):
+        return True
+    return any(issue.category == DATA_DEPENDENT_VALUE for issue in diagnose(err, "dynamo", model))
+
+
+def hidden_layers(model: nn.Module, result: CaptureResult, sites: list[Site]) -> list[str]:
+    """The layers (leaf modules holding weights: Linear, Conv, Embedding, norms) inside the opaque
+    parts of ``result`` (a module made opaque, or the module whose method or helper function was)
+    that are not ``call_module`` nodes of its graph: a quantizer cannot see them."""
+    called = {str(n.target) for n in result.gm.graph.nodes if n.op == "call_module"}
+    prefixes = [site.path for site in sites]
+    hidden = []
+    for name, module in model.named_modules():
+        if not name or name in called or not default_leaf(module) or next(module.parameters(recurse=False), None) is None:
+            continue
+        if any(not p or name == p or name.startswith(f"{p}.") for p in prefixes):
+            hidden.append(name)
+    return hidden
+
+
+def why_taken(hidden: list[str] | None, still: list[str]) -> str:
+    """The report's note on a ``dynamo+values`` capture taken over the fallback's, which hid
+    ``hidden`` (None: the fallback failed); ``still``: the layers its own opaque parts hide."""
+    if hidden is None:
+        instead = "with opaque parts (that fallback failed)"
+    else:
+        shown = ", ".join(hidden[:4]) + (f" and {len(hidden) - 4} more" if len(hidden) > 4 else "")
+        instead = f"with opaque parts hiding {len(hidden)} layer(s) ({shown})"
+    left = f", {len(still)} of them still inside parts it cannot trace for other reasons" if still else ""
+    return (f"Captured deciding values read from data from the example (tracer {TRACER}) rather than {instead}{left}: "
+            f"the decisions held on inputs with other floating-point values, so they follow the inputs' structure "
+            f"(sizes, grids, token ids), not the data.")
+
+
+def broken_on_perturbed(gm: torch.fx.GraphModule, model: nn.Module, call: ExampleInputs) -> Exception | None:
+    """Run ``gm`` (called as the prepared module is, on ``call``) on inputs whose floating-point
+    values are shuffled, :data:`PERTURBED_RUNS` times; the first failure, as the error to report
+    (an :class:`InputMismatch` naming the decision when one of its checks failed), or None."""
+    with preserved_state(model), torch.no_grad():
+        for k in range(PERTURBED_RUNS):
+            other = perturbed(call, seed=k)
+            try:
+                gm(*other.args, **other.kwargs)
+            except Exception as err:  # noqa: BLE001 - any failure on other data rejects the capture
+                mismatch = decisions.failed_check(gm, err)
+                if mismatch is not None:
+                    return InputMismatch(f"decided from activations, not from the inputs' structure: {mismatch}")
+                return err
+    return None
+
+
+def capture_deciding_values(
+    model: nn.Module,
+    policy: LeafPolicy,
+    example: ExampleInputs,
+    concrete_args: dict[str, Any] | None,
+    *,
+    dynamic: Any = None,
+) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
+    """Dynamo with values read from data decided from the example, and the parts it still cannot
+    trace for other reasons opaque (:func:`.fallback.capture_dynamo_leaves`: Qwen2-VL's rope index
+    groups tokens with ``itertools.groupby``). The result only when its decisions hold on perturbed
+    inputs (:func:`broken_on_perturbed`), else the attempt says why. The caller protects the model
+    (``capture.fx.restored_attributes``), as around any capture."""
+    start = time.perf_counter()
+    result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete_args, None, dynamic=dynamic,
+                                                   real_values=True)
+    if result is None:
+        return None, attempt, sites
+    broken = broken_on_perturbed(result.gm, model, split_calls(model, example, concrete_args)[1])
+    if broken is not None:
+        return None, CaptureAttempt.failed(TRACER, broken, start), sites
+    return result, CaptureAttempt(TRACER, True, time.perf_counter() - start), sites
+
+
+__all__ = ["TRACER", "broken_on_perturbed", "capture_deciding_values", "decidable", "hidden_layers", "why_taken"]

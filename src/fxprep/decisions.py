@@ -1,0 +1,95 @@
+"""Decisions a capture took from the example's values, and the checks that keep them honest.
+
+When Dynamo stops at a value only the data knows (a size read with ``.item()`` / ``.tolist()``,
+``x[:, : n // p]`` with ``n`` from a tensor: Pixtral's vision tower slices each image to its size
+in ``image_sizes``), fxprep captures again with Dynamo deciding such questions from the example's
+real values (``torch._functorch.config.fake_tensor_propagate_real_tensors``). PyTorch then keeps
+each decision as a runtime check in the graph (``torch.ops.aten._assert_scalar(cond, msg)``), so
+the graph stays valid for every input that decides the same way (other image sizes with the same
+number of patches, say) and cannot silently compute something else for one that does not.
+
+This module names those checks for people: where in the model's code each decision was taken
+(the report lists them), and, when a call fails one, an :class:`~fxprep.errors.InputMismatch`
+instead of torch's "Runtime assertion failed for expression u4 <= 24 on node 'le_3'", naming the
+line of code and what to do about it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+
+from .errors import InputMismatch
+
+_ASSERTS = tuple(
+    t for t in (getattr(getattr(torch.ops.aten, "_assert_scalar", None), "default", None),) if t is not None
+)
+_SYMBOL = re.compile(r"\bu\d+\b")
+SHOWN = 8  # conditions listed per place in the report
+
+
+def is_check(node: fx.Node) -> bool:
+    """Whether ``node`` is one of the runtime checks PyTorch keeps for a decided value."""
+    return node.op == "call_function" and node.target in _ASSERTS
+
+
+def _message(node: fx.Node) -> str | None:
+    msg = node.args[1] if len(node.args) > 1 else node.kwargs.get("assert_msg")
+    return msg if isinstance(msg, str) else None
+
+
+def location(node: fx.Node) -> str:
+    """``file:line: code`` of the model's code where the checked value was decided (the innermost
+    frame of the node's stack trace), or "" when the capture left none."""
+    trace = node.meta.get("stack_trace") or ""
+    found = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+    if not found:
+        return ""
+    path, line, code = found[-1]
+    return f"{path}:{line}: {code.strip()}"
+
+
+def expression(node: fx.Node) -> str:
+    """The checked condition as PyTorch wrote it (``u4 <= 24``: ``u<n>`` is a value read from data)."""
+    msg = _message(node) or ""
+    found = re.search(r"for expression (.*?) on node '", msg)
+    return found.group(1) if found else msg
+
+
+def summary(gm: fx.GraphModule) -> list[str]:
+    """One line per place in the model's code whose decisions the graph checks, with the
+    conditions, for the report."""
+    places: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        if is_check(node) and _message(node):
+            places.setdefault(location(node) or "unknown location", []).append(expression(node))
+    lines = []
+    for where, conds in places.items():
+        shown = list(dict.fromkeys(conds))
+        more = f" and {len(shown) - SHOWN} more" if len(shown) > SHOWN else ""
+        lines.append(f"{where}: {', '.join(shown[:SHOWN])}{more}")
+    return lines
+
+
+def failed_check(gm: fx.GraphModule, err: BaseException) -> InputMismatch | None:
+    """The :class:`InputMismatch` to raise for ``err`` when it is one of ``gm``'s decision checks
+    failing (matched by the check's own message, which the error repeats), else None."""
+    text = str(err)
+    if "Runtime assertion failed" not in text:
+        return None
+    for node in gm.graph.nodes:
+        msg = _message(node) if is_check(node) else None
+        if msg and msg in text:
+            where = location(node) or "the model's code"
+            symbols = ", ".join(dict.fromkeys(_SYMBOL.findall(expression(node))))
+            return InputMismatch(
+                f"this input decides a value differently from the example the graph was captured with: at {where}, "
+                f"the capture took {symbols or 'a value'} from the example's data and the graph checks "
+                f"'{expression(node)}', which this input breaks. Prepare again with an example that decides it this "
+                f"way, or keep the module containing that code opaque (modules_to_exclude=[...]) so it runs eagerly "
+                f"for any input."
+            )
+    return None
+

@@ -1,0 +1,124 @@
+"""dynamo+values: values read from data decided from the example, checked on every call (issue 13).
+
+Pixtral slices each image to its ``image_sizes``; Dynamo stops at the size that slice makes, and
+the opaque-leaf fallback then hid the whole vision tower. Capturing again with the example's real
+values gets every layer into the graph; the graph keeps each decision as a check, so another input
+that decides the same way runs and one that decides otherwise raises InputMismatch (never a torch
+assert). Taken only when the opaque parts would hide layers and the decisions do not follow the
+activations (a branch on computed values stays an opaque part, which runs both ways).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxprep
+from fxprep.capture.dynamo.recording import perturbed
+from fxprep.inputs import ExampleInputs
+
+from .helpers import assert_unchanged, module_snapshot
+from .test_dynamo_opaque import Tower
+
+
+class Head(nn.Module):
+    """Keeps the first ``n`` positions (``n`` an integer input's value), then branches on how many."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        h = h[:, : int(n)]
+        if h.shape[1] > 1:  # a question about a size read from data: Dynamo alone cannot answer it
+            h = h - h.mean(1, keepdim=True)
+        return self.proj(h)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.head = Head()
+
+    def forward(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stem(x), n)
+
+
+def test_sizes_from_an_integer_input_are_decided_and_every_layer_is_captured() -> None:
+    torch.manual_seed(0)
+    model = Net().eval()
+    before = module_snapshot(model)
+    x = torch.randn(2, 6, 8)
+    gm = fxprep.prepare_model(model, example_inputs=(x, torch.tensor(4)))
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo+values" and report.verification.status == "passed"
+    assert report.leaves == {}  # the fallback had made 'head' opaque, hiding head.proj
+    tried = [a.tracer for a in report.attempts]
+    assert tried[0] == "dynamo" and not report.attempts[0].ok and "dynamo+leaves" in tried
+    calls = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    assert {"stem", "head.proj"} <= calls and gm.get_submodule("head.proj") is model.head.proj
+    assert any("rather than with opaque parts hiding 1 layer(s) (head.proj)" in note for note in report.notes)
+    assert any("test_values.py" in note and "checked on every call" in note for note in report.notes)
+    # another value deciding the same way: the same result as the model
+    other = torch.randn(2, 6, 8)
+    for n in (2, 3, 6):
+        torch.testing.assert_close(gm(other, torch.tensor(n)), model(other, torch.tensor(n)))
+    # one deciding otherwise (one position kept: the branch goes the other way) is refused, by name
+    with pytest.raises(fxprep.InputMismatch, match=r"test_values\.py:\d+.*modules_to_exclude"):
+        gm(other, torch.tensor(1))
+    assert_unchanged(model, before)
+
+
+def test_decisions_that_follow_activations_stay_an_opaque_part() -> None:
+    """Each block branches on values its first layer computes (``.tolist()`` of a count): decided
+    from the example, the checks would refuse most other inputs."""
+    torch.manual_seed(0)
+    model = Tower().eval()
+    x = torch.randn(4, 8)
+    gm = fxprep.prepare_model(model, example_inputs=(x,))
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo+leaves" and set(report.leaves) == {f"blocks.{i}" for i in range(3)}
+    values = [a for a in report.attempts if a.tracer == "dynamo+values"]
+    assert len(values) == 1 and not values[0].ok
+    assert "decided from activations" in values[0].error
+    for _ in range(3):  # the opaque part runs every input its own way
+        other = torch.randn(4, 8)
+        torch.testing.assert_close(gm(other), model(other))
+
+
+def test_no_values_capture_when_the_opaque_parts_hide_no_layer() -> None:
+    """Post-processing made opaque hides nothing a quantizer needs: the fallback's graph, which
+    runs for any input, is kept, and no second capture is paid for."""
+
+    class Post(nn.Module):
+        def forward(self, s: torch.Tensor) -> torch.Tensor:
+            return s[: int((s > 0).sum())]
+
+    class Det(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.score = nn.Linear(8, 1)
+            self.post = Post()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            s = self.score(x).squeeze(-1)
+            out = self.post(s)
+            return out.sum() if out.shape[0] > 1 else out.sum() * 2
+
+    torch.manual_seed(0)
+    model = Det().eval()
+    x = torch.randn(6, 8)
+    gm = fxprep.prepare_model(model, example_inputs=(x,))
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo+leaves" and "post" in report.leaves
+    assert "dynamo+values" not in [a.tracer for a in report.attempts]
+
+
+def test_perturbed_inputs_shuffle_floats_and_keep_integers() -> None:
+    call = ExampleInputs((torch.arange(12.0).reshape(3, 4),), {"sizes": torch.tensor([3, 4])})
+    a, b = perturbed(call, seed=0), perturbed(call, seed=1)
+    assert not torch.equal(a.args[0], call.args[0]) and not torch.equal(a.args[0], b.args[0])
+    assert torch.equal(a.args[0].flatten().sort().values, call.args[0].flatten())  # same values, other places
+    assert torch.equal(a.kwargs["sizes"], call.kwargs["sizes"])
