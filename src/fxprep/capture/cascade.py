@@ -138,16 +138,17 @@ def capture_with_opaque_parts(
         from .dynamo.fallback import capture_dynamo_leaves
 
         progress.stage("capture: Dynamo with the untraceable parts opaque")
+        records: dict[Any, Any] = {}  # opaque parts' eager recordings, shared by the two captures below
         with preserved_state(model):
             result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete_args, failed,
-                                                           dynamic=dynamic, handled=handled)
+                                                           dynamic=dynamic, handled=handled, records=records)
         attempts.append(attempt)
         hidden = values.hidden_layers(model, result, [s for s, _ in sites]) if result is not None else None
         if hidden != [] and values.decidable(failed, model):
             progress.stage("capture: Dynamo deciding values read from data from the example")
             with restored_attributes(model, []):
-                decided, attempt, decided_sites = values.capture_deciding_values(model, policy, example,
-                                                                                 concrete_args, dynamic=dynamic)
+                decided, attempt, decided_sites = values.capture_deciding_values(
+                    model, policy, example, concrete_args, dynamic=dynamic, records=records)
             attempts.append(attempt)
             still = values.hidden_layers(model, decided, [s for s, _ in decided_sites]) if decided else []
             if decided is not None and (hidden is None or len(still) < len(hidden)):

@@ -97,7 +97,7 @@ def capture_dynamo(
     static shapes, no opaque parts); ``block_pass(block_gm, first_instance)`` is then run once on
     each repeated block before it is stamped out (:func:`.reuse.capture_reusing`).
     ``real_values``: values read from data are decided from the example's, each decision checked in
-    the graph (:mod:`fxprep.decisions`; tracer "dynamo+values", no block reuse). Never raises for a
+    the graph (:mod:`fxprep.decisions`; tracer "dynamo+values"; callers pass reuse=False). Never raises for a
     capture failure.
     """
     start = time.perf_counter()
@@ -132,7 +132,7 @@ def capture_dynamo(
                         f"block reuse: off for this capture: {len(box.sites)} part(s) are called without tracing "
                         f"into them (excluded or opaque modules), which block reuse does not handle yet; every "
                         f"block was captured by the whole-model capture.")
-                if reuse and current == "flag" and spec is None and not box and not real_values:
+                if reuse and current == "flag" and spec is None and not box:
                     reused = capture_reusing(model, policy, call, capture_call, prepared_call, current, guard,
                                              attempt_notes, block_pass)
                 if reused is not None:

@@ -109,6 +109,7 @@ def capture_dynamo_leaves(
     dynamic: Any = None,
     handled: Callable[[BaseException], bool] | None = None,
     real_values: bool = False,
+    records: dict[Site, list[Recorded]] | None = None,
 ) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
     """Capture with Dynamo, making the smallest failing parts opaque until it succeeds.
 
@@ -118,13 +119,15 @@ def capture_dynamo_leaves(
     (``control_flow="rewrite"`` rewrote the ``if``): True means capture is simply tried again.
     ``real_values``: each capture decides values read from data from the example
     (:mod:`.values`), so only what Dynamo cannot trace for other reasons is made opaque.
+    ``records``: the opaque parts' eager recordings, filled here; pass the same dict to a second
+    call on the same model and example and a part both make opaque is recorded once.
     """
     start = time.perf_counter()
     tracer = VALUES_TRACER if real_values else TRACER
     capture_call, _ = split_calls(model, example, concrete_args)
     sites: list[Site] = []
     found: list[tuple[Site, Issue, Site | None]] = []
-    records: dict[Site, list[Recorded]] = {}
+    records = {} if records is None else records
     err = first_error
     excluded = excluded_sites(model, policy)
     for _ in range(MAX_ROUNDS):

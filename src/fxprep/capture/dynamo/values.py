@@ -39,7 +39,7 @@ from ..sites import Site
 from .fallback import VALUES_TRACER as TRACER
 from .fallback import capture_dynamo_leaves
 from .names import default_leaf
-from .recording import perturbed
+from .recording import Recorded, perturbed
 
 PERTURBED_RUNS = 3  # each with other shuffles; a decision that follows activations rarely survives all
 
@@ -108,15 +108,17 @@ def capture_deciding_values(
     concrete_args: dict[str, Any] | None,
     *,
     dynamic: Any = None,
+    records: dict[Site, list[Recorded]] | None = None,
 ) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
     """Dynamo with values read from data decided from the example, and the parts it still cannot
     trace for other reasons opaque (:func:`.fallback.capture_dynamo_leaves`: Qwen2-VL's rope index
     groups tokens with ``itertools.groupby``). The result only when its decisions hold on perturbed
-    inputs (:func:`broken_on_perturbed`), else the attempt says why. The caller protects the model
-    (``capture.fx.restored_attributes``), as around any capture."""
+    inputs (:func:`broken_on_perturbed`), else the attempt says why. ``records``: the eager
+    recordings the fallback already made (a part both make opaque is not run again). The caller
+    protects the model (``capture.fx.restored_attributes``), as around any capture."""
     start = time.perf_counter()
     result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete_args, None, dynamic=dynamic,
-                                                   real_values=True)
+                                                   real_values=True, records=records)
     if result is None:
         return None, attempt, sites
     broken = broken_on_perturbed(result.gm, model, split_calls(model, example, concrete_args)[1])
