@@ -145,3 +145,21 @@ def test_transformers_output_recorders_do_not_keep_a_layer_whole() -> None:
         assert LeafPolicy().reason(layer) == "has forward hooks"
     finally:
         handle.remove()
+
+
+def test_without_a_reference_run_a_never_called_vlm_is_captured_the_same_way() -> None:
+    """``verify=False`` and ``check_traceability`` run no reference before Dynamo, so transformers'
+    hook installer (a lock Dynamo cannot trace) was reached inside the capture and the whole vision
+    tower became opaque for it: the model is run once, as a user's first call would, and captured
+    again; the result and the check agree with a verified prepare, and the model is left as given."""
+    torch.manual_seed(0)
+    model, inputs = vlm_models.llava_pixtral()
+    before = module_snapshot(model)
+    gm = fxprep.prepare_model(model, example_inputs=inputs, verify=False)
+    tracer, opaque, _ = EXPECTED["llava_pixtral"]
+    assert gm.fxprep_report.tracer == tracer and set(gm.fxprep_report.leaves) == opaque
+    assert_unchanged(model, before)
+    check = fxprep.check_traceability(model, example_inputs=inputs)
+    assert check.hybrid_ok and set(check.opaque) == opaque
+    assert "Unsupported context manager" not in str(check)
+    assert_unchanged(model, before)

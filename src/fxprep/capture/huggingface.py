@@ -175,6 +175,31 @@ def output_capturing_hooks(model: Any) -> Iterator[None]:
             submodel.__dict__.pop(_HOOKS_FLAG, None)
 
 
+def stopped_at_hook_installation(err: BaseException) -> bool:
+    """Whether Dynamo's failure ``err`` is transformers' hook installer (its ``threading.Lock``,
+    "Unsupported context manager"), reached because no run before the capture installed the hooks:
+    ``prepare_model(verify=False)`` and ``check_traceability`` capture a never-called model without
+    a reference run. Told by the frame's file (transformers' own ``output_capturing`` module) and
+    function, from Dynamo's user stack."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    filename = getattr(module, "__file__", None)
+    stack = getattr(err, "real_stack", None) or getattr(err.__context__, "real_stack", None) or []
+    return filename is not None and any(
+        getattr(f, "filename", None) == filename and getattr(f, "name", None) == "maybe_install_capturing_hooks"
+        for f in stack)
+
+
+def install_hooks_by_running(model: nn.Module, call: ExampleInputs) -> None:
+    """Run ``model`` once on ``call`` (no grad, its state put back), as the user's first call would,
+    so that transformers installs its output-capturing hooks before Dynamo traces: the installer
+    of :func:`output_capturing_hooks` remembers them and :func:`capture_context` flags them, and
+    :func:`fxprep.runs.hooks_left_as_found` takes them out at the end."""
+    from ..runs import preserved_state, run_model
+
+    with preserved_state(model):
+        run_model(model, call)
+
+
 def _hooks_flagged(model: nn.Module) -> list[nn.Module]:
     """The flag set, for a capture, on the submodels whose hooks :func:`output_capturing_hooks`
     installed and lacking it now; returns those, to take it off again."""

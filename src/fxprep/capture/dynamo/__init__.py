@@ -120,6 +120,7 @@ def capture_dynamo(
         return _failure(err, start, tracer)
     caches = tensor_caches(model)
     grad_inputs = True
+    hooks_installed = False
     while True:  # each failure below relaxes one thing and tries again, or gives up
         guard = AttributeGuard(model, caches)
         attempt_notes: list[str] = []
@@ -145,7 +146,10 @@ def capture_dynamo(
             notes.extend(attempt_notes)
             break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
-            if grad_inputs and any(s in str(err) for s in _RETRY_WITHOUT_GRAD):
+            if not hooks_installed and huggingface.stopped_at_hook_installation(err):
+                huggingface.install_hooks_by_running(model, capture_call)  # as the user's first call would
+                hooks_installed = True
+            elif grad_inputs and any(s in str(err) for s in _RETRY_WITHOUT_GRAD):
                 grad_inputs = False  # capture the inputs as given instead
             elif caches:
                 caches = []  # maybe the model cannot run with its caches emptied: keep them in place
