@@ -771,3 +771,51 @@ def test_flag_route_keeps_attention_without_an_eager_run(force_route, monkeypatc
     assert call.kwargs.get("need_weights") is False
     for user in call.users:  # the unpacking belongs to the caller, not inside the attention
         assert not any("attn" in str(k) for k in user.meta.get("nn_module_stack", {})), user.meta["nn_module_stack"]
+
+
+def _with_defaults(func):
+    """transformers' pattern (merge_with_config_defaults, then select_hidden_states): a default
+    written into the decorated forward's ``**kwargs``, then ``inspect.Signature.bind``."""
+    import functools
+    import inspect
+
+    signature = inspect.signature(func)
+
+    @functools.wraps(func)
+    def wrapper(self, *args, **kwargs):
+        if kwargs.get("scale") is None:
+            kwargs["scale"] = 2.0  # the config's value
+        bound = signature.bind(self, *args, **kwargs)
+        return func(*bound.args, **bound.kwargs)
+
+    return wrapper
+
+
+class KwargsDefaults(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @_with_defaults
+    def forward(self, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        return self.lin(x) * scale
+
+
+def test_a_forward_writing_into_its_kwargs_then_binding_a_signature_is_captured() -> None:
+    """Traced as the root, the forward's ``**kwargs`` is an input dict to Dynamo, and after its
+    mutation Dynamo refuses the mappingproxy ``Signature.bind`` reads (Mistral3's vision features
+    were opaque for it): fxprep traces from a root whose kwargs are the trace's own."""
+    from fxprep.capture.dynamo.export import MUTATED_INPUT_DICT, dynamo_export
+    from fxprep.inputs import ExampleInputs
+
+    torch.manual_seed(0)
+    model = KwargsDefaults().eval()
+    x = torch.randn(2, 4)
+    with pytest.raises(Exception, match=MUTATED_INPUT_DICT):  # noqa: B017, PT011 - what plain Dynamo says
+        dynamo_export(model, ExampleInputs((), {"x": x}), "flag", None)
+    gm = fxprep.prepare_model(model, example_inputs={"x": x})
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo" and report.verification.status == "passed" and not report.leaves
+    assert gm.get_submodule("lin") is model.lin
+    assert "forward" not in vars(model)  # the root put in for the capture is gone
+    torch.testing.assert_close(gm(x=x), model(x=x))

@@ -44,6 +44,7 @@ from ..common import CaptureAttempt, CaptureResult, LeafPolicy
 from ..sites import Site
 from .export import (
     FLAG,
+    MUTATED_INPUT_DICT,
     ROUTES,
     AttributeGuard,
     default_route,
@@ -121,6 +122,7 @@ def capture_dynamo(
     caches = tensor_caches(model)
     grad_inputs = True
     hooks_installed = False
+    fresh_kwargs = False
     while True:  # each failure below relaxes one thing and tries again, or gives up
         guard = AttributeGuard(model, caches)
         attempt_notes: list[str] = []
@@ -133,13 +135,14 @@ def capture_dynamo(
                         f"block reuse: off for this capture: {len(box.sites)} part(s) are called without tracing "
                         f"into them (excluded or opaque modules), which block reuse does not handle yet; every "
                         f"block was captured by the whole-model capture.")
-                if reuse and current == "flag" and spec is None and not box:
+                if reuse and current == "flag" and spec is None and not box and not fresh_kwargs:
                     reused = capture_reusing(model, policy, call, capture_call, prepared_call, current, guard,
                                              attempt_notes, block_pass)
                 if reused is not None:
                     gm, extra = reused
                 else:
-                    result = dynamo_export(model, call, current, spec, real_values=real_values)
+                    result = dynamo_export(model, call, current, spec, real_values=real_values,
+                                           fresh_kwargs=fresh_kwargs)
                     guard.reset()  # Dynamo left fake tensors in attributes forward() writes
                     gm, extra = relift(result.graph_module, model, policy, capture_call, prepared_call, current,
                                        attempt_notes, box, decided=real_values)
@@ -149,6 +152,8 @@ def capture_dynamo(
             if not hooks_installed and huggingface.stopped_at_hook_installation(err):
                 huggingface.install_hooks_by_running(model, capture_call)  # as the user's first call would
                 hooks_installed = True
+            elif not fresh_kwargs and spec is None and MUTATED_INPUT_DICT in str(err):
+                fresh_kwargs = True  # trace from a root whose **kwargs is the trace's own (export.fresh_kwargs_root)
             elif grad_inputs and any(s in str(err) for s in _RETRY_WITHOUT_GRAD):
                 grad_inputs = False  # capture the inputs as given instead
             elif caches:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -215,12 +216,13 @@ class DynamoCacheScope:
 
 
 def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spec: dict[str, Any] | None,
-                  *, real_values: bool = False) -> Any:
+                  *, real_values: bool = False, fresh_kwargs: bool = False) -> Any:
     """``torch._dynamo.export`` of ``model`` on ``call``, configured for ``route`` (static shapes
     unless ``dynamic_spec`` names dynamic dimensions), with Dynamo's global state put back after.
     ``real_values``: values read from data (``.item()``, ``.tolist()``) become symbols, and
     questions about them are decided from the example's real values, each decision kept in the
-    graph as a runtime check (:mod:`fxprep.decisions`).
+    graph as a runtime check (:mod:`fxprep.decisions`). ``fresh_kwargs``: trace from
+    :func:`fresh_kwargs_root` (static shapes only).
 
     Runs under :data:`fxprep.threads.GLOBAL_LOCK` (Dynamo's config and caches are process-wide),
     with the recompile limits lifted and the cache entries the call added dropped
@@ -241,10 +243,38 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
         patches["capture_scalar_outputs"] = True
         patches["capture_dynamic_output_shape_ops"] = True
     real = _real_value_propagation() if real_values else contextlib.nullcontext()
-    with GLOBAL_LOCK, dynamo.config.patch(**patches), real, DynamoGlobalState(), DynamoCacheScope():
+    root = fresh_kwargs_root(model) if fresh_kwargs and dynamic_spec is None else contextlib.nullcontext()
+    with GLOBAL_LOCK, dynamo.config.patch(**patches), real, root, DynamoGlobalState(), DynamoCacheScope():
         result = dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
     heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.heap)
     return result
+
+
+MUTATED_INPUT_DICT = "mapping proxy affected by dictionary mutation"
+
+
+def _forward_with_fresh_kwargs(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(self).forward(self, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def fresh_kwargs_root(model: nn.Module) -> Iterator[None]:
+    """Dynamo traces ``model`` from a one-line forward that calls the class's own with the same
+    arguments, so the ``**kwargs`` dict the model's forward receives is made inside the trace.
+
+    Why: transformers' ``merge_with_config_defaults`` writes config defaults into the ``**kwargs``
+    of the forward it decorates. When that forward is the root of the trace, Dynamo counts the dict
+    as an input, and after any mutation of an input dict it refuses every later ``mappingproxy``
+    read ("mapping proxy affected by dictionary mutation"): ``inspect.Signature.bind`` in
+    transformers' ``select_hidden_states`` (Mistral3's ``get_image_features``) then stops the
+    capture. Made inside the trace, the dict's mutation is the trace's own. ``self`` is still the
+    root frame's first argument, so Dynamo's source names are those of a direct trace. Only for
+    static shapes: a dynamic-shapes spec is matched to the forward's own parameter names."""
+    model.forward = types.MethodType(_forward_with_fresh_kwargs, model)
+    try:
+        yield
+    finally:
+        del model.forward
 
 
 @contextlib.contextmanager
