@@ -85,18 +85,24 @@ def why_taken(hidden: list[str] | None, still: list[str]) -> str:
 
 
 def broken_on_perturbed(gm: torch.fx.GraphModule, model: nn.Module, call: ExampleInputs) -> Exception | None:
-    """Run ``gm`` (called as the prepared module is, on ``call``) on inputs whose floating-point
-    values are shuffled, :data:`PERTURBED_RUNS` times; the first failure, as the error to report
-    (an :class:`InputMismatch` naming the decision when one of its checks failed), or None."""
+    """Run ``gm`` (called as the prepared module is) on ``call`` itself, then on inputs whose
+    floating-point values are shuffled, :data:`PERTURBED_RUNS` times; the first failure, as the
+    error to report (an :class:`InputMismatch` naming the decision when one of its checks failed),
+    or None.
+
+    The example's own run comes first because an opaque part inside this capture gives Dynamo
+    outputs of the recorded shapes but no real values (``torch.empty``): a decision taken on those
+    is checked against the part's real outputs here, and the capture refused if it does not hold."""
     with preserved_state(model), torch.no_grad():
-        for k in range(PERTURBED_RUNS):
-            other = perturbed(call, seed=k)
+        for k in range(-1, PERTURBED_RUNS):
+            other = call if k < 0 else perturbed(call, seed=k)
             try:
                 gm(*other.args, **other.kwargs)
             except Exception as err:  # noqa: BLE001 - any failure on other data rejects the capture
                 mismatch = decisions.failed_check(gm, err)
                 if mismatch is not None:
-                    return InputMismatch(f"decided from activations, not from the inputs' structure: {mismatch}")
+                    what = "not on the example itself" if k < 0 else "decided from activations, not from the inputs' structure"
+                    return InputMismatch(f"{what}: {mismatch}")
                 return err
     return None
 
