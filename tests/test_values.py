@@ -122,3 +122,59 @@ def test_perturbed_inputs_shuffle_floats_and_keep_integers() -> None:
     assert not torch.equal(a.args[0], call.args[0]) and not torch.equal(a.args[0], b.args[0])
     assert torch.equal(a.args[0].flatten().sort().values, call.args[0].flatten())  # same values, other places
     assert torch.equal(a.kwargs["sizes"], call.kwargs["sizes"])
+
+
+def window_lengths(grid: torch.Tensor) -> torch.Tensor:
+    """Tokens per run of equal image heights: ``itertools.groupby``, which Dynamo cannot trace
+    (Qwen-VL's rope index and window index are built this way)."""
+    import itertools
+
+    runs = [sum(h * w for _, h, w in group) for _, group in itertools.groupby(grid.tolist(), lambda row: row[1])]
+    return torch.tensor(runs)
+
+
+class Windows(nn.Module):
+    """Splits the sequence by lengths an opaque helper computed, one projection per window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        parts = torch.split(h, lengths.tolist(), dim=0)
+        # a question about a size the helper decided: Dynamo alone cannot answer it
+        return torch.cat([self.proj(p - p.mean(0, keepdim=True) if p.shape[0] > 1 else p) for p in parts])
+
+
+class WindowNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.windows = Windows()
+
+    def forward(self, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        return self.windows(self.embed(x), window_lengths(grid))
+
+
+def test_a_value_an_opaque_part_computes_is_decided_from_its_real_output() -> None:
+    """Qwen2.5-VL's shape: a helper Dynamo cannot trace computes window lengths, and a layer splits
+    by ``lengths.tolist()``. The helper stays opaque; under real-value capture it runs on the real
+    inputs so the split is decided from its true output (not from the empty tensor Dynamo
+    would otherwise carry), and the layer after it is in the graph."""
+    torch.manual_seed(0)
+    model = WindowNet().eval()
+    grid = torch.tensor([[1, 2, 2], [1, 2, 1], [1, 3, 2]])  # runs of heights 2, 2, 3 -> windows 6, 6
+    x = torch.randn(12, 4)
+    before = module_snapshot(model)
+    gm = fxprep.prepare_model(model, example_inputs=(x, grid))
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo+values" and report.verification.status == "passed"
+    assert list(report.leaves) == ["window_lengths"], report.leaves  # only the helper, not the layer
+    calls = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    assert {"embed", "windows.proj"} <= calls and gm.get_submodule("windows.proj") is model.windows.proj
+    other = torch.randn(12, 4)
+    torch.testing.assert_close(gm(other, grid), model(other, grid))
+    # windows of other lengths decide the split otherwise: refused by name, never a wrong result
+    with pytest.raises(fxprep.InputMismatch, match=r"test_values\.py:\d+"):
+        gm(other, torch.tensor([[1, 2, 2], [1, 3, 2], [1, 3, 2]]))
+    assert_unchanged(model, before)

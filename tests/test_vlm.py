@@ -34,12 +34,11 @@ EXPECTED: dict[str, tuple[str, set[str], tuple[str, ...]]] = {
     # `lengths.tolist()` splits the vision attention per image: decided from the example, so the
     # attentions' qkv/proj are captured; only the rope index (itertools.groupby, no layers) stays opaque
     "qwen2_vl": ("dynamo+values", {"model.get_rope_index"}, ()),
-    # deciding values fails inside PyTorch here (a guard in real-tensor propagation's own check on
-    # `cu_seqlens_tmp.tolist()`), so the fallback's parts stay: each vision attention, with the
-    # window-index and rope-index helpers; the vision MLPs, the merger and the whole LM are captured
-    "qwen2_5_vl": ("dynamo+leaves", {"model.visual.blocks.0.attn", "model.visual.blocks.1.attn",
-                                     "model.visual.get_vision_window_index", "model.get_rope_index"},
-                   ("model.visual.blocks.0.attn", "model.visual.blocks.1.attn")),
+    # the window index (`cu_seqlens_tmp.tolist()`, where PyTorch's own real-tensor check fails on a
+    # guard) and the rope index (itertools.groupby) stay opaque, neither holds a layer; the vision
+    # attentions split by the window index's output, which the values capture takes from the opaque
+    # part run on the real inputs, so their qkv/proj are captured too
+    "qwen2_5_vl": ("dynamo+values", {"model.visual.get_vision_window_index", "model.get_rope_index"}, ()),
     # select_hidden_states binds a signature (a mappingproxy read) after merge_with_config_defaults wrote
     # into the root forward's **kwargs, which Dynamo refuses: traced from a root whose kwargs are the
     # trace's own (export.fresh_kwargs_root), then Pixtral's sizes decided as for Llava
@@ -49,7 +48,7 @@ EXPECTED: dict[str, tuple[str, set[str], tuple[str, ...]]] = {
     "gemma3": ("dynamo", set(), ()),
     "llama4": ("dynamo", set(), ()),
 }
-FAST = ["llava_pixtral", "qwen2_vl", "mistral3"]
+FAST = ["llava_pixtral", "qwen2_vl", "qwen2_5_vl", "mistral3"]
 
 
 def _language_layers(model: nn.Module) -> str:

@@ -309,7 +309,11 @@ def categorise(err: BaseException, code: str | None) -> str:
         return ITERATION
     if any(t in low for t in ("autograd.function", "autograd function", "applytemplate", "autograd_function")):
         return AUTOGRAD_FUNCTION
-    if "fake" in low and ("custom op" in low or "operator" in low or "kernel" in low or "impl" in low):
+    # Only the message's own words, not the stack under it: "fake" and "_call_impl" are in every
+    # Dynamo stack that passes through torch's fake-tensor code.
+    head = (text.split("User Stack")[0].split("Caused by:")[0] + " " + gb_type + " " + type(err).__name__).lower()
+    if "fake" in head and ("custom op" in head or "operator" in head or "kernel" in head or "impl" in head) \
+            and type(err).__name__ != "GuardOnDataDependentSymNode":
         return CUSTOM_OP
     if "constraint" in low and ("violat" in low or "specializ" in low) or "specialized" in low and "dynamic" in low:
         return SPECIALISATION

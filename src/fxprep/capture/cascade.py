@@ -127,7 +127,7 @@ def capture_with_opaque_parts(
     """The fallback after every whole-model tracer failed, in the one order ``prepare_model`` and
     ``check_traceability`` share: Dynamo with the failing parts opaque (``dynamo+leaves``, when
     Dynamo failed on example inputs); where those parts hide layers and Dynamo stopped at a value
-    read from data, Dynamo again deciding such values from the example, taken when its decisions
+    read from data (on the whole model or in one of those parts), Dynamo again deciding such values from the example, taken when its decisions
     follow the inputs' structure (``dynamo+values``, :mod:`.dynamo.values`); then fx with them
     (``fx+leaves``, unless ``fx_too`` is False: a forced ``tracer="dynamo"`` never takes fx's result). Returns the capture (None when both
     failed) and its opaque parts as ``(site, issue)`` pairs; each run is appended to ``attempts``.
@@ -144,9 +144,10 @@ def capture_with_opaque_parts(
                                                            dynamic=dynamic, handled=handled, records=records)
         attempts.append(attempt)
         hidden = values.hidden_layers(model, result, [s for s, _ in sites]) if result is not None else None
-        if hidden != [] and values.decidable(failed, model):
+        if hidden != [] and values.worth_deciding(failed, sites, model):
             progress.stage("capture: Dynamo deciding values read from data from the example")
-            with restored_attributes(model, []):
+            # preserved: opaque parts run eagerly during this capture (their real outputs, .opaque)
+            with restored_attributes(model, []), preserved_state(model):
                 decided, attempt, decided_sites = values.capture_deciding_values(
                     model, policy, example, concrete_args, dynamic=dynamic, records=records)
             attempts.append(attempt)

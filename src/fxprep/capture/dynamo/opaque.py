@@ -16,13 +16,17 @@ fallback found untraceable must instead be ONE call in its graph, whatever its c
   tensors of the recorded shapes (a size that followed the data becomes an *unbacked* symbolic size,
   so nothing downstream is specialised to the example's count). The shim rebuilds the recorded
   output structure (tuples, dicts, ``ModelOutput``) around the returned tensors.
+  Under real-tensor propagation (the values capture, :mod:`.values`) the part also runs on its
+  inputs' real values and its fake outputs carry the results (:func:`_propagate_real`), so a
+  value read downstream from what the part computed is decided from the truth.
 * **Re-lift** (:func:`relift_opaque`): each such node becomes a ``call_module`` of the user's own
   module (or of an :class:`~fxprep.capture.sites.OpaqueMethod` / ``OpaqueFunction`` calling the
   original method or function), with the call's own arguments, and each tensor it returned is read
   from the call's output by its path. No custom op and no fxprep function is left in the graph: the
   prepared module runs the original code eagerly at that point.
 
-The cost: up to two eager runs of the model per set of new sites (recording), and nothing at run time.
+The cost: up to two eager runs of the model per set of new sites (recording), one eager run of each
+part per values capture, and nothing at run time.
 Python values an opaque part returns (an ``int``, a list length) are those of the example inputs.
 """
 
@@ -101,6 +105,66 @@ def _fake_outputs(rec: Recorded, args: tuple[Any, ...], kwargs: dict[str, Any], 
     return tuple(out)
 
 
+def _mutable(value: Any) -> Any:
+    """``value`` with fx's immutable containers as plain ones: Dynamo hands the call's arguments as
+    its node's (``immutable_dict``), and the part's own code may write into them, as eager code
+    can (transformers' ``get_vision_window_index`` pops from its ``kwargs``)."""
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    if isinstance(value, (immutable_dict, dict)) and type(value) in (immutable_dict, dict):
+        return {k: _mutable(v) for k, v in value.items()}
+    if isinstance(value, (immutable_list, list)) and type(value) in (immutable_list, list):
+        return [_mutable(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_mutable(v) for v in value)
+    return value
+
+
+def _propagate_real(fake: tuple[Any, ...], run: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Under real-tensor propagation (the values capture, :mod:`.values`), give ``fake`` (an opaque
+    part's fake outputs) the part's real outputs: the part runs eagerly on its inputs' real values.
+
+    Without this, Dynamo would carry ``torch.empty``'s garbage as their real values, and a decision
+    downstream (Qwen2.5-VL's attention splitting by ``cu_seqlens.tolist()`` computed in the opaque
+    window index) would be taken on garbage, or fail, and the layers reading it would stay opaque
+    too. An output whose real size contradicts a fixed fake size keeps no real value."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    fake_mode = torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs)))
+    if fake_mode is None or not getattr(fake_mode, "propagate_real_tensors", False):
+        return
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if any(isinstance(v, FakeTensor) and v.real_tensor is None for v in leaves):
+        return  # an input without real values (itself an opaque part's, unpropagated): nothing to run on
+    reals = [v.real_tensor if isinstance(v, FakeTensor) else v for v in leaves]
+    real_args, real_kwargs = pytree.tree_unflatten(reals, spec)
+    with unset_fake_temporarily(), torch.no_grad():
+        try:
+            outputs = _run_opaque(run, (real_args, real_kwargs), {})
+        except Exception:  # noqa: BLE001 - a part that fails on these values keeps garbage; the checks refuse it later
+            return
+    if len(outputs) != len(fake):
+        return
+    shape_env = fake_mode.shape_env
+    for out, value in zip(fake, outputs):
+        if not isinstance(out, FakeTensor) or out.dim() != value.dim():
+            continue
+        sizes = []
+        for size, real_size in zip(out.shape, value.shape):
+            if isinstance(size, torch.SymInt):
+                sizes.append((size, real_size))
+            elif size != real_size:
+                break
+        else:
+            out.real_tensor = value
+            for size, real_size in sizes:
+                expr = size.node.expr
+                if shape_env is not None and expr.is_Symbol and free_unbacked_symbols(size) and \
+                        hasattr(shape_env, "set_real_tensor_prop_unbacked_vals"):
+                    shape_env.set_real_tensor_prop_unbacked_vals(expr, real_size)
+
+
 def _matching(records: list[Recorded], index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Recorded:
     """The recorded call a traced call stands for: the one at the same position, unless the inputs
     say otherwise (Dynamo took a path the eager run did not)."""
@@ -150,14 +214,20 @@ class SiteCall:
     def _make_function(self) -> Any:
         records, real, unbacked = self.records, self.real, self.unbacked
 
-        def opaque_call(index: int, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-            if _is_fake((args, kwargs)):
-                return _fake_outputs(_matching(records, index, args, kwargs), args, kwargs, unbacked)
+        def run(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+            args, kwargs = _mutable((args, kwargs))
             objects = records[min(index, len(records) - 1)].objects
             args = tuple(objects.get(k, a) if is_mark(a) else a for k, a in enumerate(args))
             kwargs = {k: objects.get(k, v) if is_mark(v) else v for k, v in kwargs.items()}
             out = real(*args, **kwargs)
             return tuple(v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor))
+
+        def opaque_call(index: int, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+            if _is_fake((args, kwargs)):
+                fake = _fake_outputs(_matching(records, index, args, kwargs), args, kwargs, unbacked)
+                _propagate_real(fake, lambda real_args, real_kwargs: run(index, real_args, real_kwargs), args, kwargs)
+                return fake
+            return run(index, args, kwargs)
 
         opaque_call.__name__ = opaque_call.__qualname__ = f"{OPAQUE_PREFIX}{self.site.qualname.replace('.', '_') or 'root'}"
         return torch.compiler.allow_in_graph(opaque_call)

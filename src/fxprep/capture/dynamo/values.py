@@ -55,6 +55,20 @@ def decidable(err: BaseException, model: nn.Module) -> bool:
     return any(issue.category == DATA_DEPENDENT_VALUE for issue in diagnose(err, "dynamo", model))
 
 
+def worth_deciding(err: BaseException, sites: list[tuple[Site, Issue]], model: nn.Module) -> bool:
+    """Whether real values could get further than the fallback did: Dynamo's whole-model failure
+    ``err`` was a value read from data (:func:`decidable`), or one of the fallback's opaque parts
+    was made opaque for one. The second matters where the first stop is something else entirely
+    (Qwen-style ``itertools.groupby`` in a helper) and the value read comes after it, from what
+    that helper computed."""
+    from ...diagnose import DATA_DEPENDENT_VALUE
+
+    if decidable(err, model):
+        return True
+    return any(issue.category == DATA_DEPENDENT_VALUE or "data-dependent expression" in issue.message
+               for _, issue in sites)
+
+
 def hidden_layers(model: nn.Module, result: CaptureResult, sites: list[Site]) -> list[str]:
     """The layers (leaf modules holding weights: Linear, Conv, Embedding, norms) inside the opaque
     parts of ``result`` (a module made opaque, or the module whose method or helper function was)
@@ -90,9 +104,10 @@ def broken_on_perturbed(gm: torch.fx.GraphModule, model: nn.Module, call: Exampl
     error to report (an :class:`InputMismatch` naming the decision when one of its checks failed),
     or None.
 
-    The example's own run comes first because an opaque part inside this capture gives Dynamo
-    outputs of the recorded shapes but no real values (``torch.empty``): a decision taken on those
-    is checked against the part's real outputs here, and the capture refused if it does not hold."""
+    The example's own run comes first because an opaque part inside this capture whose eager run
+    failed on the propagated values (:func:`.opaque._propagate_real`) gives Dynamo outputs of the
+    recorded shapes but no real values (``torch.empty``): a decision taken on those is checked
+    against the part's real outputs here, and the capture refused if it does not hold."""
     with preserved_state(model), torch.no_grad():
         for k in range(-1, PERTURBED_RUNS):
             other = call if k < 0 else perturbed(call, seed=k)
@@ -133,4 +148,5 @@ def capture_deciding_values(
     return result, CaptureAttempt(TRACER, True, time.perf_counter() - start), sites
 
 
-__all__ = ["TRACER", "broken_on_perturbed", "capture_deciding_values", "decidable", "hidden_layers", "why_taken"]
+__all__ = ["TRACER", "broken_on_perturbed", "capture_deciding_values", "decidable", "hidden_layers", "why_taken",
+           "worth_deciding"]
