@@ -7,6 +7,8 @@ shuffle), and ``image_grid_thw`` / ``image_sizes`` / aspect-ratio inputs where t
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import transformers as tf
 
@@ -130,7 +132,32 @@ def gemma3():
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixel_values,
                    "token_type_ids": (ids == IMG).long()}
 
-def llama4():
+def _llama4_text_output_class():
+    """``MoeCausalLMOutputWithPast`` with the ``image_outputs`` field the multimodal forward reads.
+
+    transformers 5.24's ``Llama4ForConditionalGeneration.forward`` ends with
+    ``image_outputs=outputs.image_outputs`` on its language model's output, which has no such
+    field, so every call of the model fails. Its language model is given this output class (and
+    nothing else changes) so the whole model, vision tower to MoE text, runs and can be prepared."""
+    from dataclasses import dataclass
+    from typing import Any
+
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    @dataclass
+    class WithImageOutputs(MoeCausalLMOutputWithPast):
+        image_outputs: Any = None
+
+    class Llama4TextWithImageOutputs(tf.Llama4ForCausalLM):
+        def forward(self, *args, **kwargs):
+            return WithImageOutputs(**super().forward(*args, **kwargs))
+
+    return Llama4TextWithImageOutputs
+
+
+def llama4(*, as_released: bool = False):
+    """``as_released``: the model exactly as this transformers builds it (see
+    :func:`_llama4_text_output_class`: it may fail on every call)."""
     vision = tf.Llama4VisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                                    vision_output_dim=32, image_size=28, patch_size=14, pixel_shuffle_ratio=0.5,
                                    projector_input_dim=32, projector_output_dim=32,
@@ -142,6 +169,8 @@ def llama4():
     cfg = tf.Llama4Config(vision_config=vision.to_dict(), text_config=text.to_dict(), image_token_index=IMG,
                           boi_token_index=102, eoi_token_index=103)
     model = tf.Llama4ForConditionalGeneration(cfg).eval()
+    if not as_released and "outputs.image_outputs" in inspect.getsource(tf.Llama4ForConditionalGeneration.forward):
+        model.language_model.__class__ = _llama4_text_output_class()
     # 28/14 = 2x2 patches (+ cls dropped) -> pixel shuffle 0.5 -> 1 token per tile
     pixel_values = torch.randn(1, 3, 28, 28, generator=_g(1))
     ids = _ids(3, 1, 3, extra_before=[102], extra_after=[103])
