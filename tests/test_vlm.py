@@ -123,6 +123,28 @@ def test_a_released_model_that_fails_on_every_call_is_reported_as_the_models_fai
         fxprep.prepare_model(model, example_inputs=inputs)
 
 
+def test_an_excluded_vision_tower_is_one_call_and_the_rest_is_captured() -> None:
+    """The issue's first complaint: ``modules_to_exclude=[model.visual]`` did not change Dynamo's
+    error, which came from inside the excluded tower. Excluded, the tower is one ``call_module`` of
+    the user's object (its inner layers are not counted as hidden, so no values capture is paid
+    for), and every language-model Linear is in the graph."""
+    torch.manual_seed(0)
+    model, inputs = vlm_models.qwen2_5_vl()
+    before = module_snapshot(model)
+    gm = fxprep.prepare_model(model, example_inputs=inputs, modules_to_exclude=[model.model.visual])
+    report = gm.fxprep_report
+    assert report.verification.status == "passed"
+    assert report.leaves["model.visual"] == "modules_to_exclude"
+    assert set(report.leaves) == {"model.visual", "model.get_rope_index"}  # the rope index: no layers
+    assert "dynamo+values" not in [a.tracer for a in report.attempts]
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    assert "model.visual" in called and gm.get_submodule("model.visual") is model.model.visual
+    assert not any(c.startswith("model.visual.") for c in called)
+    lm = [n for n, m in model.named_modules() if n.startswith("model.language_model.") and isinstance(m, nn.Linear)]
+    assert len(lm) >= 8 and set(lm) <= called
+    assert_unchanged(model, before)
+
+
 def test_verify_prepared_leaves_a_never_called_vlm_untouched() -> None:
     """verify_prepared runs the user's model too: transformers' first-call hooks are installed once
     for it and taken out after, as in prepare_model."""

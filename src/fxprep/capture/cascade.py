@@ -143,7 +143,7 @@ def capture_with_opaque_parts(
             result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete_args, failed,
                                                            dynamic=dynamic, handled=handled, records=records)
         attempts.append(attempt)
-        hidden = values.hidden_layers(model, result, [s for s, _ in sites]) if result is not None else None
+        hidden = values.hidden_layers(model, result, [s for s, _ in sites], policy) if result is not None else None
         if hidden != [] and values.worth_deciding(failed, sites, model):
             progress.stage("capture: Dynamo deciding values read from data from the example")
             # preserved: opaque parts run eagerly during this capture (their real outputs, .opaque)
@@ -151,7 +151,7 @@ def capture_with_opaque_parts(
                 decided, attempt, decided_sites = values.capture_deciding_values(
                     model, policy, example, concrete_args, dynamic=dynamic, records=records)
             attempts.append(attempt)
-            still = values.hidden_layers(model, decided, [s for s, _ in decided_sites]) if decided else []
+            still = values.hidden_layers(model, decided, [s for s, _ in decided_sites], policy) if decided else []
             if decided is not None and (hidden is None or len(still) < len(hidden)):
                 decided.notes.append(values.why_taken(hidden, still))
                 return decided, decided_sites

@@ -69,15 +69,22 @@ def worth_deciding(err: BaseException, sites: list[tuple[Site, Issue]], model: n
                for _, issue in sites)
 
 
-def hidden_layers(model: nn.Module, result: CaptureResult, sites: list[Site]) -> list[str]:
+def hidden_layers(model: nn.Module, result: CaptureResult, sites: list[Site], policy: LeafPolicy | None = None) -> list[str]:
     """The layers (leaf modules holding weights: Linear, Conv, Embedding, norms) inside the opaque
     parts of ``result`` (a module made opaque, or the module whose method or helper function was)
-    that are not ``call_module`` nodes of its graph: a quantizer cannot see them."""
+    that are not ``call_module`` nodes of its graph: a quantizer cannot see them. Layers inside a
+    module ``policy`` excludes (``modules_to_exclude``) are not counted: the user asked for that
+    module as one call, and no capture would show its layers."""
+    from .opaque import excluded_sites
+
     called = {str(n.target) for n in result.gm.graph.nodes if n.op == "call_module"}
     prefixes = [site.path for site in sites]
+    excluded = [site.path for site in excluded_sites(model, policy)] if policy is not None else []
     hidden = []
     for name, module in model.named_modules():
         if not name or name in called or not default_leaf(module) or next(module.parameters(recurse=False), None) is None:
+            continue
+        if any(name.startswith(f"{p}.") for p in excluded):
             continue
         if any(not p or name == p or name.startswith(f"{p}.") for p in prefixes):
             hidden.append(name)
