@@ -71,6 +71,19 @@ def test_sizes_from_an_integer_input_are_decided_and_every_layer_is_captured() -
     assert_unchanged(model, before)
 
 
+def test_a_loaded_graph_still_names_where_a_broken_decision_was_taken(tmp_path) -> None:
+    """The save format keeps no node stack traces; the check's own message carries its location."""
+    torch.manual_seed(0)
+    model = Net().eval()
+    x = torch.randn(2, 6, 8)
+    gm = fxprep.prepare_model(model, example_inputs=(x, torch.tensor(4)))
+    fxprep.save(gm, tmp_path / "net")
+    loaded = fxprep.load(tmp_path / "net")
+    torch.testing.assert_close(loaded(x, torch.tensor(3)), model(x, torch.tensor(3)))
+    with pytest.raises(fxprep.InputMismatch, match=r"at \S*test_values\.py:\d+: h = h\[:, : int\(n\)\]"):
+        loaded(x, torch.tensor(1))
+
+
 def test_decisions_that_follow_activations_stay_an_opaque_part() -> None:
     """Each block branches on values its first layer computes (``.tolist()`` of a count): decided
     from the example, the checks would refuse most other inputs."""

@@ -234,6 +234,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         state_dict.run(gm, model)
     _match_modes(gm, model)
     _restore_output_type(gm, reference)
+    decisions.keep_locations(gm)
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
     _guard_inputs(gm, model, result.tracer, prepared_call, concrete, opts.dynamic, report)
     decided = decisions.summary(gm)

@@ -40,15 +40,33 @@ def _message(node: fx.Node) -> str | None:
     return msg if isinstance(msg, str) else None
 
 
+_TAG = " [decided at "  # how a check's own message carries where it was decided (kept_locations)
+
+
 def location(node: fx.Node) -> str:
     """``file:line: code`` of the model's code where the checked value was decided (the innermost
-    frame of the node's stack trace), or "" when the capture left none."""
+    frame of the node's stack trace, else what :func:`keep_locations` wrote into the check's
+    message), or "" when the capture left neither."""
     trace = node.meta.get("stack_trace") or ""
     found = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
     if not found:
-        return ""
+        kept = re.search(re.escape(_TAG) + r"(.*)\]$", _message(node) or "", re.S)
+        return kept.group(1) if kept else ""
     path, line, code = found[-1]
     return f"{path}:{line}: {code.strip()}"
+
+
+def keep_locations(gm: fx.GraphModule) -> fx.GraphModule:
+    """Write each check's location into its own message (an argument of the node, so in the
+    generated code and in a saved graph). The stack trace it comes from is node metadata, which
+    ``fxprep.save`` does not keep: a loaded graph could otherwise only say "the model's code" when
+    an input breaks a decision. Call before ``gm.recompile()``."""
+    for node in gm.graph.nodes:
+        msg = _message(node) if is_check(node) else None
+        where = location(node) if msg else ""
+        if msg and where and _TAG not in msg and len(node.args) > 1:
+            node.args = (node.args[0], f"{msg}{_TAG}{where}]", *node.args[2:])
+    return gm
 
 
 def expression(node: fx.Node) -> str:
