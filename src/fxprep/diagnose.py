@@ -311,9 +311,14 @@ def categorise(err: BaseException, code: str | None) -> str:
         return AUTOGRAD_FUNCTION
     # Only the message's own words, not the stack under it: "fake" and "_call_impl" are in every
     # Dynamo stack that passes through torch's fake-tensor code.
-    head = (text.split("User Stack")[0].split("Caused by:")[0] + " " + gb_type + " " + type(err).__name__).lower()
+    head = (text.split("User Stack")[0].split("Caused by:")[0].split("from user code:")[0]
+            + " " + gb_type + " " + type(err).__name__).lower()
+    if "pendingunbackedsymbolnotfound" in head:
+        # Dynamo lost track of a size read from data (a boolean-mask index under real-value capture):
+        # about data-dependent sizes, whatever the message says about "your fake implementation"
+        return DATA_DEPENDENT_VALUE
     if "fake" in head and ("custom op" in head or "operator" in head or "kernel" in head or "impl" in head) \
-            and type(err).__name__ != "GuardOnDataDependentSymNode":
+            and type(err).__name__ not in ("GuardOnDataDependentSymNode", "InternalTorchDynamoError"):
         return CUSTOM_OP
     if "constraint" in low and ("violat" in low or "specializ" in low) or "specialized" in low and "dynamic" in low:
         return SPECIALISATION
