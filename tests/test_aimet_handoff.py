@@ -228,3 +228,41 @@ def test_every_fxprep_op_class_is_registered():
     classes = [c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.BoundOp)]
     assert len(classes) > 40
     assert all(QuantizationMixin.cls_to_qcls.get(c) is registered[c] for c in classes)
+
+
+def test_quantsim_on_a_vlm_captured_deciding_values(tmp_path):
+    """Llava with a Pixtral tower: fxprep captures it only by deciding image sizes from the example
+    (dynamo+values), so its graph holds the checks of those decisions and transformers' own
+    ``torch._check_tensor_all``. QuantSim traces the model with torch.jit, under which ``.item()``
+    gives tensors that ``aten._assert_scalar`` refused, and ONNX has no ``_is_all_true``: both made
+    the hand-off fail. The user's wrapper returning the logits (QuantSim takes tensor outputs only)
+    is a plain module around a transformers model, which fxprep must treat as one."""
+    from . import vlm_models
+
+    torch.manual_seed(0)
+    vlm, inputs = vlm_models.llava_pixtral()
+    keys = list(inputs)
+
+    class Logits(nn.Module):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args: torch.Tensor) -> torch.Tensor:
+            return self.model(**dict(zip(keys, args)), use_cache=False).logits
+
+    model = Logits(vlm).eval()
+    args = tuple(inputs[k] for k in keys)
+    with pytest.raises(Exception):  # noqa: B017 - whatever AIMET's fx-only tracer raises
+        aimet_preparer.prepare_model(model)
+    gm = compat.prepare_model(model, example_inputs=args)
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo+values" and report.verification.status == "passed"
+    assert any("checked on every call" in n for n in report.notes)  # the decisions' checks are in the graph
+    sim, db = run_quantsim(gm, model, args, [args], tmp_path, onnx_api=True)
+    print(f"llava_pixtral: SQNR fxprep {db:.2f} dB (AIMET's preparer: cannot trace)")
+    assert db > 10, db
+    for path in ("model.model.vision_tower.transformer.layers.0.attention.q_proj",
+                 "model.model.multi_modal_projector.linear_1", "model.model.language_model.layers.0.self_attn.q_proj"):
+        layer = sim.model.get_submodule(path)
+        assert type(layer).__name__.startswith("Quantized") and layer.param_quantizers["weight"] is not None

@@ -14,6 +14,7 @@ what becomes opaque shows here. Llama4 is built with the output field its releas
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -103,6 +104,11 @@ def check_vlm(name: str) -> None:
     for handle in handles:
         handle.remove()
     report = gm.fxprep_report
+    # toolkits deep-copy what they are given (AIMET's QuantSim does): the report must not hold a
+    # failed tracer's live error (its frames' globals are modules, which cannot be copied)
+    clone = copy.deepcopy(gm)
+    with torch.no_grad():
+        torch.testing.assert_close(clone(**inputs)[0], gm(**inputs)[0])
     tracer, opaque, hidden = EXPECTED[name] if name in EXPECTED else MORE[name]
     assert report.verification.status == "passed", report.verification
     assert report.tracer == tracer
@@ -225,3 +231,26 @@ def test_without_a_reference_run_a_never_called_vlm_is_captured_the_same_way() -
     assert check.hybrid_ok and set(check.opaque) == opaque
     assert "Unsupported context manager" not in str(check)
     assert_unchanged(model, before)
+
+
+def test_a_vlm_captured_deciding_values_exports_to_onnx_and_to_aimet_style_tuples(tmp_path) -> None:
+    """Llava-Pixtral's graph (dynamo+values) holds the decisions' checks and transformers'
+    ``torch._check_tensor_all`` (``_is_all_true``, which no ONNX exporter knows): exported with the
+    torch.export-based exporter and run in onnxruntime, it matches. Prepared AIMET's way
+    (``return_dict=False``), the original's tuple has the KV cache at ``out[1]``, before the image
+    features; the prepared one has no cache, and verification says so instead of failing."""
+    import warnings
+
+    from fxprep.compat import aimet as compat
+
+    torch.manual_seed(0)
+    model, inputs = vlm_models.llava_pixtral()
+    gm = fxprep.prepare_model(model, example_inputs=inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxprep.FxprepWarning)  # no fallback to the TorchScript exporter
+        diff = fxprep.export_onnx(gm, inputs, tmp_path / "llava.onnx")
+    assert diff < 1e-4
+    tupled = compat.prepare_model(model, example_inputs=inputs)
+    verification = tupled.fxprep_report.verification
+    assert verification.status == "passed"
+    assert "out[1] returned by the original only" in verification.detail, verification.detail

@@ -201,6 +201,8 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         if rewrite is not None:
             failure.args = (f"{failure.args[0]}\n\n{rewrite.explain()}",)
         raise failure
+    for attempt in attempts:  # a failed tracer's error holds its frames (fake tensors, globals): not kept alive
+        attempt.exception = None
     gm = as_prepared(result.gm, compiled=False)  # recompiled once, after the passes
     report.tracer = result.tracer
     report.leaves.update(result.extra_leaves)

@@ -17,15 +17,32 @@ line of code and what to do about it.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from .errors import InputMismatch
 
-_ASSERTS = tuple(
-    t for t in (getattr(getattr(torch.ops.aten, "_assert_scalar", None), "default", None),) if t is not None
-)
+_ASSERT_SCALAR = getattr(getattr(torch.ops.aten, "_assert_scalar", None), "default", None)
+
+
+def check_decision(condition: Any, message: str) -> None:
+    """The graph's check of a value decided from the example: ``aten._assert_scalar(condition,
+    message)``, except under ``torch.jit.trace``.
+
+    Why not the aten op itself: AIMET's QuantSim (and anything else that ``torch.jit.trace``s the
+    prepared module) runs it with ``.item()`` results turned into tensors, which the op refuses
+    ("Expected a value of type 'number'"), so the graph could not be handed over at all. A trace
+    records tensor operations for one input and keeps no Python check anyway. Under Dynamo and
+    ``torch.export`` this function is traced through, leaving the aten op; a ``torch.fx`` re-trace
+    (torch.ao) records the aten op on its proxies."""
+    if torch.jit.is_tracing():
+        return
+    _ASSERT_SCALAR(condition, message)
+
+
+_ASSERTS = tuple(t for t in (_ASSERT_SCALAR, check_decision) if t is not None)
 _SYMBOL = re.compile(r"\bu\d+\b")
 SHOWN = 8  # conditions listed per place in the report
 
@@ -57,15 +74,18 @@ def location(node: fx.Node) -> str:
 
 
 def keep_locations(gm: fx.GraphModule) -> fx.GraphModule:
-    """Write each check's location into its own message (an argument of the node, so in the
-    generated code and in a saved graph). The stack trace it comes from is node metadata, which
-    ``fxprep.save`` does not keep: a loaded graph could otherwise only say "the model's code" when
-    an input breaks a decision. Call before ``gm.recompile()``."""
+    """Each check as :func:`check_decision`, with its location written into its own message (an
+    argument of the node, so in the generated code and in a saved graph). The stack trace it comes
+    from is node metadata, which ``fxprep.save`` does not keep: a loaded graph could otherwise only
+    say "the model's code" when an input breaks a decision. Call before ``gm.recompile()``."""
     for node in gm.graph.nodes:
         msg = _message(node) if is_check(node) else None
-        where = location(node) if msg else ""
-        if msg and where and _TAG not in msg and len(node.args) > 1:
+        if not msg:
+            continue
+        where = location(node)
+        if where and _TAG not in msg and len(node.args) > 1:
             node.args = (node.args[0], f"{msg}{_TAG}{where}]", *node.args[2:])
+        node.target = check_decision
     return gm
 
 

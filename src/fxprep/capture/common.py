@@ -73,6 +73,14 @@ class CaptureAttempt:
 
         return cls(tracer, False, time.perf_counter() - start, describe_exception(err), type(err).__name__, err)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the live exception out: it exists for the capture's own
+        decisions and diagnosis, and a Dynamo error holds the traced frames' globals (modules,
+        which cannot be copied: AIMET's QuantSim deep-copies the prepared module and its report)."""
+        state = dict(self.__dict__)
+        state["exception"] = None
+        return state
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "tracer": self.tracer,

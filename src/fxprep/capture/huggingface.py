@@ -29,6 +29,24 @@ def is_hf_model(model: nn.Module) -> bool:
     return base is not None and isinstance(model, base)
 
 
+def hf_submodels(model: nn.Module) -> list[nn.Module]:
+    """The outermost transformers models in ``model`` (``model`` itself when it is one): a user's
+    wrapper around a VLM (returning only its logits, say) runs transformers' code all the same."""
+    if is_hf_model(model):
+        return [model]
+    out: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if is_hf_model(child):
+                out.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return out
+
+
 def _forward_params(model: nn.Module) -> dict[str, inspect.Parameter]:
     try:
         return dict(inspect.signature(model.forward).parameters)
@@ -99,15 +117,18 @@ def _configs(model: nn.Module) -> list[Any]:
 def capture_context(model: nn.Module, notes: list[str] | None = None) -> Iterator[None]:
     """During capture: attention implementations Dynamo cannot capture (flash, flex, paged) are
     switched to ``sdpa``, and transformers' output-capturing hooks are marked installed
-    (:func:`_hooks_flagged`); both are put back afterwards. A no-op for other models."""
-    if not is_hf_model(model):
+    (:func:`_hooks_flagged`); both are put back afterwards. Also for a model that wraps
+    transformers models (:func:`hf_submodels`); a no-op for other models."""
+    submodels = hf_submodels(model)
+    if not submodels:
         yield
         return
     changed: list[tuple[Any, Any]] = []
     flagged: list[nn.Module] = []
     try:
         flagged = _hooks_flagged(model)
-        for config in _configs(model):
+        configs = {id(c): c for m in submodels for c in _configs(m)}
+        for config in configs.values():
             impl = getattr(config, "_attn_implementation", None)
             if impl is not None and impl not in CAPTURE_ATTENTION:
                 changed.append((config, impl))
@@ -143,7 +164,7 @@ def output_capturing_hooks(model: Any) -> Iterator[None]:
     :func:`capture_context` sets the flag on those submodels while Dynamo traces, so the lock is
     never reached. :func:`fxprep.runs.hooks_left_as_found` takes the hooks out at the end."""
     installer = None
-    if isinstance(model, nn.Module) and is_hf_model(model):
+    if isinstance(model, nn.Module) and hf_submodels(model):
         with contextlib.suppress(ImportError):
             from transformers.utils import output_capturing
 
@@ -298,6 +319,7 @@ def capture_hf_fx(model: nn.Module, example: ExampleInputs | None) -> tuple[Capt
 
 __all__ = [
     "absent_outputs",
+    "hf_submodels",
     "capture_concrete_args",
     "capture_context",
     "capture_hf_fx",

@@ -26,6 +26,23 @@ import torch
 from torch import nn
 
 
+def mutable(value: Any) -> Any:
+    """``value`` with fx's immutable containers as plain ones, recursively. An opaque part's code
+    is the user's eager code and may write into what it is given (transformers'
+    ``get_vision_window_index`` pops from its ``kwargs``), but fx hands a node's arguments as
+    ``immutable_dict`` / ``immutable_list`` when it interprets the graph (``torch.export``, the
+    ONNX exporter, Dynamo during capture)."""
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    if type(value) in (immutable_dict, dict):
+        return {k: mutable(v) for k, v in value.items()}
+    if type(value) in (immutable_list, list):
+        return [mutable(v) for v in value]
+    if type(value) is tuple:
+        return tuple(mutable(v) for v in value)
+    return value
+
+
 class OpaqueMethod(nn.Module):
     """Calls ``owner.<method>`` eagerly: one method of a module kept out of the trace.
 
@@ -40,6 +57,7 @@ class OpaqueMethod(nn.Module):
         self.owner_path = owner_path
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = mutable((args, kwargs))
         return getattr(type(self.owner), self.method)(self.owner, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -54,6 +72,7 @@ class OpaqueFunction(nn.Module):
         self.fn = fn
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = mutable((args, kwargs))
         return self.fn(*args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -256,4 +275,4 @@ def failure_site(err: BaseException, model: nn.Module) -> Site | None:
 
 
 __all__ = ["FUNCTIONS", "FrameRecord", "OpaqueFunction", "OpaqueMethod", "Site", "failure_site", "frames_of",
-           "MISSING", "helper_objects", "method_name", "put_back", "sites_from_frames", "wrapped_codes"]
+           "MISSING", "helper_objects", "method_name", "mutable", "put_back", "sites_from_frames", "wrapped_codes"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import cond
+from .. import cond, decisions
 
 # Namespaces whose public (and, for torch's C namespaces, private) tensor ops a graph may call:
 # (prefix written in saves, the namespace object, whether _names count).
@@ -69,6 +69,8 @@ _EXTRA_FUNCTIONS: tuple[tuple[str, Any], ...] = (
     ("torch.amp.autocast_mode._exit_autocast", torch.amp.autocast_mode._exit_autocast),
     # a data-dependent branch of a prepared graph (control_flow="rewrite", a user's torch.cond)
     ("fxprep.cond.cond", cond.cond),
+    # the check of a value decided from the example (dynamo+values)
+    ("fxprep.decisions.check_decision", decisions.check_decision),
 )
 
 BUILTINS = ("len", "getattr", "int", "float", "bool", "abs", "min", "max", "round", "range", "tuple", "list",

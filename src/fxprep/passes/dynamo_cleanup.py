@@ -6,6 +6,7 @@ recompiles once) and, given a ``notes`` list, says in a sentence what it changed
 * :func:`remove_grad_toggles`: ``torch.no_grad`` regions are ``_set_grad_enabled`` calls in the graph;
 * :func:`remove_noise`: logging-only calls (``torch._C._log_api_usage_once``);
 * :func:`rewrite_sym_ops`: ``aten.sym_size.int(x, d)`` under dynamic shapes, back to ``x.size(d)``;
+* :func:`portable_tensor_checks`: ``aten._is_all_true(x)`` (``torch._check_tensor_all``) as ``torch.all(x)``;
 * :func:`fold_numpy_constants`: NumPy calls on constants, Dynamo-wrapped, back to Python numbers;
 * :func:`restore_autograd_functions`: a custom ``autograd.Function`` recorded as a higher-order op
   over Dynamo-internal bodies, back to a call of the user's Function;
@@ -103,6 +104,28 @@ def rewrite_sym_ops(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op == "call_function" and node.target in _SYM_METHODS:
             with graph.inserting_before(node):
                 new = graph.call_method(_SYM_METHODS[node.target], tuple(node.args), dict(node.kwargs))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+    return gm
+
+
+_IS_ALL_TRUE = getattr(getattr(torch.ops.aten, "_is_all_true", None), "default", None)
+
+
+def portable_tensor_checks(gm: fx.GraphModule) -> fx.GraphModule:
+    """``x._is_all_true()`` (what Dynamo records for ``torch._check_tensor_all(cond)``, which
+    transformers' own checks call; or ``aten._is_all_true(x)``) → ``torch.all(x)``: the same 0-dim
+    bool tensor, but an op every exporter knows. The ONNX exporters have no ``_is_all_true``, so a
+    graph holding it (Llava's image-token check) could not be exported, by fxprep or by a toolkit
+    it was handed to."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        found = (node.op == "call_method" and node.target == "_is_all_true") or \
+            (node.op == "call_function" and _IS_ALL_TRUE is not None and node.target is _IS_ALL_TRUE)
+        if found and len(node.args) == 1 and not node.kwargs:
+            with graph.inserting_before(node):
+                new = graph.call_function(torch.all, tuple(node.args))
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)

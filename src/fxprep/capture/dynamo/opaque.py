@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 
 from ...inputs import ExampleInputs
 from ..common import LeafPolicy
-from ..sites import Site
+from ..sites import Site, mutable
 from .names import Names, ReliftError, read_part
 from .recording import MARK, Recorded, TensorMeta, graphable, is_mark, patched, real_callable, record_sites
 
@@ -103,21 +103,6 @@ def _fake_outputs(rec: Recorded, args: tuple[Any, ...], kwargs: dict[str, Any], 
         else:
             out.append(torch.empty(sizes, dtype=meta.dtype, device=meta.device))
     return tuple(out)
-
-
-def _mutable(value: Any) -> Any:
-    """``value`` with fx's immutable containers as plain ones: Dynamo hands the call's arguments as
-    its node's (``immutable_dict``), and the part's own code may write into them, as eager code
-    can (transformers' ``get_vision_window_index`` pops from its ``kwargs``)."""
-    from torch.fx.immutable_collections import immutable_dict, immutable_list
-
-    if isinstance(value, (immutable_dict, dict)) and type(value) in (immutable_dict, dict):
-        return {k: _mutable(v) for k, v in value.items()}
-    if isinstance(value, (immutable_list, list)) and type(value) in (immutable_list, list):
-        return [_mutable(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_mutable(v) for v in value)
-    return value
 
 
 def _propagate_real(fake: tuple[Any, ...], run: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -215,7 +200,7 @@ class SiteCall:
         records, real, unbacked = self.records, self.real, self.unbacked
 
         def run(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-            args, kwargs = _mutable((args, kwargs))
+            args, kwargs = mutable((args, kwargs))
             objects = records[min(index, len(records) - 1)].objects
             args = tuple(objects.get(k, a) if is_mark(a) else a for k, a in enumerate(args))
             kwargs = {k: objects.get(k, v) if is_mark(v) else v for k, v in kwargs.items()}
