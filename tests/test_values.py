@@ -191,3 +191,19 @@ def test_a_value_an_opaque_part_computes_is_decided_from_its_real_output() -> No
     with pytest.raises(fxprep.InputMismatch, match=r"test_values\.py:\d+"):
         gm(other, torch.tensor([[1, 2, 2], [1, 3, 2], [1, 3, 2]]))
     assert_unchanged(model, before)
+
+
+def test_an_onnx_export_that_cannot_hold_an_opaque_part_says_which(tmp_path) -> None:
+    """No ONNX graph can hold Python that reads values from data; the TorchScript exporter's
+    fallback folds the grid into constants. The error names both exporters' reasons and the
+    opaque part, not only the folded input."""
+    torch.manual_seed(0)
+    model = WindowNet().eval()
+    grid = torch.tensor([[1, 2, 2], [1, 2, 1], [1, 3, 2]])
+    x = torch.randn(12, 4)
+    gm = fxprep.prepare_model(model, example_inputs=(x, grid))
+    with pytest.raises(fxprep.ExportError) as raised:
+        fxprep.export_onnx(gm, (x, grid), tmp_path / "windows.onnx")
+    text = str(raised.value)
+    assert "torch.export-based exporter had failed first" in text
+    assert "opaque parts (window_lengths)" in text

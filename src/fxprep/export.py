@@ -289,6 +289,17 @@ def run_onnx(path: str | os.PathLike[str], example_inputs: Any) -> list[torch.Te
     return [torch.from_numpy(o) for o in session.run(None, feed)]
 
 
+def _opaque_hint(gm: fx.GraphModule) -> str:
+    """A sentence naming ``gm``'s opaque parts (the report's leaves whose reason says so), or ""."""
+    report = getattr(gm, "fxprep_report", None)
+    opaque = [name for name, why in (getattr(report, "leaves", None) or {}).items() if str(why).startswith("opaque")]
+    if not opaque:
+        return ""
+    return (f"; the graph's opaque parts ({', '.join(opaque)}) run the model's own Python, which torch.export "
+            f"traces into and cannot follow where it reads values from data (.tolist(), .item()): an ONNX graph "
+            f"needs that code to keep its values as tensors, or export a submodule that does not contain those parts")
+
+
 def export_onnx(
     gm: fx.GraphModule,
     example_inputs: Any,
@@ -330,13 +341,17 @@ def export_onnx(
             f"records the one path through Python control flow taken on the example inputs.",
             FxprepWarning, stacklevel=2,
         )
+    # What the TorchScript exporter's result cannot say by itself: why the first exporter failed,
+    # and which parts of the graph run the model's own Python (opaque parts), which torch.export
+    # traces into and no ONNX graph can hold.
+    why = f" (the torch.export-based exporter had failed first: {errors[0]}{_opaque_hint(gm)})" if errors else ""
     try:
         name_onnx_nodes(path, gm)
         got = run_onnx(path, example)
-    except ExportError:
-        raise
+    except ExportError as err:
+        raise ExportError(f"{err}{why}") from err
     except Exception as err:  # noqa: BLE001
-        raise ExportError(f"onnxruntime could not run the exported model {path}: {type(err).__name__}: {err}") from err
+        raise ExportError(f"onnxruntime could not run the exported model {path}: {type(err).__name__}: {err}{why}") from err
     diff = _compare(expected, got, rtol, atol, f"ONNX model {path.name} in onnxruntime",
                     "Try optimize='none' (an optimizer rewrite may be at fault). " if optimize != "none" else "")
     return diff if math.isfinite(diff) else math.inf
