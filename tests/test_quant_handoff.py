@@ -179,3 +179,36 @@ def test_torch_ao_fx_quantization_accepts_the_prepared_graph():
         assert _rel_err(converted(*x), model(*x)) < 0.1
     # the user's modules were not modified by torch's flow
     assert type(gm.conv1) is nn.Conv2d and gm.conv1 is model.conv1
+
+
+class MaskedBlocks(nn.Module):
+    """Writes into a tensor in place (``mask[:n, :n] = 0``, as Pixtral builds its block attention
+    mask): fx generates that as a statement a re-trace's Proxy refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        n = x.shape[0] // 2
+        mask = torch.full((x.shape[0], x.shape[0]), -2.0)
+        mask[:n, :n] = 0
+        mask[n:, n:] = 0
+        return torch.softmax(self.proj(x) @ self.proj(x).T + mask, dim=-1) @ x
+
+
+def test_torch_ao_retraces_a_graph_that_writes_into_a_tensor():
+    from torch.ao.quantization import get_default_qconfig_mapping, quantize_fx
+
+    torch.backends.quantized.engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "qnnpack"
+    model = MaskedBlocks().eval()
+    x = (torch.randn(6, 8),)
+    gm = fxprep.prepare_model(model, example_inputs=x)
+    assert gm.fxprep_report.tracer == "dynamo"
+    assert any(n.op == "call_method" and n.target == "__setitem__" for n in gm.graph.nodes)
+    prepared = quantize_fx.prepare_fx(copy.deepcopy(gm), get_default_qconfig_mapping(torch.backends.quantized.engine), x)
+    with torch.no_grad():
+        prepared(*x)
+    converted = quantize_fx.convert_fx(prepared)
+    with torch.no_grad():
+        assert _rel_err(converted(*x), model(*x)) < 0.1

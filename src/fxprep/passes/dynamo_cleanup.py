@@ -7,6 +7,7 @@ recompiles once) and, given a ``notes`` list, says in a sentence what it changed
 * :func:`remove_noise`: logging-only calls (``torch._C._log_api_usage_once``);
 * :func:`rewrite_sym_ops`: ``aten.sym_size.int(x, d)`` under dynamic shapes, back to ``x.size(d)``;
 * :func:`portable_tensor_checks`: ``aten._is_all_true(x)`` (``torch._check_tensor_all``) as ``torch.all(x)``;
+* :func:`setitem_as_method`: ``t[index] = value`` on a tensor as ``t.__setitem__(index, value)`` (re-traceable);
 * :func:`fold_numpy_constants`: NumPy calls on constants, Dynamo-wrapped, back to Python numbers;
 * :func:`restore_autograd_functions`: a custom ``autograd.Function`` recorded as a higher-order op
   over Dynamo-internal bodies, back to a call of the user's Function;
@@ -129,6 +130,28 @@ def portable_tensor_checks(gm: fx.GraphModule) -> fx.GraphModule:
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
+    return gm
+
+
+def setitem_as_method(gm: fx.GraphModule) -> fx.GraphModule:
+    """``operator.setitem(t, index, value)`` on a tensor (``mask[:n, :n] = 0``) → ``t.__setitem__(index,
+    value)``: the same in-place write, but code a ``torch.fx`` re-trace can follow. fx generates the
+    former as the statement ``t[index] = value``, which a Proxy refuses ("does not support item
+    assignment"), so torch.ao's ``prepare_fx`` could not take a graph holding one (Pixtral's block
+    attention mask)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not operator.setitem or len(node.args) != 3 or node.kwargs:
+            continue
+        target = node.args[0]
+        value = target.meta.get("example_value", target.meta.get("val")) if isinstance(target, fx.Node) else None
+        if not isinstance(value, torch.Tensor):
+            continue  # a list or dict written in place: fx's statement form re-traces fine
+        with graph.inserting_before(node):
+            new = graph.call_method("__setitem__", tuple(node.args))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
     return gm
 
 

@@ -270,6 +270,7 @@ def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_ca
     dynamo_cleanup.remove_grad_toggles(dgm, enabled_at_capture=torch.is_grad_enabled(), notes=notes)
     dynamo_cleanup.rewrite_sym_ops(dgm)
     dynamo_cleanup.portable_tensor_checks(dgm)
+    dynamo_cleanup.setitem_as_method(dgm)
     dynamo_cleanup.fold_numpy_constants(dgm)
     dynamo_cleanup.restore_autograd_functions(dgm, stacks.owner)
     dynamo_cleanup.remove_noise(dgm)
