@@ -24,6 +24,14 @@ def _qwen_grid_inputs(grid, patch, temporal=2):
     return ids, pixel_values
 
 
+def _qwen_grid_call(patch: int) -> dict[str, torch.Tensor]:
+    """The Qwen-style keyword inputs: two images of 4x4 and 4x6 patches (16 + 24 -> 4 + 6 tokens)."""
+    grid = torch.tensor([[1, 4, 4], [1, 4, 6]])
+    ids, pixel_values = _qwen_grid_inputs(grid, patch)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixel_values,
+            "image_grid_thw": grid, "mm_token_type_ids": (ids == IMG).int()}
+
+
 def qwen3_vl():
     vision = tf.Qwen3VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
                                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
@@ -32,10 +40,7 @@ def qwen3_vl():
     cfg = tf.Qwen3VLConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=IMG,
                            video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
     model = tf.Qwen3VLForConditionalGeneration(cfg).eval()
-    grid = torch.tensor([[1, 4, 4], [1, 4, 6]])  # 16 + 24 patches -> 4 + 6 tokens
-    ids, pixel_values = _qwen_grid_inputs(grid, 16)
-    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixel_values,
-                   "image_grid_thw": grid, "mm_token_type_ids": (ids == IMG).int()}
+    return model, _qwen_grid_call(16)
 
 
 def qwen3_vl_moe():
@@ -48,10 +53,7 @@ def qwen3_vl_moe():
     cfg = tf.Qwen3VLMoeConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=IMG,
                               video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
     model = tf.Qwen3VLMoeForConditionalGeneration(cfg).eval()
-    grid = torch.tensor([[1, 4, 4], [1, 4, 6]])
-    ids, pixel_values = _qwen_grid_inputs(grid, 16)
-    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixel_values,
-                   "image_grid_thw": grid, "mm_token_type_ids": (ids == IMG).int()}
+    return model, _qwen_grid_call(16)
 
 
 def glm4v():
@@ -63,10 +65,7 @@ def glm4v():
                          video_token_id=101, image_start_token_id=102, image_end_token_id=103,
                          video_start_token_id=104, video_end_token_id=105)
     model = tf.Glm4vForConditionalGeneration(cfg).eval()
-    grid = torch.tensor([[1, 4, 4], [1, 4, 6]])  # 16 + 24 patches -> 4 + 6 tokens
-    ids, pixel_values = _qwen_grid_inputs(grid, 14)
-    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixel_values,
-                   "image_grid_thw": grid, "mm_token_type_ids": (ids == IMG).int()}
+    return model, _qwen_grid_call(14)
 
 
 def internvl():
@@ -173,10 +172,7 @@ def qwen3_5():
     cfg = tf.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=IMG,
                            video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
     model = tf.Qwen3_5ForConditionalGeneration(cfg).eval()
-    grid = torch.tensor([[1, 4, 4], [1, 4, 6]])
-    ids, pixel_values = _qwen_grid_inputs(grid, 16)
-    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixel_values,
-                   "image_grid_thw": grid, "mm_token_type_ids": (ids == IMG).int()}
+    return model, _qwen_grid_call(16)
 
 
 # Gemma3n token layout (as in the release, scaled down): text ids < 128, vision ids 128..135, audio ids 136..143.

@@ -33,6 +33,7 @@ Python values an opaque part returns (an ``int``, a list length) are those of th
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import re
 from collections.abc import Iterator
@@ -210,7 +211,7 @@ class SiteCall:
         def opaque_call(index: int, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
             if _is_fake((args, kwargs)):
                 fake = _fake_outputs(_matching(records, index, args, kwargs), args, kwargs, unbacked)
-                _propagate_real(fake, lambda real_args, real_kwargs: run(index, real_args, real_kwargs), args, kwargs)
+                _propagate_real(fake, functools.partial(run, index), args, kwargs)
                 return fake
             return run(index, args, kwargs)
 
