@@ -1,0 +1,348 @@
+"""A prepared graph cut into ordered stages at its repeated blocks (decoder layers, ViT blocks, ...).
+
+A model too big for one device is calibrated *sequentially* (llm-compressor's sequential pipeline):
+one block's weights on the device at a time, every calibration batch passed through it, activations
+cached between blocks. That needs the model as disjoint pieces run in order, which is a cut of one
+traceable, module-level graph, which is what :func:`fxprep.prepare_model` makes.
+
+:func:`partition` cuts ``gm`` (its nodes in graph order, which is a topological order) into
+contiguous *stages*:
+
+* every node of a target block (the nodes whose ``nn_module_stack`` or ``call_module`` /
+  ``get_attr`` target lies under the block's qualified name) is in that block's stage; blocks whose
+  nodes interleave are one stage;
+* the nodes between two blocks join the next block's stage, unless they read weights of their own
+  (a VLM's projector between its vision tower and its language model): then they are a stage of
+  their own, as are the nodes before the first block (``head``) and after the last (``tail``).
+
+Because stages are contiguous pieces of a topological order, running them in order computes what
+``gm`` computes: each stage's inputs are ``gm``'s placeholders or earlier stages' outputs. A stage
+is a :class:`Stage` (a ``GraphModule``) whose ``call_module`` targets are the user's own module
+objects at their own paths (nothing is copied); it takes its inputs as keyword arguments named by
+the values they are in ``gm`` and returns a dict of the values later stages (or ``gm``'s output)
+read. ``stage.frees`` names the values no later stage reads, so a runner can drop them.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .errors import InvalidInput
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+Target = type | str
+
+
+class Stage(fx.GraphModule):
+    """One piece of a partitioned graph. ``forward(**values)`` takes :attr:`inputs` by name and
+    returns ``{name: value}`` for :attr:`outputs`.
+
+    Attributes: ``name`` (its block, or ``head`` / ``tail`` / ``after <block>``), ``blocks`` (the
+    target blocks it holds), ``inputs`` / ``outputs`` (value names in the partitioned graph),
+    ``frees`` (values a runner may drop after this stage: no later stage and not the final output
+    reads them), ``weight_modules`` (``{path: module}``: the user's modules whose parameters and
+    buffers this stage reads, what a runner onloads for it)."""
+
+    name: str
+    blocks: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    frees: tuple[str, ...]
+    weight_modules: dict[str, nn.Module]
+
+    def __repr__(self) -> str:
+        return (f"Stage({self.name!r}, {len(self.graph.nodes) - len(self.inputs) - 1} nodes, "
+                f"inputs={list(self.inputs)}, outputs={list(self.outputs)})")
+
+    __str__ = __repr__  # GraphModule's prints the code: stage.code / print_readable() still do
+
+
+class Stages(list):
+    """The ordered stages of :func:`partition` (a ``list`` of :class:`Stage`), with what connects them
+    to calls of the partitioned graph: :meth:`bind` (a call's arguments as the named values the
+    first stages read), :meth:`result` (``gm``'s return value from the named values) and ``__call__``
+    (all stages in order: the same as calling ``gm``)."""
+
+    def __init__(self, stages: Iterable[Stage], binder: fx.GraphModule, placeholders: Sequence[str],
+                 result_graph: fx.GraphModule, result_reads: Sequence[str], codegen: Any):
+        super().__init__(stages)
+        self._binder = binder
+        self.placeholders = tuple(placeholders)
+        self._result_graph = result_graph
+        self.result_reads = tuple(result_reads)  # the values gm's output is made of
+        self._codegen = codegen
+
+    def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """``{placeholder name: value}`` for a call ``gm(*args, **kwargs)``, flattened by ``gm``'s own
+        calling convention (its generated signature, defaults and input spec)."""
+        flat = self._binder(*args, **kwargs)
+        return dict(zip(self.placeholders, flat))
+
+    def result(self, values: Mapping[str, Any]) -> Any:
+        """What ``gm`` returns, from the values its output node reads (a ``ModelOutput`` stays one)."""
+        missing = [n for n in self.result_reads if n not in values]
+        if missing:
+            raise InvalidInput(f"the final output needs {missing}, which are not among the values given.")
+        flat = self._result_graph(**{n: values[n] for n in self.result_reads})
+        return self._codegen.process_outputs(flat)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        values = self.bind(*args, **kwargs)
+        for stage in self:
+            values.update(stage(**{n: values[n] for n in stage.inputs}))
+            for name in stage.frees:
+                values.pop(name, None)
+        return self.result(values)
+
+
+# --- which blocks ------------------------------------------------------------------------------
+def _scopes(gm: fx.GraphModule) -> dict[str, Any]:
+    """Every module scope the graph's nodes ran in, ``{qualified name: class}``, in graph order."""
+    found: dict[str, Any] = {}
+    for node in gm.graph.nodes:
+        for qual, cls in (node.meta.get("nn_module_stack") or {}).values():
+            found.setdefault(str(qual), cls)
+        if node.op == "call_module":
+            found.setdefault(str(node.target), type(gm.get_submodule(str(node.target))))
+    found.pop("", None)
+    return found
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _outermost(names: Iterable[str]) -> list[str]:
+    chosen: list[str] = []
+    for name in sorted(set(names), key=lambda n: (n.count("."), n)):
+        if not any(_under(name, c) for c in chosen):
+            chosen.append(name)
+    return chosen
+
+
+def _is_container(cls: Any) -> bool:
+    return isinstance(cls, type) and issubclass(cls, _CONTAINERS)
+
+
+def default_blocks(gm: fx.GraphModule) -> list[str]:
+    """The repeated blocks, as :mod:`fxprep.capture.dynamo.blocks` sees them: the outermost
+    scopes (not containers, with scopes or modules under them) whose class has another outermost
+    instance. A scope whose class has no twin (Llama's final norm, whose siblings are inside the
+    layers) is looked into instead."""
+    scopes = _scopes(gm)
+    parents = {n for n in scopes for m in scopes if m != n and _under(m, n)}
+    eligible = {n: c for n, c in scopes.items() if n in parents and not _is_container(c)}
+    skip: set[str] = set()
+    while True:
+        candidates = [n for n in eligible if n not in skip and not any(_under(n, s) and n != s for s in skip)
+                      and sum(1 for m, c in eligible.items() if c is eligible[n] and m not in skip) >= 2]
+        chosen = _outermost(candidates)
+        counts: dict[Any, int] = {}
+        for n in chosen:
+            counts[eligible[n]] = counts.get(eligible[n], 0) + 1
+        lonely = {n for n in chosen if counts[eligible[n]] < 2}
+        if not lonely:
+            return [n for n in scopes if n in chosen]
+        skip |= lonely
+
+
+def _blocks(gm: fx.GraphModule, targets: Target | Sequence[Target] | None) -> list[str]:
+    if targets is None:
+        return default_blocks(gm)
+    wanted = [targets] if isinstance(targets, (str, type)) else list(targets)
+    for t in wanted:
+        if not isinstance(t, (str, type)):
+            raise InvalidInput(f"partition targets are module classes, names or glob patterns, not {t!r}.")
+    scopes = _scopes(gm)
+    matched = [n for n, cls in scopes.items()
+               if any((isinstance(t, type) and isinstance(cls, type) and issubclass(cls, t))
+                      or (isinstance(t, str) and fnmatch.fnmatchcase(n, t)) for t in wanted)]
+    chosen = set(_outermost(matched))
+    return [n for n in scopes if n in chosen]
+
+
+# --- the cut -------------------------------------------------------------------------------------
+def _block_of(node: fx.Node, blocks: set[str]) -> str | None:
+    names = [str(q) for q, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    if node.op in ("call_module", "get_attr"):
+        names.append(str(node.target))
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if prefix in blocks:
+                return prefix
+    return None
+
+
+def _reads_weights(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
+    for node in nodes:
+        if node.op == "call_module" and any(True for _ in gm.get_submodule(str(node.target)).parameters()):
+            return True
+        if node.op == "get_attr" and isinstance(_attr(gm, str(node.target)), torch.Tensor):
+            return True
+    return False
+
+
+def _attr(gm: nn.Module, path: str) -> Any:
+    owner, _, name = path.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def _segments(gm: fx.GraphModule, blocks: list[str]) -> list[tuple[str, list[str], list[fx.Node]]]:
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    block_set = set(blocks)
+    labels = [_block_of(n, block_set) for n in nodes]
+    spans: dict[str, list[int]] = {}
+    for i, label in enumerate(labels):
+        if label is not None:
+            spans.setdefault(label, [i, i])[1] = i
+    intervals: list[list[Any]] = []  # [start, end, [blocks]]
+    for block, (start, end) in sorted(spans.items(), key=lambda kv: kv[1][0]):
+        if intervals and start <= intervals[-1][1]:
+            intervals[-1][1] = max(intervals[-1][1], end)
+            intervals[-1][2].append(block)
+        else:
+            intervals.append([start, end, [block]])
+    if not intervals:
+        return [("all", [], nodes)] if nodes else []
+    out: list[tuple[str, list[str], list[fx.Node]]] = []
+    pending: list[fx.Node] = []
+    cursor = 0
+    for k, (start, end, members) in enumerate(intervals):
+        gap = nodes[cursor:start]
+        name = "+".join(members) if len(members) <= 2 else f"{members[0]}+{len(members) - 1} more"
+        if gap and (k == 0 or _reads_weights(gm, gap)):
+            out.append(("head" if k == 0 else f"after {out[-1][0]}", [], gap))
+        else:
+            pending = gap
+        out.append((name, list(members), pending + nodes[start:end + 1]))
+        pending = []
+        cursor = end + 1
+    tail = nodes[cursor:]
+    if tail:
+        out.append(("tail", [], tail))
+    return out
+
+
+def _mutated_inputs(node: fx.Node) -> list[fx.Node]:
+    """Values a node changes in place (``x.add_(..)``, ``x[i] = v``): a later stage must see them."""
+    target = node.target
+    inplace = (node.op == "call_method" and isinstance(target, str)
+               and ((target.endswith("_") and not target.startswith("_")) or target == "__setitem__")) \
+        or (node.op == "call_function" and target is operator.setitem)
+    first = node.args[0] if node.args else None
+    return [first] if inplace and isinstance(first, fx.Node) else []
+
+
+def partition(gm: fx.GraphModule, targets: Target | Sequence[Target] | None = None) -> Stages:
+    """``gm`` cut into ordered :class:`Stage` s at its ``targets``: module classes, qualified names
+    or glob patterns (``"model.layers.*"``); the outermost matching scopes are the blocks. By
+    default, the repeated blocks (:func:`default_blocks`: decoder layers, encoder blocks, ResNet
+    bottlenecks). Running the stages in order (``stages(*args, **kwargs)``) is running ``gm``.
+    Nothing is copied: the stages call the user's module objects."""
+    if not isinstance(gm, fx.GraphModule):
+        raise InvalidInput(f"partition takes a GraphModule (what prepare_model returns), not {type(gm).__name__}.")
+    blocks = _blocks(gm, targets)
+    if targets is not None and not blocks:
+        raise InvalidInput(f"no module of the graph matches the partition targets {targets!r}.")
+    segments = _segments(gm, blocks)
+    stage_of: dict[fx.Node, int] = {}
+    for k, (_, _, nodes) in enumerate(segments):
+        stage_of.update({n: k for n in nodes})
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    final = [n for n in output.all_input_nodes]
+    last_use: dict[fx.Node, int] = {}
+    mutated: dict[int, list[fx.Node]] = {}
+    for k, (_, _, nodes) in enumerate(segments):
+        for node in nodes:
+            for used in node.all_input_nodes:
+                last_use[used] = max(last_use.get(used, -1), k)
+            mutated.setdefault(k, []).extend(m for m in _mutated_inputs(node) if m not in mutated.get(k, []))
+    stages: list[Stage] = []
+    for k, (name, members, nodes) in enumerate(segments):
+        inside = set(nodes)
+        inputs = list(dict.fromkeys(u for n in nodes for u in n.all_input_nodes if u not in inside))
+        outputs = [n for n in nodes if last_use.get(n, -1) > k or n in final]
+        outputs += [m for m in mutated.get(k, []) if m not in outputs and (last_use.get(m, -1) > k or m in final)]
+        frees = [n.name for n in inputs + outputs if last_use.get(n, -1) <= k and n not in final]
+        stages.append(_stage(gm, name, members, nodes, inputs, outputs, frees))
+    return Stages(stages, _binder(gm), [n.name for n in gm.graph.nodes if n.op == "placeholder"],
+                  _result_module(gm, output, final), [n.name for n in final], gm.graph._codegen)
+
+
+def _stage(gm: fx.GraphModule, name: str, blocks: list[str], nodes: list[fx.Node], inputs: list[fx.Node],
+           outputs: list[fx.Node], frees: list[str]) -> Stage:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output({n.name: env[n] for n in outputs})
+    stage = Stage(gm, graph, "Stage")
+    owners = _install_owners(gm, stage, nodes)
+    stage.name = name
+    stage.blocks = tuple(blocks)
+    stage.inputs = tuple(n.name for n in inputs)
+    stage.outputs = tuple(n.name for n in outputs)
+    stage.frees = tuple(frees)
+    stage.weight_modules = owners
+    return stage
+
+
+def _install_owners(gm: fx.GraphModule, stage: Stage, nodes: list[fx.Node]) -> dict[str, nn.Module]:
+    """The modules whose tensors ``stage`` reads. ``GraphModule`` copies a ``get_attr`` tensor into
+    a fresh container; the owner itself is put at its path instead, so the stage reads the tensor the
+    owner holds *now* (an offloading runner swaps it for the onloaded one)."""
+    owners: dict[str, nn.Module] = {}
+    for node in nodes:
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            for sub_name, sub in module.named_modules():
+                if sub._parameters or sub._buffers:
+                    owners.setdefault(f"{node.target}.{sub_name}" if sub_name else str(node.target), sub)
+        elif node.op == "get_attr":
+            path, _, _ = str(node.target).rpartition(".")
+            if not path or not isinstance(_attr(gm, str(node.target)), torch.Tensor):
+                continue  # a root-level constant stays where it is (the stage holds it)
+            owner = gm.get_submodule(path)
+            owners.setdefault(path, owner)
+            parent_path, _, leaf = path.rpartition(".")
+            parent = stage.get_submodule(parent_path) if parent_path else stage
+            if parent._modules.get(leaf) is not owner:
+                parent._modules[leaf] = owner
+    return owners
+
+
+def _binder(gm: fx.GraphModule) -> fx.GraphModule:
+    """A module with ``gm``'s signature that returns its placeholders' values (``gm``'s own input
+    flattening, defaults included)."""
+    graph = fx.Graph()
+    env = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.node_copy(node)
+    graph.output(tuple(env.values()))
+    codegen = copy.copy(gm.graph._codegen)
+    info = getattr(codegen, "pytree_info", None)
+    if info is not None:
+        codegen.pytree_info = info._replace(out_spec=None)
+    graph._codegen = codegen
+    return fx.GraphModule(nn.Module(), graph, "Binder")
+
+
+def _result_module(gm: fx.GraphModule, output: fx.Node, final: list[fx.Node]) -> fx.GraphModule:
+    graph = fx.Graph()
+    env = {n: graph.placeholder(n.name) for n in final}
+    graph.output(fx.node.map_arg(output.args[0], lambda n: env[n]))
+    return fx.GraphModule(nn.Module(), graph, "Result")
