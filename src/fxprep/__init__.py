@@ -29,7 +29,9 @@ from .errors import (
 from .export import export_onnx, export_program
 from .io import load, save
 from .opaque import opaque
+from .partition import Stage, Stages, partition
 from .report import Report
+from .sequential import SequentialRun, run_sequential
 from .version import __version__
 from .view import show
 from .weights import WeightsError, load_weights, verify_prepared
@@ -39,6 +41,11 @@ __all__ = [
     "prepare_model",
     "load_weights",
     "verify_prepared",
+    "partition",
+    "Stage",
+    "Stages",
+    "run_sequential",
+    "SequentialRun",
     "check_traceability",
     "TraceReport",
     "save",
