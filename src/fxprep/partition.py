@@ -105,13 +105,19 @@ class Stages(list):
 
 # --- which blocks ------------------------------------------------------------------------------
 def _scopes(gm: fx.GraphModule) -> dict[str, Any]:
-    """Every module scope the graph's nodes ran in, ``{qualified name: class}``, in graph order."""
+    """Every module scope the graph's nodes ran in, ``{qualified name: class}``, in graph order: the
+    ``nn_module_stack`` entries, and the paths leading to ``call_module`` / ``get_attr`` targets (a
+    graph re-traced by a toolkit, ``prepare_fx``'s, keeps only leaf scopes)."""
     found: dict[str, Any] = {}
     for node in gm.graph.nodes:
         for qual, cls in (node.meta.get("nn_module_stack") or {}).values():
             found.setdefault(str(qual), cls)
-        if node.op == "call_module":
-            found.setdefault(str(node.target), type(gm.get_submodule(str(node.target))))
+        if node.op in ("call_module", "get_attr"):
+            parts = str(node.target).split(".")
+            for i in range(1, len(parts)):
+                found.setdefault(".".join(parts[:i]), None)
+            if node.op == "call_module":
+                found.setdefault(str(node.target), type(gm.get_submodule(str(node.target))))
     found.pop("", None)
     return found
 
@@ -136,12 +142,13 @@ def default_blocks(gm: fx.GraphModule) -> list[str]:
     """The repeated blocks, as :mod:`fxprep.capture.dynamo.blocks` sees them: the outermost
     scopes (not containers, with scopes or modules under them) whose class has another outermost
     instance. A scope whose class has no twin (Llama's final norm, whose siblings are inside the
-    layers) is looked into instead."""
+    layers) is looked into instead. A graph whose nodes do not say their modules' classes (re-traced
+    by a toolkit) falls back to the numbered children of a list (``model.layers.0``, ``.1``, ...)."""
     scopes = _scopes(gm)
     parents = {n for n in scopes for m in scopes if m != n and _under(m, n)}
-    eligible = {n: c for n, c in scopes.items() if n in parents and not _is_container(c)}
+    eligible = {n: c for n, c in scopes.items() if n in parents and c is not None and not _is_container(c)}
     skip: set[str] = set()
-    while True:
+    while eligible:
         candidates = [n for n in eligible if n not in skip and not any(_under(n, s) and n != s for s in skip)
                       and sum(1 for m, c in eligible.items() if c is eligible[n] and m not in skip) >= 2]
         chosen = _outermost(candidates)
@@ -150,8 +157,16 @@ def default_blocks(gm: fx.GraphModule) -> list[str]:
             counts[eligible[n]] = counts.get(eligible[n], 0) + 1
         lonely = {n for n in chosen if counts[eligible[n]] < 2}
         if not lonely:
-            return [n for n in scopes if n in chosen]
+            if chosen:
+                return [n for n in scopes if n in chosen]
+            break
         skip |= lonely
+    numbered = [n for n in parents if n.rpartition(".")[2].isdigit()]
+    siblings: dict[str, int] = {}
+    for n in numbered:
+        siblings[n.rpartition(".")[0]] = siblings.get(n.rpartition(".")[0], 0) + 1
+    chosen = set(_outermost(n for n in numbered if siblings[n.rpartition(".")[0]] >= 2))
+    return [n for n in scopes if n in chosen]
 
 
 def _blocks(gm: fx.GraphModule, targets: Target | Sequence[Target] | None) -> list[str]:

@@ -115,7 +115,8 @@ def _slots(gm: nn.Module, original: nn.Module | None) -> dict[int, _Slot]:
 
 
 # --- loading -----------------------------------------------------------------------------------------
-def load_weights(gm: fx.GraphModule, source: Any, *, device: Any = None, dtype: torch.dtype | None = None
+def load_weights(gm: fx.GraphModule, source: Any, *, device: Any = None, dtype: torch.dtype | None = None,
+                 device_map: Any = None, offload_dir: Any = None, max_memory: dict[Any, Any] | None = None
                  ) -> fx.GraphModule:
     """Materialise ``gm`` (typically prepared on ``meta``) from ``source``: a state_dict, a
     ``.safetensors`` file, or a directory of sharded safetensors with a Hugging Face index.
@@ -126,11 +127,19 @@ def load_weights(gm: fx.GraphModule, source: Any, *, device: Any = None, dtype: 
     place; the model it was prepared from gets the same tensors. Raises :class:`WeightsError`
     naming every missing or unexpected key, every shape or dtype mismatch and every tensor that
     could not be recomputed, before anything is changed.
+
+    ``device_map`` (instead of ``device``): accelerate's ``{module name: device}`` with ``"cpu"``,
+    ``"disk"`` or accelerators, or ``"auto"`` (from ``max_memory``); see :mod:`fxprep.placement`.
+    ``offload_dir``: where weights a checkpoint does not hold as safetensors go for ``"disk"``.
     """
     if not isinstance(gm, nn.Module):
         raise InvalidInput(f"load_weights takes the module prepare_model returned, not {type(gm).__name__}.")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise InvalidInput(f"dtype must be a torch.dtype, not {dtype!r}.")
+    if device_map is not None:
+        if device is not None:
+            raise InvalidInput("pass device or device_map, not both.")
+        return _load_by_map(gm, source, device_map, dtype, offload_dir, max_memory)
     checkpoint = open_checkpoint(source)
     remembered = _original(gm)
     original = remembered.model if remembered is not None else None
@@ -428,3 +437,74 @@ def verify_prepared(gm: fx.GraphModule, example_inputs: Any, *, rtol: float | No
     if report is not None:
         report.verification = result
     return result
+
+
+# --- weights over devices, CPU and disk (fxprep.placement) -------------------------------------------
+def _load_by_map(gm: fx.GraphModule, source: Any, device_map: Any, dtype: torch.dtype | None, offload_dir: Any,
+                 max_memory: dict[Any, Any] | None) -> fx.GraphModule:
+    """:func:`load_weights` with a device map: each tensor straight to its module's device; those
+    mapped to ``disk`` are not loaded but named in accelerate's offload index (the checkpoint's own
+    safetensors files, or written to ``offload_dir``), then accelerate's ``dispatch_model``."""
+    import tempfile
+
+    from accelerate.utils import offload_weight, save_offload_index
+
+    from . import placement
+
+    remembered = _original(gm)
+    original = remembered.model if remembered is not None else None
+    device_map = placement.resolve(gm, original if original is not None else gm, device_map, max_memory, dtype)
+    main = torch.device(placement.main_device(device_map))
+    checkpoint = open_checkpoint(source)
+    slots = _slots(gm, original)
+    plan = _plan(slots, checkpoint, dtype)
+    where = {key: placement.device_of(slot.paths + slot.names, device_map) for key, slot in plan.slot_of.items()}
+    disk = {key for key, device in where.items() if device == "disk"}
+    on_disk = "disk" in device_map.values()
+    folder = str(offload_dir) if offload_dir is not None else (tempfile.mkdtemp(prefix="fxprep-offload-") if on_disk else None)
+    roots = [gm] if original is None else [gm, original]
+    recompute = [s for s in slots.values() if id(s.tensor) not in plan.keys and s.tensor.is_meta]
+    new = _recompute(recompute, original, main)
+    failed = [s for s in recompute if id(s.tensor) not in new and s.in_gm]
+    if failed:
+        raise WeightsError(f"{len(failed)} tensor(s) hold no value and are not in {checkpoint.where}, and could not be "
+                           f"recomputed: {_list(s.paths[0] for s in failed)}.")
+    _replace(roots, new)
+    index: dict[str, Any] = {}
+    for shard_file, keys in checkpoint.files.items():
+        for key in keys:
+            if key in disk and shard_file.endswith(".safetensors"):
+                entry = {"safetensors_file": shard_file, "weight_name": key,
+                         "dtype": str(plan.dtypes[key]).removeprefix("torch.")}
+                index.update({path: entry for path in plan.slot_of[key].paths + plan.slot_of[key].names})
+    loaded = 0
+    for shard in checkpoint.shards({k for k in plan.slot_of if k not in index}):
+        fresh: dict[int, torch.Tensor] = {}
+        for key, value in shard:
+            slot = plan.slot_of[key]
+            if key in disk:  # not a safetensors file: written out, once under each name a hook may ask for
+                for path in dict.fromkeys(slot.paths + slot.names):
+                    if path not in index:
+                        offload_weight(value.to(dtype=plan.dtypes[key]), path, folder, index=index)
+                continue
+            cast = value.to(device=placement.torch_device(where[key]), dtype=plan.dtypes[key])
+            if key in plan.duplicates:
+                plan.pending[key] = cast
+                continue
+            fresh[id(slot.tensor)] = _like(slot.tensor, cast)
+            loaded += 1
+            for path in slot.paths:  # tied to a module the map puts on disk: its hook reads it from there too
+                if path not in index and placement.device_of([path], device_map) == "disk":
+                    offload_weight(cast.detach().cpu(), path, folder, index=index)
+        _replace(roots, fresh)
+        new.update(fresh)
+    _check_duplicates(plan, new)
+    if on_disk:
+        save_offload_index(index, folder)
+    _move_device_literals(gm, {s.tensor.device for s in slots.values()}, main)
+    moves = placement.dispatch(gm, device_map, folder if on_disk else None, index if on_disk else None)
+    _note(gm, f"weights loaded from {checkpoint.where} by a device map: {loaded} tensor(s) onto "
+              f"{sorted({str(d) for d in device_map.values() if d != 'disk'})}"
+              + (f", {len(disk)} left on disk (read when their module runs)" if disk else "")
+              + (f", {moves} activation move(s) at device boundaries" if moves else "") + ".")
+    return gm
