@@ -40,8 +40,16 @@ def dispatch(gm: fx.GraphModule, device_map: dict[str, Any], offload_dir: str | 
     disk named by ``index``), then the graph's own moves between execution devices."""
     from accelerate import dispatch_model
 
+    from accelerate.hooks import remove_hook_from_module
+
+    forward = type(gm).forward
     dispatch_model(gm, device_map, main_device=main_device(device_map), offload_dir=offload_dir,
                    offload_index=index, force_hooks=True)
+    # The hook on the root only moves the call's inputs and outputs; it replaces gm.forward with a
+    # partial, which torch.fx cannot trace again (prepare_fx): the graph is called as a graph.
+    if not any(t is not None and t.is_meta for t in list(gm._parameters.values()) + list(gm._buffers.values())):
+        remove_hook_from_module(gm)
+        type(gm).forward = forward  # accelerate puts back a bound method, which fx does not trace
     _pin_direct_reads(gm)
     return move_between_devices(gm, device_map)
 
