@@ -158,7 +158,7 @@ def default_blocks(gm: fx.GraphModule) -> list[str]:
         lonely = {n for n in chosen if counts[eligible[n]] < 2}
         if not lonely:
             if chosen:
-                return [n for n in scopes if n in chosen]
+                return [n for n in scopes if n in set(_outermost(_lift(n, scopes) for n in chosen))]
             break
         skip |= lonely
     numbered = [n for n in parents if n.rpartition(".")[2].isdigit()]
@@ -167,6 +167,18 @@ def default_blocks(gm: fx.GraphModule) -> list[str]:
         siblings[n.rpartition(".")[0]] = siblings.get(n.rpartition(".")[0], 0) + 1
     chosen = set(_outermost(n for n in numbered if siblings[n.rpartition(".")[0]] >= 2))
     return [n for n in scopes if n in chosen]
+
+
+def _lift(name: str, scopes: dict[str, Any]) -> str:
+    """A block inside a numbered list child that ran without a scope of its own (Idefics3's text layers,
+    iterated as ``self.layers[:n]``: Dynamo records their attention and MLP, not the layer) stands
+    for that child: the stage is the whole layer."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        if parts[i - 1].isdigit() and scopes.get(prefix, "missing") is None:
+            return prefix
+    return name
 
 
 def _blocks(gm: fx.GraphModule, targets: Target | Sequence[Target] | None) -> list[str]:
@@ -213,7 +225,28 @@ def _attr(gm: nn.Module, path: str) -> Any:
 
 
 def _segments(gm: fx.GraphModule, blocks: list[str]) -> list[tuple[str, list[str], list[fx.Node]]]:
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    """Contiguous pieces of the computing nodes; then each ``get_attr`` (a read Dynamo hoists to the
+    top of the graph) joins every stage that uses it (:func:`_place_reads`)."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    return _place_reads(gm, _cut(gm, nodes, blocks))
+
+
+def _place_reads(gm: fx.GraphModule, segments: list[tuple[str, list[str], list[fx.Node]]]
+                 ) -> list[tuple[str, list[str], list[fx.Node]]]:
+    stage_of = {n: k for k, (_, _, nodes) in enumerate(segments) for n in nodes}
+    reads: dict[int, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        users = sorted({stage_of[u] for u in node.users if u in stage_of}) or ([len(segments) - 1] if segments else [])
+        for k in users:
+            reads.setdefault(k, []).append(node)
+    if not segments and reads:
+        return [("all", [], reads[-1])]
+    return [(name, members, reads.get(k, []) + nodes) for k, (name, members, nodes) in enumerate(segments)]
+
+
+def _cut(gm: fx.GraphModule, nodes: list[fx.Node], blocks: list[str]) -> list[tuple[str, list[str], list[fx.Node]]]:
     block_set = set(blocks)
     labels = [_block_of(n, block_set) for n in nodes]
     spans: dict[str, list[int]] = {}
@@ -286,9 +319,9 @@ def partition(gm: fx.GraphModule, targets: Target | Sequence[Target] | None = No
     for k, (name, members, nodes) in enumerate(segments):
         inside = set(nodes)
         inputs = list(dict.fromkeys(u for n in nodes for u in n.all_input_nodes if u not in inside))
-        outputs = [n for n in nodes if last_use.get(n, -1) > k or n in final]
+        outputs = [n for n in nodes if (last_use.get(n, -1) > k and n.op != "get_attr") or n in final]
         outputs += [m for m in mutated.get(k, []) if m not in outputs and (last_use.get(m, -1) > k or m in final)]
-        frees = [n.name for n in inputs + outputs if last_use.get(n, -1) <= k and n not in final]
+        frees = [n.name for n in inputs + outputs if last_use.get(n, -1) <= k and n not in final and n.op != "get_attr"]
         stages.append(_stage(gm, name, members, nodes, inputs, outputs, frees))
     return Stages(stages, _binder(gm), [n.name for n in gm.graph.nodes if n.op == "placeholder"],
                   _result_module(gm, output, final), [n.name for n in final], gm.graph._codegen)

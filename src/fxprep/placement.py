@@ -39,7 +39,6 @@ def dispatch(gm: fx.GraphModule, device_map: dict[str, Any], offload_dir: str | 
     """accelerate's ``dispatch_model`` on ``gm`` (weights already where the map puts them, those on
     disk named by ``index``), then the graph's own moves between execution devices."""
     from accelerate import dispatch_model
-
     from accelerate.hooks import remove_hook_from_module
 
     forward = type(gm).forward
