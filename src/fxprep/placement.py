@@ -173,36 +173,35 @@ def move_between_devices(gm: fx.GraphModule, device_map: dict[str, Any]) -> int:
         return 0
     stages = partition(gm)
     by_name = {n.name: n for n in gm.graph.nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     produced_on: dict[str, str] = {}
     moves = 0
     for stage in stages:
-        modules = list(stage.weight_modules)
         place = main
-        for path in modules:
+        for path in stage.weight_modules:
             hits = [(len(k), d) for k, d in device_map.items() if k == "" or path == k or path.startswith(k + ".")]
             if hits:
                 place = _execution_device(max(hits, key=lambda h: h[0])[1], main)
                 break
-        first_node = next(n for n in gm.graph.nodes if n.name == next(
-            m.name for m in stage.graph.nodes if m.op not in ("placeholder", "output")))
+        computing = {n.name for n in stage.graph.nodes if n.op not in ("placeholder", "output", "get_attr")}
         for name in stage.inputs:
             if produced_on.get(name, main) == place:
                 continue
-            with gm.graph.inserting_before(first_node):
-                moved = gm.graph.call_function(send_to, (by_name[name], place))
-            users = [u for u in by_name[name].users if u is not moved and _stage_has(stage, u.name)]
+            value = by_name[name]
+            users = sorted((u for u in value.users if u.name in computing), key=order.__getitem__)
+            if not users:
+                continue
+            with gm.graph.inserting_before(users[0]):
+                moved = gm.graph.call_function(send_to, (value, place))
             for user in users:
-                user.replace_input_with(by_name[name], moved)
+                user.replace_input_with(value, moved)
             moves += 1
         for name in stage.outputs:
             produced_on[name] = place
     if moves:
+        gm.graph.lint()
         gm.recompile()
     return moves
-
-
-def _stage_has(stage: Any, name: str) -> bool:
-    return any(n.name == name and n.op not in ("placeholder", "output") for n in stage.graph.nodes)
 
 
 def torch_device(device: Any) -> torch.device:
