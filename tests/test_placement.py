@@ -112,3 +112,24 @@ def test_device_map_refusals(llama_dir: Path) -> None:
     with pytest.raises(InvalidInput, match="not a device"):
         fxprep.load_weights(gm, llama_dir, device_map={"": "gpu7"})
     assert _on_meta(gm)  # nothing was loaded
+
+
+def test_on_stage_updates_reach_weights_left_on_disk(llama_dir: Path, tmp_path: Path) -> None:
+    """Weights changed by ``on_stage`` on modules whose weights wait on disk (load_weights' hooks) are
+    what later calls of the graph use."""
+    gm = _meta_prepared()
+    fxprep.load_weights(gm, llama_dir, device_map={"": "disk"}, offload_dir=tmp_path)
+
+    def halve_down_proj(stage: Any, inputs: Any, outputs: Any) -> None:
+        for path, module in stage.weight_modules.items():
+            if path.endswith("down_proj"):
+                with torch.no_grad():
+                    module.weight.mul_(0.5)
+
+    fxprep.run_sequential(fxprep.partition(gm), [{"input_ids": IDS}], device="cpu", offload="disk",
+                          on_stage=halve_down_proj)
+    reference = tf.LlamaForCausalLM.from_pretrained(llama_dir).eval()
+    with torch.no_grad():
+        for layer in reference.model.layers:
+            layer.mlp.down_proj.weight.mul_(0.5)
+        assert torch.equal(gm(input_ids=IDS).logits, reference(input_ids=IDS, use_cache=False).logits)

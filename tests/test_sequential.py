@@ -122,3 +122,24 @@ def test_refusals(gm: Any) -> None:
     meta_gm = fxprep.prepare_model(empty, example_inputs={"input_ids": BATCHES[0]["input_ids"].to("meta")}, verify=False)
     with pytest.raises(InvalidInput, match="load them first"):
         fxprep.run_sequential(fxprep.partition(meta_gm), BATCHES, device="cpu", offload="cpu")
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vit"])
+def test_vision_models_run_sequentially(name: str) -> None:
+    """BatchNorm buffers (ResNet) and tensors the graph reads off the root (ViT's class token, never
+    offloaded) on the same hooks."""
+    import torchvision
+
+    torch.manual_seed(0)
+    if name == "resnet18":
+        model, shape = torchvision.models.resnet18(weights=None, num_classes=10).eval(), (1, 3, 64, 64)
+    else:
+        model = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=3, num_heads=2,
+                                                     hidden_dim=32, mlp_dim=64, num_classes=10).eval()
+        shape = (2, 3, 32, 32)
+    batches = [(torch.randn(shape, generator=torch.Generator().manual_seed(i)),) for i in range(2)]
+    gm = fxprep.prepare_model(model, example_inputs=batches[0])
+    run = fxprep.run_sequential(fxprep.partition(gm), batches, device="cpu", offload="disk", cache="disk")
+    with torch.no_grad():
+        assert all(torch.equal(gm(*b), out) for b, out in zip(batches, run.outputs, strict=True))
+    assert run.peak_weight_bytes <= max(run.stage_weight_bytes.values()) + run.pinned_bytes < run.total_weight_bytes
