@@ -40,6 +40,7 @@ class Call:
     others: str
     outputs: list[torch.Tensor]
     node: str | None = None
+    is_module: bool = False
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Located:
     node: str
     function: str
     detail: str
+    is_module: bool = False
 
     def __str__(self) -> str:
         return f"'{self.node}' ({self.function}: {self.detail})"
@@ -70,6 +72,7 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.calls: list[Call] = []
         self.node: str | None = None
+        self.is_module = False
         self.depth = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -83,7 +86,7 @@ class _Recorder(TorchFunctionMode):
             self.depth -= 1
         outputs = _tensors(out)
         if outputs:
-            self.calls.append(Call(func, _tensors(args), _others(args, kwargs), outputs, self.node))
+            self.calls.append(Call(func, _tensors(args), _others(args, kwargs), outputs, self.node, self.is_module))
         return out
 
 
@@ -94,6 +97,7 @@ class _NodeRunner(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         self.recorder.node = str(n.target) if n.op == "call_module" else n.name
+        self.recorder.is_module = n.op == "call_module"
         return super().run_node(n)
 
 
@@ -155,6 +159,6 @@ def locate(original: nn.Module, prepared: fx.GraphModule, example: ExampleInputs
                 detail = _worst(partner.outputs, call.outputs)
                 if partner.others != call.others:
                     detail += f"; called with ({call.others}) where eager called ({partner.others})"
-                return Located(call.node or "?", getattr(call.fn, "__name__", str(call.fn)), detail)
+                return Located(call.node or "?", getattr(call.fn, "__name__", str(call.fn)), detail, call.is_module)
             break
     return None

@@ -366,10 +366,11 @@ def verify(
             located = f" First diverging module: '{where}'." if where else ""
             if node is not None:
                 located = f" First diverging node: {node}." + located
-                where = node.node
+                where = node.node if node.is_module else where
             raise EquivalenceError(
                 f"Prepared module differs from the original: {problem} (max |diff| = {worst:.3g}).{located}",
                 max_abs_diff=worst, module=where, output_path=problem.split(":")[0],
+                node=None if node is None else node.node,
             )
     return result
 
