@@ -82,6 +82,32 @@ def llama(tiny: bool, device: str, dtype: torch.dtype, **kw: Any) -> tuple[torch
     return model, {"input_ids": ids.to(device)}
 
 
+def tiny_text(cls_name: str) -> Any:
+    """Tiny Qwen2 / Mistral / Gemma2 decoders (--tiny only: the table's other models)."""
+
+    def build(tiny: bool, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+        small = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2)
+        extra = {"MistralConfig": dict(sliding_window=64), "Gemma2Config": dict(head_dim=16, sliding_window=16)}
+        cfg = getattr(tf, cls_name.replace("ForCausalLM", "Config"))
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = getattr(tf, cls_name)(cfg(**small, **extra.get(cfg.__name__, {}))).to(dtype).eval()
+        ids = torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+        return model, {"input_ids": ids.to(device)}
+
+    return build
+
+
+def tiny_llava(tiny: bool, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+    from tests import vlm_models
+
+    model, inputs = vlm_models.llava_pixtral()
+    inputs.pop("attention_mask")
+    model = model.to(device=device, dtype=dtype)
+    return model, {k: (v.to(dtype) if v.is_floating_point() else v).to(device) for k, v in inputs.items()}
+
+
 def first_tensor(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0]
 
@@ -182,8 +208,11 @@ def main() -> None:
         sys.exit("no CUDA device: run with --tiny for the CPU version")
     started = time.perf_counter()
     dtypes = [torch.float32, torch.bfloat16] if args.tiny else [torch.bfloat16]
-    rows = [equivalence_row(name, build, args.tiny, device, dtype)
-            for name, build in (("Llama-2-7B shape", llama), ("Qwen2-VL-2B shape", qwen2_vl)) for dtype in dtypes]
+    models = [("Llama-2-7B shape", llama), ("Qwen2-VL-2B shape", qwen2_vl)]
+    if args.tiny:  # the issue's other models, tiny only (at real size they would not fit in 5 minutes)
+        models += [("Qwen2", tiny_text("Qwen2ForCausalLM")), ("Mistral", tiny_text("MistralForCausalLM")),
+                   ("Gemma2 (eager attention)", tiny_text("Gemma2ForCausalLM")), ("Llava (Pixtral)", tiny_llava)]
+    rows = [equivalence_row(name, build, args.tiny, device, dtype) for name, build in models for dtype in dtypes]
     print(f"torch {torch.__version__}, transformers {tf.__version__}, fxprep {fxprep.__version__}, device {device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if device.startswith('cuda') else ''}{', tiny configs' if args.tiny else ''}\n")
     print(table(["model", "dtype", "device", "max |diff| prepared vs eager", "verification", "attention calls equal",
