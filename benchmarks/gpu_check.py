@@ -135,7 +135,8 @@ def equivalence_row(name: str, build: Any, tiny: bool, device: str, dtype: torch
 
 
 def meta_rows(tiny: bool) -> list[list[str]]:
-    """The 7B shape on meta: fxprep static / dynamic (batch + seq) and non-strict export, one run."""
+    """The 7B shape on meta: fxprep static / dynamic (batch + seq) and non-strict export, one run
+    (the real shape with --tiny too unless --tiny-meta: on meta it needs no memory)."""
     cfg = llama_config(tiny)
     with torch.device("meta"):
         model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
@@ -202,6 +203,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (fp32 and bf16)")
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
+    parser.add_argument("--tiny-meta", action="store_true", help="with --tiny: the meta timings on the tiny shape too")
     args = parser.parse_args()
     device = args.device or ("cpu" if args.tiny else "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -218,7 +220,8 @@ def main() -> None:
     print(table(["model", "dtype", "device", "max |diff| prepared vs eager", "verification", "attention calls equal",
                  "prepare s"], rows))
     print()
-    print(table(["7B shape on meta, bf16, ids 2x64", "seconds"], meta_rows(args.tiny)))
+    print(table([f"{'tiny' if args.tiny_meta else '7B'} shape on meta, bf16, ids 2x64", "seconds"],
+                meta_rows(args.tiny and args.tiny_meta)))
     print()
     print(table(["forward, bf16", "eager ms", "prepared ms", "prepared / eager"], forward_rows(args.tiny, device)))
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
