@@ -56,8 +56,10 @@ class EquivalenceError(FxprepError):
     """The prepared module does not compute what the original does on the example inputs.
 
     ``max_abs_diff`` is the largest absolute difference found, ``module`` the qualified name of the
-    first leaf module whose output diverged (when it could be localised), ``output_path`` which
-    output differed.
+    first module whose inputs agree with eager's and whose output does not (an op module such as
+    ``...self_attn.scaled_dot_product_attention`` included), else of the first leaf module whose
+    output diverged (when it could be localised); ``node`` the graph node found that way (a function
+    call's node name when it is not a module), ``output_path`` which output differed.
     """
 
     def __init__(
@@ -67,11 +69,13 @@ class EquivalenceError(FxprepError):
         max_abs_diff: float | None = None,
         module: str | None = None,
         output_path: str | None = None,
+        node: str | None = None,
     ):
         super().__init__(message)
         self.max_abs_diff = max_abs_diff
         self.module = module
         self.output_path = output_path
+        self.node = node
 
 
 class SerializationError(FxprepError):

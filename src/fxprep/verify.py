@@ -6,14 +6,21 @@ not have its running statistics updated by verification: that would mutate the u
 Outputs are flattened through tuples, lists, dicts, dataclasses and ``ModelOutput`` and compared
 leaf by leaf; NaNs must sit at the same positions, and the max difference is taken over the rest.
 
-When they differ, the first diverging *leaf module* is found by recording each leaf's output in the
-original (forward hooks) and in the prepared graph (an Interpreter), in call order.
+When they differ, the first diverging node is named: the first call whose inputs agree with eager's
+and whose output does not, op modules and functions included (:mod:`fxprep.locate_node`), and the
+first diverging *leaf module* (each leaf's output recorded in the original by forward hooks and in
+the prepared graph by an Interpreter, in call order).
+
+In half precision both modules run with SDPA's math kernel and the tolerance follows the dtype,
+the output's scale and the graph's depth (:func:`default_tolerances`, :func:`pinned_kernels`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,6 +29,7 @@ from torch import nn
 
 from .errors import EquivalenceError, FxprepError, ModelError
 from .inputs import ExampleInputs
+from .locate_node import locate
 from .report import Verification
 from .runs import SEED, observed_state, preserved_state, run_model, state_differences
 
@@ -217,11 +225,62 @@ def _tensor_diff(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> 
     return diff, None if ok else f"max |diff| {diff:.3g} exceeds rtol={rtol:g}, atol={atol:g}"
 
 
-def default_tolerances(reference: Any) -> tuple[float, float]:
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def low_precision(reference: Any) -> torch.dtype | None:
+    """The half-precision dtype of the reference's outputs (the coarsest one), or None."""
     dtypes = {t.dtype for _, t in flatten_output(reference) if isinstance(t, torch.Tensor)}
-    if dtypes & {torch.float16, torch.bfloat16}:
-        return 1e-2, 1e-2
-    return 1e-4, 1e-5
+    found = [d for d in LOW_PRECISION if d in dtypes]
+    return max(found, key=lambda d: torch.finfo(d).eps) if found else None
+
+
+def default_tolerances(reference: Any, depth: int = 1) -> tuple[float, float]:
+    """(rtol, atol) for comparing outputs like ``reference`` from a graph ``depth`` layers deep.
+
+    float32 and wider: 1e-4 / 1e-5. Half precision: both runs are made with the same attention
+    kernel (:func:`pinned_kernels`), so a right graph computes what eager computes op for op and
+    differs by nothing or by a few roundings; the tolerance is the dtype's epsilon, times the
+    output's scale, growing with the square root of the depth (roundings that differ add up like
+    noise), and ``rtol`` 0 so that a wrong value in a large output is not excused by its size.
+    For a 32-layer bf16 Llama that is 1/4 of one bf16 step of the largest logit: a single extra
+    bf16 rounding in one layer (tests/broken_graphs.py) still exceeds it several times over."""
+    low = low_precision(reference)
+    if low is None:
+        return 1e-4, 1e-5
+    scale = max((float(t.detach().abs().max()) for _, t in flatten_output(reference)
+                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+                 and t.device.type != "meta" and bool(torch.isfinite(t).all())), default=1.0)
+    return 0.0, torch.finfo(low).eps * max(scale, 1e-3) * math.sqrt(max(depth, 1)) / 32
+
+
+def graph_depth(gm: fx.GraphModule) -> int:
+    """How many weighted layers a run of ``gm`` goes through: its calls of modules with parameters."""
+    depth = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            with contextlib.suppress(AttributeError):
+                if next(gm.get_submodule(node.target).parameters(recurse=False), None) is not None:
+                    depth += 1
+    return depth
+
+
+@contextlib.contextmanager
+def pinned_kernels(low: bool) -> Iterator[None]:
+    """In half precision, SDPA runs its math kernel in both modules under comparison.
+
+    Why: which fused kernel SDPA picks depends on its arguments (a mask or ``is_causal``) and the
+    device; two right computations that pick different kernels differ in bf16 by an amount that
+    grows with depth (0.28 on a 32-layer 7B Llama's logits on an H100), more than a real error like
+    one extra rounding. With the kernel fixed, the comparison is of the graph, not of the kernel
+    choice: the reference cannot be decided by it. The math kernel is exact for every argument."""
+    if not low:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        yield
 
 
 def verify(
@@ -259,9 +318,12 @@ def verify(
     prepared module (it was read only by the branch not taken, which ``torch.where`` computes too).
     """
     prepared_example = prepared_example or example
-    if reference is None or reference_state is None:
-        reference, reference_state = run_original(original, example, what)
-    with preserved_state(original, prepared):
+    pin = low_precision_model(original)  # a given reference was run with any kernel: run again, pinned
+    if reference is None or reference_state is None or pin:
+        with pinned_kernels(pin):
+            reference, reference_state = run_original(original, example, what)
+    low = pin or low_precision(reference) is not None
+    with preserved_state(original, prepared), pinned_kernels(low):
         try:
             got = run_model(prepared, prepared_example)
         except FxprepError:
@@ -273,7 +335,7 @@ def verify(
             ) from err
         prepared_state = observed_state(original)
     if rtol is None or atol is None:
-        d_rtol, d_atol = default_tolerances(reference)
+        d_rtol, d_atol = default_tolerances(reference, graph_depth(prepared))
         rtol = d_rtol if rtol is None else rtol
         atol = d_atol if atol is None else atol
     accepted: list[str] | None = [] if where_rewrite else None
@@ -298,13 +360,25 @@ def verify(
     if problem is not None:
         result.status, result.detail = "failed", problem
         if raise_on_mismatch:
-            where = first_divergence(original, prepared, example, prepared_example, rtol, atol)
+            with pinned_kernels(low):
+                node = locate(original, prepared, example, prepared_example, rtol, atol)
+                where = first_divergence(original, prepared, example, prepared_example, rtol, atol)
             located = f" First diverging module: '{where}'." if where else ""
+            if node is not None:
+                located = f" First diverging node: {node}." + located
+                where = node.node if node.is_module else where
             raise EquivalenceError(
                 f"Prepared module differs from the original: {problem} (max |diff| = {worst:.3g}).{located}",
                 max_abs_diff=worst, module=where, output_path=problem.split(":")[0],
+                node=None if node is None else node.node,
             )
     return result
+
+
+def low_precision_model(model: nn.Module) -> bool:
+    """Whether ``model`` holds half-precision floating parameters (its outputs are then compared
+    with the kernel fixed, :func:`pinned_kernels`)."""
+    return any(p.dtype in LOW_PRECISION for p in model.parameters())
 
 
 def _second_call(original: nn.Module, prepared: fx.GraphModule, example: ExampleInputs,

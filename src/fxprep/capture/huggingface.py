@@ -18,6 +18,7 @@ from torch import nn
 
 from ..inputs import ExampleInputs
 from .common import CaptureAttempt, CaptureResult
+from .hf_attention import VALUE_DEPENDENT, eager_attention_paths
 
 CAPTURE_ATTENTION = ("eager", "sdpa")
 
@@ -114,10 +115,12 @@ def _configs(model: nn.Module) -> list[Any]:
 
 
 @contextlib.contextmanager
-def capture_context(model: nn.Module, notes: list[str] | None = None) -> Iterator[None]:
+def capture_context(model: nn.Module, notes: list[str] | None = None,
+                    example: ExampleInputs | None = None) -> Iterator[None]:
     """During capture: attention implementations Dynamo cannot capture (flash, flex, paged) are
     switched to ``sdpa``, and transformers' output-capturing hooks are marked installed
-    (:func:`_hooks_flagged`); both are put back afterwards. Also for a model that wraps
+    (:func:`_hooks_flagged`); both are put back afterwards. transformers' mask and attention code
+    takes eager's branch where that is static for ``example``'s structure (:mod:`.hf_attention`). Also for a model that wraps
     transformers models (:func:`hf_submodels`); a no-op for other models."""
     submodels = hf_submodels(model)
     if not submodels:
@@ -137,7 +140,13 @@ def capture_context(model: nn.Module, notes: list[str] | None = None) -> Iterato
             notes.append(
                 f"attention implementation {changed[0][1]!r} cannot be captured; captured with 'sdpa' instead."
             )
-        yield
+        given = example is None or example.kwargs.get("position_ids") is not None or len(example.args) > 2
+        masked = example is not None and isinstance(example.kwargs.get("attention_mask"), torch.Tensor)
+        if masked and notes is not None and any(getattr(c, "_attn_implementation", None) == "sdpa"
+                                                for c in configs.values()):
+            notes.append(VALUE_DEPENDENT)
+        with eager_attention_paths(positions_given=given):
+            yield
     finally:
         for config, impl in changed:
             config._attn_implementation = impl

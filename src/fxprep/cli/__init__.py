@@ -167,7 +167,8 @@ def _print_report(report: Any) -> None:
 
 @app.command("prepare")
 def prepare_command(
-    spec: Annotated[str, typer.Argument(help="torchvision:NAME, timm:NAME, transformers:TYPE, demo:NAME or file.py:Factory")],
+    spec: Annotated[str, typer.Argument(help="A local transformers checkpoint directory (config.json + safetensors), "
+                                             "torchvision:NAME, timm:NAME, transformers:TYPE, demo:NAME or file.py:Factory")],
     input: InputOpt = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Save the prepared module to this directory.")] = None,
     onnx: Annotated[Path | None, typer.Option("--onnx", help="Also export to this ONNX file (checked in onnxruntime).")] = None,
@@ -186,6 +187,12 @@ def prepare_command(
         "--exclude", help="Keep this module (qualified name, e.g. backbone.layer4) as a leaf (repeatable).")] = None,
     exclude_class: Annotated[list[str] | None, typer.Option("--exclude-class", help=EXCLUDE_CLASS_HELP)] = None,
     progress: ProgressOpt = None,
+    meta: Annotated[bool, typer.Option("--meta", help="Checkpoint directory only: prepare on the meta device (no weights "
+                                                      "in memory), then load the weights and verify.")] = False,
+    device: Annotated[str | None, typer.Option("--device", help="Checkpoint directory only: where the weights go "
+                                                                "(cpu, cuda, cuda:1...; default cpu).")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="Checkpoint directory only: float32, bfloat16, float16 "
+                                                              "or auto (default: the checkpoint's own).")] = None,
     trust: Annotated[list[str] | None, typer.Option(
         "--trust", help="A package whose code the saved opaque parts may name (repeatable), e.g. torchvision "
                         "for its detectors; load with fxprep.load(DIR, trusted_modules=[...]).")] = None,
@@ -198,6 +205,7 @@ def prepare_command(
         import fxprep
 
         from .. import export, io
+        from . import checkpoint as ckpt
         from . import flags
         from .specs import resolve
 
@@ -205,7 +213,14 @@ def prepare_command(
             raise InvalidInput("--verify-grad compares gradients during verification; it cannot go with --no-verify.")
         if output is not None:
             flags.check_output_dir(output)
-        built = resolve(spec, flags.split_inputs(input or ()))
+        from_checkpoint = ckpt.is_checkpoint(spec)
+        if from_checkpoint:
+            built = ckpt.build(spec, flags.split_inputs(input or ()), meta=meta, device=device, dtype=dtype)
+        elif meta or device or dtype:
+            raise InvalidInput(f"--meta, --device and --dtype apply to a checkpoint directory (config.json + "
+                               f"safetensors); {spec!r} is not one.")
+        else:
+            built = resolve(spec, flags.split_inputs(input or ()))
         if built.example_inputs is None:
             if onnx is not None:
                 raise InvalidInput("--onnx needs example inputs (--input).")
@@ -218,10 +233,13 @@ def prepare_command(
             options["dynamic"] = flags.parse_dynamic(dynamic, built.model, built.example_inputs)
         if verify_input:
             options["verify_inputs"] = flags.verify_inputs(verify_input, built.model)
-        gm = fxprep.prepare_model(
-            built.model, flags.modules_to_exclude(built.model, exclude or []),
-            flags.classes_to_exclude(built.model, exclude_class or []), example_inputs=built.example_inputs, **options,
-        )
+        excluded = flags.modules_to_exclude(built.model, exclude or [])
+        classes = flags.classes_to_exclude(built.model, exclude_class or [])
+        if from_checkpoint:
+            gm = ckpt.prepare(built, spec, meta=meta, device=device, dtype=dtype, modules_to_exclude=excluded,
+                              classes=classes, options=options)
+        else:
+            gm = fxprep.prepare_model(built.model, excluded, classes, example_inputs=built.example_inputs, **options)
         report = gm.fxprep_report
         result: dict[str, Any] = {"ok": True, "spec": spec, "report": report.to_dict()}
         if not as_json:

@@ -127,7 +127,7 @@ def capture_dynamo(
         guard = AttributeGuard(model, caches)
         attempt_notes: list[str] = []
         try:
-            with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, attempt_notes), guard:
+            with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, attempt_notes, capture_call), guard:
                 call = requiring_grad(capture_call) if grad_inputs else capture_call
                 reused = None
                 if reuse and current == "flag" and spec is None and box:

@@ -1,0 +1,231 @@
+"""Issue 27 at real size on one GPU: one script, under 5 minutes on an H100.
+
+    python benchmarks/gpu_check.py            # CUDA: Llama-2-7B shape and Qwen2-VL-2B shape, bf16
+    python benchmarks/gpu_check.py --tiny     # the same checks on tiny configs, on the CPU (fp32 and bf16)
+
+Prints, with random weights built from configs (no hub):
+
+1. model x dtype x device -> max |diff| prepared vs eager (default kernels, measured by hand),
+   fxprep's verification status, and whether the attention calls (mask, is_causal, dropout,
+   scale, GQA; tests/attention_calls.py) of the prepared run equal eager's;
+2. the 7B shape on ``meta``: fxprep static, fxprep dynamic (batch + sequence), and non-strict
+   ``torch.export`` with the same dynamic dimensions, timed in the same run;
+3. forward ratios prepared / eager: the launch-bound 8-layer Llama (hidden 1024, bs 1, 64 tokens)
+   and long-sequence attention (4 layers of 7B width at 8192 tokens; 256 with --tiny).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/attention_calls.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from tests.attention_calls import differences, record  # noqa: E402
+
+import fxprep  # noqa: E402
+
+
+def llama_config(tiny: bool, layers: int | None = None, hidden: int | None = None) -> tf.LlamaConfig:
+    if tiny:
+        return tf.LlamaConfig(vocab_size=256, hidden_size=hidden or 64, intermediate_size=2 * (hidden or 64),
+                              num_hidden_layers=layers or 4, num_attention_heads=4, num_key_value_heads=4)
+    return tf.LlamaConfig(vocab_size=32000, hidden_size=hidden or 4096, intermediate_size=11008 if not hidden else 4 * hidden,
+                          num_hidden_layers=layers or 32, num_attention_heads=32 if not hidden else hidden // 128,
+                          num_key_value_heads=32 if not hidden else hidden // 128, max_position_embeddings=8192)
+
+
+def qwen2_vl(tiny: bool, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Qwen2-VL-2B's shape (vision 32 x 1280, text 28 x 1536) and one 224 px image; tiny: 2 x 32 / 2 x 64."""
+    img = 100
+    if tiny:
+        vision = tf.Qwen2VLVisionConfig(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14,
+                                        spatial_merge_size=2, temporal_patch_size=2)
+        text = tf.Qwen2VLTextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4})
+        grid = torch.tensor([[1, 4, 4]])
+    else:
+        vision = tf.Qwen2VLVisionConfig(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, patch_size=14,
+                                        spatial_merge_size=2, temporal_patch_size=2)
+        text = tf.Qwen2VLTextConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                    num_attention_heads=12, num_key_value_heads=2,
+                                    rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24],
+                                                     "rope_theta": 1e6})
+        grid = torch.tensor([[1, 16, 16]])  # 224 px / 14 = 16 patches a side
+    cfg = tf.Qwen2VLConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=img,
+                           video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
+    with torch.device(device):
+        model = tf.Qwen2VLForConditionalGeneration(cfg).to(dtype).eval()
+    tokens = int(grid.prod()) // 4
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[5, 6, 102] + [img] * tokens + [103] + torch.randint(3, 90, (8,), generator=g).tolist()])
+    pixels = torch.randn(int(grid.prod()), 3 * 2 * 14 * 14, generator=g).to(dtype)
+    inputs = {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": (ids == img).int()}
+    return model, {k: v.to(device) for k, v in inputs.items()}
+
+
+def llama(tiny: bool, device: str, dtype: torch.dtype, **kw: Any) -> tuple[torch.nn.Module, dict[str, Any]]:
+    torch.manual_seed(0)
+    cfg = llama_config(tiny, **kw)
+    with torch.device(device):
+        model = tf.LlamaForCausalLM(cfg).to(dtype).eval()
+    ids = torch.randint(3, cfg.vocab_size, (1, 128 if not tiny else 32), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids.to(device)}
+
+
+def tiny_text(cls_name: str) -> Any:
+    """Tiny Qwen2 / Mistral / Gemma2 decoders (--tiny only: the table's other models)."""
+
+    def build(tiny: bool, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+        small = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2)
+        extra = {"MistralConfig": dict(sliding_window=64), "Gemma2Config": dict(head_dim=16, sliding_window=16)}
+        cfg = getattr(tf, cls_name.replace("ForCausalLM", "Config"))
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = getattr(tf, cls_name)(cfg(**small, **extra.get(cfg.__name__, {}))).to(dtype).eval()
+        ids = torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+        return model, {"input_ids": ids.to(device)}
+
+    return build
+
+
+def tiny_llava(tiny: bool, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+    from tests import vlm_models
+
+    model, inputs = vlm_models.llava_pixtral()
+    inputs.pop("attention_mask")
+    model = model.to(device=device, dtype=dtype)
+    return model, {k: (v.to(dtype) if v.is_floating_point() else v).to(device) for k, v in inputs.items()}
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def equivalence_row(name: str, build: Any, tiny: bool, device: str, dtype: torch.dtype) -> list[str]:
+    model, inputs = build(tiny, device, dtype)
+    start = time.perf_counter()
+    try:
+        gm = fxprep.prepare_model(model, example_inputs=inputs)
+        status = fxprep.get_report(gm).verification.status
+    except fxprep.EquivalenceError as err:
+        gm = fxprep.prepare_model(model, example_inputs=inputs, verify=False)
+        status = f"FAILED ({str(err)[:80]})"
+    took = time.perf_counter() - start
+    with torch.no_grad():
+        eager = first_tensor(model(**inputs, use_cache=False)).float()
+        mine = first_tensor(gm(**inputs)).float()
+    diff = float((eager - mine).abs().max())
+    same = not differences(record(model, {**inputs, "use_cache": False}), record(gm, inputs))
+    del gm, model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return [name, str(dtype).removeprefix("torch."), device, f"{diff:.3g}", status, "yes" if same else "NO",
+            f"{took:.1f}"]
+
+
+def meta_rows(tiny: bool) -> list[list[str]]:
+    """The 7B shape on meta: fxprep static / dynamic (batch + seq) and non-strict export, one run
+    (the real shape with --tiny too unless --tiny-meta: on meta it needs no memory)."""
+    cfg = llama_config(tiny)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    rows = []
+    for label, dynamic in (("fxprep static", None), ("fxprep dynamic batch+seq", {"input_ids": {0: "batch", 1: "seq"}})):
+        start = time.perf_counter()
+        fxprep.prepare_model(model, example_inputs={"input_ids": ids}, verify=False, dynamic=dynamic)
+        rows.append([label, f"{time.perf_counter() - start:.2f}"])
+    batch, seq = torch.export.Dim("batch", max=64), torch.export.Dim("seq", max=4096)
+    start = time.perf_counter()
+    try:
+        torch.export.export(model, (), {"input_ids": ids, "use_cache": False}, strict=False,
+                            dynamic_shapes={"input_ids": {0: batch, 1: seq}, "use_cache": None})
+        rows.append(["torch.export non-strict, dynamic batch+seq", f"{time.perf_counter() - start:.2f}"])
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        rows.append(["torch.export non-strict, dynamic batch+seq", f"failed: {type(err).__name__}"])
+    return rows
+
+
+def _time(fn: Any, device: str, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def forward_rows(tiny: bool, device: str) -> list[list[str]]:
+    cases = [("launch-bound Llama 8 x 1024, bs 1, 64 tokens", dict(layers=8, hidden=1024 if not tiny else 64), 64),
+             (f"attention, 4 layers of 7B width, {256 if tiny else 8192} tokens", dict(layers=4), 256 if tiny else 8192)]
+    rows = []
+    for label, shape, seq in cases:
+        torch.manual_seed(0)
+        cfg = llama_config(tiny, **shape)
+        with torch.device(device):
+            model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        ids = torch.randint(3, cfg.vocab_size, (1, seq), device=device)
+        gm = fxprep.prepare_model(model, example_inputs={"input_ids": ids})
+        for _ in range(3):  # warm up both
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False)
+                gm(input_ids=ids)
+        repeat = 10 if tiny else 30
+        eager = _time(lambda m=model, i=ids: m(input_ids=i, use_cache=False), device, repeat)
+        mine = _time(lambda g=gm, i=ids: g(input_ids=i), device, repeat)
+        rows.append([label, f"{eager * 1e3:.2f}", f"{mine * 1e3:.2f}", f"{mine / eager:.3f}"])
+        del gm, model
+    return rows
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (fp32 and bf16)")
+    parser.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
+    parser.add_argument("--tiny-meta", action="store_true", help="with --tiny: the meta timings on the tiny shape too")
+    args = parser.parse_args()
+    device = args.device or ("cpu" if args.tiny else "cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --tiny for the CPU version")
+    started = time.perf_counter()
+    dtypes = [torch.float32, torch.bfloat16] if args.tiny else [torch.bfloat16]
+    models = [("Llama-2-7B shape", llama), ("Qwen2-VL-2B shape", qwen2_vl)]
+    if args.tiny:  # the issue's other models, tiny only (at real size they would not fit in 5 minutes)
+        models += [("Qwen2", tiny_text("Qwen2ForCausalLM")), ("Mistral", tiny_text("MistralForCausalLM")),
+                   ("Gemma2 (eager attention)", tiny_text("Gemma2ForCausalLM")), ("Llava (Pixtral)", tiny_llava)]
+    rows = [equivalence_row(name, build, args.tiny, device, dtype) for name, build in models for dtype in dtypes]
+    print(f"torch {torch.__version__}, transformers {tf.__version__}, fxprep {fxprep.__version__}, device {device}"
+          f"{' (' + torch.cuda.get_device_name() + ')' if device.startswith('cuda') else ''}{', tiny configs' if args.tiny else ''}\n")
+    print(table(["model", "dtype", "device", "max |diff| prepared vs eager", "verification", "attention calls equal",
+                 "prepare s"], rows))
+    print()
+    print(table([f"{'tiny' if args.tiny_meta else '7B'} shape on meta, bf16, ids 2x64", "seconds"],
+                meta_rows(args.tiny and args.tiny_meta)))
+    print()
+    print(table(["forward, bf16", "eager ms", "prepared ms", "prepared / eager"], forward_rows(args.tiny, device)))
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""``fxprep prepare path/to/checkpoint``: the user's own transformers checkpoint (issue 27, item 5).
+
+A local directory with ``config.json`` and safetensors weights (one file or shards, as
+``save_pretrained`` writes them). The model class is the config's first ``architectures`` entry
+(``LlamaForCausalLM``), else the causal-LM or base auto class. Two ways to prepare:
+
+* default: ``from_pretrained`` in ``--dtype`` onto ``--device``, then ``prepare_model`` verifies;
+* ``--meta``: the model built on ``meta`` from the config alone (no weights in memory), prepared
+  without verification, then :func:`fxprep.load_weights` reads the checkpoint shard by shard onto
+  ``--device`` and :func:`fxprep.verify_prepared` compares with the original, now real. This is how
+  a 7B-70B model is prepared on a machine that holds its weights once.
+
+Example inputs default to ``input_ids`` of 1x16 tokens below the vocabulary size (``--input``
+overrides). Everything else (``--dynamic``, ``-o``, ``--onnx``, ``--show``) is the command's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .specs import BuiltModel, SpecError, inputs_from_strings
+
+DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def is_checkpoint(spec: str) -> bool:
+    """Whether ``spec`` names a local transformers checkpoint directory."""
+    path = Path(spec)
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def parse_dtype(text: str | None) -> torch.dtype | None:
+    if text is None:
+        return None
+    if text.lower() not in DTYPES:
+        raise SpecError(f"--dtype must be one of {', '.join(DTYPES)}, not {text!r}.")
+    return DTYPES[text.lower()]
+
+
+def parse_device(text: str | None) -> torch.device:
+    try:
+        device = torch.device(text or "cpu")
+    except RuntimeError as err:
+        raise SpecError(f"--device {text!r} is not a device torch knows ({err}).") from err
+    if device.type == "meta":
+        raise SpecError("--device meta cannot hold the weights; use --meta to prepare without them.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecError(f"--device {text}: this machine has no CUDA device torch can use.")
+    return device
+
+
+def _model_class(config: Any) -> Any:
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            auto._model_mapping[type(config)]  # noqa: B018 - raises KeyError when the auto class has no model
+        except KeyError:
+            continue
+        return auto
+    raise SpecError(f"transformers has no model class for this checkpoint's config ({type(config).__name__}).")
+
+
+def _checkpoint_dtype(path: Path) -> torch.dtype:
+    raw = json.loads((path / "config.json").read_text())
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return DTYPES.get(str(name).removeprefix("torch."), torch.float32) or torch.float32
+
+
+def _inputs(texts: list[str], config: Any, device: torch.device) -> dict[str, torch.Tensor] | tuple[Any, ...]:
+    text_config = getattr(config, "text_config", None) or config
+    high = int(getattr(text_config, "vocab_size", 0) or 100)
+    if texts:
+        inputs = inputs_from_strings(texts, high=high)
+    else:
+        ids = torch.randint(0, high, (1, 16), generator=torch.Generator().manual_seed(0))
+        inputs = {"input_ids": ids}
+    if isinstance(inputs, dict):
+        return {k: v.to(device) for k, v in inputs.items()}
+    return tuple(v.to(device) for v in inputs)
+
+
+def _to(inputs: Any, device: torch.device | str) -> Any:
+    if isinstance(inputs, dict):
+        return {k: v.to(device) for k, v in inputs.items()}
+    return tuple(v.to(device) for v in inputs)
+
+
+def build(path: str, texts: list[str], *, meta: bool, device: str | None, dtype: str | None) -> BuiltModel:
+    """The checkpoint's model (on ``meta`` with ``meta``) and its example inputs on ``device``."""
+    import transformers
+
+    directory = Path(path)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    cls = _model_class(config)
+    target = parse_device(device)
+    chosen = parse_dtype(dtype) or _checkpoint_dtype(directory)
+    if meta:
+        with torch.device("meta"):
+            model = (cls.from_config(config, dtype=chosen) if hasattr(cls, "from_config") and cls.__name__.startswith("Auto")
+                     else cls._from_config(config, dtype=chosen))
+        note = f"built on meta from {directory / 'config.json'} ({chosen}); weights loaded after preparing"
+    else:
+        model = cls.from_pretrained(directory, dtype=chosen).to(target)
+        note = f"weights from {directory} ({chosen}, {target})"
+    model.eval()
+    return BuiltModel(f"{cls.__name__} from {directory}", model, _inputs(texts, config, target), note)
+
+
+def prepare(built: BuiltModel, path: str, *, meta: bool, device: str | None, dtype: str | None,
+            modules_to_exclude: list[str], classes: list[Any], options: dict[str, Any]) -> nn.Module:
+    """``prepare_model`` on the checkpoint's model; with ``meta``, then ``load_weights`` from ``path``
+    and ``verify_prepared`` (unless ``options['verify']`` is false) on the real inputs."""
+    import fxprep
+
+    if not meta:
+        return fxprep.prepare_model(built.model, modules_to_exclude, classes, example_inputs=built.example_inputs,
+                                    **options)
+    verify = options.pop("verify", True)
+    options.pop("verify_inputs", None)
+    gm = fxprep.prepare_model(built.model, modules_to_exclude, classes,
+                              example_inputs=_to(built.example_inputs, "meta"), verify=False, **options)
+    fxprep.load_weights(gm, path, device=parse_device(device))
+    if verify:
+        fxprep.verify_prepared(gm, built.example_inputs)
+    return gm

@@ -1,0 +1,153 @@
+"""Issue 27, item 1: the prepared graph calls attention the way eager does, kernel for kernel.
+
+transformers builds no mask and calls SDPA with ``is_causal=True`` in eager where it can; under a
+trace it used to materialise a 4D mask instead (another kernel on CUDA: bf16 results drift with
+depth, 8k-token attention 1.3x slower). Each test records the attention calls of an eager run and
+of the prepared run (``tests/attention_calls.py``, a TorchFunctionMode) and requires them equal:
+mask (None, or shape/dtype/values), is_causal, dropout_p, scale, enable_gqa, q/k/v shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+import fxprep
+from fxprep.capture.hf_attention import VALUE_DEPENDENT
+
+from . import vlm_models
+from .attention_calls import differences, record
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+
+
+def _build(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL))
+    elif name == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL))
+    elif name == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**SMALL, sliding_window=64))
+    elif name == "gemma2":  # transformers runs Gemma2 with its eager attention (no SDPA support)
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**SMALL, head_dim=16, sliding_window=8))
+    elif name == "bert":
+        cfg = tf.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, max_position_embeddings=64, attn_implementation="sdpa")
+        model = tf.BertModel(cfg, add_pooling_layer=False)
+    else:
+        raise ValueError(name)
+    return model.to(dtype).eval()
+
+
+def _ids(batch: int = 2, seq: int = 12) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _padded(ids: torch.Tensor) -> torch.Tensor:
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding in the first row
+    return mask
+
+
+def _check(model: torch.nn.Module, inputs: dict) -> fxprep.PreparedModule:
+    gm = fxprep.prepare_model(model, example_inputs=inputs)
+    eager, prepared = record(model, inputs), record(gm, inputs)
+    uses_sdpa = any(getattr(c, "_attn_implementation", None) == "sdpa" for c in _configs(model))
+    assert bool(eager) == uses_sdpa, "an SDPA model made no attention call: the test would prove nothing"
+    assert differences(eager, prepared) == []
+    return gm
+
+
+def _configs(model: torch.nn.Module) -> list:
+    config = model.config
+    return [config] + [getattr(config, k) for k in ("text_config",) if getattr(config, k, None) is not None]
+
+
+TEXT = ["llama", "qwen2", "mistral", "gemma2", "bert"]
+ZOO = pytest.mark.zoo  # the default suite keeps one case per kind; `make test-zoo` runs them all
+CASES = [pytest.param(n, d, id=f"{n}-{i}", marks=() if (n, i) in {
+    ("llama", "fp32"), ("llama", "bf16"), ("qwen2", "bf16"), ("mistral", "fp32"), ("gemma2", "bf16"), ("bert", "fp32"),
+    ("bert", "bf16")} else ZOO) for n in TEXT for d, i in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))]
+
+
+@pytest.mark.parametrize(("name", "dtype"), CASES)
+def test_no_attention_mask_same_calls(name: str, dtype: torch.dtype) -> None:
+    """The issue's case: ids only. Eager calls SDPA with no mask (is_causal=True for decoders); so
+    must the graph, and its output must match exactly (same kernels, same order)."""
+    model = _build(name, dtype)
+    gm = _check(model, {"input_ids": _ids()})
+    calls = record(gm, {"input_ids": _ids()})
+    assert all(c["mask"] is None for c in calls)
+    assert gm.fxprep_report.verification.max_abs_diff == 0.0
+
+
+@pytest.mark.parametrize("name", [n if n in ("llama", "bert") else pytest.param(n, marks=ZOO) for n in TEXT])
+def test_padded_batch_same_calls(name: str) -> None:
+    """A padded batch: eager materialises the mask (it reads the padding), the graph the same one."""
+    model = _build(name, torch.float32)
+    ids = _ids()
+    calls = record(_check(model, {"input_ids": ids, "attention_mask": _padded(ids)}), {"input_ids": ids,
+                                                                                      "attention_mask": _padded(ids)})
+    assert all(c["mask"] is not None for c in calls)
+    assert calls or name == "gemma2"
+
+
+def test_padded_batch_bf16() -> None:
+    ids = _ids()
+    _check(_build("llama", torch.bfloat16), {"input_ids": ids, "attention_mask": _padded(ids)})
+
+
+def test_all_ones_attention_mask_is_named() -> None:
+    """The place the graph cannot follow eager: an attention_mask with no padding. Eager reads its
+    values and drops it; a graph cannot read values, so it keeps the (all-true) mask. The calls then
+    differ only by the mask, outputs agree, and the report says why."""
+    model = _build("llama", torch.float32)
+    ids = _ids()
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    gm = fxprep.prepare_model(model, example_inputs=inputs)
+    eager, prepared = record(model, inputs), record(gm, inputs)
+    assert [c["mask"] for c in eager] == [None, None]
+    assert all(c["mask"] is not None and not c["is_causal"] for c in prepared)
+    assert any(VALUE_DEPENDENT in n for n in gm.fxprep_report.notes)
+    # with padding, the same graph makes eager's calls
+    padded = {"input_ids": ids, "attention_mask": _padded(ids)}
+    assert differences(record(model, padded), record(gm, padded)) == []
+
+
+def test_packed_positions_check() -> None:
+    """Without position_ids the graph takes eager's 'one sequence per row' answer for the positions the
+    model computes (arange); passing position_ids keeps them data, and packed ones are masked as in eager."""
+    model = _build("llama", torch.float32)
+    ids = _ids(1, 12)
+    pos = torch.cat([torch.arange(6), torch.arange(6)]).unsqueeze(0)  # two packed sequences
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": ids, "position_ids": torch.arange(12)[None]})
+    packed = {"input_ids": ids, "position_ids": pos}
+    eager, prepared = record(model, {**packed, "use_cache": False}), record(gm, packed)
+    assert eager[0]["mask"] is not None and differences(eager, prepared) == []
+    torch.testing.assert_close(gm(**packed).logits, model(**packed, use_cache=False).logits, rtol=0, atol=0)
+    plain = fxprep.prepare_model(model, example_inputs={"input_ids": ids})  # positions computed: arange
+    assert differences(record(model, {"input_ids": ids, "use_cache": False}), record(plain, {"input_ids": ids})) == []
+
+
+def _vlm(builder, dtype: torch.dtype, mask: str):
+    model, inputs = builder()
+    model = model.to(dtype)
+    inputs = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in inputs.items()}
+    if mask == "none":
+        inputs.pop("attention_mask")
+    return model, inputs
+
+
+@pytest.mark.parametrize(("builder", "dtype"), [
+    pytest.param(vlm_models.qwen2_vl, torch.float32, id="qwen2_vl-fp32", marks=ZOO),
+    pytest.param(vlm_models.qwen2_vl, torch.bfloat16, id="qwen2_vl-bf16", marks=ZOO),
+    pytest.param(vlm_models.llava_pixtral, torch.float32, id="llava-fp32", marks=ZOO),
+    pytest.param(vlm_models.llava_pixtral, torch.bfloat16, id="llava-bf16", marks=ZOO),
+])
+def test_vlm_same_calls(builder, dtype: torch.dtype) -> None:
+    """VLMs (zoo: 45-110 s each on the shared 2-core machine): vision tower and language model alike."""
+    model, inputs = _vlm(builder, dtype, "none")
+    _check(model, inputs)
