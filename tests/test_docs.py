@@ -42,7 +42,7 @@ def page_script(page: Path) -> str:
 
 def run_page(page: Path, workdir: Path) -> dict:
     """Run ``page``'s blocks as a module whose file is ``workdir/<page>.py``; its namespace."""
-    name = "docs_page_" + re.sub(r"\W", "_", str(page.relative_to(DOCS).with_suffix("")))
+    name = "docs_page_" + re.sub(r"\W", "_", str(page.relative_to(ROOT).with_suffix("")))
     script = workdir / f"{name}.py"
     script.write_text(page_script(page))
     module = types.ModuleType(name)
