@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import tomllib
 from typer.testing import CliRunner
 
@@ -52,3 +53,25 @@ def test_demo_skips_what_is_not_installed(monkeypatch):
     demos = {d["name"]: d for d in json.loads(result.stdout)["demos"]}
     assert demos["resnet18"]["ok"] is None and "torchvision" in demos["resnet18"]["skipped"]
     assert demos["ModelWithReusedReLU"]["ok"] is True
+
+
+@pytest.mark.smoke
+def test_block_reuse_on_a_torch_without_it_says_why(monkeypatch):
+    """Block reuse needs a Dynamo flag torch 2.8 lacks: there (or with the flag route made unavailable
+    here) the model is captured whole and the report names the flag and the torch version."""
+    import torch
+    import transformers
+
+    from fxprep.capture import dynamo
+
+    if dynamo.flag_available():  # the newest torch: take the route an older one takes
+        monkeypatch.setattr(dynamo, "default_route", lambda: "regroup")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(0, 64, (1, 6))}, progress=False)
+    report = gm.fxprep_report
+    assert report.verification.status == "passed" and report.tracer == "dynamo"
+    notes = [n for n in report.notes if n.startswith("block reuse: off: it needs")]
+    assert len(notes) == 1 and torch.__version__ in notes[0] and "install_free_tensors_for_export" in notes[0]
+    assert not report.reuse.get("captured")
