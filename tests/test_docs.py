@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 # what a fence may say: runnable python, a fragment that is not run, or something that is not python
-LANGUAGES = {"python", "py-norun", "text", "bash", "console", "json", "yaml", "toml", "html", "dot", ""}
+LANGUAGES = {"python", "py-norun", "text", "bash", "sh", "shell", "console", "json", "yaml", "toml", "ini", "html",
+             "css", "js", "xml", "csv", "diff", "dot", "mermaid", ""}
 
 
 def python_blocks(page: Path) -> list[tuple[int, str]]:
