@@ -56,40 +56,21 @@ def run_page(page: Path, workdir: Path) -> dict:
     return module.__dict__
 
 
-PAGES = sorted(p for p in DOCS.rglob("*.md") if python_blocks(p))
-
-
-def _aimet_page(scope: dict, workdir: Path) -> None:
-    # the QuantSim flows ran to the end: both quantized ONNX files written, the Llama's layers quantized
-    assert (workdir / "out" / "resnet18_int8.onnx").exists() and (workdir / "out" / "llama_int8.onnx").exists()
-    assert type(scope["sim"].model.get_submodule("model.layers.0.mlp.down_proj")).__name__.startswith("Quantized")
-
-
-def _torch_ao_page(scope: dict, workdir: Path) -> None:
-    import torch
-
-    quantized = {type(m).__module__ for m in scope["int8_model"].modules()}
-    assert any("quantized" in name for name in quantized), quantized
-    # PT2E: only the module configured by name got quantize/dequantize around it
-    ops = [n.target for n in scope["pt2e_model"].graph.nodes if n.op == "call_function"]
-    assert ops.count(torch.ops.quantized_decomposed.dequantize_per_tensor.default) >= 1
-
-
-CHECKS = {"handoff/aimet.md": _aimet_page, "handoff/torch-ao.md": _torch_ao_page}
+# the hand-off pages (QuantSim, torch.ao, ...) are the slow ones: they run in tests/test_docs_handoff.py,
+# another file, so that pytest-xdist's --dist loadfile puts them on another worker
+ALL_PAGES = sorted(p for p in DOCS.rglob("*.md") if python_blocks(p))
+PAGES = [p for p in ALL_PAGES if p.relative_to(DOCS).parts[0] != "handoff"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
 def test_page_runs(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    scope = run_page(page, tmp_path)
-    check = CHECKS.get(str(page.relative_to(DOCS)))
-    if check is not None:
-        check(scope, tmp_path)
+    run_page(page, tmp_path)
 
 
 def test_pages_with_code_are_found():
-    names = {str(p.relative_to(DOCS)) for p in PAGES}
-    assert set(CHECKS) <= names and "getting-started.md" in names
+    names = {str(p.relative_to(DOCS)) for p in ALL_PAGES}
+    assert {"getting-started.md", "handoff/aimet.md", "handoff/torch-ao.md", "handoff/onnx.md"} <= names
 
 
 def test_fences_name_a_known_language():
