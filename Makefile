@@ -5,12 +5,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-zoo lint bench survey clean
+.PHONY: demo test test-oldest test-zoo lint typecheck docs dist bench survey clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -18,7 +18,25 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests benchmarks
+	$(BIN)/python -m mypy
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# The smoke subset (tests marked `smoke`) on the oldest supported versions (ci/oldest-requirements.txt),
+# in a second environment. uv installs it from its cache (~/.cache/uv) in seconds once the wheels of
+# those versions (torch 2.8 with its CUDA libraries: ~3.5 GB) were fetched once.
+OLDEST := .venv-oldest
+TMPDIR_DIST ?= /tmp
+OLDEST_STAMP := $(OLDEST)/.installed
+$(OLDEST_STAMP): pyproject.toml ci/oldest-requirements.txt $(STAMP)
+	rm -rf $(OLDEST)
+	$(BIN)/uv venv -q --python $(BIN)/python $(OLDEST)
+	$(BIN)/uv pip install -q --python $(OLDEST)/bin/python -r ci/oldest-requirements.txt -e ".[test]"
+	touch $(OLDEST_STAMP)
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST)/bin/python -c "import torch, torchvision, transformers, timm; print('oldest:', 'torch', torch.__version__, 'torchvision', torchvision.__version__, 'transformers', transformers.__version__, 'timm', timm.__version__)"
+	OMP_NUM_THREADS=1 $(OLDEST)/bin/python -m pytest -q -n 2 --dist loadfile -m "smoke and not zoo"
 
 # Two workers for the zoo, then the models of 100M+ parameters one at a time (two of them at once
 # need more than 24 GB). For those, glibc gives every allocation over 64 KB its own mapping, returned
@@ -31,6 +49,26 @@ test-zoo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/python -m ruff check src tests benchmarks
 
+typecheck: $(STAMP)
+	$(BIN)/python -m mypy
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+# A release as a user gets it: wheel and sdist built and checked, the wheel installed into a clean
+# virtual environment (no system packages, nothing from this checkout) running `fxprep demo` from
+# another directory. Its dependencies are resolved from the wheel's metadata; torch, torchvision and
+# transformers (the demo's models) are held at the oldest tested versions so uv takes them from the
+# cache test-oldest filled instead of fetching another 3 GB torch.
+dist: $(STAMP)
+	rm -rf dist .venv-dist
+	$(BIN)/python -m build --outdir dist . > /dev/null
+	$(BIN)/python -m twine check --strict dist/*
+	$(BIN)/uv venv -q --python $(BIN)/python .venv-dist
+	$(BIN)/uv pip install -q --python .venv-dist/bin/python -c ci/oldest-requirements.txt dist/*.whl torchvision transformers
+	cd $(TMPDIR_DIST) && $(CURDIR)/.venv-dist/bin/python -c "import fxprep, torch; print('fxprep', fxprep.__version__, 'from', fxprep.__file__, '; torch', torch.__version__)"
+	cd $(TMPDIR_DIST) && $(CURDIR)/.venv-dist/bin/fxprep demo
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/prepare_bench.py
 
@@ -38,4 +76,4 @@ survey: $(STAMP)
 	$(BIN)/fxprep survey --zoo torchvision --jobs 1 -o docs/survey-torchvision.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(OLDEST) .venv-dist build dist site *.egg-info src/*.egg-info

@@ -115,7 +115,8 @@ def _vision_case(name: str, build, shape, tmp_path: Path) -> None:
     assert ours_db >= theirs_db - 1.0, (ours_db, theirs_db)
 
 
-@pytest.mark.parametrize("name", sorted(VISION))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.smoke) if n in ("resnet18", "convnext_atto") else n
+                                  for n in sorted(VISION)])
 def test_quantsim_on_vision_models(name, tmp_path):
     build, shape = VISION[name]
     _vision_case(name, build, shape, tmp_path)
@@ -144,7 +145,7 @@ def _llm(kind: str) -> nn.Module:
     return transformers.MixtralForCausalLM(config)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral"])
+@pytest.mark.parametrize("kind", [pytest.param("llama", marks=pytest.mark.smoke), "qwen2", "mixtral"])
 def test_quantsim_on_transformers_llms(kind, tmp_path):
     """The headline: fxprep prepares transformers LLMs for QuantSim; AIMET's preparer cannot."""
     torch.manual_seed(0)
@@ -204,6 +205,7 @@ class ManyOps(nn.Module):
         return img.flatten(1).sum(-1) + att.mean((1, 2)) + m.masked_fill(m < 0, 0.0).sqrt().sum((1, 2))
 
 
+@pytest.mark.smoke
 def test_quantsim_accepts_every_kind_of_fxprep_op(tmp_path):
     torch.manual_seed(0)
     model = ManyOps().eval()

@@ -17,6 +17,8 @@ from fxprep.verify import verify
 
 from .helpers import assert_clean, assert_unchanged, module_snapshot
 
+pytestmark = pytest.mark.smoke  # run on the oldest supported versions too (make test-oldest)
+
 
 class Small(nn.Module):
     def __init__(self):

@@ -39,6 +39,7 @@ def roundtrip(gm, tmp_path: Path, example, **load_kwargs):
 
 
 # --- round trips --------------------------------------------------------------------------------
+@pytest.mark.smoke
 @pytest.mark.parametrize("cls, n_inputs", [(ModelWithFunctionalReLU, 1), (ModelWithReusedReLU, 1), (ModelWithElementwiseAddOp, 2)])
 def test_seed_models_round_trip(tmp_path, cls, n_inputs):
     model = cls().eval()
@@ -50,6 +51,7 @@ def test_seed_models_round_trip(tmp_path, cls, n_inputs):
     assert [m.name for m in loaded.fxprep_report.added] == [m.name for m in gm.fxprep_report.added]
 
 
+@pytest.mark.smoke
 def test_resnet18_round_trip_and_files(tmp_path):
     import torchvision
 
@@ -240,6 +242,7 @@ def test_small_vision_transformer_round_trip(tmp_path):
     assert loaded.class_token.shape == (1, 1, 32)
 
 
+@pytest.mark.smoke
 def test_tiny_bert_round_trip(tmp_path):
     import transformers
 
@@ -264,6 +267,7 @@ def test_tiny_bert_round_trip(tmp_path):
         assert torch.equal(x, y)
 
 
+@pytest.mark.smoke
 def test_saved_module_loads_in_a_fresh_process(tmp_path):
     """No original source, no fxprep state: a new interpreter rebuilds it from the directory alone."""
     model = ModelWithReusedReLU().eval()

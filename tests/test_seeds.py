@@ -15,6 +15,8 @@ from fxprep import ops
 from .helpers import assert_clean, assert_unchanged, module_snapshot
 from .seed_models import fx_docs, plain_len
 
+pytestmark = pytest.mark.smoke  # run on the oldest supported versions too (make test-oldest)
+
 
 # --- seed 000: the compression SDK's traceability requirements ----------------------------------
 class NonTraceableModel(nn.Module):

@@ -404,16 +404,19 @@ def test_transformers_zoo(model_type: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # Default run: a representative handful (each family once, fast)
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
 def test_torchvision_subset(name: str) -> None:
     run_zoo_case(build_torchvision, name, TV_KNOWN_FAILURES)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("family", ["vision_transformer", "convnext"])
 def test_timm_subset(family: str) -> None:
     run_zoo_case(build_timm, family, TIMM_KNOWN_FAILURES)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("model_type", ["bert", "llama", "t5"])
 def test_transformers_subset(model_type: str) -> None:
     run_zoo_case(build_hf, model_type, HF_KNOWN_FAILURES)

@@ -451,9 +451,16 @@ def demo_command(
         for d in DEMOS:
             if only and not re.search(only, d.name):
                 continue
+            row: dict[str, Any] = {"name": d.name, "description": d.description}
+            missing = d.missing()
+            if missing is not None:
+                row.update(ok=None, skipped=f"needs {missing} (pip install {missing})")
+                rows.append(row)
+                if not as_json:
+                    out.say(f"{d.name}: skipped: it needs {missing}, which is not installed (pip install {missing})")
+                continue
             start = time.perf_counter()
             model, inputs = d.build()
-            row: dict[str, Any] = {"name": d.name, "description": d.description}
             try:
                 gm = fxprep.prepare_model(model, example_inputs=inputs, name=d.name, **dict(d.options))
             except FxprepError as err:
@@ -476,8 +483,10 @@ def demo_command(
         if as_json:
             print(json.dumps({"ok": code == EXIT_OK, "demos": rows}, default=str))
         else:
-            done = sum(r["ok"] for r in rows)
-            out.say(f"{done}/{len(rows)} demos prepared and verified.")
+            done = sum(bool(r["ok"]) for r in rows)
+            ran = sum(r["ok"] is not None for r in rows)
+            skipped = len(rows) - ran
+            out.say(f"{done}/{ran} demos prepared and verified" + (f" ({skipped} skipped)." if skipped else "."))
         return code
 
     _guarded(body, as_json)

@@ -113,13 +113,22 @@ class Demo:
     description: str
     build: Callable[[], tuple[nn.Module, Any]]
     options: tuple[tuple[str, Any], ...] = ()
+    # the package the model comes from, when it is not one of fxprep's dependencies: a fresh
+    # `pip install fxprep` has neither torchvision nor transformers, and the demo says so
+    needs: str | None = None
+
+    def missing(self) -> str | None:
+        """The package this demo needs and cannot import, if any."""
+        import importlib.util
+
+        return self.needs if self.needs and importlib.util.find_spec(self.needs) is None else None
 
 
 DEMOS: tuple[Demo, ...] = (
     Demo("ModelWithFunctionalReLU", "AIMET example 1: functional relus become nn.ReLU modules", _seed(ModelWithFunctionalReLU)),
     Demo("ModelWithReusedReLU", "AIMET example 2: one nn.ReLU called four times is unrolled", _seed(ModelWithReusedReLU)),
     Demo("ModelWithElementwiseAddOp", "AIMET example 3: x1 + x2 becomes an Add module", _seed(ModelWithElementwiseAddOp, 2)),
-    Demo("resnet18", "torchvision ResNet-18 (random weights, 64x64 input)", _resnet18),
+    Demo("resnet18", "torchvision ResNet-18 (random weights, 64x64 input)", _resnet18, needs="torchvision"),
     Demo("tiny_bert", "transformers BertModel from a 2-layer, width-32 config (tracer='auto')", _tiny_bert,
-         (("tracer", "auto"),)),
+         (("tracer", "auto"),), needs="transformers"),
 )

@@ -28,9 +28,13 @@ import torch
 from aimet_torch.nn import QuantizationMixin
 from aimet_torch.nn.modules import custom
 from aimet_torch.onnx_utils import map_torch_types_to_onnx
-from aimet_torch.quantization.tensor import QuantizedTensorBase
 from aimet_torch.translation_mapping import aimet_op_to_backend_op_name_map
 from torch import nn
+
+try:
+    from aimet_torch.quantization.tensor import QuantizedTensorBase
+except ImportError:  # aimet-torch before its v2 API moved up a level (2.20 has it under aimet_torch.v2)
+    from aimet_torch.v2.quantization.tensor import QuantizedTensorBase  # type: ignore[no-redef]
 
 from .. import ops
 from ..capture.leaves import OpaqueFunction, OpaqueMethod

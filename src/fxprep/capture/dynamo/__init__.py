@@ -73,6 +73,20 @@ _RETRY_ON_REGROUP = ("neither buffers/parameters/constants", "install_free_tenso
 _RETRY_WITHOUT_GRAD = ("requires grad",)
 
 
+def reuse_unavailable_note(model: nn.Module, policy: LeafPolicy) -> list[str]:
+    """Block reuse needs Dynamo's ``install_free_tensors_for_export`` flag (the flag route); an older
+    torch captures every block instead, and a model with repeated blocks is told why."""
+    import torch
+
+    from .blocks import find_groups
+
+    if not find_groups(model, policy):
+        return []
+    return [f"block reuse: off: it needs torch._dynamo.config.{FLAG}, which torch {torch.__version__} lacks "
+            f"(torch 2.10 and newer have it); every block was captured by the whole-model capture, which gives "
+            f"the same graph, only slower on deep models."]
+
+
 def capture_dynamo(
     model: nn.Module,
     policy: LeafPolicy,
@@ -135,6 +149,8 @@ def capture_dynamo(
                         f"block reuse: off for this capture: {len(box.sites)} part(s) are called without tracing "
                         f"into them (excluded or opaque modules), which block reuse does not handle yet; every "
                         f"block was captured by the whole-model capture.")
+                if reuse and current != "flag" and route == "auto" and spec is None and not fresh_kwargs:
+                    attempt_notes.extend(reuse_unavailable_note(model, policy))
                 if reuse and current == "flag" and spec is None and not box and not fresh_kwargs:
                     reused = capture_reusing(model, policy, call, capture_call, prepared_call, current, guard,
                                              attempt_notes, block_pass)
