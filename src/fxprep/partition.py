@@ -165,8 +165,8 @@ def default_blocks(gm: fx.GraphModule) -> list[str]:
     siblings: dict[str, int] = {}
     for n in numbered:
         siblings[n.rpartition(".")[0]] = siblings.get(n.rpartition(".")[0], 0) + 1
-    chosen = set(_outermost(n for n in numbered if siblings[n.rpartition(".")[0]] >= 2))
-    return [n for n in scopes if n in chosen]
+    outermost = set(_outermost(n for n in numbered if siblings[n.rpartition(".")[0]] >= 2))
+    return [n for n in scopes if n in outermost]
 
 
 def _lift(name: str, scopes: dict[str, Any]) -> str:

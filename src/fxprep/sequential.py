@@ -96,7 +96,7 @@ def run_sequential(stages: Stages, batches: Iterable[Any], *, device: Any, offlo
         raise InvalidInput("run_sequential needs at least one batch.")
     owners = _owners(stages)
     temp = tempfile.mkdtemp(prefix="fxprep-seq-") if (offload == "disk" and offload_dir is None) or cache == "disk" else None
-    store = _Cache(Path(temp) / "cache" if cache == "disk" else None)
+    store = _Cache(Path(temp) / "cache" if cache == "disk" and temp is not None else None)
     hooks = _Hooks(owners, target, offload, Path(offload_dir) if offload_dir is not None else
                    (Path(temp) / "weights" if temp else None))
     run = SequentialRun(outputs=[])
@@ -303,7 +303,7 @@ def _total_bytes(owners: dict[int, nn.Module], persistent_only: bool = True) -> 
     seen: set[int] = set()
     total = 0
     for module in owners.values():
-        skip = getattr(module, "_non_persistent_buffers_set", set()) if persistent_only else set()
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set()) if persistent_only else set()
         for name, t in _tensors(module):
             if name in skip or id(t) in seen:
                 continue

@@ -118,7 +118,7 @@ def build(path: str, texts: list[str], *, meta: bool, device: str | None, dtype:
 
 
 def prepare(built: BuiltModel, path: str, *, meta: bool, device: str | None, dtype: str | None,
-            modules_to_exclude: list[str], classes: list[Any], options: dict[str, Any]) -> nn.Module:
+            modules_to_exclude: list[Any] | None, classes: list[type] | None, options: dict[str, Any]) -> nn.Module:
     """``prepare_model`` on the checkpoint's model; with ``meta``, then ``load_weights`` from ``path``
     and ``verify_prepared`` (unless ``options['verify']`` is false) on the real inputs."""
     import fxprep
