@@ -109,6 +109,10 @@ def _check_node(node: Any, depth: int) -> None:
         shape = node.get("shape")
         if shape is not None and not (isinstance(shape, list) and all(d is None or type(d) is int for d in shape)):
             raise ValueError("malformed input spec")
+        why = node.get("why")
+        if why is not None and not (isinstance(why, dict) and all(
+                isinstance(k, str) and isinstance(v, str) and len(v) <= 1000 for k, v in why.items())):
+            raise ValueError("malformed input spec")
     elif kind == "seq":
         if not isinstance(node.get("items"), list) or node.get("type") not in ("list", "tuple"):
             raise ValueError("malformed input spec")
@@ -123,7 +127,7 @@ def _check_node(node: Any, depth: int) -> None:
         raise ValueError("malformed input spec")
 
 
-def _describe(value: Any, tracer: str, dynamic: set[int] | None) -> dict[str, Any]:
+def _describe(value: Any, tracer: str, dynamic: set[int] | None, why: dict[int, str] | None = None) -> dict[str, Any]:
     if value is None:
         return {"kind": "none"}
     if isinstance(value, torch.Tensor):
@@ -131,7 +135,10 @@ def _describe(value: Any, tracer: str, dynamic: set[int] | None) -> dict[str, An
         if tracer != "dynamo":
             return {"kind": "leaf", "example": example}
         shape = [None if d in (dynamic or set()) else int(s) for d, s in enumerate(value.shape)]
-        return {"kind": "tensor", "shape": shape, "example": example}
+        node = {"kind": "tensor", "shape": shape, "example": example}
+        if why:  # dimensions found specialised by the model's code, with the reason
+            node["why"] = {str(d): str(w) for d, w in why.items()}
+        return node
     if isinstance(value, (list, tuple)):
         return {"kind": "seq", "type": "list" if isinstance(value, list) else "tuple",
                 "items": [_describe(v, tracer, None) for v in value]}
@@ -143,12 +150,13 @@ def _describe(value: Any, tracer: str, dynamic: set[int] | None) -> dict[str, An
 
 
 def record(gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tracer: str,
-           dynamic_dims: dict[str, set[int]]) -> InputSpec | None:
+           dynamic_dims: dict[str, set[int]], why: dict[str, dict[int, str]] | None = None) -> InputSpec | None:
     """The spec of ``gm`` captured (by ``tracer``) for the call ``gm(*args, **kwargs)``.
 
     ``dynamic_dims``: {argument name: dimensions left dynamic} (``dynamic=...``). Arguments of the
     generated forward that the call leaves to their defaults are fixed values (``concrete_args``):
-    recorded as such. None when the forward's signature cannot be read or bound."""
+    recorded as such. ``why``: {argument name: {dim: reason}} for dimensions found specialised
+    (:mod:`fxprep.shape_general`), said when a call differs there. None when the forward's signature cannot be read or bound."""
     try:
         signature = inspect.signature(gm.forward)
         bound = signature.bind(*args, **kwargs)
@@ -159,7 +167,7 @@ def record(gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], t
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             return None  # cannot say which values the graph was captured for
         if name in bound.arguments:
-            params[name] = _describe(bound.arguments[name], tracer, dynamic_dims.get(name))
+            params[name] = _describe(bound.arguments[name], tracer, dynamic_dims.get(name), (why or {}).get(name))
         elif p.default is None:
             params[name] = {"kind": "none"}
         elif type(p.default) in SCALARS:
@@ -223,8 +231,11 @@ def _match(node: dict[str, Any], value: Any, path: str, problems: list[str]) -> 
         if shape is not None and (len(shape) != value.dim() or any(
                 s is not None and s != int(v) for s, v in zip(shape, value.shape))):
             shown = "x".join("*" if s is None else str(s) for s in shape) or "scalar"
-            problems.append(f"{path}: shape {shown} at capture (Dynamo specialised it), got "
-                            f"{'x'.join(str(int(v)) for v in value.shape) or 'scalar'}")
+            reasons = node.get("why") or {}
+            said = [f"dim {d}: {reasons[str(d)]}" for d, (s, v) in enumerate(zip(shape, value.shape))
+                    if s is not None and s != int(v) and str(d) in reasons]
+            problems.append(f"{path}: shape {shown} at capture ({'; '.join(said) if said else 'Dynamo specialised it'}), "
+                            f"got {'x'.join(str(int(v)) for v in value.shape) or 'scalar'}")
     elif kind == "seq":
         items = node["items"]
         if not isinstance(value, (list, tuple)):

@@ -54,10 +54,23 @@ class Proposal:
     dynamic: dict[str, dict[int, str]]
     capture_example: ExampleInputs
     dropped: dict[tuple[str, int], str] = field(default_factory=dict)
+    ranges: dict[str, tuple[int | None, int | None, str]] = field(default_factory=dict)  # symbol -> min, max, why
 
     def describe(self) -> str:
         parts = [f"{name} dim {d} ({sym})" for name, dims in self.dynamic.items() for d, sym in sorted(dims.items())]
         return ", ".join(parts)
+
+    def for_export(self) -> dict[str, dict[int, Any]]:
+        """``dynamic`` with each symbol one ``torch.export.Dim`` (its range where the model's code
+        bounds it, e.g. a sequence no longer than a learned position table)."""
+        from torch.export import Dim
+
+        made: dict[str, Any] = {}
+        for sym in {s for dims in self.dynamic.values() for s in dims.values()}:
+            low, high, _ = self.ranges.get(sym, (None, None, ""))
+            bounds = {k: v for k, v in (("min", low), ("max", high)) if v is not None}
+            made[sym] = Dim(sym, **bounds)
+        return {name: {d: made[sym] for d, sym in dims.items()} for name, dims in self.dynamic.items()}
 
 
 def is_transformers_model(model: nn.Module) -> bool:
@@ -133,36 +146,67 @@ def _grown(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict[int, s
     return ExampleInputs(args, kwargs)
 
 
-_SOURCE = re.compile(r"L\['(\w+)'\]\.size\(\)\[(\d+)\]")
+_MARKED = re.compile(r"You marked (\w+) as dynamic but your code specialized it to be a constant \((-?\d+)\)")
+_NOT_ALL = re.compile(r"Not all values of (\w+) = .*? satisfy the generated guard (.*)")
+_RANGE_FIX = re.compile(r"^\s*(\w+) = Dim\('\w+'((?:, (?:min|max)=-?\d+)*)\)\s*$", re.M)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
-def specialised(err: BaseException, proposal: Proposal) -> dict[tuple[str, int], str]:
-    """The declared dimensions Dynamo's constraint violation (``err``) says the model's code
-    specialises, with its reason for each: ``{(input name, dim): why}``. Empty when ``err`` is
-    something else."""
+_SIZE_SOURCE = re.compile(r"L(?:\['kwargs'\])?\['(\w+)'\]\.size\(\)\[(\d+)\]")
+
+
+def _readable(guard: str) -> str:
+    """Dynamo's guard text with its sources as the user writes them: ``input_ids.shape[1]``."""
+    return _SIZE_SOURCE.sub(lambda m: f"{m.group(1)}.shape[{m.group(2)}]", guard)
+
+
+def _where(section: str) -> str:
+    """The last frame of Dynamo's user stack in ``section``: where the model's code did it."""
+    frames = list(_FRAME.finditer(section))
+    if not frames:
+        return ""
+    last = frames[-1]
+    code = section[last.end():].strip().splitlines()
+    return f" at {last.group(1)}:{last.group(2)} in {last.group(3)}" + (f" ({code[0].strip()[:100]})" if code else "")
+
+
+def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, int], str],
+                                                              dict[str, tuple[int | None, int | None, str]]]:
+    """What Dynamo's constraint violation (``err``) says of the declared dimensions: those the
+    model's code specialises to a constant, ``{(input name, dim): why}`` (the size and the line of
+    code, from Dynamo's user stack; every input sharing the symbol included), and the symbols it
+    bounds, ``{symbol: (min, max, why)}`` (Dynamo's suggested ``Dim`` range, e.g. a sequence no
+    longer than a learned position table). Both empty when ``err`` is not such a violation."""
     text = str(err)
-    if "onstraint" not in text and "specializ" not in text and "specialis" not in text:
-        return {}
-    declared = {(n, d) for n, dims in proposal.dynamic.items() for d in dims}
+    symbols = {sym: [(n, d) for n, ds in proposal.dynamic.items() for d, s in ds.items() if s == sym]
+               for sym in {s for ds in proposal.dynamic.values() for s in ds.values()}}
     found: dict[tuple[str, int], str] = {}
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in lines:
-        for m in _SOURCE.finditer(line):
-            key = (m.group(1), int(m.group(2)))
-            if key in declared and key not in found:
-                found[key] = line[:300]
-    if not found:  # torch names the Dim, not the source: match the symbol names
-        for name, dims in proposal.dynamic.items():
-            for d, sym in dims.items():
-                hit = next((line for line in lines if re.search(rf"\b{re.escape(sym)}\b", line)), None)
-                if hit is not None:
-                    found[(name, d)] = hit[:300]
-    return found
+    marks = list(_MARKED.finditer(text))
+    for i, m in enumerate(marks):
+        sym, value = m.group(1), m.group(2)
+        if sym not in symbols:
+            continue
+        section = text[m.end():marks[i + 1].start() if i + 1 < len(marks) else len(text)].split("Suggested fixes")[0]
+        why = f"the model's code specialises '{sym}' to {value}{_where(section)}"
+        for key in symbols[sym]:
+            found[key] = why
+    guards = {m.group(1): m.group(2).strip() for m in _NOT_ALL.finditer(text)}
+    ranges: dict[str, tuple[int | None, int | None, str]] = {}
+    fixes = text.split("Suggested fixes", 1)[1] if "Suggested fixes" in text else ""
+    for m in _RANGE_FIX.finditer(fixes):
+        sym = m.group(1)
+        if sym not in symbols:
+            continue
+        bounds = dict(re.findall(r"(min|max)=(-?\d+)", m.group(2)))
+        ranges[sym] = (int(bounds["min"]) if "min" in bounds else None, int(bounds["max"]) if "max" in bounds else None,
+                       f"the model's code requires {_readable(guards.get(sym, 'a range'))[:200]}")
+    return found, ranges
 
 
-def without(proposal: Proposal, dims: dict[tuple[str, int], str], model: nn.Module, call: ExampleInputs) -> Proposal | None:
-    """``proposal`` less the dimensions ``dims`` (found specialised), every input sharing their symbol
-    included (one size); None when no batch or sequence dimension is left."""
+def revised(proposal: Proposal, dims: dict[tuple[str, int], str], ranges: dict[str, tuple[int | None, int | None, str]],
+            model: nn.Module, call: ExampleInputs) -> Proposal | None:
+    """``proposal`` less the dimensions ``dims`` (found specialised; every input sharing their symbol
+    too: one size) and with the symbols in ``ranges`` bounded; None when no dimension is left."""
     symbols = {proposal.dynamic[n][d] for n, d in dims if d in proposal.dynamic.get(n, {})}
     dynamic = {n: {d: s for d, s in ds.items() if s not in symbols} for n, ds in proposal.dynamic.items()}
     dynamic = {n: ds for n, ds in dynamic.items() if ds}
@@ -179,4 +223,5 @@ def without(proposal: Proposal, dims: dict[tuple[str, int], str], model: nn.Modu
             for od, sym in ds.items():
                 if sym == proposal.dynamic.get(n, {}).get(d):
                     dropped.setdefault((other, od), why)
-    return Proposal(dynamic, _grown(model, call, dynamic, sizes), dropped)
+    bounded = {**proposal.ranges, **{k: v for k, v in ranges.items() if k not in symbols}}
+    return Proposal(dynamic, _grown(model, call, dynamic, sizes), dropped, bounded)

@@ -100,7 +100,8 @@ def dynamic_dims(model: nn.Module, call: ExampleInputs, dynamic: Any) -> dict[st
         if dynamic == "batch" and value.dim() >= 1:
             out[name] = {0: "batch"}
         elif isinstance(dynamic, dict) and dynamic.get(name):
-            out[name] = {int(d): str(n) for d, n in dynamic[name].items()}
+            out[name] = {int(d): n if isinstance(n, str) else str(getattr(n, "__name__", n))
+                         for d, n in dynamic[name].items()}
     return out
 
 
