@@ -313,6 +313,9 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         report.timings["verify"] = time.perf_counter() - t3
     elif example is None:
         report.verification = Verification("skipped", detail="no example_inputs given")
+    elif proposal is not None:
+        report.verification = Verification("skipped", detail="verify=False")
+        shape_general.notes(report, proposal, None)
     else:
         report.verification = Verification("skipped", detail="verify=False")
     if rewrite is not None:

@@ -84,13 +84,15 @@ def verify_second_size(example: ExampleInputs, dynamic: dict[str, dict[int, str]
     return check(second, label), second.describe()
 
 
-def notes(report: Report, proposal: autodims.Proposal, second: str) -> None:
-    """What the report says of a shape-general capture."""
+def notes(report: Report, proposal: autodims.Proposal, second: str | None) -> None:
+    """What the report says of a shape-general capture (``second``: the size it was verified on, None
+    when verification was off)."""
+    checked = (f"the prepared module matched the original on the example and on {second}" if second is not None else
+               "verification was off (verify=False), so this rests on Dynamo's capture alone")
     report.note(
         f"Shape-general: the dimensions {proposal.describe()} were found from the model's input names (transformers "
-        f"layout) and declared dynamic to Dynamo; the prepared module matched the original on the example and on "
-        f"{second}, so calls at any size of them are accepted (no batch probe needed). Pass dynamic=False for a "
-        f"static-shape capture.")
+        f"layout) and declared dynamic to Dynamo; {checked}, so calls at any size of them are accepted (no batch "
+        f"probe needed). Pass dynamic=False for a static-shape capture.")
     for (name, dim), why in sorted(proposal.dropped.items()):
         report.note(f"Shape-general: {name} dim {dim} stays at the example's size: {why}.")
     for sym, (low, high, why) in sorted(proposal.ranges.items()):
