@@ -188,8 +188,15 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
             def run(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
                 return capture(model, ["dynamo"], policy, concrete, call, shape_general.with_dynamic(opts, dims))
 
-            result, attempts, proposal = shape_general.capture(model, example, proposal, run)
-            dynamic = proposal.dynamic
+            try:
+                result, attempts, proposal = shape_general.capture(model, example, proposal, run)
+                dynamic = proposal.dynamic
+            except shape_general.NotShapeGeneral as err:  # static shapes, as before (the reference run is kept)
+                report.note(f"Shape-general capture (batch and sequence dynamic) was tried and not kept: {err}. "
+                            f"Captured with static shapes instead.")
+                proposal = None
+                opts = shape_general.with_dynamic(opts, False)
+                result, attempts = capture(model, tracers, policy, concrete, example, opts)
         else:
             result, attempts = capture(model, tracers, policy, concrete, example, opts)
         sites: list[Any] = []

@@ -6,7 +6,8 @@ capture on. This module runs that capture for ``prepare_model`` (:func:`capture`
 block reuse kept; a dimension the model's code specialises is taken out, with why, and the capture
 retried), and checks the result on a second size (:func:`verify_second_size`: batch and sequence
 3 larger than the example's). Any failure is a :class:`NotShapeGeneral`: ``prepare_model`` then
-prepares with static shapes as before and says why in the report. The batch probe
+captures with static shapes as before (after a failed capture at once, after a failed verification
+by preparing again) and says why in the report. The batch probe
 (:mod:`fxprep.batch`, one more whole-model Dynamo trace plus two verification runs) has nothing
 left to find where the batch dimension is declared and verified, so it does not run then.
 """
@@ -108,6 +109,6 @@ def specialised_reasons(proposal: autodims.Proposal | None) -> dict[str, dict[in
     return out
 
 
-def with_dynamic(opts: Any, dynamic: dict[str, dict[int, str]]) -> Any:
+def with_dynamic(opts: Any, dynamic: Any) -> Any:
     """``opts`` (:class:`fxprep.options.PrepareOptions`) declaring ``dynamic`` for one capture."""
     return dataclasses.replace(opts, dynamic=dynamic)
