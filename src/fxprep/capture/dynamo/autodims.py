@@ -157,7 +157,9 @@ _SIZE_SOURCE = re.compile(r"L(?:\['kwargs'\])?\['(\w+)'\]\.size\(\)\[(\d+)\]")
 
 def _readable(guard: str) -> str:
     """Dynamo's guard text with its sources as the user writes them: ``input_ids.shape[1]``."""
-    return _SIZE_SOURCE.sub(lambda m: f"{m.group(1)}.shape[{m.group(2)}]", guard)
+    text = _SIZE_SOURCE.sub(lambda m: f"{m.group(1)}.shape[{m.group(2)}]", guard)
+    # export's own lower bound for a size it traced symbolically, not something the model asks for
+    return re.sub(r"^2 <= (\S+) and ", "", text)
 
 
 def _where(section: str) -> str:
