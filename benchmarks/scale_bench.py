@@ -11,13 +11,18 @@ fresh one-thread process, and the runs interleaved (run 1 of every model and met
 
 * ``fxprep``: ``prepare_model(model, example_inputs=..., tracer="dynamo", verify=False)``, block reuse
   on (the default): capture, re-lifting, functional → module, unrolling, state-dict parity, report;
-* ``fxprep_noreuse``: the same with ``reuse_blocks=False`` (every layer traced by Dynamo); its run
+  shape-general by default, so batch and sequence are dynamic (``fxprep.shape_general``);
+* ``fxprep_static``: the same with ``dynamic=False`` (static shapes, block reuse on);
+* ``fxprep_noreuse``: static shapes with ``reuse_blocks=False`` (every layer traced by Dynamo); its run
   also clocks the time spent inside ``torch._dynamo.export``'s call, so fxprep's own work over bare
   Dynamo is also shown as a ratio inside each run (immune to the run-to-run spread of Dynamo);
 * ``dynamo_export``: fxprep's own ``torch._dynamo.export`` call alone
   (``fxprep.capture.dynamo.export.dynamo_export``, same settings): the floor of any capture that
   starts with a whole-model Dynamo trace;
-* ``export_nonstrict``: ``torch.export.export(model, (), kwargs, strict=False)``.
+* ``export_nonstrict``: ``torch.export.export(model, (), kwargs, strict=False)``;
+* ``export_nonstrict_dynamic``: the same with ``input_ids`` dimensions 0 and 1 ``Dim``s (batch, seq), on
+  a 2x16 input (export specialises a size of 1), which is the input fxprep captures its dynamic
+  graph on. The dynamic rows are compared with this one ("x non-strict" of the same kind).
 
 Time is wall-clock around the one call; "RSS growth" is the peak resident set during the call
 minus the resident set just before it (``VmHWM`` after a reset through ``/proc/self/clear_refs``).
@@ -46,7 +51,8 @@ from typing import Any
 
 from dynamo_bench import PeakRss  # the same peak-RSS measurement as the Dynamo benchmark
 
-METHODS = ("fxprep", "fxprep_noreuse", "dynamo_export", "export_nonstrict")
+METHODS = ("fxprep", "fxprep_static", "fxprep_noreuse", "dynamo_export", "export_nonstrict", "export_nonstrict_dynamic")
+DYNAMIC_METHODS = ("fxprep", "export_nonstrict_dynamic")  # batch and sequence dynamic
 MODELS = ("llama7b", "llama70b", "mixtral", "qwen2moe")
 FORWARD_MODELS = ("resnet50", "mobilenet_v3_small", "llama4")
 
@@ -89,12 +95,13 @@ def build(name: str) -> tuple[Any, dict[str, Any]]:
 def capture(method: str, model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    if method in ("fxprep", "fxprep_noreuse"):
+    if method in ("fxprep", "fxprep_static", "fxprep_noreuse"):
         import fxprep
 
         with dynamo_clock() as inside:
             gm = fxprep.prepare_model(model, example_inputs=kwargs, verify=False, tracer="dynamo",
-                                      reuse_blocks=method == "fxprep")
+                                      reuse_blocks=method != "fxprep_noreuse",
+                                      **({} if method == "fxprep" else {"dynamic": False}))
         report = fxprep.get_report(gm)
         stamped = sum(len(v) for v in report.reuse.get("captured", {}).values())
         return {"modules": sum(1 for n in gm.graph.nodes if n.op == "call_module"), "stamped": stamped,
@@ -107,7 +114,13 @@ def capture(method: str, model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
         result = dynamo_export(model, ExampleInputs((), kwargs), default_route(), None)
         return {"nodes": len(result.graph_module.graph.nodes)}
-    ep = torch.export.export(model, (), kwargs, strict=False)
+    shapes = None
+    if method == "export_nonstrict_dynamic":
+        from torch.export import Dim
+
+        kwargs = {**kwargs, "input_ids": torch.cat([kwargs["input_ids"]] * 2)}
+        shapes = {"input_ids": {0: Dim("batch"), 1: Dim("seq")}, "use_cache": None}
+    ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
     return {"nodes": len(ep.graph.nodes)}
 
 
@@ -304,12 +317,13 @@ def _capture_table(models: list[str], methods: list[str], runs: int, timeout: fl
         if rs:
             med[key] = {"seconds": statistics.median(r["seconds"] for r in rs),
                         "rss": statistics.median(r["rss_growth_mb"] for r in rs), "first": rs[0], "n": len(rs)}
-    print("| model | params | method | time (s) | x non-strict | x bare Dynamo | peak RSS growth (MB) |")
+    print("| model | params | method | time (s) | x non-strict (same shapes kind) | x bare Dynamo | peak RSS growth (MB) |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for model_name in models:
-        base = med.get((model_name, "export_nonstrict"), {}).get("seconds")
         floor = med.get((model_name, "dynamo_export"), {}).get("seconds")
         for method in methods:
+            base = med.get((model_name, "export_nonstrict_dynamic" if method in DYNAMIC_METHODS else "export_nonstrict"),
+                           {}).get("seconds")
             row = med.get((model_name, method))
             if row is None:
                 print(f"| {model_name} | | {method} | failed | | | |")

@@ -17,10 +17,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import batch, decisions, guard, heap, progress
+from . import batch, decisions, guard, heap, progress, shape_general
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
-from .capture import cascade, huggingface
+from .capture import cascade, dynamo_available, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
+from .capture.dynamo import autodims
 from .capture.fx import mode_notes, trace_failure
 from .capture.rewrite import branches
 from .errors import EquivalenceError, InputMismatch, InvalidInput
@@ -133,11 +134,15 @@ def prepare_model(
     title = str(options.get("name") or type(model).__name__)
     with heap.frozen_heap(), progress.reporting(options.get("progress"), title), \
             hooks_left_as_found(model), huggingface.output_capturing_hooks(model):
-        return _prepare(model, modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs, options)
+        try:
+            return _prepare(model, modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs, options)
+        except shape_general.NotShapeGeneral as err:  # found dimensions did not hold: static shapes, as before
+            return _prepare(model, modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs,
+                            {**options, "dynamic": False}, not_general=str(err))
 
 
 def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclude: Any, concrete_args: Any,
-             example_inputs: Any, options: dict[str, Any]) -> fx.GraphModule:
+             example_inputs: Any, options: dict[str, Any], not_general: str | None = None) -> fx.GraphModule:
     t0 = time.perf_counter()
     model = check_model(model)
     opts = PrepareOptions.from_kwargs(options)
@@ -166,12 +171,32 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
 
     if opts.dynamic and example is not None:
         _check_dynamic_inputs(model, example, concrete, opts.dynamic)
+    dynamic = opts.dynamic
+    proposal = None  # shape-general by default: a transformers model's batch and sequence dims (fxprep.shape_general)
+    if dynamic is None and example is not None and opts.tracer != "fx" and opts.control_flow is None and dynamo_available():
+        proposal = autodims.propose(model, example)
+    if not_general:
+        report.note(f"Shape-general capture (batch and sequence dynamic) was tried and not kept: {not_general}. "
+                    f"Captured with static shapes instead.")
     t1 = time.perf_counter()
     tracers = _tracers(opts, example, report, model)
     with GLOBAL_LOCK:  # capture patches process-wide state: one thread at a time (fxprep.threads)
         rewrite = _control_flow(model, opts, example, concrete, None if absent else reference)
         if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
             result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
+        elif proposal is not None:
+            def run(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+                return capture(model, ["dynamo"], policy, concrete, call, shape_general.with_dynamic(opts, dims))
+
+            try:
+                result, attempts, proposal = shape_general.capture(model, example, proposal, run)
+                dynamic = proposal.dynamic
+            except shape_general.NotShapeGeneral as err:  # static shapes, as before (the reference run is kept)
+                report.note(f"Shape-general capture (batch and sequence dynamic) was tried and not kept: {err}. "
+                            f"Captured with static shapes instead.")
+                proposal = None
+                opts = shape_general.with_dynamic(opts, False)
+                result, attempts = capture(model, tracers, policy, concrete, example, opts)
         else:
             result, attempts = capture(model, tracers, policy, concrete, example, opts)
         sites: list[Any] = []
@@ -213,7 +238,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         report.note(note)
     for note in mode_notes(gm, model):
         report.note(note)
-    if result.tracer.startswith("dynamo") and not opts.dynamic and example is not None:
+    if result.tracer.startswith("dynamo") and not dynamic and example is not None:
         report.note(
             f"Dynamo captured with static shapes: the graph is valid for inputs shaped like the example "
             f"({example.describe()}). Pass dynamic=... (or tracer='fx') to run it on other sizes."
@@ -238,7 +263,8 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     _restore_output_type(gm, reference)
     decisions.keep_locations(gm)
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
-    _guard_inputs(gm, model, result.tracer, prepared_call, concrete, opts.dynamic, report)
+    _guard_inputs(gm, model, result.tracer, prepared_call, concrete, dynamic, report,
+                  shape_general.specialised_reasons(proposal))
     decided = decisions.summary(gm)
     if decided:
         report.note(
@@ -252,19 +278,27 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         t3 = time.perf_counter()
         progress.stage("verification")
         assert original_call is not None
-        report.verification = verify(
-            model, gm, original_call, reference=reference, reference_state=reference_state,
-            prepared_example=prepared_call, rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
-            where_rewrite=where_rewrite, absent=absent,
-        )
+        try:
+            report.verification = verify(
+                model, gm, original_call, reference=reference, reference_state=reference_state,
+                prepared_example=prepared_call, rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
+                where_rewrite=where_rewrite, absent=absent,
+            )
+        except (EquivalenceError, InputMismatch) as err:
+            if proposal is None:
+                raise
+            raise shape_general.NotShapeGeneral(f"the graph captured at {proposal.capture_example.describe()} "
+                                                f"did not match on the example: {str(err).splitlines()[0][:200]}") from err
         _note_state(report, report.verification)
         spec = gm.__dict__.get(INPUT_SPEC)
-        if spec is not None and result.tracer.split("+")[0] == "dynamo" and not opts.dynamic:
+        if spec is not None and result.tracer.split("+")[0] == "dynamo" and not dynamic:
             progress.step("other batch sizes")
             batch.probe(model, gm, spec, example, lambda e: (split_calls(model, e, huggingface.without_added(concrete, absent))[0],
                                                              split_calls(model, e, concrete)[1]),
                         report, opts.rtol, opts.atol, absent, captured=lambda e: split_calls(model, e, concrete)[0])
-        if opts.dynamic:
+        if proposal is not None:
+            _verify_general(model, gm, example, concrete, opts, report, absent, proposal)
+        elif dynamic:
             _verify_second_size(model, gm, example, concrete, opts, report, absent)
         constructed = rewrite.coverage() if rewrite is not None else []
         for i, (label, extra) in enumerate([(None, e) for e in opts.verify_inputs] + constructed):
@@ -286,6 +320,9 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         report.timings["verify"] = time.perf_counter() - t3
     elif example is None:
         report.verification = Verification("skipped", detail="no example_inputs given")
+    elif proposal is not None:
+        report.verification = Verification("skipped", detail="verify=False")
+        shape_general.notes(report, proposal, None)
     else:
         report.verification = Verification("skipped", detail="verify=False")
     if rewrite is not None:
@@ -345,7 +382,8 @@ def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Mod
 
 
 def _guard_inputs(gm: fx.GraphModule, model: nn.Module, tracer: str, call: ExampleInputs | None,
-                  concrete: dict[str, Any] | None, dynamic: Any, report: Report) -> None:
+                  concrete: dict[str, Any] | None, dynamic: Any, report: Report,
+                  why: dict[str, dict[int, str]] | None = None) -> None:
     """Record the inputs ``gm`` was captured for; each call is checked against them (fxprep.guard)."""
     tracer = tracer.split("+")[0]  # dynamo+leaves: Dynamo's rules (static shapes) with opaque parts
     if call is None and tracer == "dynamo":  # captured on inputs built from a transformers config
@@ -363,7 +401,7 @@ def _guard_inputs(gm: fx.GraphModule, model: nn.Module, tracer: str, call: Examp
             value = values.get(name)
             rank = value.dim() if isinstance(value, torch.Tensor) else 0
             dims[name] = {d % rank for d in spec} if rank else set()
-    spec = guard.record(gm, call.args, call.kwargs, tracer, dims)
+    spec = guard.record(gm, call.args, call.kwargs, tracer, dims, why)
     if spec is not None:
         set_preserved(gm, INPUT_SPEC, spec)
         if tracer == "dynamo" and any(n.get("kind") == "tensor" and None not in (n.get("shape") or [None])
@@ -381,6 +419,27 @@ def _check_dynamic_inputs(model: nn.Module, example: ExampleInputs, concrete: di
         dynamic_shapes_spec(model, split_calls(model, example, concrete)[0], dynamic)
     except ValueError as err:
         raise InvalidInput(f"dynamic={dynamic!r} does not fit the example inputs ({example.describe()}): {err}.") from err
+
+
+def _verify_general(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, concrete: dict[str, Any] | None,
+                    opts: PrepareOptions, report: Report, absent: dict[str, str], proposal: autodims.Proposal) -> None:
+    """A shape-general capture checked on a second size (batch and sequence 3 larger): the proof that
+    lets calls at other sizes through; a failure means static shapes (:class:`shape_general.NotShapeGeneral`)."""
+
+    def check(second: ExampleInputs, label: str) -> Any:
+        progress.step(label)
+        original_call = split_calls(model, second, huggingface.without_added(concrete, absent))[0]
+        prepared_call = split_calls(model, second, concrete)[1]
+        try:
+            return verify(model, gm, original_call, prepared_example=prepared_call, what=label, rtol=opts.rtol,
+                          atol=opts.atol, grad=opts.verify == "grad", absent=absent)
+        except Exception as err:  # noqa: BLE001 - any failure at another size: the dims did not hold
+            raise shape_general.NotShapeGeneral(f"at {label}: {type(err).__name__}: "
+                                                f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}") from err
+
+    result, second = shape_general.verify_second_size(example, proposal.dynamic, model, check)
+    _note_state(report, result)
+    shape_general.notes(report, proposal, f"{second} (max |diff| {result.max_abs_diff:.3g})")
 
 
 def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs,

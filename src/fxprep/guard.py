@@ -56,6 +56,7 @@ class InputSpec:
         self.params = params
         self.tracer = tracer
         self._signature: inspect.Signature | None = None
+        self._binding: _Binding | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"params": self.params, "tracer": self.tracer}
@@ -72,7 +73,7 @@ class InputSpec:
         return self.to_dict()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.params, self.tracer, self._signature = state["params"], state["tracer"], None
+        self.params, self.tracer, self._signature, self._binding = state["params"], state["tracer"], None, None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> InputSpec:
         return InputSpec(_copy(self.params), self.tracer)
@@ -109,6 +110,10 @@ def _check_node(node: Any, depth: int) -> None:
         shape = node.get("shape")
         if shape is not None and not (isinstance(shape, list) and all(d is None or type(d) is int for d in shape)):
             raise ValueError("malformed input spec")
+        why = node.get("why")
+        if why is not None and not (isinstance(why, dict) and all(
+                isinstance(k, str) and isinstance(v, str) and len(v) <= 1000 for k, v in why.items())):
+            raise ValueError("malformed input spec")
     elif kind == "seq":
         if not isinstance(node.get("items"), list) or node.get("type") not in ("list", "tuple"):
             raise ValueError("malformed input spec")
@@ -123,7 +128,7 @@ def _check_node(node: Any, depth: int) -> None:
         raise ValueError("malformed input spec")
 
 
-def _describe(value: Any, tracer: str, dynamic: set[int] | None) -> dict[str, Any]:
+def _describe(value: Any, tracer: str, dynamic: set[int] | None, why: dict[int, str] | None = None) -> dict[str, Any]:
     if value is None:
         return {"kind": "none"}
     if isinstance(value, torch.Tensor):
@@ -131,7 +136,10 @@ def _describe(value: Any, tracer: str, dynamic: set[int] | None) -> dict[str, An
         if tracer != "dynamo":
             return {"kind": "leaf", "example": example}
         shape = [None if d in (dynamic or set()) else int(s) for d, s in enumerate(value.shape)]
-        return {"kind": "tensor", "shape": shape, "example": example}
+        node = {"kind": "tensor", "shape": shape, "example": example}
+        if why:  # dimensions found specialised by the model's code, with the reason
+            node["why"] = {str(d): str(w) for d, w in why.items()}
+        return node
     if isinstance(value, (list, tuple)):
         return {"kind": "seq", "type": "list" if isinstance(value, list) else "tuple",
                 "items": [_describe(v, tracer, None) for v in value]}
@@ -143,12 +151,13 @@ def _describe(value: Any, tracer: str, dynamic: set[int] | None) -> dict[str, An
 
 
 def record(gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tracer: str,
-           dynamic_dims: dict[str, set[int]]) -> InputSpec | None:
+           dynamic_dims: dict[str, set[int]], why: dict[str, dict[int, str]] | None = None) -> InputSpec | None:
     """The spec of ``gm`` captured (by ``tracer``) for the call ``gm(*args, **kwargs)``.
 
     ``dynamic_dims``: {argument name: dimensions left dynamic} (``dynamic=...``). Arguments of the
     generated forward that the call leaves to their defaults are fixed values (``concrete_args``):
-    recorded as such. None when the forward's signature cannot be read or bound."""
+    recorded as such. ``why``: {argument name: {dim: reason}} for dimensions found specialised
+    (:mod:`fxprep.shape_general`), said when a call differs there. None when the forward's signature cannot be read or bound."""
     try:
         signature = inspect.signature(gm.forward)
         bound = signature.bind(*args, **kwargs)
@@ -159,7 +168,7 @@ def record(gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], t
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             return None  # cannot say which values the graph was captured for
         if name in bound.arguments:
-            params[name] = _describe(bound.arguments[name], tracer, dynamic_dims.get(name))
+            params[name] = _describe(bound.arguments[name], tracer, dynamic_dims.get(name), (why or {}).get(name))
         elif p.default is None:
             params[name] = {"kind": "none"}
         elif type(p.default) in SCALARS:
@@ -170,12 +179,30 @@ def record(gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], t
 def _tracing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Inputs are symbolic here (compile, export, an fx trace): nothing to check, and a check on
     symbolic sizes would specialise them."""
-    if torch.compiler.is_compiling() or getattr(torch.compiler, "is_exporting", lambda: False)():
+    if torch.compiler.is_compiling() or _is_exporting():
         return True
-    fx_tracing = getattr(fx._symbolic_trace, "_get_is_fx_tracing", None)
-    if fx_tracing is not None and fx_tracing():
+    if _FX_TLS is not None:
+        if getattr(_FX_TLS, "flag", False):
+            return True
+    elif _fx_tracing():
         return True
-    return any(isinstance(v, fx.Proxy) for v in (*args, *kwargs.values()))
+    for v in args:
+        if isinstance(v, fx.Proxy):
+            return True
+    for v in kwargs.values():
+        if isinstance(v, fx.Proxy):
+            return True
+    return False
+
+
+# read on every call of a prepared module: fx's thread-local flag directly where this torch has it
+_FX_TLS = getattr(fx._symbolic_trace, "_is_fx_tracing_tls", None)
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def _fx_tracing() -> bool:
+    get = getattr(fx._symbolic_trace, "_get_is_fx_tracing", None)
+    return bool(get is not None and get())
 
 
 def check(gm: torch.nn.Module, spec: InputSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -184,15 +211,18 @@ def check(gm: torch.nn.Module, spec: InputSpec, args: tuple[Any, ...], kwargs: d
         return
     if spec._signature is None:
         spec._signature = inspect.signature(gm.forward)
-    try:
-        bound = spec._signature.bind(*args, **kwargs)
-    except TypeError as err:
-        raise InputMismatch(f"the prepared module was called with arguments its forward does not take: {err}. "
-                            f"It takes {', '.join(spec._signature.parameters)}.") from err
+        spec._binding = _Binding(spec._signature)
+    arguments = spec._binding.bind(args, kwargs) if spec._binding is not None else None
+    if arguments is None:
+        try:
+            arguments = spec._signature.bind(*args, **kwargs).arguments
+        except TypeError as err:
+            raise InputMismatch(f"the prepared module was called with arguments its forward does not take: {err}. "
+                                f"It takes {', '.join(spec._signature.parameters)}.") from err
     problems: list[str] = []
     for name, node in spec.params.items():
-        if name in bound.arguments:
-            _match(node, bound.arguments[name], name, problems)
+        if name in arguments:
+            _match(node, arguments[name], name, problems)
         else:
             default = spec._signature.parameters[name].default
             if default is not inspect.Parameter.empty:
@@ -201,6 +231,33 @@ def check(gm: torch.nn.Module, spec: InputSpec, args: tuple[Any, ...], kwargs: d
             break
     if problems:
         raise InputMismatch(_message(spec, problems))
+
+
+class _Binding:
+    """``Signature.bind`` for the calls a prepared module gets on every forward, without its cost
+    (~10 us, 1-2% of a small LLM's forward): arguments by position then by name, for a forward whose
+    parameters are all positional-or-keyword (what fx generates). Anything else (an unknown name, an
+    argument given twice, too many) returns None and takes ``Signature.bind``, which says what is wrong."""
+
+    def __init__(self, signature: inspect.Signature):
+        params = list(signature.parameters.values())
+        plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+        self.names: tuple[str, ...] | None = tuple(p.name for p in params) if plain else None
+        self.known = frozenset(self.names or ())
+        self.required = frozenset(p.name for p in params if p.default is inspect.Parameter.empty)
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        names = self.names
+        if names is None or len(args) > len(names):
+            return None
+        if not args:
+            return kwargs if kwargs.keys() <= self.known and self.required <= kwargs.keys() else None
+        arguments = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key in arguments or key not in self.known:
+                return None
+            arguments[key] = value
+        return arguments if self.required <= arguments.keys() else None
 
 
 def _match(node: dict[str, Any], value: Any, path: str, problems: list[str]) -> None:
@@ -223,8 +280,11 @@ def _match(node: dict[str, Any], value: Any, path: str, problems: list[str]) -> 
         if shape is not None and (len(shape) != value.dim() or any(
                 s is not None and s != int(v) for s, v in zip(shape, value.shape))):
             shown = "x".join("*" if s is None else str(s) for s in shape) or "scalar"
-            problems.append(f"{path}: shape {shown} at capture (Dynamo specialised it), got "
-                            f"{'x'.join(str(int(v)) for v in value.shape) or 'scalar'}")
+            reasons = node.get("why") or {}
+            said = [f"dim {d}: {reasons[str(d)]}" for d, (s, v) in enumerate(zip(shape, value.shape))
+                    if s is not None and s != int(v) and str(d) in reasons]
+            problems.append(f"{path}: shape {shown} at capture ({'; '.join(said) if said else 'Dynamo specialised it'}), "
+                            f"got {'x'.join(str(int(v)) for v in value.shape) or 'scalar'}")
     elif kind == "seq":
         items = node["items"]
         if not isinstance(value, (list, tuple)):

@@ -109,7 +109,7 @@ def capture_dynamo(
     more parts Dynamo must call without tracing into (the excluded modules always are, see
     :mod:`.opaque`); ``records`` caches their eager recordings across calls. ``reuse``: capture
     each repeated block once and stamp its graph out for the others (:mod:`.reuse`; flag route,
-    static shapes, no opaque parts); ``block_pass(block_gm, first_instance)`` is then run once on
+    static or dynamic shapes, no opaque parts); ``block_pass(block_gm, first_instance)`` is then run once on
     each repeated block before it is stamped out (:func:`.reuse.capture_reusing`).
     ``real_values``: values read from data are decided from the example's, each decision checked in
     the graph (:mod:`fxprep.decisions`; tracer "dynamo+values"; callers pass reuse=False). Never raises for a
@@ -144,16 +144,16 @@ def capture_dynamo(
             with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, attempt_notes, capture_call), guard:
                 call = requiring_grad(capture_call) if grad_inputs else capture_call
                 reused = None
-                if reuse and current == "flag" and spec is None and box:
+                if reuse and current == "flag" and box:
                     attempt_notes.append(
                         f"block reuse: off for this capture: {len(box.sites)} part(s) are called without tracing "
                         f"into them (excluded or opaque modules), which block reuse does not handle yet; every "
                         f"block was captured by the whole-model capture.")
-                if reuse and current != "flag" and route == "auto" and spec is None and not fresh_kwargs:
+                if reuse and current != "flag" and route == "auto" and not fresh_kwargs:
                     attempt_notes.extend(reuse_unavailable_note(model, policy))
-                if reuse and current == "flag" and spec is None and not box and not fresh_kwargs:
+                if reuse and current == "flag" and not box and not fresh_kwargs:
                     reused = capture_reusing(model, policy, call, capture_call, prepared_call, current, guard,
-                                             attempt_notes, block_pass)
+                                             attempt_notes, block_pass, dynamic_spec=spec)
                 if reused is not None:
                     gm, extra = reused
                 else:

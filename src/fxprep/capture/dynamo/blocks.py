@@ -108,6 +108,18 @@ def _tensor_key(t: torch.Tensor | None) -> Any:
     return (type(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
+def size_key(sizes: Any) -> tuple[Any, ...]:
+    """Sizes or strides as a hashable tuple: a symbolic size (dynamic shapes) by its expression
+    (``SymInt`` itself cannot be hashed). Equal within one capture's shape environment."""
+    return tuple(s if type(s) is int else str(s) for s in sizes)
+
+
+def shape_kind(sizes: Any) -> tuple[Any, ...]:
+    """Sizes with every symbolic one as ``"?"``: comparable across two captures (a block captured on
+    its own names its symbols afresh), where the static sizes must still be equal."""
+    return tuple(s if type(s) is int else "?" for s in sizes)
+
+
 def freeze(value: Any, depth: int = 0) -> Any:
     """A hashable stand-in for ``value`` that is equal for equal plain values; any other object
     stands for itself (by identity), which errs on the side of "different"."""
@@ -116,6 +128,8 @@ def freeze(value: Any, depth: int = 0) -> Any:
         return (type(value), value)
     if isinstance(value, torch.Tensor):
         return ("tensor", _tensor_key(value))
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return (type(value), str(value))  # a symbolic size (dynamic shapes): by its expression
     if depth < 4 and type(value) in (tuple, list):
         return (type(value), tuple(freeze(v, depth + 1) for v in value))
     if depth < 4 and type(value) is dict:
@@ -208,7 +222,7 @@ def input_key(node: fx.Node) -> Any:
         if isinstance(leaf, fx.Node):
             ev = leaf.meta.get("example_value")
             if isinstance(ev, torch.Tensor):
-                desc: Any = ("t", tuple(ev.shape), tuple(ev.stride()), ev.dtype, ev.device, ev.requires_grad)
+                desc: Any = ("t", size_key(ev.shape), size_key(ev.stride()), ev.dtype, ev.device, ev.requires_grad)
             else:
                 desc = ("v", freeze(ev))
             out.append((desc, first.setdefault(leaf, i)))

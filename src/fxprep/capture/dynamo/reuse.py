@@ -28,10 +28,17 @@ first: a block whose output one call cannot return (a dict, a ``ModelOutput``) i
 children, and a block kind whose instances return differently shaped outputs gets each output
 computed. Memory stays flat: nothing is copied but the recorded inputs of the first call of each
 group, and the stub never copies a parameter (fake copies hold no data).
+
+Under dynamic shapes (``dynamic=``, or the batch and sequence dimensions found automatically) the
+outer capture declares the model's dynamic dimensions, the stubs' fake outputs carry the symbolic
+sizes, and each block is captured with every dimension that is symbolic at its call declared
+dynamic (:func:`_block_spec`); shapes are compared with their symbolic sizes as "any"
+(:func:`.blocks.shape_kind`), since each capture names its symbols afresh.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +60,8 @@ from .blocks import (
     guard_key,
     input_key,
     self_guards,
+    shape_kind,
+    size_key,
     structure_difference,
 )
 from .export import AttributeGuard, dynamo_export
@@ -208,7 +217,7 @@ class _Unsupported(RuntimeError):
 def output_signature(out: Any) -> Any:
     """The structure of a block's output, its tensors' shapes and dtypes, and its other values."""
     leaves, spec = pytree.tree_flatten(out)
-    return (str(spec), tuple(("t", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else freeze(x)
+    return (str(spec), tuple(("t", shape_kind(x.shape), x.dtype) if isinstance(x, torch.Tensor) else freeze(x)
                              for x in leaves))
 
 
@@ -226,7 +235,7 @@ def _fake_key(flat: list[Any]) -> Any:
     out = []
     for leaf in flat:
         if isinstance(leaf, torch.Tensor):
-            out.append((tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device, leaf.requires_grad,
+            out.append((size_key(leaf.shape), size_key(leaf.stride()), leaf.dtype, leaf.device, leaf.requires_grad,
                         next(i for i, x in enumerate(flat) if x is leaf)))
         else:
             out.append(freeze(leaf))
@@ -326,6 +335,31 @@ def _block_call(member: Member, recorded: Any) -> ExampleInputs:
     return ExampleInputs(tuple(args), dict(kwargs))
 
 
+def _block_spec(member: Member, call: ExampleInputs) -> dict[str, Any] | None:
+    """Dynamo's ``dynamic_shapes`` for capturing ``member`` alone on ``call`` (its recorded inputs):
+    every dimension that is symbolic where the outer graph calls it is ``Dim.DYNAMIC`` (relations
+    between them, such as a mask's last size being the sequence length, Dynamo finds itself; a
+    dimension the block's code specialises fails the capture, and reuse falls back). None when the
+    outer capture had static shapes."""
+    from torch.export import Dim
+
+    flat, _ = call_inputs(member.node)
+    dims: list[Any] = []
+    for leaf in flat:
+        ev = leaf.meta.get("example_value") if isinstance(leaf, fx.Node) else None
+        if isinstance(ev, torch.Tensor):
+            symbolic = {d: Dim.DYNAMIC for d, s in enumerate(ev.shape) if type(s) is not int}
+            dims.append(symbolic or None)
+        else:
+            dims.append(None)
+    if not any(dims):
+        return None
+    _, rec_spec = pytree.tree_flatten((call.args, call.kwargs))
+    args, kwargs = pytree.tree_unflatten(dims, rec_spec)
+    bound = inspect.signature(member.module.forward).bind(*args, **kwargs)
+    return dict(bound.arguments)
+
+
 @dataclass
 class _Captured:
     members: list[Member]
@@ -335,12 +369,13 @@ class _Captured:
 
 
 def _capture_group(group: list[Member], recorded: Any, policy: LeafPolicy, route: str,
-                   guard: AttributeGuard, why: dict[str, str]) -> tuple[_Captured, list[list[Member]]]:
+                   guard: AttributeGuard, why: dict[str, str],
+                   dynamic: bool = False) -> tuple[_Captured, list[list[Member]]]:
     """Capture the first member; the others its guards hold for share the graph, the rest are
     regrouped (by what the guarded attributes hold) for the next round, with the reason in ``why``."""
     first = group[0]
     call = _block_call(first, recorded)
-    result = dynamo_export(first.module, call, route, None)
+    result = dynamo_export(first.module, call, route, _block_spec(first, call) if dynamic else None)
     guard.reset()
     notes: list[str] = []
     gm, extra = relift(result.graph_module, first.module, policy, call, call, route, notes, device_literals=False)
@@ -376,14 +411,17 @@ def _capture_group(group: list[Member], recorded: Any, policy: LeafPolicy, route
 
 def capture_reusing(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_call: ExampleInputs,
                     prepared_call: ExampleInputs, route: str, guard: AttributeGuard,
-                    notes: list[str], convert: BlockPass | None = None) -> tuple[fx.GraphModule, dict[str, str]] | None:
+                    notes: list[str], convert: BlockPass | None = None,
+                    dynamic_spec: dict[str, Any] | None = None) -> tuple[fx.GraphModule, dict[str, str]] | None:
     """The model captured with each repeated block captured once (see the module docstring), or
     None when nothing repeats or reuse does not work out here (then the caller captures the whole
     model). ``call`` is what Dynamo is called with, ``capture_call`` the same without grad-requiring
     inputs (the eager recording run), ``prepared_call`` how the prepared module is called.
     ``convert(block_gm, first_instance)``: a pass the caller runs on the whole graph later, run
     once on each repeated block's graph before it is stamped out (the work of a pass that goes
-    node by node then does not grow with depth); it must give what it gives on the whole graph."""
+    node by node then does not grow with depth); it must give what it gives on the whole graph.
+    ``dynamic_spec``: the model's dynamic dimensions (Dynamo's ``dynamic_shapes``); each block is then
+    captured with the dimensions that are symbolic at its call dynamic too (:func:`_block_spec`)."""
     descend: set[int] = set()
     uncached: set[Any] = set()
     for _ in range(4):  # a retry looks inside blocks whose output one call cannot return, or computes more
@@ -398,7 +436,7 @@ def capture_reusing(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, c
         stubs = _Stubs(instances, uncached)
         try:
             return _capture(model, policy, call, capture_call, prepared_call, route, guard, notes, stubs, qualnames,
-                            convert)
+                            convert, dynamic_spec)
         except Exception as err:  # noqa: BLE001 - reuse is an optimisation: the whole-model capture decides
             guard.reset()
             if isinstance(err, _OtherOutput) and err.key not in uncached:
@@ -447,11 +485,11 @@ def _first_line(err: BaseException) -> str:
 
 def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_call: ExampleInputs,
              prepared_call: ExampleInputs, route: str, guard: AttributeGuard, notes: list[str],
-             stubs: _Stubs, qualnames: dict[int, str],
-             convert: BlockPass | None) -> tuple[fx.GraphModule, dict[str, str]]:
+             stubs: _Stubs, qualnames: dict[int, str], convert: BlockPass | None,
+             dynamic_spec: dict[str, Any] | None) -> tuple[fx.GraphModule, dict[str, str]]:
     instances = stubs.instances
     with stubs:
-        result = dynamo_export(model, call, route, None)
+        result = dynamo_export(model, call, route, dynamic_spec)
     guard.reset()
     outer_notes: list[str] = []
     # Leaves the user named inside a block are called from the block's graph, not the outer one:
@@ -486,7 +524,8 @@ def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_
         guard.reset()
         next_round: list[list[Member]] = []
         for group in pending:
-            done, rest = _capture_group(group, recorded[(id(group[0].module), group[0].k)], policy, route, guard, why)
+            done, rest = _capture_group(group, recorded[(id(group[0].module), group[0].k)], policy, route, guard, why,
+                                        dynamic=dynamic_spec is not None)
             captured.append(done)
             next_round.extend(rest)
         pending = next_round

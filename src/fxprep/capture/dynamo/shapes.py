@@ -87,7 +87,25 @@ def dynamic_shapes_spec(model: nn.Module, call: ExampleInputs, dynamic: Any) -> 
                     f"dynamic dimension {d} of {name!r} has size {value.shape[d]} in the example: Dynamo "
                     f"specializes sizes 0 and 1, so give an example with size >= 2 there"
                 )
-    return spec
+    return _nested_var_keyword(model, spec)
+
+
+def _nested_var_keyword(model: nn.Module, spec: dict[str, Any]) -> dict[str, Any]:
+    """Export matches ``dynamic_shapes`` to the forward's own parameters: keyword arguments that
+    ``forward(..., **kwargs)`` takes in its ``**kwargs`` go under that parameter's name."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return spec
+    var_kw = next((p.name for p in params.values() if p.kind is p.VAR_KEYWORD), None)
+    if var_kw is None:
+        return spec
+    named = {p.name for p in params.values() if p.kind is not p.VAR_KEYWORD}
+    out = {k: v for k, v in spec.items() if k in named}
+    extra = {k: v for k, v in spec.items() if k not in named}
+    if extra:
+        out[var_kw] = extra
+    return out
 
 
 def dynamic_dims(model: nn.Module, call: ExampleInputs, dynamic: Any) -> dict[str, dict[int, str]]:
@@ -100,7 +118,8 @@ def dynamic_dims(model: nn.Module, call: ExampleInputs, dynamic: Any) -> dict[st
         if dynamic == "batch" and value.dim() >= 1:
             out[name] = {0: "batch"}
         elif isinstance(dynamic, dict) and dynamic.get(name):
-            out[name] = {int(d): str(n) for d, n in dynamic[name].items()}
+            out[name] = {int(d): n if isinstance(n, str) else str(getattr(n, "__name__", n))
+                         for d, n in dynamic[name].items()}
     return out
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..common import graph_module
-from .blocks import call_inputs, freeze
+from .blocks import call_inputs, freeze, shape_kind
 from .names import Names, get_path
 from .relift import _free_name, _Holder, _reorder_like
 
@@ -73,7 +73,7 @@ def block_output_signature(block: fx.GraphModule) -> Any:
     info = block.graph._codegen.pytree_info if isinstance(block.graph._codegen, fx.graph._PyTreeCodeGen) else None
     if info is None or info.out_spec is None:
         raise StampError("the block graph has no output structure")
-    leaves = [("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else freeze(v) for v in values]
+    leaves = [("t", shape_kind(v.shape), v.dtype) if isinstance(v, torch.Tensor) else freeze(v) for v in values]
     return (str(info.out_spec), tuple(leaves))
 
 
@@ -85,7 +85,7 @@ def _same_value_kind(new: Any, old: fx.Node) -> bool:
     ev_new = new.meta.get("example_value")
     if isinstance(ev_old, torch.Tensor) or isinstance(ev_new, torch.Tensor):
         return (isinstance(ev_old, torch.Tensor) and isinstance(ev_new, torch.Tensor)
-                and tuple(ev_old.shape) == tuple(ev_new.shape) and ev_old.dtype == ev_new.dtype)
+                and shape_kind(ev_old.shape) == shape_kind(ev_new.shape) and ev_old.dtype == ev_new.dtype)
     return True
 
 

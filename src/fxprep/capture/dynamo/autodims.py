@@ -1,0 +1,229 @@
+"""Dynamic dimensions found automatically: a transformers model's batch and sequence dimensions.
+
+Dynamo captures with static shapes unless told otherwise, so a language model prepared on one
+example (batch 1, 8 tokens) would refuse batch 4 or 64 tokens, although calibration data for a
+quantizer comes in every batch size and length, and AIMET's and torch.fx's graphs never had this
+limit. What the dimensions of a transformers model's inputs mean is not a guess: the library names
+its inputs (``input_ids``, ``attention_mask``, ``token_type_ids``, ``position_ids``,
+``inputs_embeds``, ``pixel_values`` ...) and fixes their layout (batch first, then sequence). So
+for such a model, when the user says nothing about ``dynamic``, :func:`propose` declares
+dimension 0 of every input ``batch`` and dimension 1 of the token-level inputs ``seq`` (the
+decoder's ``decoder_seq``) and gives the example to capture on, grown where a size is below 2
+(Dynamo specialises sizes 0 and 1; the extra rows repeat the first ones, so ids and masks stay
+valid), and with batch and sequence sizes kept apart (equal sizes would share one symbol).
+``prepare_model`` captures with them, verifies the result on the user's example and on a second
+size, and falls back to static shapes (saying why) when any of that fails.
+
+Where a declared dimension turns out to be specialised by the model's code, Dynamo says so in a
+constraint violation; :func:`specialised` reads which dimensions and why, so the capture is retried
+without them and the report and :class:`~fxprep.errors.InputMismatch` name them.
+
+Not proposed (the model keeps static shapes and the batch probe, as before): models outside
+transformers, and any example with an input this table does not know (an image grid, a VLM's
+``pixel_values`` whose size follows the image tokens in ``input_ids``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...inputs import ExampleInputs
+from .shapes import positional_names
+
+# input name -> {dimension: symbol}; every other dimension of that input stays static
+_TOKENS = {0: "batch", 1: "seq"}
+TABLE: dict[str, dict[int, str]] = {
+    "input_ids": _TOKENS, "attention_mask": _TOKENS, "token_type_ids": _TOKENS, "position_ids": _TOKENS,
+    "inputs_embeds": _TOKENS, "labels": _TOKENS, "special_tokens_mask": _TOKENS,
+    "decoder_input_ids": {0: "batch", 1: "decoder_seq"}, "decoder_attention_mask": {0: "batch", 1: "decoder_seq"},
+    "decoder_inputs_embeds": {0: "batch", 1: "decoder_seq"},
+}
+_VISION_ONLY = {"pixel_values": {0: "batch"}, "pixel_mask": {0: "batch"}}  # only where no token input is given
+
+
+@dataclass
+class Proposal:
+    """The dimensions to declare (``dynamic`` in the form the option takes) and the example to
+    capture on; ``dropped``: dimensions found specialised, with why (filled by the caller)."""
+
+    dynamic: dict[str, dict[int, str]]
+    capture_example: ExampleInputs
+    dropped: dict[tuple[str, int], str] = field(default_factory=dict)
+    ranges: dict[str, tuple[int | None, int | None, str]] = field(default_factory=dict)  # symbol -> min, max, why
+
+    def describe(self) -> str:
+        parts = [f"{name} dim {d} ({sym})" for name, dims in self.dynamic.items() for d, sym in sorted(dims.items())]
+        return ", ".join(parts)
+
+    def for_export(self) -> dict[str, dict[int, Any]]:
+        """``dynamic`` with each symbol one ``torch.export.Dim`` (its range where the model's code
+        bounds it, e.g. a sequence no longer than a learned position table)."""
+        from torch.export import Dim
+
+        made: dict[str, Any] = {}
+        for sym in {s for dims in self.dynamic.values() for s in dims.values()}:
+            low, high, _ = self.ranges.get(sym, (None, None, ""))
+            bounds = {k: v for k, v in (("min", low), ("max", high)) if v is not None}
+            made[sym] = Dim(sym, **bounds)
+        return {name: {d: made[sym] for d, sym in dims.items()} for name, dims in self.dynamic.items()}
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
+def _named_inputs(model: nn.Module, call: ExampleInputs) -> dict[str, Any]:
+    return {**dict(zip(positional_names(model, len(call.args)), call.args)), **call.kwargs}
+
+
+def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
+    """The batch and sequence dimensions of ``call`` (the example as Dynamo is called with it, its
+    concrete arguments taken out) for a transformers ``model``, or None when the model or an input
+    is not one this module knows (see the module docstring)."""
+    if not is_transformers_model(model):
+        return None
+    inputs = _named_inputs(model, call)
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    if not tensors:
+        return None
+    table = dict(TABLE)
+    if not any(name in TABLE for name in tensors):
+        table.update(_VISION_ONLY)
+    dynamic: dict[str, dict[int, str]] = {}
+    sizes: dict[str, int] = {}
+    for name, value in tensors.items():
+        dims = table.get(name)
+        if dims is None:
+            return None  # an input whose layout is not known: static shapes, as before
+        chosen = {}
+        for d, sym in dims.items():
+            if d >= value.dim() or (d == 1 and name.endswith("attention_mask") and value.dim() != 2):
+                continue
+            if sizes.setdefault(sym, int(value.shape[d])) != int(value.shape[d]):
+                return None  # two inputs disagree on what should be one size
+            chosen[d] = sym
+        if chosen:
+            dynamic[name] = chosen
+    if "batch" not in sizes:
+        return None
+    return Proposal(dynamic, _grown(model, call, dynamic, sizes))
+
+
+def _grown(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict[int, str]],
+           sizes: dict[str, int]) -> ExampleInputs:
+    """``call`` with each dynamic size below 2 grown to a size of at least 2 that no other dynamic
+    size has (rows repeat the first ones)."""
+    target: dict[str, int] = {}
+    taken = set(sizes.values())
+    for sym, size in sizes.items():
+        if size >= 2:
+            target[sym] = size
+            continue
+        new = 2
+        while new in taken:
+            new += 1
+        taken.add(new)
+        target[sym] = new
+    if target == sizes:
+        return call
+
+    def grow(name: str, value: Any) -> Any:
+        for d, sym in dynamic.get(name, {}).items():
+            size, want = int(value.shape[d]), target[sym]
+            if want != size:
+                reps = -(-want // size)
+                value = torch.cat([value] * reps, dim=d).narrow(d, 0, want)
+        return value
+
+    names = positional_names(model, len(call.args))
+    args = tuple(grow(n, a) if isinstance(a, torch.Tensor) else a for n, a in zip(names, call.args))
+    kwargs = {k: grow(k, v) if isinstance(v, torch.Tensor) else v for k, v in call.kwargs.items()}
+    return ExampleInputs(args, kwargs)
+
+
+_MARKED = re.compile(r"You marked (\w+) as dynamic but your code specialized it to be a constant \((-?\d+)\)")
+_NOT_ALL = re.compile(r"Not all values of (\w+) = .*? satisfy the generated guard (.*)")
+_RANGE_FIX = re.compile(r"^\s*(\w+) = Dim\('\w+'((?:, (?:min|max)=-?\d+)*)\)\s*$", re.M)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+_SIZE_SOURCE = re.compile(r"L(?:\['kwargs'\])?\['(\w+)'\]\.size\(\)\[(\d+)\]")
+
+
+def _readable(guard: str) -> str:
+    """Dynamo's guard text with its sources as the user writes them: ``input_ids.shape[1]``."""
+    text = _SIZE_SOURCE.sub(lambda m: f"{m.group(1)}.shape[{m.group(2)}]", guard)
+    # export's own lower bound for a size it traced symbolically, not something the model asks for
+    return re.sub(r"^2 <= (\S+) and ", "", text)
+
+
+def _where(section: str) -> str:
+    """The last frame of Dynamo's user stack in ``section``: where the model's code did it."""
+    frames = list(_FRAME.finditer(section))
+    if not frames:
+        return ""
+    last = frames[-1]
+    code = section[last.end():].strip().splitlines()
+    return f" at {last.group(1)}:{last.group(2)} in {last.group(3)}" + (f" ({code[0].strip()[:100]})" if code else "")
+
+
+def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, int], str],
+                                                              dict[str, tuple[int | None, int | None, str]]]:
+    """What Dynamo's constraint violation (``err``) says of the declared dimensions: those the
+    model's code specialises to a constant, ``{(input name, dim): why}`` (the size and the line of
+    code, from Dynamo's user stack; every input sharing the symbol included), and the symbols it
+    bounds, ``{symbol: (min, max, why)}`` (Dynamo's suggested ``Dim`` range, e.g. a sequence no
+    longer than a learned position table). Both empty when ``err`` is not such a violation."""
+    text = str(err)
+    symbols = {sym: [(n, d) for n, ds in proposal.dynamic.items() for d, s in ds.items() if s == sym]
+               for sym in {s for ds in proposal.dynamic.values() for s in ds.values()}}
+    found: dict[tuple[str, int], str] = {}
+    marks = list(_MARKED.finditer(text))
+    for i, m in enumerate(marks):
+        sym, value = m.group(1), m.group(2)
+        if sym not in symbols:
+            continue
+        section = text[m.end():marks[i + 1].start() if i + 1 < len(marks) else len(text)].split("Suggested fixes")[0]
+        why = f"the model's code specialises '{sym}' to {value}{_where(section)}"
+        for key in symbols[sym]:
+            found[key] = why
+    guards = {m.group(1): m.group(2).strip() for m in _NOT_ALL.finditer(text)}
+    ranges: dict[str, tuple[int | None, int | None, str]] = {}
+    fixes = text.split("Suggested fixes", 1)[1] if "Suggested fixes" in text else ""
+    for m in _RANGE_FIX.finditer(fixes):
+        sym = m.group(1)
+        if sym not in symbols:
+            continue
+        bounds = dict(re.findall(r"(min|max)=(-?\d+)", m.group(2)))
+        ranges[sym] = (int(bounds["min"]) if "min" in bounds else None, int(bounds["max"]) if "max" in bounds else None,
+                       f"the model's code requires {_readable(guards.get(sym, 'a range'))[:200]}")
+    return found, ranges
+
+
+def revised(proposal: Proposal, dims: dict[tuple[str, int], str], ranges: dict[str, tuple[int | None, int | None, str]],
+            model: nn.Module, call: ExampleInputs) -> Proposal | None:
+    """``proposal`` less the dimensions ``dims`` (found specialised; every input sharing their symbol
+    too: one size) and with the symbols in ``ranges`` bounded; None when no dimension is left."""
+    symbols = {proposal.dynamic[n][d] for n, d in dims if d in proposal.dynamic.get(n, {})}
+    dynamic = {n: {d: s for d, s in ds.items() if s not in symbols} for n, ds in proposal.dynamic.items()}
+    dynamic = {n: ds for n, ds in dynamic.items() if ds}
+    if not dynamic:
+        return None
+    sizes: dict[str, int] = {}
+    inputs = _named_inputs(model, call)
+    for name, ds in dynamic.items():
+        for d, sym in ds.items():
+            sizes[sym] = int(inputs[name].shape[d])
+    dropped = dict(proposal.dropped)
+    for (n, d), why in dims.items():
+        for other, ds in proposal.dynamic.items():
+            for od, sym in ds.items():
+                if sym == proposal.dynamic.get(n, {}).get(d):
+                    dropped.setdefault((other, od), why)
+    bounded = {**proposal.ranges, **{k: v for k, v in ranges.items() if k not in symbols}}
+    return Proposal(dynamic, _grown(model, call, dynamic, sizes), dropped, bounded)

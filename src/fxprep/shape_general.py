@@ -1,0 +1,114 @@
+"""Shape-general by default: a transformers model captured with its batch and sequence dimensions
+dynamic, and proven so, unless the user said otherwise.
+
+:mod:`fxprep.capture.dynamo.autodims` says which dimensions those are and gives the example to
+capture on. This module runs that capture for ``prepare_model`` (:func:`capture`: Dynamo alone,
+block reuse kept; a dimension the model's code specialises is taken out, with why, and the capture
+retried), and checks the result on a second size (:func:`verify_second_size`: batch and sequence
+3 larger than the example's). Any failure is a :class:`NotShapeGeneral`: ``prepare_model`` then
+captures with static shapes as before (after a failed capture at once, after a failed verification
+by preparing again) and says why in the report. The batch probe
+(:mod:`fxprep.batch`, one more whole-model Dynamo trace plus two verification runs) has nothing
+left to find where the batch dimension is declared and verified, so it does not run then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+
+from .capture.common import CaptureAttempt, CaptureResult
+from .capture.dynamo import autodims
+from .capture.dynamo.shapes import grown_example
+from .inputs import ExampleInputs
+from .report import Report, Verification
+
+Capture = Callable[[ExampleInputs, Any], tuple["CaptureResult | None", list[CaptureAttempt]]]
+
+
+class NotShapeGeneral(Exception):
+    """The automatically declared dimensions did not hold (capture or verification): prepare with
+    static shapes instead. Not an FxprepError: it never reaches the user."""
+
+
+@contextlib.contextmanager
+def _quiet_guard_logs() -> Iterator[None]:
+    """Dynamo logs a failed constraint at ERROR level (with its stack) before raising it; here that
+    failure is an expected finding, said in the report, not something for the user's terminal."""
+    logger = logging.getLogger("torch._guards")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposal,
+            run: Capture) -> tuple[CaptureResult, list[CaptureAttempt], autodims.Proposal]:
+    """``run(capture_example, dynamic)`` (Dynamo alone) with ``proposal``'s dimensions; each
+    dimension Dynamo finds specialised is dropped (its reason kept in ``proposal.dropped``) and the
+    capture retried. Raises :class:`NotShapeGeneral` when no dimension is left or the capture fails
+    for another reason."""
+    current: autodims.Proposal | None = proposal
+    while current is not None:
+        with _quiet_guard_logs():
+            result, attempts = run(current.capture_example, current.for_export())
+        if result is not None and result.tracer == "dynamo":
+            return result, attempts, current
+        err = next((a.exception for a in reversed(attempts) if a.exception is not None), None)
+        found, ranges = autodims.findings(err, current) if err is not None else ({}, {})
+        new_ranges = {k: v for k, v in ranges.items() if current.ranges.get(k) != v}
+        if not (set(found) - set(current.dropped)) and not new_ranges:
+            first = str(err).strip().splitlines()[0][:200] if err is not None and str(err).strip() else "no capture"
+            raise NotShapeGeneral(f"Dynamo could not capture it with {current.describe()} dynamic "
+                                  f"({type(err).__name__ if err is not None else 'no error'}: {first})")
+        nxt = autodims.revised(current, found, ranges, model, example)
+        if nxt is None:
+            why = "; ".join(sorted(set(found.values())))
+            raise NotShapeGeneral(f"every declared dimension is specialised by the model: {why}")
+        current = nxt
+    raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
+
+
+def verify_second_size(example: ExampleInputs, dynamic: dict[str, dict[int, str]], model: nn.Module,
+                       check: Callable[[ExampleInputs, str], Verification], grow: int = 3) -> tuple[Verification, str]:
+    """``check(example grown by grow in every dynamic dimension, label)`` (a verification of the
+    prepared module against the original), and the grown example's description."""
+    second = grown_example(model, example, dynamic, grow=grow)
+    label = f"a second input size ({second.describe()})"
+    return check(second, label), second.describe()
+
+
+def notes(report: Report, proposal: autodims.Proposal, second: str | None) -> None:
+    """What the report says of a shape-general capture (``second``: the size it was verified on, None
+    when verification was off)."""
+    checked = (f"the prepared module matched the original on the example and on {second}" if second is not None else
+               "verification was off (verify=False), so this rests on Dynamo's capture alone")
+    report.note(
+        f"Shape-general: the dimensions {proposal.describe()} were found from the model's input names (transformers "
+        f"layout) and declared dynamic to Dynamo; {checked}, so calls at any size of them are accepted (no batch "
+        f"probe needed). Pass dynamic=False for a static-shape capture.")
+    for (name, dim), why in sorted(proposal.dropped.items()):
+        report.note(f"Shape-general: {name} dim {dim} stays at the example's size: {why}.")
+    for sym, (low, high, why) in sorted(proposal.ranges.items()):
+        shown = " and ".join(x for x in (f">= {low}" if low is not None else "", f"<= {high}" if high is not None else "") if x)
+        report.note(f"Shape-general: '{sym}' is dynamic {shown}: {why}.")
+
+
+def specialised_reasons(proposal: autodims.Proposal | None) -> dict[str, dict[int, str]]:
+    """``{input: {dim: why}}`` of the dimensions found specialised, for the input check's message."""
+    out: dict[str, dict[int, str]] = {}
+    for (name, dim), why in (proposal.dropped.items() if proposal is not None else ()):
+        out.setdefault(name, {})[dim] = why
+    return out
+
+
+def with_dynamic(opts: Any, dynamic: Any) -> Any:
+    """``opts`` (:class:`fxprep.options.PrepareOptions`) declaring ``dynamic`` for one capture."""
+    return dataclasses.replace(opts, dynamic=dynamic)
