@@ -184,7 +184,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         rewrite = _control_flow(model, opts, example, concrete, None if absent else reference)
         if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
             result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
-        elif proposal is not None:
+        elif proposal is not None and example is not None:  # proposed only with an example
             def run(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
                 return capture(model, ["dynamo"], policy, concrete, call, shape_general.with_dynamic(opts, dims))
 
