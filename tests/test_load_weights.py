@@ -218,3 +218,93 @@ def test_readme_example_runs(llama_dir: Path) -> None:
     assert _tensors_on_meta(gm) == []
     assert fxprep.get_report(gm).verification.status == "passed"
     assert fxprep.get_report(gm).reuse["captured"] == {"model.layers.0": ["model.layers.1", "model.layers.2"]}
+
+
+# --- issue 28: the index is data from whoever wrote the checkpoint -------------------------------------
+class _Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _small_on_meta() -> Any:
+    with torch.device("meta"):
+        model = _Small().eval()
+    return fxprep.prepare_model(model, example_inputs=torch.randn(2, 4, device="meta"), verify=False)
+
+
+def _sharded(directory: Path, weight_map: Any, reference: nn.Module) -> Path:
+    """``a.*`` in shard ``a.safetensors``, ``b.*`` in ``b.safetensors``, and the index given."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    state = reference.state_dict()
+    save_file({k: v for k, v in state.items() if k.startswith("a.")}, str(directory / "a.safetensors"))
+    save_file({k: v for k, v in state.items() if k.startswith("b.")}, str(directory / "b.safetensors"))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "dotdot_inside"])
+def test_shards_outside_the_checkpoint_directory_are_refused(tmp_path: Path, where: str) -> None:
+    """A shard named ``../elsewhere/x.safetensors`` or by an absolute path was read: any local file
+    could be put into the model. Now a WeightsError names the field and the shard."""
+    torch.manual_seed(0)
+    reference = _Small().eval()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    save_file({k: v for k, v in reference.state_dict().items() if k.startswith("b.")}, str(elsewhere / "x.safetensors"))
+    outside = {"parent": "../elsewhere/x.safetensors", "absolute": str(elsewhere / "x.safetensors"),
+               "dotdot_inside": "sub/../../elsewhere/x.safetensors"}[where]
+    directory = _sharded(tmp_path / "ckpt", {"a.weight": "a.safetensors", "a.bias": "a.safetensors",
+                                             "b.weight": outside, "b.bias": outside}, reference)
+    gm = _small_on_meta()
+    with pytest.raises(fxprep.WeightsError, match=r"'weight_map'\['b\.(weight|bias)'\].*outside the checkpoint"):
+        fxprep.load_weights(gm, directory)
+
+
+@pytest.mark.parametrize("weight_map, field", [
+    ([["a.weight", "a.safetensors"]], "'weight_map' must map"), (None, "'weight_map' must map"),
+    ("a.safetensors", "'weight_map' must map"), ({"a.weight": None}, r"'weight_map'\['a.weight'\] must be a shard"),
+    ({"a.weight": 3}, r"'weight_map'\['a.weight'\] must be a shard"),
+])
+def test_malformed_index_is_a_weights_error_naming_the_field(tmp_path: Path, weight_map: Any, field: str) -> None:
+    """``weight_map`` a list or null gave a raw AttributeError."""
+    directory = _sharded(tmp_path / "ckpt", weight_map, _Small())
+    with pytest.raises(fxprep.WeightsError, match=field):
+        fxprep.load_weights(_small_on_meta(), directory)
+
+
+def test_index_that_is_not_an_object_is_a_weights_error(tmp_path: Path) -> None:
+    directory = _sharded(tmp_path / "ckpt", {}, _Small())
+    (directory / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(fxprep.WeightsError, match="not an object"):
+        fxprep.load_weights(_small_on_meta(), directory)
+    (directory / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(fxprep.WeightsError, match="not readable JSON"):
+        fxprep.load_weights(_small_on_meta(), directory)
+
+
+def test_symlinked_shards_still_load(tmp_path: Path) -> None:
+    """The Hugging Face cache is made of links (snapshots/<rev>/x.safetensors -> ../../blobs/<sha>):
+    a shard that is a link, even to a file outside the directory, is followed as before."""
+    torch.manual_seed(0)
+    reference = _Small().eval()
+    blobs = tmp_path / "blobs"
+    real = _sharded(blobs, {}, reference)
+    snapshot = tmp_path / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    for name in ("a.safetensors", "b.safetensors"):
+        (snapshot / name).symlink_to(real / name)
+    import json
+
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a.weight": "a.safetensors", "a.bias": "a.safetensors", "b.weight": "b.safetensors", "b.bias": "b.safetensors"}}))
+    gm = fxprep.load_weights(_small_on_meta(), snapshot)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(gm(x), reference(x))

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath, PureWindowsPath
 from typing import Any
 
 import torch
 
-from .errors import InvalidInput
+from .errors import InvalidInput, WeightsError
+
+_MAX_INDEX_BYTES = 256 * 2**20  # a 1T-parameter model's index is a few tens of MB
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -98,13 +100,7 @@ def _directory(path: Path) -> Checkpoint:
                            f"by its shards' directory with only one index, or a single .safetensors file.")
     checkpoint = Checkpoint(str(path))
     if indexes:
-        try:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise InvalidInput(f"{indexes[0]} is not a safetensors index (no 'weight_map'): {err}") from err
-        by_file: dict[str, set[str]] = {}
-        for key, name in weight_map.items():
-            by_file.setdefault(str(name), set()).add(str(key))
+        by_file = _read_index(indexes[0])
         for name, keys in by_file.items():
             shard = path / name
             if not shard.is_file():
@@ -122,6 +118,38 @@ def _directory(path: Path) -> Checkpoint:
                            f"expected an index or exactly one file.")
     _add_file(checkpoint, files[0])
     return checkpoint
+
+
+def _read_index(index: Path) -> dict[str, set[str]]:
+    """Shard file name → the keys a Hugging Face index puts there. Every malformed part is a
+    :class:`WeightsError` naming the field; a shard name must stay inside the index's directory
+    (a plain relative path: no ``..``, not absolute), since the index is data from whoever wrote the
+    checkpoint and ``../elsewhere/x.safetensors`` would read any local file into the model. A shard
+    that is a symlink is followed: the Hugging Face cache is made of them."""
+    try:
+        with open(index, "rb") as f:
+            raw = f.read(_MAX_INDEX_BYTES + 1)
+        if len(raw) > _MAX_INDEX_BYTES:
+            raise WeightsError(f"{index} is larger than any safetensors index ({_MAX_INDEX_BYTES} bytes).")
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise WeightsError(f"{index} is not a safetensors index (not readable JSON: {str(err)[:200]}).") from err
+    if not isinstance(data, dict):
+        raise WeightsError(f"{index} is not a safetensors index: the file holds a {type(data).__name__}, not an object.")
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise WeightsError(f"{index}: field 'weight_map' must map tensor names to shard files, not "
+                           f"{'nothing' if weight_map is None else type(weight_map).__name__}.")
+    by_file: dict[str, set[str]] = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise WeightsError(f"{index}: field 'weight_map'[{key[:80]!r}] must be a shard file name, not {str(name)[:80]!r}.")
+        shard = PurePath(name)
+        if shard.is_absolute() or PureWindowsPath(name).is_absolute() or ".." in shard.parts or "\\" in name:
+            raise WeightsError(f"{index}: field 'weight_map'[{key[:80]!r}] names shard {name[:200]!r}, outside the "
+                               f"checkpoint's directory; an index may name only files beside it (or below it).")
+        by_file.setdefault(name, set()).add(key)
+    return by_file
 
 
 def _add_file(checkpoint: Checkpoint, path: Path) -> list[str]:

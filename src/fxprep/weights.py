@@ -35,16 +35,11 @@ import torch.fx as fx
 from torch import nn
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .errors import FxprepError, InvalidInput
+from .errors import InvalidInput, WeightsError
 from .inputs import normalize_example_inputs, split_calls
 from .ops import BoundOp
 
 ORIGINAL_META = "fxprep_original"
-
-
-class WeightsError(FxprepError):
-    """The checkpoint does not fit the prepared module (keys, shapes, dtypes), or a tensor that no
-    checkpoint holds could not be recomputed."""
 
 
 class _Original:
