@@ -277,6 +277,11 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         "torch.symeig", "torch.tensordot", "torch.trapezoid", "torch.trapz", "torch.triangular_solve", "torch.vdot",
     ),
     "nn": (
+        # the halves F's boolean_dispatch picks between (return_indices=True / False): the op table's
+        "torch.nn.functional._adaptive_max_pool1d", "torch.nn.functional._adaptive_max_pool2d",
+        "torch.nn.functional._adaptive_max_pool3d", "torch.nn.functional._fractional_max_pool2d",
+        "torch.nn.functional._fractional_max_pool3d", "torch.nn.functional._max_pool1d", "torch.nn.functional._max_pool2d",
+        "torch.nn.functional._max_pool3d",
         "torch._C._nn._pad_circular", "torch._C._nn._pad_enum", "torch._C._nn._upsample_bicubic2d_aa",
         "torch._C._nn._upsample_bilinear2d_aa", "torch._C._nn._upsample_nearest_exact1d",
         "torch._C._nn._upsample_nearest_exact2d", "torch._C._nn._upsample_nearest_exact3d",
