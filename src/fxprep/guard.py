@@ -300,7 +300,8 @@ def _message(spec: InputSpec, problems: list[str]) -> str:
 # forward itself writes (``self.calls += 1``: the prepared module does not replay it, and the user's
 # own runs of the model would change it).
 _GONE = object()
-_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+# nn.Module's own fields, and transformers' bookkeeping that no forward reads (set by loading code)
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) | {"_is_hf_initialized", "name_or_path"}
 
 
 class BakedValues:
@@ -344,11 +345,13 @@ def _class_code(cls: type) -> tuple[frozenset[str], dict[str, tuple[dict[str, An
             code = getattr(fn, "__code__", None)
             if code is None or not isinstance(getattr(fn, "__globals__", None), dict):
                 continue
+            # globals: the forwards and the private helpers they call (not public API: save_pretrained)
+            reads = "forward" in fn_name or (fn_name.startswith("_") and not fn_name.startswith("__"))
             names = loads.setdefault(id(fn.__globals__), (fn.__globals__, set()))[1]
             for ins in dis.get_instructions(code):
                 if ins.opname == "STORE_ATTR" and "forward" in fn_name:
                     stores.add(str(ins.argval))
-                elif ins.opname == "LOAD_GLOBAL":
+                elif ins.opname == "LOAD_GLOBAL" and reads:
                     names.add(str(ins.argval))
     return frozenset(stores), {k: (g, frozenset(n)) for k, (g, n) in loads.items()}
 
