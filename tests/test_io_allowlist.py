@@ -276,3 +276,17 @@ def test_an_autocast_op_whose_exit_was_removed_fails_to_load(tmp_path):
     with pytest.raises(SerializationError, match="autocast region"):
         io.load(directory)
     assert not torch.is_autocast_enabled("cpu")
+
+
+class _DataPtr(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.data_ptr() % 2
+
+
+def test_save_refuses_what_load_would_refuse(tmp_path):
+    """A graph calling an excluded Tensor method is refused at save, naming the node, rather than
+    written and then refused by every load."""
+    gm = fxprep.prepare_model(_DataPtr(), example_inputs=torch.randn(2, 3), tracer="fx", progress=False)
+    with pytest.raises(SerializationError, match="cannot save node .*'data_ptr'"):
+        io.save(gm, tmp_path / "s")
+    assert not (tmp_path / "s").exists()
