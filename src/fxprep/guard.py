@@ -168,7 +168,7 @@ def record(gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], t
     return InputSpec(params, tracer)
 
 
-def _tracing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def tracing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Inputs are symbolic here (compile, export, an fx trace): nothing to check, and a check on
     symbolic sizes would specialise them."""
     if torch.compiler.is_compiling() or getattr(torch.compiler, "is_exporting", lambda: False)():
@@ -181,7 +181,7 @@ def _tracing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def check(gm: torch.nn.Module, spec: InputSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise :class:`InputMismatch` when ``gm(*args, **kwargs)`` does not fit ``spec``."""
-    if _tracing(args, kwargs):
+    if tracing(args, kwargs):
         return
     if spec._signature is None:
         spec._signature = inspect.signature(gm.forward)

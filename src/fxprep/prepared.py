@@ -60,7 +60,7 @@ class PreparedModule(fx.GraphModule):
         if spec is not None:
             guard.check(self, spec, args, kwargs)
         baked = self.__dict__.get(BAKED)
-        if baked:
+        if baked and not guard.tracing(args, kwargs):  # compile/export/fx re-trace: read the values themselves
             guard.check_baked(baked)
         try:
             return super().__call__(*args, **kwargs)
