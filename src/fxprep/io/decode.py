@@ -42,6 +42,7 @@ from .format import (
     training_flag,
 )
 from .objects import ObjectReader, class_name, method_function
+from .regions import check_state_regions
 from .trust import TrustPolicy, check_attribute, check_getattr, check_member, is_atom
 
 _DTYPES = allowlist.dtype_table(torch.dtype)
@@ -448,55 +449,6 @@ def build_graph(graph_json: dict[str, Any], root: nn.Module, policy: TrustPolicy
     except Exception as err:  # noqa: BLE001
         raise SerializationError(f"{GRAPH} does not describe a valid graph: {err}") from err
     return graph
-
-
-def _autocast_role(node: fx.Node, root: nn.Module) -> tuple[str, Any] | None:
-    """("enter", None) or ("exit", the value it closes) for an autocast enter/exit call, as a function
-    call or as an op module calling one (the functional → module pass makes them ``Functional`` ops)."""
-    if node.op == "call_function":
-        fn, closes = node.target, (node.args[0] if len(node.args) == 1 and not node.kwargs else None)
-    elif node.op == "call_module":
-        module = root.get_submodule(node.target)
-        if not isinstance(module, ops.BoundOp):
-            return None
-        fn = module.fn
-        slot = module.args[0] if len(module.args) == 1 and not module.kwargs else None
-        closes = (node.args[slot.index] if isinstance(slot, ops.Slot) and slot.index < len(node.args) and not node.kwargs
-                  else None)
-    else:
-        return None
-    if fn is allowlist.AUTOCAST_ENTER:
-        return "enter", None
-    if fn is allowlist.AUTOCAST_EXIT:
-        return "exit", closes
-    return None
-
-
-def check_state_regions(graph: fx.Graph, root: nn.Module) -> None:
-    """Autocast regions (``with torch.autocast(...):`` in the model, kept by Dynamo as an enter and an
-    exit call) must be balanced: each enter's result is passed to exactly one exit, later in the
-    graph, and to nothing else; each exit closes an enter. A save whose graph enters autocast without
-    leaving it would switch autocast on for the rest of the process at its first call (the user's
-    later float32 ``mm`` returning bfloat16)."""
-    enters: dict[fx.Node, int] = {}
-    roles = {node: _autocast_role(node, root) for node in graph.nodes}
-    for node, role in roles.items():
-        if role is None:
-            continue
-        if role[0] == "enter":
-            enters[node] = 0
-            if any((roles.get(user) or ("",))[0] != "exit" for user in node.users):
-                raise SerializationError(f"refusing to load: the autocast region opened at node {node.name!r} is used "
-                                         f"by something other than its exit.")
-        else:
-            if not isinstance(role[1], fx.Node) or role[1] not in enters:
-                raise SerializationError(f"refusing to load: node {node.name!r} leaves an autocast region it did not enter.")
-            enters[role[1]] += 1
-    unbalanced = [n.name for n, exits in enters.items() if exits != 1]
-    if unbalanced:
-        raise SerializationError(
-            f"refusing to load: the autocast region(s) entered at {unbalanced[:5]} are not left exactly once; a call "
-            f"would leave autocast switched for the whole process.")
 
 
 def _check_slots(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> None:
