@@ -598,7 +598,8 @@ class _Two(nn.Module):
 
 _KEYS = ["a.weight", "a.bias", "b.weight", "b.bias"]
 _SHARDS = ["a.safetensors", "b.safetensors", "../outside/b.safetensors", "/abs/b.safetensors", "sub/../b.safetensors",
-           "", ".", "..", "a.safetensors/..", "\\server\\b.safetensors", "C:\\b.safetensors", "nope.safetensors"]
+           "", ".", "..", "a.safetensors/..", "\\server\\b.safetensors", "C:\\b.safetensors", "nope.safetensors",
+           "x" * 300 + ".safetensors", "sub/" * 2000 + "b.safetensors", "a\x00.safetensors", "sub"]
 index_values = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 5) | st.sampled_from(_SHARDS) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(_KEYS + ["x"]), inner, max_size=4),
@@ -616,10 +617,51 @@ index_docs = st.one_of(
 )
 
 
+# Shard bytes damaged (issue 28): truncated, emptied, extended, a header byte changed, a header whose
+# sizes, offsets or dtypes lie, the header length field itself. safetensors validates the header when the
+# file is opened; what load_weights makes of its errors must be a WeightsError naming the file.
+_HEADER_EDITS = {"shape": [[1000, 1000], [4], [2, 2], [0], [], [2**40, 2**40], [-1], "4", None],
+                 "dtype": ["F64", "F16", "I32", "U8", "BOOL", "F8_E8M0", "ZZ", 3, None],
+                 "data_offsets": [[0, 10**12], [4, 2], [0, 0], [-1, 16], [0], None, "x"]}
+
+
+def _corrupt(data: st.DataObject, raw: bytes) -> tuple[bytes, str]:
+    """``raw`` (a safetensors file) damaged one way; says how. ``values`` edits (inside the tensor data)
+    keep the file valid: such a file loads, with other values, which no reader can tell."""
+    length = struct.unpack("<Q", raw[:8])[0]
+    op = data.draw(st.sampled_from(["truncate", "empty", "extend", "header_byte", "header_field", "length", "values"]),
+                   label="shard op")
+    if op == "truncate":
+        cut = data.draw(st.integers(0, len(raw) - 1), label="cut")
+        return raw[:cut], f"truncated to {cut} bytes"
+    if op == "empty":
+        return b"", "empty"
+    if op == "extend":
+        return raw + b"\0" * data.draw(st.integers(1, 64), label="extra"), "extended"
+    if op == "length":
+        value = data.draw(st.sampled_from([0, 1, length - 1, length + 1, len(raw), 2**32, 2**63]), label="length")
+        return struct.pack("<Q", value) + raw[8:], f"header length {value}"
+    if op == "header_byte":
+        at = data.draw(st.integers(8, 8 + length - 1), label="at")
+        byte = data.draw(st.integers(0, 255), label="byte")
+        return raw[:at] + bytes([byte]) + raw[at + 1:], f"header byte {at} = {byte}"
+    if op == "values":
+        at = data.draw(st.integers(8 + length, len(raw) - 1), label="at")
+        return raw[:at] + bytes([raw[at] ^ 0xFF]) + raw[at + 1:], f"values byte {at} flipped"
+    header = json.loads(raw[8:8 + length])
+    key = data.draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")), label="tensor")
+    field = data.draw(st.sampled_from(sorted(_HEADER_EDITS)), label="field")
+    header[key][field] = data.draw(st.sampled_from(_HEADER_EDITS[field]), label="value")
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + raw[8 + length:], f"header {key}.{field} = {header[key][field]}"
+
+
 def test_mutated_checkpoint_indexes_never_escape_and_raise_only_fxprep_errors(tmp_path_factory, record_property):
     """``load_weights`` on a sharded directory whose index is fuzzed (weight_map a list, null, names
-    with ``..``, absolute, Windows paths, odd values): it loads, or raises an FxprepError; a shard
-    outside the directory (holding other values) is never read."""
+    with ``..``, absolute, Windows paths, names too long for the system, odd values) and whose shards
+    are damaged (truncated, headers that lie about sizes, offsets, dtypes): it loads, or raises an
+    WeightsError naming the problem; a shard outside the directory (holding other values) is never read."""
     from safetensors.torch import save_file
 
     root = tmp_path_factory.mktemp("index_fuzz")
@@ -632,33 +674,50 @@ def test_mutated_checkpoint_indexes_never_escape_and_raise_only_fxprep_errors(tm
     (ckpt / "sub").mkdir(parents=True)
     save_file({k: v for k, v in state.items() if k.startswith("a.")}, str(ckpt / "a.safetensors"))
     save_file({k: v for k, v in state.items() if k.startswith("b.")}, str(ckpt / "b.safetensors"))
-    counts = {"indexes": 0, "loaded": 0, "refused": 0}
+    shards = {name: (ckpt / name).read_bytes() for name in ("a.safetensors", "b.safetensors")}
+    counts = {"indexes": 0, "shards_damaged": 0, "loaded": 0, "refused": 0}
     x = torch.randn(2, 3)
 
     @settings(max_examples=max(EXAMPLES_PER_MODEL // 3, 20), deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(doc=index_docs)
-    @example(doc={"weight_map": _VALID_MAP})
-    def fuzz(doc: Any) -> None:
+    @given(doc=index_docs, data=st.data())
+    @example(doc={"weight_map": _VALID_MAP}, data=None)
+    def fuzz(doc: Any, data: st.DataObject | None) -> None:
         counts["indexes"] += 1
         (ckpt / "model.safetensors.index.json").write_text(json.dumps(doc))
+        for name, raw in shards.items():
+            (ckpt / name).write_bytes(raw)
+        damage = ""
+        if data is not None and data.draw(st.booleans(), label="damage a shard"):
+            if data.draw(st.booleans(), label="with the valid index"):
+                doc = {"weight_map": _VALID_MAP}
+                (ckpt / "model.safetensors.index.json").write_text(json.dumps(doc))
+            name = data.draw(st.sampled_from(sorted(shards)), label="shard")
+            raw, how = _corrupt(data, shards[name])
+            (ckpt / name).write_bytes(raw)
+            damage = f"{name} {how}"
+            counts["shards_damaged"] += 1
         with torch.device("meta"):
             model = _Two().eval()
         gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 3, device="meta"), tracer="fx", verify=False,
                                   progress=False)
         try:
             fxprep.load_weights(gm, ckpt)
-        except fxprep.FxprepError:
+        except fxprep.WeightsError:  # the checkpoint's fault, never the arguments': WeightsError, not InvalidInput
             counts["refused"] += 1
             return
         except Exception as err:  # noqa: BLE001
-            pytest.fail(f"load_weights raised {type(err).__name__}: {err} (not an FxprepError; index: {doc})")
+            pytest.fail(f"load_weights raised {type(err).__name__}: {str(err)[:300]} (not a WeightsError; index: "
+                        f"{str(doc)[:300]}; shard damage: {damage or 'none'})")
         counts["loaded"] += 1
-        with torch.no_grad():  # a shard read from outside the directory holds other values
-            assert torch.equal(gm(x), reference(x)), f"load_weights read a shard outside the checkpoint (index: {doc})"
+        if "values byte" not in damage:  # a shard read from outside the directory holds other values
+            with torch.no_grad():
+                assert torch.equal(gm(x), reference(x)), \
+                    f"load_weights read a shard outside the checkpoint (index: {doc}; shard damage: {damage or 'none'})"
 
     fuzz()
     for key, value in counts.items():
         record_property(key, value)
-    print(f"index fuzz: {counts['indexes']} indexes: {counts['refused']} refused (FxprepError), {counts['loaded']} loaded "
-          f"the checkpoint's own shards, 0 read a file outside it, 0 raw exceptions")
-    assert counts["refused"] > 0 and counts["loaded"] > 0
+    print(f"index fuzz: {counts['indexes']} indexes ({counts['shards_damaged']} with a damaged shard): {counts['refused']} "
+          f"refused (WeightsError), {counts['loaded']} loaded the checkpoint's own shards, 0 read a file outside it, "
+          f"0 raw exceptions")
+    assert counts["refused"] > 0 and counts["loaded"] > 0 and counts["shards_damaged"] > 0
