@@ -290,3 +290,85 @@ def test_save_refuses_what_load_would_refuse(tmp_path):
     with pytest.raises(SerializationError, match="cannot save node .*'data_ptr'"):
         io.save(gm, tmp_path / "s")
     assert not (tmp_path / "s").exists()
+
+
+# --- the whole-load budget also counts what the graph itself allocates (literal sizes) ---------------------
+def _insert(directory: Path, nodes: list) -> None:
+    """Insert ``nodes`` after the input placeholder (``"$x"`` in their args stands for it)."""
+    def change(data):
+        x = {"$": "node", "v": data["nodes"][0]["name"]}
+        filled = json.loads(json.dumps(nodes).replace('"$x"', json.dumps(x)))
+        data["nodes"][1:1] = filled
+    _edit(directory, io.GRAPH, change)
+
+
+def _fn(name: str, fn: str, args: list, kwargs: dict | None = None) -> dict:
+    return {"name": name, "op": "call_function", "target": {"fn": fn}, "args": args, "kwargs": kwargs or {}}
+
+
+def _method(name: str, method: str, args: list) -> dict:
+    return {"name": name, "op": "call_method", "target": method, "args": args, "kwargs": {}}
+
+
+@pytest.mark.parametrize("nodes, what", [
+    ([_fn("big", "torch.zeros", [2**40])], "zeros"),  # 4 TiB of float32
+    ([_fn("big", "torch.full", [[2**20, 2**20], 1.5])], "full"),
+    ([_fn("big", "torch.arange", [2**40])], "arange"),
+    ([_fn("big", "torch.empty_strided", [[2, 2], [2**40, 1]])], "empty_strided"),  # the storage its strides reach
+    ([_fn("big", "torch.randn", [2**20, 2**20], {"dtype": {"$": "dtype", "v": "float64"}})], "randn"),
+    ([_fn("big", "torch.ops.aten.zeros", [[2**40]])], "zeros"),
+    ([_method("big", "new_empty", ["$x", [2**40]])], "new_empty"),
+    ([_method("big", "expand", ["$x", 2**20, 1, 3, 32, 32])], "expand"),  # a view; anything on it allocates it all
+    ([_method("big", "repeat", ["$x", 2**20, 2**20, 1, 1])], "repeat"),  # at least its factors
+    # the size computed by the graph from literals: folded, not hidden
+    ([_fn("n", "operator.mul", [2**20, 2**20]), _fn("big", "torch.ones", [{"$": "node", "v": "n"}])], "ones"),
+])
+def test_literal_allocations_past_the_whole_load_budget_are_refused_before_running(saved, nodes, what):
+    """A hand-edited save whose graph calls ``torch.zeros(2**40)`` (or any constructor with literal sizes)
+    was run by load's self-check, which allocated whatever it named (or failed trying, reported as
+    a self-check difference). Now the sizes are counted before anything runs, and the node named."""
+    directory, _, _ = saved
+    _insert(directory, nodes)
+    with pytest.raises(SerializationError, match=rf"node 'big' \({what} with literal sizes\) would allocate "
+                                                 rf"[0-9,]+ bytes.*whole-load budget.*Nothing was allocated"):
+        io.load(directory)
+
+
+def test_literal_allocations_in_an_op_module_are_counted(tmp_path):
+    """The same constructor as an op module (fxprep's functional -> module pass makes calls into
+    BoundOps): its argument template is read, with the call site's literals filled in."""
+    from tests.test_io import _module
+
+    class _Adds(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + torch.ones(4) + x.new_zeros(2, 4)  # literal sizes, a few bytes: loads
+
+    gm = fxprep.prepare_model(_Adds().eval(), example_inputs=torch.randn(2, 4), tracer="dynamo", progress=False)
+    directory = io.save(gm, tmp_path / "adds")
+    io.load(directory)
+
+    def change(data):
+        _module(data, "add").update(fn="Tensor.repeat", args=[{"$": "slot", "v": 0}, 2**20, 2**20])
+    _edit(directory, io.MODULES, change)
+    with pytest.raises(SerializationError, match=r"node 'add\w*' \(repeat with literal sizes\).*whole-load budget"):
+        io.load(directory)
+
+
+def test_save_refuses_a_graph_that_load_would_refuse_for_its_literal_allocations(tmp_path, monkeypatch):
+    """``save`` counts the same sum as ``load``: what every load would refuse is not written."""
+    class _Mask(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.zeros(64, 64).sum()
+
+    gm = fxprep.prepare_model(_Mask().eval(), example_inputs=torch.randn(2, 3), tracer="dynamo", progress=False)
+    monkeypatch.setitem(io.format.LIMITS, "probe_bytes", 4096)  # 64 * 64 float32 = 16384 bytes
+    with pytest.raises(SerializationError, match=r"cannot save to .*node 'zeros' \(zeros with literal sizes\) would "
+                                                 r"allocate 16,384 bytes.*load would refuse it"):
+        io.save(gm, tmp_path / "mask")
+    assert not (tmp_path / "mask").exists()
+    monkeypatch.undo()
+    io.load(io.save(gm, tmp_path / "mask"))

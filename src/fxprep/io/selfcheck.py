@@ -43,7 +43,7 @@ from .. import guard
 from ..errors import InputMismatch, SerializationError
 from ..guard import InputSpec
 from ..runs import SEED, preserved_state
-from . import allowlist
+from . import allowlist, budget
 from .format import LIMITS
 
 _NO_EXAMPLE = {"run": "none", "why": "no example inputs recorded"}
@@ -287,13 +287,30 @@ def _value_difference(saved: Any, now: Any, path: str = "output", rtol: float = 
     return None
 
 
+def check_budget(gm: fx.GraphModule, spec: InputSpec | None, where: str, saving: bool = False) -> None:
+    """The whole-load budget (``LIMITS["probe_bytes"]``), counted before anything runs: the probe
+    inputs the input guard declares, plus every tensor the graph makes with sizes written into it
+    (:func:`.budget.literal_allocations`: ``torch.zeros(2**40)`` in a hand-edited save). ``save``
+    checks the same sum, so it never writes what every ``load`` would refuse."""
+    probe = probe_bytes(spec) if spec is not None else 0
+    made = budget.literal_allocations(gm)
+    total = probe + sum(b for _, _, b in made)
+    if total <= LIMITS["probe_bytes"]:
+        return
+    biggest = sorted(made, key=lambda m: -m[2])[:3]
+    parts = ([f"the input guard declares example inputs of {probe:,} bytes"] if probe else []) + [
+        f"node {node!r} ({what} with literal sizes) would allocate {size:,} bytes" for node, what, size in biggest]
+    more = f" (and {len(made) - 3} more node(s))" if len(made) > 3 else ""
+    why = ("load would refuse it: save a module prepared with smaller example inputs or sizes" if saving
+           else "the file was edited")
+    raise SerializationError(
+        f"{where}: {'; '.join(parts)}{more}: {total:,} bytes in all, more than any fxprep save's "
+        f"({LIMITS['probe_bytes']:,}: the whole-load budget, fxprep.io.format.LIMITS); {why}. Nothing was allocated.")
+
+
 def check(gm: fx.GraphModule, spec: InputSpec | None, saved: Any, where: str) -> None:
     """Raise :class:`SerializationError` unless ``gm`` run on its probe does what the save recorded."""
-    if spec is not None and probe_bytes(spec) > LIMITS["probe_bytes"]:
-        raise SerializationError(
-            f"{where}: the input guard declares example inputs of {probe_bytes(spec):,} bytes in all, more than any "
-            f"fxprep save's ({LIMITS['probe_bytes']:,}: the whole-load budget, fxprep.io.format.LIMITS); the file was "
-            f"edited. Nothing was allocated.")
+    check_budget(gm, spec, where)
     if (not isinstance(saved, dict) or saved.get("run") not in ("outputs", "stopped", "none")
             or (saved.get("run") != "none" and not _known_device(saved.get("device")))):
         raise SerializationError(f"{where} has no valid self_check record (written by every fxprep.save): "
