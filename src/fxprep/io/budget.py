@@ -15,7 +15,16 @@ and bounded by the probe budget already).
 The counts are lower bounds where the result's size depends on its input too (``repeat``,
 ``expand``, ``tile``, ``repeat_interleave``, ``interpolate``: at least the literal factor), and use
 the tensor's own dtype where it is not written in the call (``new_zeros``, ``expand``): 4 bytes,
-float32's. A real model's literal allocations (a causal mask, rotary positions) are a few MB.
+float32's. :func:`declared_bytes` sums what the constructors allocate; ``expand`` and
+``broadcast_to`` allocate nothing themselves (they are views; what is computed from them is sized
+like any result), so only the largest counts: a graph traced with static shapes writes every size
+as a literal, and a Llama's ``repeat_kv`` expands keys and values in every layer (two 64 MiB views
+per layer at 4096 tokens: 4 GiB summed over 32 layers, for nothing allocated). A real model's literal
+allocations (a causal mask, rotary positions) are a few MB.
+
+What this does not bound: tensors computed *from* these (a thousand additions of one allowed tensor,
+all returned). The budget bounds what a save declares, not the peak memory of the forward it
+describes, which is what running the model costs anyway.
 """
 
 from __future__ import annotations
@@ -192,6 +201,7 @@ RULES: dict[str, Callable[[tuple, dict], int | None]] = {
     **{f"upsample_{k}": _interpolate for k in ("nearest1d", "nearest2d", "nearest3d", "linear1d", "bilinear2d",
                                                "bicubic2d", "trilinear3d")},
 }
+VIEWS = frozenset({"expand", "broadcast_to"})  # allocate nothing: the largest counts, not their sum
 _METHODS = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", "expand", "broadcast_to",
                       "repeat", "tile", "repeat_interleave"})
 _NAMESPACES = (torch, torch.nn.functional, torch._C._nn, torch._C._VariableFunctions)
@@ -301,3 +311,9 @@ def literal_allocations(root: nn.Module) -> list[tuple[str, str, int]]:
             if count:
                 found.append((f"{path}.{node.name}" if path else node.name, name, count))
     return found
+
+
+def declared_bytes(made: list[tuple[str, str, int]]) -> int:
+    """What :func:`literal_allocations` found, as one number for the budget: the constructors' bytes
+    summed, plus the largest view (see the module docstring)."""
+    return sum(b for _, what, b in made if what not in VIEWS) + max((b for _, what, b in made if what in VIEWS), default=0)

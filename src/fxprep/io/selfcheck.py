@@ -294,12 +294,13 @@ def check_budget(gm: fx.GraphModule, spec: InputSpec | None, where: str, saving:
     checks the same sum, so it never writes what every ``load`` would refuse."""
     probe = probe_bytes(spec) if spec is not None else 0
     made = budget.literal_allocations(gm)
-    total = probe + sum(b for _, _, b in made)
+    total = probe + budget.declared_bytes(made)
     if total <= LIMITS["probe_bytes"]:
         return
     biggest = sorted(made, key=lambda m: -m[2])[:3]
     parts = ([f"the input guard declares example inputs of {probe:,} bytes"] if probe else []) + [
-        f"node {node!r} ({what} with literal sizes) would allocate {size:,} bytes" for node, what, size in biggest]
+        f"node {node!r} ({what} with literal sizes) would {'expand to' if what in budget.VIEWS else 'allocate'} "
+        f"{size:,} bytes" for node, what, size in biggest]
     more = f" (and {len(made) - 3} more node(s))" if len(made) > 3 else ""
     why = ("load would refuse it: save a module prepared with smaller example inputs or sizes" if saving
            else "the file was edited")
