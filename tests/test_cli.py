@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -503,3 +504,35 @@ def test_import_and_help_stay_light():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
     assert line == "RESULT [] []", line
+
+
+# --- issue 28: specs and inputs a careless user (or a script) may give ------------------------------------
+def test_file_spec_in_a_directory_whose_name_holds_a_colon(tmp_path):
+    """``path:Class`` is split at the last colon: before, ``runs/10:00/model.py:Net`` was read as source
+    ``runs/10`` and refused."""
+    folder = tmp_path / "run 2024-01-01T10:00"
+    folder.mkdir()
+    path = folder / "model.py"
+    path.write_text("import torch\nfrom torch import nn\n\nclass Net(nn.Linear):\n"
+                    "    EXAMPLE_INPUTS = (torch.randn(2, 4),)\n\n    def __init__(self):\n        super().__init__(4, 3)\n")
+    assert resolve(f"{path}:Net").example_inputs[0].shape == (2, 4)
+    result = invoke("prepare", f"{path}:Net", "-o", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+
+
+def test_an_existing_file_wins_over_a_builder_prefix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("demo:net.py").write_text("import torch\nfrom torch import nn\n\ndef Net():\n    return nn.Linear(4, 3)\n\n"
+                                   "Net.example_inputs = (torch.randn(2, 4),)\n")
+    assert isinstance(resolve("demo:net.py:Net").model, torch.nn.Linear)
+
+
+@pytest.mark.parametrize("text", ["1x" + "9" * 5000, "9" * 13, "x=" + "1x" * 70 + "1"])
+def test_absurd_input_sizes_are_usage_errors(text):
+    """``--input 1x<5000 digits>`` said "internal error ... a bug in fxprep" (int() refuses more than
+    4300 digits); now it is a usage error, exit 2, saying what is wrong."""
+    with pytest.raises(SpecError, match="digits|dimensions"):
+        parse_input(text)
+    result = invoke("prepare", "demo:ModelWithReusedReLU", "--input", text)
+    assert result.exit_code == 2, result.output
+    assert "internal error" not in result.output + result.stderr

@@ -264,3 +264,60 @@ def test_quiet_fx_errors_drops_only_fx_error_prints(capsys) -> None:
     print("after", file=sys.stderr)
     err = capsys.readouterr().err
     assert err.splitlines() == ["a warning of the user's own", "Call using an FX-traced Module (another thread)", "after"]
+
+
+# --- issue 28: values baked into the graph --------------------------------------------------------------
+BAKED_OFFSET = 2.0  # a module-level global read in forward: both tracers bake it
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.LeakyReLU(0.1)  # a leaf: called whole, its own attributes followed at each call
+        self.scale = 2.0
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # state the forward writes: the original's own runs change it, not a setting
+        return self.act(self.fc(x)) * self.scale + BAKED_OFFSET
+
+
+@pytest.mark.parametrize("tracer", ["dynamo", "fx"])
+def test_a_changed_attribute_or_global_is_refused_not_silently_ignored(tracer: str) -> None:
+    """Before, ``model.scale = 5.0`` after prepare_model left the prepared module computing with 2.0
+    (both tracers), and the report said nothing."""
+    global BAKED_OFFSET
+    model = _Scaled().eval()
+    x = torch.randn(2, 4)
+    gm = fxprep.prepare_model(model, example_inputs=x, tracer=tracer, progress=False)
+    assert any("model.scale" in n for n in fxprep.get_report(gm).notes)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+    model.scale = 5.0
+    with pytest.raises(fxprep.InputMismatch, match=r"model\.scale: 2\.0 at capture, now 5\.0"):
+        gm(x)
+    model.scale = 2.0
+    BAKED_OFFSET = 7.0
+    try:
+        with pytest.raises(fxprep.InputMismatch, match=r"global tests\.test_guard\.BAKED_OFFSET: 2\.0 at capture, now 7\.0"):
+            gm(x)
+    finally:
+        BAKED_OFFSET = 2.0
+    # what the graph does not hold is not checked: a leaf's own setting, a counter the forward writes
+    model.act.negative_slope = 0.3
+    model(x)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+    assert copy.deepcopy(gm)(x) is not None  # a copy shares nothing with the model: it checks nothing
+
+
+def test_the_baked_values_page_runs():
+    """docs/baked-values.md's example runs as written."""
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "baked-values.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], str(page), "exec"), {"__name__": "baked_values_page"})  # noqa: S102 - the page's own code

@@ -218,3 +218,202 @@ def test_readme_example_runs(llama_dir: Path) -> None:
     assert _tensors_on_meta(gm) == []
     assert fxprep.get_report(gm).verification.status == "passed"
     assert fxprep.get_report(gm).reuse["captured"] == {"model.layers.0": ["model.layers.1", "model.layers.2"]}
+
+
+# --- issue 28: the index is data from whoever wrote the checkpoint -------------------------------------
+class _Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _small_on_meta() -> Any:
+    with torch.device("meta"):
+        model = _Small().eval()
+    return fxprep.prepare_model(model, example_inputs=torch.randn(2, 4, device="meta"), verify=False)
+
+
+def _sharded(directory: Path, weight_map: Any, reference: nn.Module) -> Path:
+    """``a.*`` in shard ``a.safetensors``, ``b.*`` in ``b.safetensors``, and the index given."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    state = reference.state_dict()
+    save_file({k: v for k, v in state.items() if k.startswith("a.")}, str(directory / "a.safetensors"))
+    save_file({k: v for k, v in state.items() if k.startswith("b.")}, str(directory / "b.safetensors"))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "dotdot_inside"])
+def test_shards_outside_the_checkpoint_directory_are_refused(tmp_path: Path, where: str) -> None:
+    """A shard named ``../elsewhere/x.safetensors`` or by an absolute path was read: any local file
+    could be put into the model. Now a WeightsError names the field and the shard."""
+    torch.manual_seed(0)
+    reference = _Small().eval()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    save_file({k: v for k, v in reference.state_dict().items() if k.startswith("b.")}, str(elsewhere / "x.safetensors"))
+    outside = {"parent": "../elsewhere/x.safetensors", "absolute": str(elsewhere / "x.safetensors"),
+               "dotdot_inside": "sub/../../elsewhere/x.safetensors"}[where]
+    directory = _sharded(tmp_path / "ckpt", {"a.weight": "a.safetensors", "a.bias": "a.safetensors",
+                                             "b.weight": outside, "b.bias": outside}, reference)
+    gm = _small_on_meta()
+    with pytest.raises(fxprep.WeightsError, match=r"'weight_map'\['b\.(weight|bias)'\].*outside the checkpoint"):
+        fxprep.load_weights(gm, directory)
+
+
+@pytest.mark.parametrize("weight_map, field", [
+    ([["a.weight", "a.safetensors"]], "'weight_map' must map"), (None, "'weight_map' must map"),
+    ("a.safetensors", "'weight_map' must map"), ({"a.weight": None}, r"'weight_map'\['a.weight'\] must be a shard"),
+    ({"a.weight": 3}, r"'weight_map'\['a.weight'\] must be a shard"),
+])
+def test_malformed_index_is_a_weights_error_naming_the_field(tmp_path: Path, weight_map: Any, field: str) -> None:
+    """``weight_map`` a list or null gave a raw AttributeError."""
+    directory = _sharded(tmp_path / "ckpt", weight_map, _Small())
+    with pytest.raises(fxprep.WeightsError, match=field):
+        fxprep.load_weights(_small_on_meta(), directory)
+
+
+def test_index_that_is_not_an_object_is_a_weights_error(tmp_path: Path) -> None:
+    directory = _sharded(tmp_path / "ckpt", {}, _Small())
+    (directory / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(fxprep.WeightsError, match="not an object"):
+        fxprep.load_weights(_small_on_meta(), directory)
+    (directory / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(fxprep.WeightsError, match="not readable JSON"):
+        fxprep.load_weights(_small_on_meta(), directory)
+
+
+def test_symlinked_shards_still_load(tmp_path: Path) -> None:
+    """The Hugging Face cache is made of links (snapshots/<rev>/x.safetensors -> ../../blobs/<sha>):
+    a shard that is a link, even to a file outside the directory, is followed as before."""
+    torch.manual_seed(0)
+    reference = _Small().eval()
+    blobs = tmp_path / "blobs"
+    real = _sharded(blobs, {}, reference)
+    snapshot = tmp_path / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    for name in ("a.safetensors", "b.safetensors"):
+        (snapshot / name).symlink_to(real / name)
+    import json
+
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a.weight": "a.safetensors", "a.bias": "a.safetensors", "b.weight": "b.safetensors", "b.bias": "b.safetensors"}}))
+    gm = fxprep.load_weights(_small_on_meta(), snapshot)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(gm(x), reference(x))
+
+
+# --- issue 28: every exception out of load_weights is an FxprepError naming what to fix ----------------
+_MAP = {"a.weight": "a.safetensors", "a.bias": "a.safetensors", "b.weight": "b.safetensors", "b.bias": "b.safetensors"}
+
+
+def _rewrite_header(path: Path, edit: Any) -> None:
+    """``path``'s safetensors header edited by ``edit(header)``, the tensor data kept: a header that
+    lies about the sizes of the data after it."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length:])
+
+
+def _shape(header: dict[str, Any], key: str, shape: list[int]) -> None:
+    header[key]["shape"] = shape
+
+
+def _offsets(header: dict[str, Any], key: str, offsets: list[int]) -> None:
+    header[key]["data_offsets"] = offsets
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "header_shape", "header_offsets", "header_dtype", "garbage"])
+def test_damaged_shard_is_a_weights_error_naming_the_file(tmp_path: Path, damage: str) -> None:
+    """A shard cut short by a failed download, or whose header lies about the sizes of the data after
+    it, was an InvalidInput ("the arguments are of the wrong kind") carrying safetensors' bare
+    message; now a WeightsError naming the file and what to do."""
+    directory = _sharded(tmp_path / "ckpt", _MAP, _Small())
+    shard = directory / "b.safetensors"
+    raw = shard.read_bytes()
+    if damage == "truncated":
+        shard.write_bytes(raw[:-7])
+    elif damage == "empty":
+        shard.write_bytes(b"")
+    elif damage == "header_shape":
+        _rewrite_header(shard, lambda h: _shape(h, "b.weight", [1000, 1000]))
+    elif damage == "header_offsets":
+        _rewrite_header(shard, lambda h: _offsets(h, "b.weight", [0, 10**12]))
+    elif damage == "header_dtype":
+        _rewrite_header(shard, lambda h: h["b.weight"].update(dtype="F64"))
+    else:
+        shard.write_bytes(b"\xff" * 8 + raw[8:])
+    with pytest.raises(fxprep.WeightsError, match=r"cannot read .*b\.safetensors as safetensors .*truncated, damaged"):
+        fxprep.load_weights(_small_on_meta(), directory)
+
+
+def test_missing_or_unnameable_shard_is_a_weights_error(tmp_path: Path) -> None:
+    """A shard the index lists but the directory lacks was an InvalidInput; a shard name longer than
+    the system allows made ``Path.is_file`` raise a raw ``OSError: File name too long``."""
+    directory = _sharded(tmp_path / "ckpt", _MAP, _Small())
+    (directory / "b.safetensors").unlink()
+    with pytest.raises(fxprep.WeightsError, match=r"names shard 'b\.safetensors'.*not a file in.*download is incomplete"):
+        fxprep.load_weights(_small_on_meta(), directory)
+    long = "x" * 300 + ".safetensors"
+    directory = _sharded(tmp_path / "ckpt2", {**_MAP, "b.weight": long, "b.bias": long}, _Small())
+    with pytest.raises(fxprep.WeightsError, match=r"'weight_map'\['b\.(bias|weight)'\]: .*cannot be looked up"):
+        fxprep.load_weights(_small_on_meta(), directory)
+
+
+def test_shard_holding_other_keys_and_directory_without_weights_are_weights_errors(tmp_path: Path) -> None:
+    directory = _sharded(tmp_path / "ckpt", {**_MAP, "b.weight": "a.safetensors"}, _Small())
+    with pytest.raises(fxprep.WeightsError, match=r"does not hold what model.safetensors.index.json says"):
+        fxprep.load_weights(_small_on_meta(), directory)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "pytorch_model.bin").write_bytes(b"pickled")
+    with pytest.raises(fxprep.WeightsError, match=r"no \*\.safetensors\.index\.json and 0 .safetensors files.*convert"):
+        fxprep.load_weights(_small_on_meta(), empty)
+
+
+def test_shard_of_the_wrong_shape_or_dtype_names_the_tensor(tmp_path: Path) -> None:
+    """A valid file whose tensor does not fit the parameter: refused before anything changes."""
+    torch.manual_seed(0)
+    reference = _Small().eval()
+    state = reference.state_dict()
+    save_file({**state, "b.weight": torch.zeros(3, 4)}, str(tmp_path / "shape.safetensors"))
+    save_file({**state, "b.weight": state["b.weight"].to(torch.int32)}, str(tmp_path / "dtype.safetensors"))
+    gm = _small_on_meta()
+    with pytest.raises(fxprep.WeightsError, match=r"b\.weight: shape \[3, 4\] in the checkpoint, \[2, 4\] in the module"):
+        fxprep.load_weights(gm, tmp_path / "shape.safetensors")
+    with pytest.raises(fxprep.WeightsError, match=r"b\.weight: dtype torch\.int32 in the checkpoint, torch\.float32"):
+        fxprep.load_weights(gm, tmp_path / "dtype.safetensors")
+    assert gm.b.weight.is_meta  # nothing changed
+
+
+@pytest.mark.parametrize("device", ["gpu0", "nope:0", 3.5])
+def test_unusable_device_is_an_invalid_input(tmp_path: Path, device: Any) -> None:
+    """``device="gpu0"`` raised torch's raw RuntimeError, a float its TypeError."""
+    directory = _sharded(tmp_path / "ckpt", _MAP, _Small())
+    gm = _small_on_meta()
+    with pytest.raises(InvalidInput, match=r"device=.* is not a device this process can use"):
+        fxprep.load_weights(gm, directory, device=device)
+    assert gm.b.weight.is_meta
+
+
+@pytest.mark.parametrize("value", ["meta", "sparse"])
+def test_state_dict_of_tensors_without_values_is_refused(value: str) -> None:
+    """A meta tensor in a state_dict was "loaded": the module kept a weight with no values."""
+    state = dict(_Small().state_dict())
+    state["a.bias"] = torch.empty(4, device="meta") if value == "meta" else torch.zeros(4).to_sparse()
+    with pytest.raises(InvalidInput, match=r"state_dict\['a.bias'\] is a .*load_weights takes dense tensors"):
+        fxprep.load_weights(_small_on_meta(), state)

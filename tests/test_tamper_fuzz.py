@@ -51,7 +51,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torchvision.models.resnet import BasicBlock
@@ -376,6 +376,39 @@ def mutate_weights(data: st.DataObject, save: Save, header: dict[str, Any], log:
     log.append(f"weights {op} {key}: {header.get(key)}")
 
 
+# Input-guard edits (issue 28): dtypes torch cannot draw a probe in (qint8 raised an INTERNAL ASSERT,
+# bits8 NotImplementedError, out of fxprep.load), shapes past the whole-load budget, odd structures.
+GUARD_DTYPES = ["qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8", "bits16", "bits1x8", "complex32",
+                "complex128", "float8_e4m3fn", "uint64", "bool", "float64", "nope", "", None, 7, ["float32"]]
+GUARD_SHAPES = [[], [0], [2**28], [2**14, 2**14], [2**39], [-1, 3], [1.5], ["2"], [1] * 65, None, "1x3", [2**63]]
+
+
+def mutate_guard(data: st.DataObject, docs: dict[str, Any], log: list[str]) -> None:
+    """One edit of the manifest's input guard: an example's dtype or shape, or the tree around it."""
+    manifest = docs[io.MANIFEST]
+    params = manifest.get("input_guard", {}).get("params") if isinstance(manifest, dict) else None
+    if not isinstance(params, dict) or not params:
+        return
+    name = data.draw(st.sampled_from(sorted(params)), label="guard param")
+    node = params[name]
+    op = data.draw(st.sampled_from(["dtype", "shape", "many", "kind", "example"]), label="guard op")
+    example = node.get("example") if isinstance(node, dict) else None
+    if op == "dtype" and isinstance(example, dict):
+        example["dtype"] = data.draw(st.sampled_from(GUARD_DTYPES), label="dtype")
+    elif op == "shape" and isinstance(example, dict):
+        example["shape"] = data.draw(st.sampled_from(GUARD_SHAPES), label="shape")
+    elif op == "many":  # many inputs, each within the per-input limit: the whole-load budget
+        count = data.draw(st.sampled_from([2, 64, 1000]), label="count")
+        item = {"kind": "leaf", "example": {"shape": data.draw(st.sampled_from(GUARD_SHAPES[:5]), label="shape"),
+                                            "dtype": data.draw(st.sampled_from(GUARD_DTYPES), label="dtype")}}
+        params[name] = {"kind": "seq", "type": "list", "items": [item] * count}
+    elif op == "kind" and isinstance(node, dict):
+        node["kind"] = data.draw(st.sampled_from(["tensor", "seq", "dict", "value", "leaf", "none", "x", None]), label="kind")
+    elif op == "example" and isinstance(node, dict):
+        node["example"] = data.draw(json_values, label="example")
+    log.append(f"guard {op} {name}: {str(params.get(name))[:200]}")
+
+
 def write_save(save: Save, directory: Path, docs: dict[str, Any], header: dict[str, Any] | None) -> None:
     directory.mkdir()
     (directory / io.GRAPH).write_text(json.dumps(docs[io.GRAPH]))
@@ -505,7 +538,7 @@ def _same(expected: list[torch.Tensor], got: list[torch.Tensor]) -> bool:
 def test_mutated_saves_never_run_code(saves, model, tmp_path_factory, monkeypatch, record_property):
     save = saves[model]
     work = tmp_path_factory.mktemp(f"mutated_{model}")
-    counts = COUNTS.setdefault(model, {"saves_mutated": 0, "refused": 0, "same": 0, "close": 0})
+    counts = COUNTS.setdefault(model, {"saves_mutated": 0, "refused": 0, "same": 0, "close": 0, "guard_edits": 0})
     # warm-up (lazy imports, the allow-list) and a clean baseline: the unmutated save loads exactly
     loaded = io.load(save.directory)
     with torch.no_grad():
@@ -521,9 +554,13 @@ def test_mutated_saves_never_run_code(saves, model, tmp_path_factory, monkeypatc
         header = None
         log: list[str] = []
         for _ in range(data.draw(st.integers(1, 3), label="edits")):
-            if data.draw(st.integers(0, 4), label="where") == 0:
+            where = data.draw(st.integers(0, 5), label="where")
+            if where == 0:
                 header = header or copy.deepcopy(save.header)
                 mutate_weights(data, save, header, log)
+            elif where == 1:
+                counts["guard_edits"] += 1
+                mutate_guard(data, docs, log)
             else:
                 mutate_json(data, save, docs, log)
         counts["saves_mutated"] += 1
@@ -542,6 +579,145 @@ def test_mutated_saves_never_run_code(saves, model, tmp_path_factory, monkeypatc
     record_property("seconds", round(seconds, 1))
     print(f"tamper fuzz [{model}]: {counts['saves_mutated']} saves mutated in {seconds:.1f}s: "
           f"{counts['refused']} refused, {counts['same']} same outputs, {counts['close']} outputs equal to 1e-4, "
+          f"{counts['guard_edits']} input-guard edits among them, "
           f"0 failing when run, 0 ran code")
     assert counts["saves_mutated"] >= EXAMPLES_PER_MODEL
     assert counts["refused"] > 0 and counts["same"] > 0
+
+
+# --- load_weights: a checkpoint index is data from whoever wrote the checkpoint (issue 28) ------------------
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+_KEYS = ["a.weight", "a.bias", "b.weight", "b.bias"]
+_SHARDS = ["a.safetensors", "b.safetensors", "../outside/b.safetensors", "/abs/b.safetensors", "sub/../b.safetensors",
+           "", ".", "..", "a.safetensors/..", "\\server\\b.safetensors", "C:\\b.safetensors", "nope.safetensors",
+           "x" * 300 + ".safetensors", "sub/" * 2000 + "b.safetensors", "a\x00.safetensors", "sub"]
+index_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.sampled_from(_SHARDS) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(_KEYS + ["x"]), inner, max_size=4),
+    max_leaves=8,
+)
+_VALID_MAP = {"a.weight": "a.safetensors", "a.bias": "a.safetensors", "b.weight": "b.safetensors", "b.bias": "b.safetensors"}
+index_docs = st.one_of(
+    # the valid index with some entries pointed elsewhere (or kept)
+    st.builds(lambda edits: {"weight_map": {**_VALID_MAP, **edits}},
+              st.dictionaries(st.sampled_from(_KEYS), st.sampled_from(_SHARDS[:2] + _SHARDS[2:]) | index_values, max_size=2)),
+    st.fixed_dictionaries({"weight_map": st.dictionaries(st.sampled_from(_KEYS + ["zzz"]), st.sampled_from(_SHARDS) | index_values,
+                                                          max_size=5)}),
+    st.fixed_dictionaries({"weight_map": index_values}),
+    index_values,
+)
+
+
+# Shard bytes damaged (issue 28): truncated, emptied, extended, a header byte changed, a header whose
+# sizes, offsets or dtypes lie, the header length field itself. safetensors validates the header when the
+# file is opened; what load_weights makes of its errors must be a WeightsError naming the file.
+_HEADER_EDITS = {"shape": [[1000, 1000], [4], [2, 2], [0], [], [2**40, 2**40], [-1], "4", None],
+                 "dtype": ["F64", "F16", "I32", "U8", "BOOL", "F8_E8M0", "ZZ", 3, None],
+                 "data_offsets": [[0, 10**12], [4, 2], [0, 0], [-1, 16], [0], None, "x"]}
+
+
+def _corrupt(data: st.DataObject, raw: bytes) -> tuple[bytes, str]:
+    """``raw`` (a safetensors file) damaged one way; says how. ``values`` edits (inside the tensor data)
+    keep the file valid: such a file loads, with other values, which no reader can tell."""
+    length = struct.unpack("<Q", raw[:8])[0]
+    op = data.draw(st.sampled_from(["truncate", "empty", "extend", "header_byte", "header_field", "length", "values"]),
+                   label="shard op")
+    if op == "truncate":
+        cut = data.draw(st.integers(0, len(raw) - 1), label="cut")
+        return raw[:cut], f"truncated to {cut} bytes"
+    if op == "empty":
+        return b"", "empty"
+    if op == "extend":
+        return raw + b"\0" * data.draw(st.integers(1, 64), label="extra"), "extended"
+    if op == "length":
+        value = data.draw(st.sampled_from([0, 1, length - 1, length + 1, len(raw), 2**32, 2**63]), label="length")
+        return struct.pack("<Q", value) + raw[8:], f"header length {value}"
+    if op == "header_byte":
+        at = data.draw(st.integers(8, 8 + length - 1), label="at")
+        byte = data.draw(st.integers(0, 255), label="byte")
+        return raw[:at] + bytes([byte]) + raw[at + 1:], f"header byte {at} = {byte}"
+    if op == "values":
+        at = data.draw(st.integers(8 + length, len(raw) - 1), label="at")
+        return raw[:at] + bytes([raw[at] ^ 0xFF]) + raw[at + 1:], f"values byte {at} flipped"
+    header = json.loads(raw[8:8 + length])
+    key = data.draw(st.sampled_from(sorted(k for k in header if k != "__metadata__")), label="tensor")
+    field = data.draw(st.sampled_from(sorted(_HEADER_EDITS)), label="field")
+    header[key][field] = data.draw(st.sampled_from(_HEADER_EDITS[field]), label="value")
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + raw[8 + length:], f"header {key}.{field} = {header[key][field]}"
+
+
+def test_mutated_checkpoint_indexes_never_escape_and_raise_only_fxprep_errors(tmp_path_factory, record_property):
+    """``load_weights`` on a sharded directory whose index is fuzzed (weight_map a list, null, names
+    with ``..``, absolute, Windows paths, names too long for the system, odd values) and whose shards
+    are damaged (truncated, headers that lie about sizes, offsets, dtypes): it loads, or raises an
+    WeightsError naming the problem; a shard outside the directory (holding other values) is never read."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("index_fuzz")
+    torch.manual_seed(0)
+    reference = _Two().eval()
+    state = reference.state_dict()
+    (root / "outside").mkdir()
+    save_file({k: v + 100 for k, v in state.items() if k.startswith("b.")}, str(root / "outside" / "b.safetensors"))
+    ckpt = root / "ckpt"
+    (ckpt / "sub").mkdir(parents=True)
+    save_file({k: v for k, v in state.items() if k.startswith("a.")}, str(ckpt / "a.safetensors"))
+    save_file({k: v for k, v in state.items() if k.startswith("b.")}, str(ckpt / "b.safetensors"))
+    shards = {name: (ckpt / name).read_bytes() for name in ("a.safetensors", "b.safetensors")}
+    counts = {"indexes": 0, "shards_damaged": 0, "loaded": 0, "refused": 0}
+    x = torch.randn(2, 3)
+
+    @settings(max_examples=max(EXAMPLES_PER_MODEL // 3, 20), deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(doc=index_docs, data=st.data())
+    @example(doc={"weight_map": _VALID_MAP}, data=None)
+    def fuzz(doc: Any, data: st.DataObject | None) -> None:
+        counts["indexes"] += 1
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps(doc))
+        for name, raw in shards.items():
+            (ckpt / name).write_bytes(raw)
+        damage = ""
+        if data is not None and data.draw(st.booleans(), label="damage a shard"):
+            if data.draw(st.booleans(), label="with the valid index"):
+                doc = {"weight_map": _VALID_MAP}
+                (ckpt / "model.safetensors.index.json").write_text(json.dumps(doc))
+            name = data.draw(st.sampled_from(sorted(shards)), label="shard")
+            raw, how = _corrupt(data, shards[name])
+            (ckpt / name).write_bytes(raw)
+            damage = f"{name} {how}"
+            counts["shards_damaged"] += 1
+        with torch.device("meta"):
+            model = _Two().eval()
+        gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 3, device="meta"), tracer="fx", verify=False,
+                                  progress=False)
+        try:
+            fxprep.load_weights(gm, ckpt)
+        except fxprep.WeightsError:  # the checkpoint's fault, never the arguments': WeightsError, not InvalidInput
+            counts["refused"] += 1
+            return
+        except Exception as err:  # noqa: BLE001
+            pytest.fail(f"load_weights raised {type(err).__name__}: {str(err)[:300]} (not a WeightsError; index: "
+                        f"{str(doc)[:300]}; shard damage: {damage or 'none'})")
+        counts["loaded"] += 1
+        if "values byte" not in damage:  # a shard read from outside the directory holds other values
+            with torch.no_grad():
+                assert torch.equal(gm(x), reference(x)), \
+                    f"load_weights read a shard outside the checkpoint (index: {doc}; shard damage: {damage or 'none'})"
+
+    fuzz()
+    for key, value in counts.items():
+        record_property(key, value)
+    print(f"index fuzz: {counts['indexes']} indexes ({counts['shards_damaged']} with a damaged shard): {counts['refused']} "
+          f"refused (WeightsError), {counts['loaded']} loaded the checkpoint's own shards, 0 read a file outside it, "
+          f"0 raw exceptions")
+    assert counts["refused"] > 0 and counts["loaded"] > 0 and counts["shards_damaged"] > 0

@@ -102,11 +102,31 @@ def test_all_nan_output_is_inconclusive_not_passed() -> None:
     assert "NaN" in v.detail
 
 
+class InfOut(nn.Module):
+    """Every output +inf (or -inf): equal infinities gave "passed, max |diff| = 0" (issue 28)."""
+
+    def __init__(self, sign: float = 1.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.sign = sign
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).abs() * (self.sign * float("inf")) + 1.0
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_all_inf_output_is_inconclusive_not_passed(sign) -> None:
+    gm = fxprep.prepare_model(InfOut(sign), example_inputs=torch.randn(2, 3), tracer="fx", progress=False)
+    v = fxprep.get_report(gm).verification
+    assert v.status == "inconclusive", v
+    assert "non-finite" in v.detail and "inf" in v.detail
+
+
 def test_one_all_nan_output_among_others_is_named() -> None:
     gm = fxprep.prepare_model(HalfNaN(), example_inputs=torch.randn(2, 3), tracer="fx", progress=False)
     v = fxprep.get_report(gm).verification
     assert v.status == "passed"
-    assert "not compared: out[1] (all NaN)" in v.detail
+    assert "not compared: out[1] (all NaN or inf)" in v.detail
 
 
 def test_llama_use_cache_difference_is_stated_and_structure_compared() -> None:

@@ -28,7 +28,7 @@ from .errors import EquivalenceError, InputMismatch, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
 from .passes import aimet_modules, aimet_names, functional_to_module, state_dict, unroll, values
-from .prepared import INPUT_SPEC, REPORT, as_prepared, set_preserved
+from .prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, set_preserved
 from .report import Report, Verification
 from .runs import hooks_left_as_found, preserved_state
 from .threads import GLOBAL_LOCK
@@ -384,7 +384,15 @@ def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Mod
 def _guard_inputs(gm: fx.GraphModule, model: nn.Module, tracer: str, call: ExampleInputs | None,
                   concrete: dict[str, Any] | None, dynamic: Any, report: Report,
                   why: dict[str, dict[int, str]] | None = None) -> None:
-    """Record the inputs ``gm`` was captured for; each call is checked against them (fxprep.guard)."""
+    """Record the inputs ``gm`` was captured for, and the values it took from the model's attributes
+    and globals; each call is checked against them (fxprep.guard)."""
+    baked = guard.record_baked(gm, model)
+    if len(baked):
+        setattr(gm, BAKED, baked)  # not preserved by a copy: a copy no longer shares the user's modules
+        report.note(f"The prepared module checks at each call that the {len(baked)} Python value(s) its graph took "
+                    f"from the model's attributes and globals are unchanged ({', '.join(baked.names()[:4])}"
+                    f"{', ...' if len(baked) > 4 else ''}) and raises InputMismatch otherwise: the graph holds them "
+                    f"as constants.")
     tracer = tracer.split("+")[0]  # dynamo+leaves: Dynamo's rules (static shapes) with opaque parts
     if call is None and tracer == "dynamo":  # captured on inputs built from a transformers config
         built = cascade.dynamo_call(model, None)

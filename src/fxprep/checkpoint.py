@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath, PureWindowsPath
 from typing import Any
 
 import torch
 
-from .errors import InvalidInput
+from .errors import InvalidInput, WeightsError
+
+_MAX_INDEX_BYTES = 256 * 2**20  # a 1T-parameter model's index is a few tens of MB
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -53,9 +55,19 @@ class Checkpoint:
             return
         from safetensors import safe_open
 
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in keys:
-                yield key, _aligned(f.get_tensor(key))
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in keys:
+                    tensor = _aligned(f.get_tensor(key))
+                    if (tuple(tensor.shape), tensor.dtype) != self.specs[key]:  # the file changed since it was opened
+                        raise WeightsError(f"{path}: {key!r} is now {tuple(tensor.shape)} {tensor.dtype}, its header "
+                                           f"said {self.specs[key]}: the file changed while it was read.")
+                    yield key, tensor
+        except WeightsError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the file was readable a moment ago: say which and why
+            raise WeightsError(f"cannot read the tensors of {path}: {type(err).__name__}: {str(err)[:200]}. The file "
+                               f"changed or became unreadable while it was read; check it and load again.") from err
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -73,15 +85,18 @@ def open_checkpoint(source: Any) -> Checkpoint:
         for key, value in source.items():
             if not isinstance(key, str) or not isinstance(value, torch.Tensor):
                 raise InvalidInput(f"a state_dict maps names (str) to tensors; got {key!r}: {type(value).__name__}.")
+            if value.layout != torch.strided or value.is_meta or value.is_quantized:
+                raise InvalidInput(f"state_dict[{key!r}] is a {value.layout} {value.dtype} tensor on {value.device}: "
+                                   f"load_weights takes dense tensors holding values (not meta, sparse or quantized).")
             specs[key] = (tuple(value.shape), value.dtype)
         return Checkpoint("the state_dict", specs, {"": list(source)}, source)
     if not isinstance(source, (str, Path)):
         raise InvalidInput(f"source must be a state_dict, a .safetensors file or a directory of them, not "
                            f"{type(source).__name__}.")
     path = Path(source)
-    if path.is_dir():
+    if _is(path, Path.is_dir, "source"):
         return _directory(path)
-    if not path.exists():
+    if not _is(path, Path.exists, "source"):
         raise InvalidInput(f"no such file or directory: {path}")
     if path.suffix != ".safetensors":
         raise InvalidInput(f"{path.name}: only .safetensors files are read (pickled .bin/.pt files can run code "
@@ -94,34 +109,74 @@ def open_checkpoint(source: Any) -> Checkpoint:
 def _directory(path: Path) -> Checkpoint:
     indexes = sorted(path.glob("*.safetensors.index.json"))
     if len(indexes) > 1:
-        raise InvalidInput(f"{path} holds several indexes ({', '.join(i.name for i in indexes)}); pass one of them "
-                           f"by its shards' directory with only one index, or a single .safetensors file.")
+        raise WeightsError(f"{path} holds several indexes ({', '.join(i.name for i in indexes)}); keep one of them "
+                           f"in the shards' directory, or pass a single .safetensors file.")
     checkpoint = Checkpoint(str(path))
     if indexes:
-        try:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise InvalidInput(f"{indexes[0]} is not a safetensors index (no 'weight_map'): {err}") from err
-        by_file: dict[str, set[str]] = {}
-        for key, name in weight_map.items():
-            by_file.setdefault(str(name), set()).add(str(key))
+        by_file = _read_index(indexes[0])
         for name, keys in by_file.items():
             shard = path / name
-            if not shard.is_file():
-                raise InvalidInput(f"{indexes[0].name} names shard {name}, which is not in {path}.")
+            if not _is(shard, Path.is_file, f"{indexes[0].name}: field 'weight_map'[{sorted(keys)[0][:80]!r}]"):
+                raise WeightsError(f"{indexes[0].name} names shard {name[:200]!r} (for {len(keys)} tensor(s), e.g. "
+                                   f"{sorted(keys)[0][:80]!r}), which is not a file in {path}: the download is "
+                                   f"incomplete, or the index belongs to another checkpoint.")
             found = _add_file(checkpoint, shard)
             if set(found) != keys:
                 missing = sorted(keys - set(found))[:5]
-                raise InvalidInput(f"shard {name} does not hold what {indexes[0].name} says it does "
-                                   f"(missing: {', '.join(missing) or 'none'}; extra: {', '.join(sorted(set(found) - keys)[:5]) or 'none'}).")
+                raise WeightsError(f"shard {name} does not hold what {indexes[0].name} says it does "
+                                   f"(missing: {', '.join(missing) or 'none'}; extra: {', '.join(sorted(set(found) - keys)[:5]) or 'none'}): "
+                                   f"the shard or the index is from another checkpoint.")
         return checkpoint
     files = sorted(path.glob("*.safetensors"))
     if len(files) != 1:
         listed = ", ".join(f.name for f in files[:5]) or "none"
-        raise InvalidInput(f"{path} has no *.safetensors.index.json and {len(files)} .safetensors files ({listed}); "
-                           f"expected an index or exactly one file.")
+        raise WeightsError(f"{path} has no *.safetensors.index.json and {len(files)} .safetensors files ({listed}); "
+                           f"expected an index (model.safetensors.index.json) or exactly one .safetensors file. "
+                           f"Pickled checkpoints (.bin, .pt) are not read: convert them to safetensors.")
     _add_file(checkpoint, files[0])
     return checkpoint
+
+
+def _read_index(index: Path) -> dict[str, set[str]]:
+    """Shard file name → the keys a Hugging Face index puts there. Every malformed part is a
+    :class:`WeightsError` naming the field; a shard name must stay inside the index's directory
+    (a plain relative path: no ``..``, not absolute), since the index is data from whoever wrote the
+    checkpoint and ``../elsewhere/x.safetensors`` would read any local file into the model. A shard
+    that is a symlink is followed: the Hugging Face cache is made of them."""
+    try:
+        with open(index, "rb") as f:
+            raw = f.read(_MAX_INDEX_BYTES + 1)
+        if len(raw) > _MAX_INDEX_BYTES:
+            raise WeightsError(f"{index} is larger than any safetensors index ({_MAX_INDEX_BYTES} bytes).")
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise WeightsError(f"{index} is not a safetensors index (not readable JSON: {str(err)[:200]}).") from err
+    if not isinstance(data, dict):
+        raise WeightsError(f"{index} is not a safetensors index: the file holds a {type(data).__name__}, not an object.")
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise WeightsError(f"{index}: field 'weight_map' must map tensor names to shard files, not "
+                           f"{'nothing' if weight_map is None else type(weight_map).__name__}.")
+    by_file: dict[str, set[str]] = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise WeightsError(f"{index}: field 'weight_map'[{key[:80]!r}] must be a shard file name, not {str(name)[:80]!r}.")
+        shard = PurePath(name)
+        if shard.is_absolute() or PureWindowsPath(name).is_absolute() or ".." in shard.parts or "\\" in name:
+            raise WeightsError(f"{index}: field 'weight_map'[{key[:80]!r}] names shard {name[:200]!r}, outside the "
+                               f"checkpoint's directory; an index may name only files beside it (or below it).")
+        by_file.setdefault(name, set()).add(key)
+    return by_file
+
+
+def _is(path: Path, test: Any, what: str) -> bool:
+    """``path.is_dir()`` / ``is_file()`` / ``exists()``, with a name the OS refuses outright (longer
+    than a file name may be: ``OSError: File name too long``) a :class:`WeightsError` naming ``what``."""
+    try:
+        return bool(test(path))
+    except (OSError, ValueError) as err:
+        raise WeightsError(f"{what}: {str(path)[:200]!r} cannot be looked up ({type(err).__name__}: "
+                           f"{str(err)[:80]}); name an existing file or directory.") from err
 
 
 def _add_file(checkpoint: Checkpoint, path: Path) -> list[str]:
@@ -134,14 +189,15 @@ def _add_file(checkpoint: Checkpoint, path: Path) -> list[str]:
                 piece = f.get_slice(key)
                 dtype = _DTYPES.get(piece.get_dtype())
                 if dtype is None:
-                    raise InvalidInput(f"{path.name}: tensor {key!r} has dtype {piece.get_dtype()}, which this torch "
+                    raise WeightsError(f"{path.name}: tensor {key!r} has dtype {piece.get_dtype()}, which this torch "
                                        f"does not have.")
                 if key in checkpoint.specs:
-                    raise InvalidInput(f"{key!r} is in two shards of {checkpoint.where}.")
+                    raise WeightsError(f"{key!r} is in two shards of {checkpoint.where}.")
                 checkpoint.specs[key] = (tuple(piece.get_shape()), dtype)
-    except InvalidInput:
+    except WeightsError:
         raise
     except Exception as err:  # noqa: BLE001 - a broken file is the user's to fix: say which
-        raise InvalidInput(f"cannot read {path} as safetensors: {err}") from err
+        raise WeightsError(f"cannot read {path} as safetensors ({str(err)[:200]}): the file is truncated, damaged "
+                           f"or not a safetensors file; download or write it again.") from err
     checkpoint.files[str(path)] = keys
     return keys

@@ -82,6 +82,12 @@ class SerializationError(FxprepError):
     """A saved fxprep directory cannot be written or read back safely."""
 
 
+class WeightsError(FxprepError):
+    """The checkpoint does not fit the prepared module (keys, shapes, dtypes), its index is malformed
+    or names a file outside its directory, or a tensor that no checkpoint holds could not be
+    recomputed (raised by :func:`fxprep.load_weights`)."""
+
+
 class ExportError(FxprepError):
     """Exporting a prepared module (ONNX, torch.export) failed."""
 

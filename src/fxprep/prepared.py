@@ -35,6 +35,7 @@ from . import decisions, guard
 
 REPORT = "fxprep_report"
 INPUT_SPEC = "fxprep_input_spec"  # a guard.InputSpec: what each call is checked against
+BAKED = "fxprep_baked_values"  # a guard.BakedValues: module attributes / globals the graph holds as constants
 _PRESERVED = getattr(graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
 # Set while as_prepared(..., compiled=False) builds a module: its code is generated later, once.
 _DEFER = threading.local()
@@ -58,6 +59,9 @@ class PreparedModule(fx.GraphModule):
         spec = self.__dict__.get(INPUT_SPEC)
         if spec is not None:
             guard.check(self, spec, args, kwargs)
+        baked = self.__dict__.get(BAKED)
+        if baked and not guard.tracing(args, kwargs):  # compile/export/fx re-trace: read the values themselves
+            guard.check_baked(baked)
         try:
             return super().__call__(*args, **kwargs)
         except RuntimeError as err:  # a value decided from the example, which this input decides otherwise

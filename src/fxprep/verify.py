@@ -102,7 +102,7 @@ class Comparison:
     worst: float = 0.0
     problem: str | None = None
     meta: list[str] = dataclasses.field(default_factory=list)  # meta tensors: structure/shape/dtype only
-    all_nan: list[str] = dataclasses.field(default_factory=list)  # NaN everywhere in both: no value compared
+    all_nan: list[str] = dataclasses.field(default_factory=list)  # no finite value in both (NaN/inf): nothing compared
     empty: list[str] = dataclasses.field(default_factory=list)  # no elements at all (a batch of 0)
     accepted: list[str] = dataclasses.field(default_factory=list)  # stated differences accepted
 
@@ -196,10 +196,12 @@ def _compare(ref: Any, got: Any, rtol: float, atol: float,
 
 
 def _all_nan(t: torch.Tensor) -> bool:
+    """No finite value at all (NaN, +inf, -inf): equal infinities compare as "max |diff| = 0", which
+    says nothing about the computation (issue 28: every output +inf passed)."""
     t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
-    return t.is_floating_point() and t.numel() > 0 and bool(torch.isnan(t).all())
+    return t.is_floating_point() and t.numel() > 0 and not bool(torch.isfinite(t).any())
 
 
 def _tensor_diff(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[float, str | None]:
@@ -418,17 +420,18 @@ def _inconclusive(result: Verification, found: Comparison, details: list[str]) -
                           f"weights and verify on a real device for a full check")
     elif found.all_nan and compared == 0:
         result.status = "inconclusive"
-        details.insert(0, f"every output is NaN in both modules ({', '.join(found.all_nan[:4])}): NaN positions "
-                          f"agree but no value was compared; check the weights and inputs (uninitialised memory?)")
+        details.insert(0, f"every output is non-finite (NaN or inf) in both modules ({', '.join(found.all_nan[:4])}): "
+                          f"NaN/inf positions agree but no finite value was compared; check the weights and inputs "
+                          f"(uninitialised memory? an overflow?)")
     elif found.empty and compared == 0 and not found.all_nan and not found.meta:
         result.status = "inconclusive"
         details.insert(0, f"every output is empty ({', '.join(found.empty[:4])}: no elements): no value was compared; "
                           f"give inputs with at least one element per dimension")
     elif compared == 0:
         result.status = "inconclusive"
-        details.insert(0, "no output value could be compared (meta, all-NaN or empty outputs)")
+        details.insert(0, "no output value could be compared (meta, non-finite or empty outputs)")
     else:
-        for paths, why in ((found.all_nan, "all NaN"), (found.empty, "empty"), (found.meta, "meta")):
+        for paths, why in ((found.all_nan, "all NaN or inf"), (found.empty, "empty"), (found.meta, "meta")):
             if paths:
                 details.append(f"not compared: {', '.join(paths[:4])} ({why})")
 

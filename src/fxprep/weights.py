@@ -35,16 +35,11 @@ import torch.fx as fx
 from torch import nn
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .errors import FxprepError, InvalidInput
+from .errors import InvalidInput, WeightsError
 from .inputs import normalize_example_inputs, split_calls
 from .ops import BoundOp
 
 ORIGINAL_META = "fxprep_original"
-
-
-class WeightsError(FxprepError):
-    """The checkpoint does not fit the prepared module (keys, shapes, dtypes), or a tensor that no
-    checkpoint holds could not be recomputed."""
 
 
 class _Original:
@@ -145,7 +140,7 @@ def load_weights(gm: fx.GraphModule, source: Any, *, device: Any = None, dtype: 
     original = remembered.model if remembered is not None else None
     slots = _slots(gm, original)
     before = {t.device for s in slots.values() for t in (s.tensor,)}
-    target = torch.device(device) if device is not None else _default_device(before)
+    target = _device(device) if device is not None else _default_device(before)
     plan = _plan(slots, checkpoint, dtype)
     recompute = [s for s in slots.values() if id(s.tensor) not in plan.keys and s.tensor.is_meta]
     roots = [gm] if original is None else [gm, original]
@@ -163,7 +158,12 @@ def load_weights(gm: fx.GraphModule, source: Any, *, device: Any = None, dtype: 
         fresh: dict[int, torch.Tensor] = {}
         for key, value in shard:
             slot = plan.slot_of[key]
-            cast = value.to(device=target, dtype=plan.dtypes[key])
+            try:
+                cast = value.to(device=target, dtype=plan.dtypes[key])
+            except (RuntimeError, MemoryError) as err:  # the device ran out of memory
+                raise WeightsError(f"cannot put {key!r} ({list(value.shape)}, {plan.dtypes[key]}) onto {target}: "
+                                   f"{type(err).__name__}: {str(err)[:200]}. {loaded} tensor(s) were loaded; the "
+                                   f"module now holds some new weights and some old ones: load again.") from err
             if key in plan.duplicates:
                 plan.pending[key] = cast
                 continue
@@ -180,6 +180,18 @@ def load_weights(gm: fx.GraphModule, source: Any, *, device: Any = None, dtype: 
               + (f"; left on meta in the original model only (the graph does not use them): {_list(left)}" if left else "")
               + (f", {moved} device literal(s) moved" if moved else "") + ".")
     return gm
+
+
+def _device(device: Any) -> torch.device:
+    """``device=`` as a torch.device this process can put tensors on: a misspelt name or a device
+    torch has no driver for is an :class:`InvalidInput` here, before anything is read or changed."""
+    try:
+        target = torch.device(device)
+        torch.empty(0, device=target)  # no memory: raises when the device is not usable here
+    except (RuntimeError, TypeError, ValueError, AssertionError) as err:
+        raise InvalidInput(f"device={str(device)[:80]!r} is not a device this process can use ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0][:200] if str(err) else ''}).") from err
+    return target
 
 
 def _default_device(devices: set[torch.device]) -> torch.device:

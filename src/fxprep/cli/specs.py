@@ -49,6 +49,9 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.fl
 
 
 _INPUT_RE = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dims>\d+(?:x\d+)*)(?::(?P<dtype>\w+))?$")
+# No real input has a dimension of more than 12 digits; longer ones would reach Python's limit on
+# converting long digit strings (4300 digits: a ValueError from int()) or overflow torch's int64 sizes.
+_MAX_DIM_DIGITS = 12
 
 
 def parse_input(text: str, *, high: int = 100) -> tuple[str | None, torch.Tensor]:
@@ -59,7 +62,13 @@ def parse_input(text: str, *, high: int = 100) -> tuple[str | None, torch.Tensor
         raise SpecError(
             f"cannot read input {text!r}: write DIMS[:DTYPE] or NAME=DIMS[:DTYPE], e.g. 1x3x224x224 or input_ids=1x16:int64."
         )
-    shape = tuple(int(d) for d in m["dims"].split("x"))
+    dims = m["dims"].split("x")
+    if len(dims) > 64 or any(len(d.lstrip("0")) > _MAX_DIM_DIGITS for d in dims):
+        raise SpecError(
+            f"input {text[:80]!r}{'...' if len(text) > 80 else ''} has a dimension of more than {_MAX_DIM_DIGITS} "
+            f"digits (or more than 64 dimensions); give the sizes of one real input, e.g. 1x3x224x224."
+        )
+    shape = tuple(int(d) for d in dims)
     dtype = _DTYPES.get(m["dtype"] or "float32")
     if dtype is None:
         raise SpecError(f"unknown dtype {m['dtype']!r} in input {text!r}; known: {', '.join(sorted(_DTYPES))}.")
@@ -261,8 +270,14 @@ def _demo(name: str) -> BuiltModel:
 def resolve(spec: str, inputs: Iterable[str] = ()) -> BuiltModel:
     """Build the model a spec names (offline, random weights), with ``--input`` strings overriding
     the default example inputs."""
-    source, sep, name = spec.partition(":")
-    if not sep or not name:
+    # split at the *last* colon: a file's directory may hold one (``runs/2024-01-01T10:00/model.py:Net``);
+    # a file that exists wins over a builder prefix (``demo:x.py:Net`` names the file ``demo:x.py``)
+    source, sep, name = spec.rpartition(":")
+    if sep and name and not Path(source).is_file():
+        first, _, rest = spec.partition(":")
+        if first in ("torchvision", "timm", "transformers", "demo"):
+            source, name = first, rest
+    if not sep or not name or not source:
         raise SpecError(
             f"cannot read model spec {spec!r}: use torchvision:NAME, timm:NAME, transformers:TYPE_OR_CLASS, "
             f"demo:NAME or path/to/file.py:ClassOrFactory."
@@ -270,7 +285,7 @@ def resolve(spec: str, inputs: Iterable[str] = ()) -> BuiltModel:
     builders: dict[str, Callable[[str], BuiltModel]] = {
         "torchvision": _torchvision, "timm": _timm, "transformers": _transformers, "demo": _demo,
     }
-    if source.endswith(".py") or "/" in source or os.sep in source:
+    if source.endswith(".py") or "/" in source or os.sep in source or Path(source).is_file():
         built = _from_file(source, name)
     elif source in builders:
         try:

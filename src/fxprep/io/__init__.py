@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..api import register_with_toolkits
-from ..errors import SerializationError
+from ..errors import FxprepError, SerializationError
 from ..guard import InputSpec
 from ..passes import state_dict as state_dict_pass
 from ..prepared import INPUT_SPEC, REPORT, PreparedModule, set_preserved
@@ -67,6 +67,13 @@ __all__ = [
     "TrustPolicy", "check_member", "init_kwargs", "inspect_saved", "load", "save",
 ]
 
+def _as_serialization_error(what: str, directory: Any, err: Exception) -> SerializationError:
+    """An exception from inside torch or safetensors, as the documented error (issue 28: every
+    exception out of ``load`` and ``save`` is an FxprepError; a hostile file must not be able to pick
+    what a caller has to catch)."""
+    return SerializationError(f"cannot {what} {directory}: {type(err).__name__}: {str(err)[:300]}")
+
+
 def save(
     gm: fx.GraphModule,
     directory: str | os.PathLike[str],
@@ -88,6 +95,22 @@ def save(
     The module is run once on a probe shaped like its example, and what it computed is recorded for
     ``load`` to check (:mod:`.selfcheck`).
     """
+    try:
+        return _save(gm, directory, example_inputs=example_inputs, trusted_modules=trusted_modules, overwrite=overwrite)
+    except FxprepError:
+        raise
+    except Exception as err:  # noqa: BLE001 - see _as_serialization_error
+        raise _as_serialization_error("save to", directory, err) from err
+
+
+def _save(
+    gm: fx.GraphModule,
+    directory: str | os.PathLike[str],
+    *,
+    example_inputs: Any = None,
+    trusted_modules: Iterable[str] = (),
+    overwrite: bool = False,
+) -> Path:
     if not isinstance(gm, fx.GraphModule):
         raise SerializationError(f"fxprep.save expects a torch.fx.GraphModule, not {type(gm).__name__}.")
     from safetensors.torch import save_file
@@ -103,6 +126,7 @@ def save(
     tensors = contiguous_unshared(writer.tensors)
     report = getattr(gm, "fxprep_report", None)
     guard = getattr(gm, INPUT_SPEC, None)
+    selfcheck.check_budget(gm, guard, f"cannot save to {directory}", saving=True)  # what load would refuse
     self_check = selfcheck.record(gm, guard)
     target = Path(directory)
     with staged(target, overwrite) as fresh:
@@ -149,8 +173,24 @@ def load(
     (docs/security.md). ``check_integrity`` compares each file with the checksum in the manifest.
     Every problem, tampering included, is a :class:`SerializationError` that says what was refused;
     that includes a module that does not compute, on the probe ``save`` recorded, what the saved one
-    did (:mod:`.selfcheck`: the loaded module is run once).
+    did (:mod:`.selfcheck`: the loaded module is run once, after every name, node and attribute was
+    checked and within the whole-load budget of :data:`.format.LIMITS`). The process's global state
+    (grad mode, autocast, default dtype, deterministic flags, RNG) is the same after ``load``.
     """
+    try:
+        return _load(directory, trusted_modules=trusted_modules, check_integrity=check_integrity)
+    except FxprepError:
+        raise
+    except Exception as err:  # noqa: BLE001 - see _as_serialization_error
+        raise _as_serialization_error("load", directory, err) from err
+
+
+def _load(
+    directory: str | os.PathLike[str],
+    *,
+    trusted_modules: Iterable[str] = (),
+    check_integrity: bool = True,
+) -> fx.GraphModule:
     directory = Path(directory)
     if not directory.is_dir():
         raise SerializationError(f"{directory} is not a directory written by fxprep.save.")

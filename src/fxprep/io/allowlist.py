@@ -1,11 +1,14 @@
-"""The objects a saved file may name without ``trusted_modules``, enumerated from the real modules.
+"""The objects a saved file may name without ``trusted_modules``: the reviewed list, as objects.
 
 :mod:`.trust` never follows a saved name attribute by attribute (``torch.nn.functional.torch.
-builtins.eval`` *is* ``builtins.eval`` when walked that way). Instead, the functions and classes a
-save may use are listed here once, as objects, by walking torch's operator namespaces, ``math``,
-``operator`` and a few builtins, and the ``torch.nn`` / ``torch.ao.nn`` / ``fxprep`` module
-classes. A saved name is then a key in these tables, and what it resolves to is the object the
-table holds. Built lazily on first use (a few tens of milliseconds) and cached for the process.
+builtins.eval`` *is* ``builtins.eval`` when walked that way). Instead, each name :mod:`.reviewed`
+lists (one entry each, by family) is resolved here once, by a single dictionary lookup in a fixed
+namespace object (``vars(torch.nn.functional)["relu"]``), and a saved name is a key in the table
+this builds: what it resolves to is the object the table holds. Nothing outside the reviewed list
+is ever in the table, whatever a namespace holds: a new torch release adds operators to
+``torch``, not to this list. Excluded families (raw-pointer tensor makers, process-state changers,
+I/O) are refused by identity as well, so a name that a torch version aliases to an excluded object
+is refused too. Built lazily on first use and cached for the process.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import functools
 import importlib
 import math
 import operator
-import re
 import sys
 import types
 from typing import Any
@@ -24,64 +26,45 @@ import torch
 from torch import nn
 
 from .. import cond, decisions
+from . import reviewed
 
-# Namespaces whose public (and, for torch's C namespaces, private) tensor ops a graph may call:
-# (prefix written in saves, the namespace object, whether _names count).
-_NAMESPACES: tuple[tuple[str, Any, bool], ...] = (
-    ("torch.nn.functional", torch.nn.functional, False),
-    ("torch", torch, True),
-    ("torch.special", torch.special, False),
-    ("torch.linalg", torch.linalg, False),
-    ("torch.fft", torch.fft, False),
-    ("torch.functional", torch.functional, False),
-    ("torch._C._nn", torch._C._nn, True),
-    ("torch._C._linalg", torch._C._linalg, True),
-    ("torch._C._special", torch._C._special, True),
-    ("torch._C._fft", torch._C._fft, True),
+# The namespaces a reviewed name may live in: saved prefix → the namespace object (looked up once,
+# never walked). Order matters for saving: the first namespace holding an object names it (F before torch).
+_NAMESPACES: tuple[tuple[str, Any], ...] = (
+    ("torch.nn.functional", torch.nn.functional),
+    ("torch", torch),
+    ("torch.special", torch.special),
+    ("torch.linalg", torch.linalg),
+    ("torch.fft", torch.fft),
+    ("torch.functional", torch.functional),
+    ("torch._C._nn", torch._C._nn),
+    ("torch._C._linalg", torch._C._linalg),
+    ("torch._C._special", torch._C._special),
+    ("torch._C._fft", torch._C._fft),
+    ("math", math),
+    ("operator", operator),
+    ("builtins", builtins),
 )
 
-# Where a tensor op is implemented: builtins report one of these as __module__ ...
-_BUILTIN_HOMES = frozenset({"torch", "torch._C._nn", "torch._C._linalg", "torch._C._special", "torch._C._fft"})
-# ... Python-level ops one of these.
-_PYTHON_HOMES = frozenset({
-    "torch.nn.functional", "torch.functional", "torch._lowrank", "torch._lobpcg", "torch._linalg_utils",
-})
-
-# Python functions defined in torch/__init__.py that graphs call (shape asserts, symbolic ints).
-_TORCH_PYTHON_OK = frozenset({
-    "_assert", "_check", "_check_is_size", "sym_float", "sym_int", "sym_ite", "sym_max", "sym_min", "sym_not",
-    "sym_sqrt", "sym_sum", "is_tensor",
-})
-
-# Names refused in every namespace: files, threads, global or process state, code loading.
-DENY = re.compile(
-    r"^(load|save|from_file|fork|wait|compile|cond|while_loop|vmap|import_ir_module.*|parse_.*|set_.*|_set_.*|"
-    r"init_num_threads|manual_seed|seed|initial_seed|.*_seed|.*rng_state|_cufft_.*|_enable_.*|_disable_.*|_print|"
-    r"_test_.*|use_deterministic_algorithms|handle_torch_function|has_torch_function.*|boolean_dispatch|_add_docstr)$"
-)
-
-# Graph targets outside the namespaces, named by where they are defined.
-_EXTRA_FUNCTIONS: tuple[tuple[str, Any], ...] = (
-    ("torch.fx._symbolic_trace._assert_is_none", torch.fx._symbolic_trace._assert_is_none),
-    # Dynamo's grad-mode toggles and `with torch.autocast(..., enabled=False):` regions (timm EfficientViT)
-    ("torch._C._set_grad_enabled", torch._C._set_grad_enabled),
-    ("torch.amp.autocast_mode._enter_autocast", torch.amp.autocast_mode._enter_autocast),
-    ("torch.amp.autocast_mode._exit_autocast", torch.amp.autocast_mode._exit_autocast),
+# Graph helpers named by where they are defined (not in a namespace above).
+_EXTRA_FUNCTIONS: dict[str, Any] = {
+    "torch.fx._symbolic_trace._assert_is_none": torch.fx._symbolic_trace._assert_is_none,
+    # `with torch.autocast(..., enabled=False):` regions (timm EfficientViT): balanced pairs only
+    "torch.amp.autocast_mode._enter_autocast": torch.amp.autocast_mode._enter_autocast,
+    "torch.amp.autocast_mode._exit_autocast": torch.amp.autocast_mode._exit_autocast,
     # a data-dependent branch of a prepared graph (control_flow="rewrite", a user's torch.cond)
-    ("fxprep.cond.cond", cond.cond),
+    "fxprep.cond.cond": cond.cond,
     # the check of a value decided from the example (dynamo+values)
-    ("fxprep.decisions.check_decision", decisions.check_decision),
-)
+    "fxprep.decisions.check_decision": decisions.check_decision,
+}
+AUTOCAST_ENTER = torch.amp.autocast_mode._enter_autocast
+AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
 
 BUILTINS = ("len", "getattr", "int", "float", "bool", "abs", "min", "max", "round", "range", "tuple", "list",
             "slice", "sum", "all", "any", "divmod", "pow", "isinstance")
 
-# operator's factories of getters and callers would turn data into code.
-_OPERATOR_DENY = frozenset({"attrgetter", "itemgetter", "methodcaller", "call"})
-
-# torch.ops namespaces trusted by default, and op names refused in them.
-OP_NAMESPACES = frozenset({"aten", "prims"})
-OP_DENY = re.compile(r"^(from_file|save|load.*|.*seed|_cufft_.*|_print|set_.*|_set_.*)$")
+# torch.ops namespaces trusted by default (aten only: prims are lower-level, unchecked building blocks).
+OP_NAMESPACES = frozenset({"aten"})
 
 # Module classes: every nn.Module subclass defined under these packages.
 _TORCH_CLASS_PACKAGES = ("torch.nn.modules", "torch.ao.nn")
@@ -101,53 +84,81 @@ def canonical_name(obj: Any) -> str | None:
     return f"{module}.{qualname}"
 
 
-def _is_op(obj: Any, prefix: str, name: str) -> bool:
-    if isinstance(obj, (types.ModuleType, type)) or not callable(obj) or DENY.match(name):
-        return False
-    home = getattr(obj, "__module__", None)
-    if isinstance(obj, types.BuiltinFunctionType):
-        return home in _BUILTIN_HOMES
-    if isinstance(obj, types.FunctionType):
-        if prefix == "torch" and home == "torch":
-            return name in _TORCH_PYTHON_OK
-        return home in _PYTHON_HOMES
-    return False
+_MISSING = object()
+
+
+def resolve(name: str) -> Any:
+    """The object a reviewed ``name`` stands for: one lookup in its namespace's own dict (None when
+    this torch has no such entry)."""
+    if name in _EXTRA_FUNCTIONS:
+        return _EXTRA_FUNCTIONS[name]
+    prefix, _, attr = name.rpartition(".")
+    namespace = dict(_NAMESPACES).get(prefix)
+    if namespace is None:
+        return None
+    obj = vars(namespace).get(attr, _MISSING)
+    return None if obj is _MISSING or isinstance(obj, (types.ModuleType, type)) or not callable(obj) else obj
+
+
+@functools.cache
+def excluded_objects() -> dict[int, str]:
+    """id → saved name of every excluded function this torch has (raw memory, process state, I/O)."""
+    found: dict[int, str] = {}
+    for names in reviewed.EXCLUDED_FUNCTIONS.values():
+        for name in names:
+            module, _, attr = name.rpartition(".")
+            obj = vars(sys.modules[module]).get(attr) if module in sys.modules else None
+            if obj is not None:
+                found[id(obj)] = name
+    return found
 
 
 @functools.cache
 def functions() -> dict[str, Any]:
-    """Saved name → the function object it stands for (every name fxprep writes for these)."""
+    """Saved name → the function object it stands for: the reviewed functions this torch has."""
     table: dict[str, Any] = {}
-    for prefix, namespace, private_ok in _NAMESPACES:
-        for name, obj in vars(namespace).items():
-            if name.startswith("__") or (name.startswith("_") and not private_ok):
-                continue
-            if _is_op(obj, prefix, name):
-                table[f"{prefix}.{name}"] = obj
-    for name in dir(math):
-        if not name.startswith("_") and isinstance(getattr(math, name), types.BuiltinFunctionType):
-            table[f"math.{name}"] = getattr(math, name)
-    for name in dir(operator):
-        obj = getattr(operator, name)
-        if not name.startswith("_") and name not in _OPERATOR_DENY and callable(obj) and not isinstance(obj, type):
-            table[f"operator.{name}"] = obj
-    for name in BUILTINS:
-        table[f"builtins.{name}"] = getattr(builtins, name)
-    for name, obj in _EXTRA_FUNCTIONS:
-        table[name] = obj
+    excluded = excluded_objects()
+    for names in reviewed.FUNCTIONS.values():
+        for name in names:
+            obj = resolve(name)
+            if obj is not None and id(obj) not in excluded:
+                table[name] = obj
     return table
 
 
 @functools.cache
+def methods() -> frozenset[str]:
+    """The reviewed Tensor method names (operator dunders are decided in :mod:`.trust`)."""
+    return frozenset(m for names in reviewed.METHODS.values() for m in names)
+
+
+@functools.cache
+def aten_ops() -> frozenset[str]:
+    """``torch.ops.aten`` op names allowed: the reviewed extras, and every reviewed torch function's
+    own op (``torch.linalg.norm`` is ``aten.linalg_norm``, ``F.relu`` is ``aten.relu``)."""
+    names = set(reviewed.ATEN)
+    for name in functions():
+        prefix, _, attr = name.rpartition(".")
+        if prefix in ("torch", "torch.nn.functional", "torch._C._nn", "torch.functional"):
+            names.add(attr)
+        elif prefix in ("torch.linalg", "torch.special", "torch.fft"):
+            names.add(f"{prefix.rpartition('.')[2]}_{attr}")
+        elif prefix in ("torch._C._linalg", "torch._C._special", "torch._C._fft"):
+            names.add(attr)
+    excluded = {n.rpartition(".")[2] for names_ in reviewed.EXCLUDED_FUNCTIONS.values() for n in names_}
+    return frozenset(names - excluded)
+
+
+@functools.cache
 def torchvision_functions() -> dict[str, Any]:
-    """torchvision.ops' own functions (nms, roi_align, box ops), by their defining module's name."""
+    """torchvision.ops' reviewed functions (nms, roi_align, box ops), by their defining module's name too."""
     try:
         ops = importlib.import_module(TORCHVISION_OPS)
     except ImportError:
         return {}
     table: dict[str, Any] = {}
-    for name in getattr(ops, "__all__", ()):
-        obj = getattr(ops, name, None)
+    for name in reviewed.TORCHVISION_FUNCTIONS:
+        obj = vars(ops).get(name)
         if isinstance(obj, types.FunctionType) and str(obj.__module__).startswith(TORCHVISION_OPS + "."):
             table[f"{TORCHVISION_OPS}.{name}"] = obj
             table[str(canonical_name(obj))] = obj
@@ -157,8 +168,9 @@ def torchvision_functions() -> dict[str, Any]:
 @functools.cache
 def function_names() -> dict[int, str]:
     """id(function) → one saved name for it (the first namespace listing it wins: F before torch)."""
+    order = {prefix: i for i, (prefix, _) in enumerate(_NAMESPACES)}
     names: dict[int, str] = {}
-    for name, obj in functions().items():
+    for name, obj in sorted(functions().items(), key=lambda item: (order.get(item[0].rpartition(".")[0], 99), item[0])):
         names.setdefault(id(obj), name)
     return names
 

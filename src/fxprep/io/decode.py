@@ -42,6 +42,7 @@ from .format import (
     training_flag,
 )
 from .objects import ObjectReader, class_name, method_function
+from .regions import check_state_regions
 from .trust import TrustPolicy, check_attribute, check_getattr, check_member, is_atom
 
 _DTYPES = allowlist.dtype_table(torch.dtype)
@@ -439,6 +440,7 @@ def build_graph(graph_json: dict[str, Any], root: nn.Module, policy: TrustPolicy
         if node.name != name:
             raise SerializationError(f"node name {name!r} cannot be reproduced (got {node.name!r}).")
         decode.nodes[name] = node
+    check_state_regions(graph, root)
     codegen = graph_json.get("codegen")
     if codegen is not None:
         graph._codegen = _pytree_codegen(codegen)
@@ -557,5 +559,5 @@ def report_from_dict(data: Any, directory: Path) -> Report:
     return report
 
 
-__all__ = ["LIMITS", "Decoder", "assign_tensors", "build_graph", "build_modules", "check_no_meta", "field_of",
-           "finish_modules", "report_from_dict", "set_attrs"]
+__all__ = ["LIMITS", "Decoder", "assign_tensors", "build_graph", "build_modules", "check_no_meta",
+           "check_state_regions", "field_of", "finish_modules", "report_from_dict", "set_attrs"]

@@ -29,7 +29,7 @@ from ..errors import SerializationError
 from .allowlist import canonical_name
 from .format import CONTAINERS, HOOK_DICTS, TYPE_NAMES, own_attrs, tensor_record
 from .objects import ObjectWriter, class_name, opaque_code_name, trust_hint
-from .trust import TrustPolicy, check_attribute, default_function_name
+from .trust import TrustPolicy, check_attribute, check_member, default_function_name
 
 
 # --- naming functions and classes ----------------------------------------------------------------
@@ -435,6 +435,12 @@ def graph_json(gm: fx.GraphModule) -> dict[str, Any]:
             target: Any = {"fn": function_name(node.target)}
         else:
             target = str(node.target)
+        if node.op == "call_method":
+            try:  # what load would refuse is refused here, where the model can still be changed
+                check_member(node.target, "method")
+            except SerializationError as err:
+                raise SerializationError(f"cannot save node {node.name!r}: {str(err).removeprefix('refusing to load: ')}"
+                                         ) from err
         entry = {"name": node.name, "op": node.op, "target": target, "args": [enc(a) for a in node.args],
                  "kwargs": {k: enc(v) for k, v in node.kwargs.items()}}
         try:

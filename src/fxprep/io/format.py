@@ -140,7 +140,11 @@ def tensor_record(t: torch.Tensor) -> dict[str, Any]:
 
 # --- load --------------------------------------------------------------------------------------
 # Far above any real save (a 7B-parameter LLM's graph.json is a few MB, nesting ~20 deep).
-LIMITS = {"json_bytes": 256 * 2**20, "depth": 100, "values": 20_000_000, "entries": 2_000_000}
+# probe_bytes: the whole-load budget of the self-check's inputs (every example tensor of the input
+# guard together, as drawn), checked from the declared shapes before anything is allocated; tensors
+# and constants are bounded by the weights file itself (safetensors refuses a header whose offsets
+# pass its end, and every slot's declared dtype and shape must match the tensor read).
+LIMITS = {"json_bytes": 256 * 2**20, "depth": 100, "values": 20_000_000, "entries": 2_000_000, "probe_bytes": 4 * 2**30}
 
 
 def regular_file(path: Path) -> os.stat_result:

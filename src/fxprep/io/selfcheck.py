@@ -43,7 +43,8 @@ from .. import guard
 from ..errors import InputMismatch, SerializationError
 from ..guard import InputSpec
 from ..runs import SEED, preserved_state
-from . import allowlist
+from . import allowlist, budget
+from .format import LIMITS
 
 _NO_EXAMPLE = {"run": "none", "why": "no example inputs recorded"}
 RTOL = 1e-4
@@ -70,6 +71,50 @@ class _Interpreter(fx.Interpreter):
             raise _Stopped(n.name, err) from err
 
 
+# The dtypes a probe input may have: plain numbers (quantized and bit dtypes cannot be drawn: an input
+# guard naming qint8 made torch raise an internal assert, bits8 NotImplementedError, from fxprep.load).
+_INTEGERS = frozenset(getattr(torch, n) for n in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32",
+                                                   "uint64") if hasattr(torch, n))
+
+
+def _probe_dtype(name: Any) -> torch.dtype:
+    dtype = allowlist.dtype_table(torch.dtype).get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise SerializationError(f"the input guard names an unknown dtype {str(name)[:40]!r}.")
+    if not (dtype in _INTEGERS or ((dtype.is_floating_point or dtype.is_complex) and dtype.itemsize >= 1)):
+        raise SerializationError(f"the input guard names dtype {str(name)[:40]!r} for an example input; fxprep.save "
+                                 f"records only plain number dtypes there (the file was edited).")
+    return dtype
+
+
+def _tensor_examples(node: Any) -> list[dict[str, Any]]:
+    """Every tensor example an input-guard tree describes (walked without recursion)."""
+    found, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, dict):
+            continue
+        if n.get("kind") == "seq":
+            stack.extend(n.get("items") or [])
+        elif n.get("kind") == "dict":
+            stack.extend((n.get("items") or {}).values())
+        elif isinstance(n.get("example"), dict):
+            found.append(n["example"])
+    return found
+
+
+def probe_bytes(spec: InputSpec) -> int:
+    """The memory the probe inputs of ``spec`` take (each floating input is drawn in float32 and then
+    cast), from the declared shapes and dtypes alone: checked against the whole-load budget
+    (``LIMITS["probe_bytes"]``) before anything is allocated."""
+    total = 0
+    for example in _tensor_examples({"kind": "seq", "items": list(spec.params.values())}):
+        dtype = _probe_dtype(example.get("dtype"))
+        numel = math.prod(example.get("shape") or [])
+        total += numel * (dtype.itemsize + (4 if dtype.is_floating_point or dtype.is_complex else 0))
+    return total
+
+
 def _probe_value(node: dict[str, Any], device: torch.device, generator: torch.Generator) -> Any:
     """The probe value for an input-guard node; raises LookupError where the guard does not say (a
     non-tensor leaf, a tensor recorded without its example)."""
@@ -86,15 +131,17 @@ def _probe_value(node: dict[str, Any], device: torch.device, generator: torch.Ge
     example = node.get("example")
     if example is None:
         raise LookupError("an input the guard does not describe")
-    dtype = allowlist.dtype_table(torch.dtype).get(example["dtype"])
-    if dtype is None:
-        raise SerializationError(f"the input guard names an unknown dtype {str(example['dtype'])[:40]!r}.")
+    dtype = _probe_dtype(example["dtype"])
     shape = example["shape"]
     if math.prod(shape) > 2**28:
         raise LookupError(f"an example input of {math.prod(shape)} elements")
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype).to(device)
-    return torch.ones(shape, dtype=dtype, device=device)
+    try:
+        if dtype.is_floating_point or dtype.is_complex:
+            return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype).to(device)
+        return torch.ones(shape, dtype=dtype, device=device)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, MemoryError) as err:
+        raise SerializationError(f"cannot make the probe input the input guard describes ({str(example)[:120]}): "
+                                 f"{type(err).__name__}: {str(err)[:200]}") from err
 
 
 def _fingerprint(t: torch.Tensor) -> dict[str, Any]:
@@ -144,6 +191,9 @@ def record(gm: fx.GraphModule, spec: InputSpec | None) -> dict[str, Any]:
         return dict(_NO_EXAMPLE)
     device = _device(gm)
     generator = torch.Generator().manual_seed(SEED)
+    declared = probe_bytes(spec)
+    if declared > LIMITS["probe_bytes"]:
+        return {"run": "none", "why": f"example inputs of {declared} bytes, more than a probe may take"}
     try:
         kwargs = {name: _probe_value(node, device, generator) for name, node in spec.params.items()}
     except LookupError as err:
@@ -237,8 +287,31 @@ def _value_difference(saved: Any, now: Any, path: str = "output", rtol: float = 
     return None
 
 
+def check_budget(gm: fx.GraphModule, spec: InputSpec | None, where: str, saving: bool = False) -> None:
+    """The whole-load budget (``LIMITS["probe_bytes"]``), counted before anything runs: the probe
+    inputs the input guard declares, plus every tensor the graph makes with sizes written into it
+    (:func:`.budget.literal_allocations`: ``torch.zeros(2**40)`` in a hand-edited save). ``save``
+    checks the same sum, so it never writes what every ``load`` would refuse."""
+    probe = probe_bytes(spec) if spec is not None else 0
+    made = budget.literal_allocations(gm)
+    total = probe + budget.declared_bytes(made)
+    if total <= LIMITS["probe_bytes"]:
+        return
+    biggest = sorted(made, key=lambda m: -m[2])[:3]
+    parts = ([f"the input guard declares example inputs of {probe:,} bytes"] if probe else []) + [
+        f"node {node!r} ({what} with literal sizes) would {'expand to' if what in budget.VIEWS else 'allocate'} "
+        f"{size:,} bytes" for node, what, size in biggest]
+    more = f" (and {len(made) - 3} more node(s))" if len(made) > 3 else ""
+    why = ("load would refuse it: save a module prepared with smaller example inputs or sizes" if saving
+           else "the file was edited")
+    raise SerializationError(
+        f"{where}: {'; '.join(parts)}{more}: {total:,} bytes in all, more than any fxprep save's "
+        f"({LIMITS['probe_bytes']:,}: the whole-load budget, fxprep.io.format.LIMITS); {why}. Nothing was allocated.")
+
+
 def check(gm: fx.GraphModule, spec: InputSpec | None, saved: Any, where: str) -> None:
     """Raise :class:`SerializationError` unless ``gm`` run on its probe does what the save recorded."""
+    check_budget(gm, spec, where)
     if (not isinstance(saved, dict) or saved.get("run") not in ("outputs", "stopped", "none")
             or (saved.get("run") != "none" and not _known_device(saved.get("device")))):
         raise SerializationError(f"{where} has no valid self_check record (written by every fxprep.save): "

@@ -93,14 +93,18 @@ def _method_names() -> frozenset[str]:
 
 
 def check_member(name: Any, what: str) -> None:
-    """A method name a ``call_method`` node (or a ``Tensor.<name>`` op) may call: a Tensor method
-    or operator dunder, or a read-only container method."""
+    """A method name a ``call_method`` node (or a ``Tensor.<name>`` op) may call: a reviewed Tensor
+    method (:mod:`.reviewed`) or operator dunder, or a read-only container method."""
     if not isinstance(name, str) or not name.isidentifier() or (name.startswith("_") and name not in _DUNDER_OK):
         raise SerializationError(f"refusing to load: {what} {name!r} is private; a saved graph never needs it.")
     if name in _CONTAINER_METHODS or name in _DUNDER_OK:
         return
     if not callable(inspect.getattr_static(torch.Tensor, name, None)):
         raise SerializationError(f"refusing to load: {what} {name!r} is not a Tensor method.")
+    if name not in allowlist.methods():
+        raise SerializationError(
+            f"refusing to load: {what} {name!r} is not one a saved graph may call (fxprep.io.reviewed lists the "
+            f"reviewed Tensor methods; raw memory, hooks, autograd and I/O are never allowed).")
 
 
 def check_getattr(name: Any) -> None:
@@ -272,8 +276,8 @@ class TrustPolicy:
         namespace, op_name = parts[2], parts[3]
         if namespace not in allowlist.OP_NAMESPACES and namespace not in self.modules:
             return _MISSING
-        if allowlist.OP_DENY.match(op_name):
-            return _MISSING
+        if namespace in allowlist.OP_NAMESPACES and op_name not in allowlist.aten_ops():
+            return _MISSING  # only the ops of reviewed functions (io/reviewed.py)
         try:
             packet = getattr(getattr(torch.ops, namespace), op_name)
             found = packet if len(parts) == 4 else getattr(packet, parts[4])

@@ -1,0 +1,390 @@
+"""The reviewed allow-list (issue 28): a save names only callables someone reviewed, one entry each,
+and never one that makes a tensor from a raw pointer or unchecked indices, changes the process's
+state, or does I/O; load checks everything before it runs anything, within a whole-load budget, and
+leaves the process's global state as it found it.
+
+Each exploit below is a save edited by hand with its checksums recomputed. Before issue 28 the
+allow-list admitted every builtin whose ``__module__`` is ``torch``: ``torch._from_blob(8, [16])``
+crashed the loading process with SIGSEGV inside ``fxprep.load`` (its self-check runs the graph), an
+unchecked ``sparse_coo_tensor(...).to_dense()`` wrote out of bounds, ``torch._C._set_grad_enabled``
+switched autograd off for the whole process, an unclosed ``_enter_autocast`` left CPU autocast on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fxprep
+from fxprep import io
+from fxprep.errors import SerializationError
+from fxprep.io import allowlist, reviewed, trust
+from fxprep.passes import op_table
+from tests.test_io import _edit, _node
+
+
+@pytest.fixture
+def saved(seed_save):
+    return seed_save  # tests/conftest.py: (directory, prepared module, input)
+
+
+# --- the list itself -----------------------------------------------------------------------------------
+def _reviewed_names() -> dict[str, str]:
+    names: dict[str, str] = {}
+    for family, entries in reviewed.FUNCTIONS.items():
+        for name in entries:
+            assert name not in names, f"{name} is listed twice ({names[name]} and {family})"
+            names[name] = family
+    return names
+
+
+def test_every_allowed_callable_was_reviewed_and_none_is_excluded():
+    """Walks the whole table load resolves names in: each entry is a reviewed name of a known
+    family, resolves to exactly that object, and is none of the excluded objects (by identity)."""
+    names = _reviewed_names()
+    excluded = allowlist.excluded_objects()
+    table = allowlist.functions()
+    assert set(reviewed.FUNCTIONS) <= {"python", "graph_checks", "metadata", "construct", "shape_view", "indexing",
+                                       "pointwise", "reduction", "linear_algebra", "nn", "random", "quantization"}
+    for name, obj in table.items():
+        assert name in names, f"{name} is allowed but was never reviewed"
+        assert allowlist.resolve(name) is obj
+        assert id(obj) not in excluded, f"{name} is {excluded.get(id(obj))}, an excluded callable"
+    methods = allowlist.methods()
+    excluded_methods = {m for entries in reviewed.EXCLUDED_METHODS.values() for m in entries}
+    assert not methods & excluded_methods
+    for name in methods:
+        assert callable(getattr(torch.Tensor, name)), name
+    print(f"reviewed allow-list: {len(table)} functions ({', '.join(f'{k} {len(v)}' for k, v in reviewed.FUNCTIONS.items())}),"
+          f" {len(methods)} Tensor methods, {len(allowlist.aten_ops())} aten ops; excluded "
+          f"{sum(map(len, reviewed.EXCLUDED_FUNCTIONS.values()))} functions, {len(excluded_methods)} methods")
+    assert 1000 < len(table) < 1400 and 400 < len(methods) < 600  # a jump either way is a review to make
+
+
+@pytest.mark.parametrize("family", list(reviewed.EXCLUDED_FUNCTIONS))
+def test_excluded_callables_are_refused_under_every_name(family):
+    policy = io.TrustPolicy()
+    table = allowlist.functions()
+    for name in reviewed.EXCLUDED_FUNCTIONS[family]:
+        with pytest.raises(SerializationError, match="refusing to load"):
+            policy.function(name)
+        obj = allowlist.excluded_objects()
+        assert not any(id(v) in obj for v in table.values())
+        op = name.rpartition(".")[2]
+        with pytest.raises(SerializationError, match="refusing to load"):
+            policy.function(f"torch.ops.aten.{op}")
+
+
+@pytest.mark.parametrize("method", sorted(m for v in reviewed.EXCLUDED_METHODS.values() for m in v))
+def test_excluded_tensor_methods_are_refused(method):
+    with pytest.raises(SerializationError, match="refusing to load"):
+        trust.check_member(method, "method")
+
+
+def test_what_fxprep_puts_in_graphs_is_reviewed():
+    """Derived from the op table: every function and Tensor method fxprep's passes may leave in a
+    prepared graph (or put in an op) is on the reviewed list, or is one of the excluded (a save that
+    holds it is refused at load, naming it)."""
+    excluded = allowlist.excluded_objects()
+    excluded_methods = {m for v in reviewed.EXCLUDED_METHODS.values() for m in v}
+    functions = {*op_table.VIEW_AND_METADATA_FUNCTIONS, *op_table.ACTIVATION_FUNCTIONS, *op_table.DROPOUTS,
+                 *op_table.NAMED_FUNCTIONS}
+    missing = []
+    for fn in functions:
+        if isinstance(fn, type) or id(fn) in excluded:
+            continue  # a container class (OrderedDict) is saved as a class, not a function
+        if trust.default_function_name(fn) is None:
+            missing.append(repr(fn))
+    assert not missing, f"op-table functions not reviewed: {missing}"
+    methods = {*op_table.VIEW_AND_METADATA_METHODS, *op_table.NAMED_METHODS, *op_table.ACTIVATION_METHODS}
+    for name in sorted(methods - excluded_methods):
+        if hasattr(torch.Tensor, name):  # the table also names methods of other torch versions (flatten_)
+            trust.check_member(name, "method")
+
+
+# --- the issue's exploits --------------------------------------------------------------------------------
+def _call(directory: Path, fn: str, args: list, extra: list | None = None) -> None:
+    """Make the node calling conv1 a call of ``fn`` (and insert ``extra`` nodes after it)."""
+    def change(data):
+        node = _node(data, "conv1")
+        node.update(op="call_function", target={"fn": fn}, args=args, kwargs={})
+        at = data["nodes"].index(node) + 1
+        data["nodes"][at:at] = extra or []
+    _edit(directory, io.GRAPH, change)
+
+
+@pytest.mark.parametrize("fn, args", [
+    ("torch._from_blob", [8, [16]]),  # an integer is an address: SIGSEGV inside fxprep.load before
+    ("torch.ops.aten._from_blob", [8, [16]]),
+    ("torch.sparse_coo_tensor", [{"$": "node", "v": "x"}, {"$": "node", "v": "x"}, [4, 4]]),
+    ("torch.ops.aten._sparse_coo_tensor_unsafe", [{"$": "node", "v": "x"}, {"$": "node", "v": "x"}, [4, 4]]),
+    ("torch._C._set_grad_enabled", [False]),
+    ("torch.set_default_dtype", [{"$": "dtype", "v": "float64"}]),
+    ("torch.use_deterministic_algorithms", [True]),
+    ("torch.manual_seed", [0]),
+    ("torch.set_num_threads", [1]),
+    ("torch.from_file", ["/etc/passwd", False, 16]),
+    ("torch.ops.prims.view_of", [{"$": "node", "v": "x"}]),
+])
+def test_exploits_naming_excluded_callables_fail_to_load(saved, fn, args):
+    directory, _, _ = saved
+    _call(directory, fn, args)
+    before = torch.is_grad_enabled(), torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(SerializationError, match="refusing to load"):
+        io.load(directory)
+    assert (torch.is_grad_enabled(), torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled()) == before
+
+
+@pytest.mark.parametrize("method", ["data_ptr", "set_", "untyped_storage", "to_dense", "apply_", "register_hook",
+                                    "backward", "share_memory_"])
+def test_exploits_calling_excluded_tensor_methods_fail_to_load(saved, method):
+    directory, _, _ = saved
+
+    def change(data):
+        node = _node(data, "conv1")
+        node.update(op="call_method", target=method, args=[{"$": "node", "v": "x"}], kwargs={})
+    _edit(directory, io.GRAPH, change)
+    with pytest.raises(SerializationError, match="refusing to load"):
+        io.load(directory)
+
+
+def test_an_autocast_region_never_left_fails_to_load(saved):
+    """``_enter_autocast`` without its exit: one call would leave CPU autocast on for the process."""
+    directory, _, _ = saved
+    enter = {"name": "enter", "op": "call_function", "target": {"fn": "torch.amp.autocast_mode._enter_autocast"},
+             "args": ["cpu", {"$": "dtype", "v": "bfloat16"}, True, None], "kwargs": {}}
+
+    def change(data):
+        data["nodes"].insert(1, enter)
+    _edit(directory, io.GRAPH, change)
+    with pytest.raises(SerializationError, match="autocast region"):
+        io.load(directory)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_an_exit_of_another_value_fails_to_load(saved):
+    directory, _, _ = saved
+
+    def change(data):
+        data["nodes"].insert(1, {"name": "leave", "op": "call_function", "args": [{"$": "node", "v": data["nodes"][0]["name"]}],
+                                 "target": {"fn": "torch.amp.autocast_mode._exit_autocast"}, "kwargs": {}})
+    _edit(directory, io.GRAPH, change)
+    with pytest.raises(SerializationError, match="autocast region"):
+        io.load(directory)
+
+
+# --- static checks first, a budget, global state -----------------------------------------------------
+def _guard_edit(directory: Path, change) -> None:
+    def edit(manifest):
+        change(manifest["input_guard"]["params"])
+    _edit_manifest(directory, edit)
+
+
+def _edit_manifest(directory: Path, change) -> None:
+    path = directory / io.MANIFEST
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def test_declared_inputs_past_the_whole_load_budget_are_refused_before_allocating(saved, monkeypatch):
+    """64 probe inputs of 2**28 complex128 elements: ~4 GiB each, 256 GiB in all, were allocated one
+    by one before any check (the per-input limit only). Now the declared total is checked first."""
+    directory, _, _ = saved
+    allocated = []
+    real_randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: allocated.append(a) or real_randn(*a, **k))
+
+    def change(params):
+        name = next(iter(params))
+        big = {"kind": "leaf", "example": {"shape": [2**14, 2**14], "dtype": "complex128"}}
+        params[name] = {"kind": "seq", "type": "list", "items": [big] * 64}
+    _guard_edit(directory, change)
+    with pytest.raises(SerializationError, match="whole-load budget"):
+        io.load(directory)
+    assert allocated == []
+
+
+@pytest.mark.parametrize("dtype", ["qint8", "quint8", "qint32", "quint4x2", "bits8", "bits16", "nope", 7])
+def test_odd_guard_dtypes_are_serialization_errors(saved, dtype):
+    """An input guard example of dtype qint8 raised torch's INTERNAL ASSERT FAILED, bits8
+    NotImplementedError, out of fxprep.load."""
+    directory, _, _ = saved
+
+    def change(params):
+        node = next(iter(params.values()))
+        node["example"]["dtype"] = dtype
+    _guard_edit(directory, change)
+    with pytest.raises(SerializationError):
+        io.load(directory)
+
+
+class _AutocastRegion(nn.Module):
+    """An autocast region inside the model (timm's EfficientViT has float32 islands): Dynamo keeps the
+    region as an enter/exit pair of calls in the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.b(y)
+        return torch.relu(y.float())
+
+
+def _global_state() -> tuple:
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+            torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), torch.get_num_threads(),
+            torch.is_inference_mode_enabled(), bytes(torch.get_rng_state().numpy()))
+
+
+@pytest.mark.parametrize("model", ["seed", "autocast"])
+def test_global_state_is_unchanged_by_load_and_by_each_call(saved, tmp_path, model):
+    if model == "seed":
+        directory, _, x = saved
+    else:
+        x = torch.randn(2, 8)
+        gm = fxprep.prepare_model(_AutocastRegion().eval(), example_inputs=x, tracer="dynamo", progress=False)
+        directory = io.save(gm, tmp_path / "autocast")
+        assert "_enter_autocast" in (directory / io.MODULES).read_text()  # an op module calling it
+    before = _global_state()
+    loaded = io.load(directory)
+    assert _global_state() == before
+    for _ in range(2):
+        loaded(x)
+        assert _global_state() == before
+    with torch.no_grad():
+        loaded(x)
+    assert _global_state() == before
+
+
+def test_an_autocast_op_whose_exit_was_removed_fails_to_load(tmp_path):
+    """The same region as op modules (what fxprep's pass makes of the calls): the exit node deleted."""
+    x = torch.randn(2, 8)
+    gm = fxprep.prepare_model(_AutocastRegion().eval(), example_inputs=x, tracer="dynamo", progress=False)
+    directory = io.save(gm, tmp_path / "autocast")
+
+    def change(data):
+        data["nodes"] = [n for n in data["nodes"] if "exit_autocast" not in json.dumps(n.get("target"))]
+    _edit(directory, io.GRAPH, change)
+    with pytest.raises(SerializationError, match="autocast region"):
+        io.load(directory)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+class _DataPtr(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.data_ptr() % 2
+
+
+def test_save_refuses_what_load_would_refuse(tmp_path):
+    """A graph calling an excluded Tensor method is refused at save, naming the node, rather than
+    written and then refused by every load."""
+    gm = fxprep.prepare_model(_DataPtr(), example_inputs=torch.randn(2, 3), tracer="fx", progress=False)
+    with pytest.raises(SerializationError, match="cannot save node .*'data_ptr'"):
+        io.save(gm, tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+
+
+# --- the whole-load budget also counts what the graph itself allocates (literal sizes) ---------------------
+def _insert(directory: Path, nodes: list) -> None:
+    """Insert ``nodes`` after the input placeholder (``"$x"`` in their args stands for it)."""
+    def change(data):
+        x = {"$": "node", "v": data["nodes"][0]["name"]}
+        filled = json.loads(json.dumps(nodes).replace('"$x"', json.dumps(x)))
+        data["nodes"][1:1] = filled
+    _edit(directory, io.GRAPH, change)
+
+
+def _fn(name: str, fn: str, args: list, kwargs: dict | None = None) -> dict:
+    return {"name": name, "op": "call_function", "target": {"fn": fn}, "args": args, "kwargs": kwargs or {}}
+
+
+def _method(name: str, method: str, args: list) -> dict:
+    return {"name": name, "op": "call_method", "target": method, "args": args, "kwargs": {}}
+
+
+@pytest.mark.parametrize("nodes, what", [
+    ([_fn("big", "torch.zeros", [2**40])], "zeros"),  # 4 TiB of float32
+    ([_fn("big", "torch.full", [[2**20, 2**20], 1.5])], "full"),
+    ([_fn("big", "torch.arange", [2**40])], "arange"),
+    ([_fn("big", "torch.empty_strided", [[2, 2], [2**40, 1]])], "empty_strided"),  # the storage its strides reach
+    ([_fn("big", "torch.randn", [2**20, 2**20], {"dtype": {"$": "dtype", "v": "float64"}})], "randn"),
+    ([_fn("big", "torch.ops.aten.zeros", [[2**40]])], "zeros"),
+    ([_method("big", "new_empty", ["$x", [2**40]])], "new_empty"),
+    ([_method("big", "expand", ["$x", 2**20, 1, 3, 32, 32])], "expand"),  # a view; anything on it allocates it all
+    ([_method("big", "repeat", ["$x", 2**20, 2**20, 1, 1])], "repeat"),  # at least its factors
+    # the size computed by the graph from literals: folded, not hidden
+    ([_fn("n", "operator.mul", [2**20, 2**20]), _fn("big", "torch.ones", [{"$": "node", "v": "n"}])], "ones"),
+])
+def test_literal_allocations_past_the_whole_load_budget_are_refused_before_running(saved, nodes, what):
+    """A hand-edited save whose graph calls ``torch.zeros(2**40)`` (or any constructor with literal sizes)
+    was run by load's self-check, which allocated whatever it named (or failed trying, reported as
+    a self-check difference). Now the sizes are counted before anything runs, and the node named."""
+    directory, _, _ = saved
+    _insert(directory, nodes)
+    with pytest.raises(SerializationError, match=rf"node 'big' \({what} with literal sizes\) would (allocate|expand "
+                                                 rf"to) [0-9,]+ bytes.*whole-load budget.*Nothing was allocated"):
+        io.load(directory)
+
+
+def test_views_with_literal_sizes_count_once_not_per_layer(saved):
+    """A graph traced with static shapes writes every size as a literal: a Llama's ``repeat_kv``
+    expands keys and values in every layer (4 GiB summed over 32 layers at 4096 tokens, for views
+    that allocate nothing). Views count by the largest, so such a save loads; constructors add up."""
+    directory, gm, x = saved
+    views = [_method(f"view{i}", "expand", ["$x", 2**14, 1, 3, 32, 32]) for i in range(30)]  # 192 MiB each
+    _insert(directory, views)
+    loaded = io.load(directory)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), gm(x))
+    _insert(directory, [_fn(f"made{i}", "torch.empty", [2**14, 1, 3, 32, 32]) for i in range(30)])
+    with pytest.raises(SerializationError, match=r"node 'made\d+' \(empty with literal sizes\) would allocate "
+                                                 r"201,326,592 bytes; .*in all, more than"):
+        io.load(directory)
+
+
+def test_literal_allocations_in_an_op_module_are_counted(tmp_path):
+    """The same constructor as an op module (fxprep's functional -> module pass makes calls into
+    BoundOps): its argument template is read, with the call site's literals filled in."""
+    from tests.test_io import _module
+
+    class _Adds(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + torch.ones(4) + x.new_zeros(2, 4)  # literal sizes, a few bytes: loads
+
+    gm = fxprep.prepare_model(_Adds().eval(), example_inputs=torch.randn(2, 4), tracer="dynamo", progress=False)
+    directory = io.save(gm, tmp_path / "adds")
+    io.load(directory)
+
+    def change(data):
+        _module(data, "add").update(fn="Tensor.repeat", args=[{"$": "slot", "v": 0}, 2**20, 2**20])
+    _edit(directory, io.MODULES, change)
+    with pytest.raises(SerializationError, match=r"node 'add\w*' \(repeat with literal sizes\).*whole-load budget"):
+        io.load(directory)
+
+
+def test_save_refuses_a_graph_that_load_would_refuse_for_its_literal_allocations(tmp_path, monkeypatch):
+    """``save`` counts the same sum as ``load``: what every load would refuse is not written."""
+    class _Mask(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.zeros(64, 64).sum()
+
+    gm = fxprep.prepare_model(_Mask().eval(), example_inputs=torch.randn(2, 3), tracer="dynamo", progress=False)
+    monkeypatch.setitem(io.format.LIMITS, "probe_bytes", 4096)  # 64 * 64 float32 = 16384 bytes
+    with pytest.raises(SerializationError, match=r"cannot save to .*node 'zeros' \(zeros with literal sizes\) would "
+                                                 r"allocate 16,384 bytes.*load would refuse it"):
+        io.save(gm, tmp_path / "mask")
+    assert not (tmp_path / "mask").exists()
+    monkeypatch.undo()
+    io.load(io.save(gm, tmp_path / "mask"))
