@@ -16,7 +16,8 @@ called on that graph, plus one fix of the hand-off:
   to its dequantized value) but has few Tensor *methods*: ``x.pow(2)``, ``x.mean(-1)``, ``x.rsqrt()`` (RMSNorm's code, inside
   fxprep's op modules, which Brevitas' tracer traces into) fail on it. :func:`quantize` hands each
   such method call, and each index (``x[..., :4]`` in rotary code: a QuantTensor is a tuple, indexed
-  as one), the dequantized value of a QuantTensor (``QuantTensor.value``: what Brevitas' own fallback
+  as one), and each ``torch.pow`` (GPT-2's ``torch.pow(x, 3.0)``: Brevitas' QuantTensor ``pow`` takes
+  integer exponents only), the dequantized value of a QuantTensor (``QuantTensor.value``: what Brevitas' own fallback
   computes with), so it computes as Brevitas computes an op it does not quantize.
 
 Brevitas is imported only when these are called. Brevitas' BatchNorm merge writes into the Conv
@@ -75,7 +76,8 @@ def quantize(graph_model: fx.GraphModule, **brevitas_options: Any) -> fx.GraphMo
     for node in list(graph.nodes):  # Brevitas' trace went into the op modules: their methods are here
         method = node.op == "call_method" and not hasattr(IntQuantTensor, str(node.target))
         index = node.op == "call_function" and node.target is operator.getitem  # a QuantTensor is a tuple
-        if (method or index) and isinstance(node.args[0], type(node)):  # Brevitas' fx backport has its own Node
+        power = node.op == "call_function" and node.target is torch.pow  # its QuantTensor handler wants an int
+        if (method or index or power) and isinstance(node.args[0], type(node)):  # Brevitas' fx backport has its own Node
             with graph.inserting_before(node):
                 plain = graph.call_function(dequantized, (node.args[0],))
             node.update_arg(0, plain)
