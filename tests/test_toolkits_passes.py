@@ -31,12 +31,12 @@ def test_retraceable_llama_folds_masks_and_rotary_tables_and_keeps_the_network()
     assert not [n for n in nodes if n.op == "call_function" and n.target is getattr]  # no x.device left
     folded = dict(ready.get_submodule(HOLDER).named_buffers())
     assert folded and all(name in ready.get_submodule(HOLDER)._non_persistent_buffers_set for name in folded)
-    assert list(ready.state_dict()) == list(gm.state_dict())  # folded constants are not saved
+    assert set(ready.state_dict()) == set(gm.state_dict())  # folded constants are not saved
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert linears <= {str(n.target) for n in nodes if n.op == "call_module"}
     other = _ids() % 7
     with torch.no_grad():
-        assert torch.equal(ready(other)[0], gm(other).logits)
+        assert torch.equal(ready(other), gm(other).logits)  # the one output tensor, alone
     fx.symbolic_trace(ready)  # a plain re-trace goes through
 
 
@@ -80,7 +80,7 @@ def test_retraceable_drops_identity_casts_but_keeps_real_ones_in_bfloat16():
     assert casts  # RMSNorm computes in float32 and casts back: needed conversions stay
     assert all(len(n.args) == 2 and isinstance(n.args[1], torch.dtype) and not n.kwargs for n in casts)
     with torch.no_grad():
-        assert torch.equal(ready(ids)[0], gm(ids).logits)
+        assert torch.equal(ready(ids), gm(ids).logits)
 
 
 def test_router_linear_takes_the_routers_name_and_a_per_name_config_reaches_it():

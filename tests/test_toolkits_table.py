@@ -25,17 +25,19 @@ ORIGINAL_FAILS = {
     **{("mct", m): "MCT's torch.fx trace of the model fails" for m in TEXT},
     ("mct", "vit_b_16"): "MCT cannot read torchvision's MultiheadAttention call",
     ("mct", "efficientformer_l1"): "MCT's trace of the model fails",
+    ("pt2e", "resnet18"): "X86InductorQuantizer on torch.export of the original: its ReLU module called twice "
+                          "('Input partition has more than one output node')",
 }
 
 # Cases where fxprep's graph does not reach the bar yet, with whose limit it is.
 KNOWN = {
 }
 
-DEFAULT = {
-    ("nncf", "llama"), ("nncf", "gpt2"), ("nncf", "phi3"),
+DEFAULT = {  # one or more per toolkit, every transformers family (Mixtral: test_toolkits_passes.py)
+    ("nncf", "phi3"),
     ("brevitas", "llama"), ("brevitas", "bert"), ("brevitas", "resnet18"),
-    ("mct", "llama"), ("mct", "qwen2"),
-    ("pt2e", "mixtral"), ("pt2e", "resnet18"),
+    ("mct", "qwen2"),
+    ("pt2e", "gpt2"),
 }
 
 

@@ -155,6 +155,8 @@ def _pt2e(program, calibration, quantizer):
 
 
 def pt2e_original(model, x, calibration, quantizer=None):
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False  # torch.export cannot return transformers' DynamicCache
     return _pt2e(torch.export.export(model, (x,)), calibration, quantizer or pt2e_quantizer())
 
 

@@ -17,7 +17,8 @@ called on that graph, plus one fix of the hand-off:
   fxprep's op modules, which Brevitas' tracer traces into) fail on it. :func:`quantize` hands each
   such method call, and each index (``x[..., :4]`` in rotary code: a QuantTensor is a tuple, indexed
   as one), and each ``torch.pow`` (GPT-2's ``torch.pow(x, 3.0)``: Brevitas' QuantTensor ``pow`` takes
-  integer exponents only), the dequantized value of a QuantTensor (``QuantTensor.value``: what Brevitas' own fallback
+  integer exponents only), and each ``number * x`` (GPT-2's ``0.5 * x``: a QuantTensor is a tuple,
+  which Python repeats), the dequantized value of a QuantTensor (``QuantTensor.value``: what Brevitas' own fallback
   computes with), so it computes as Brevitas computes an op it does not quantize.
 
 Brevitas is imported only when these are called. Brevitas' BatchNorm merge writes into the Conv
@@ -39,6 +40,7 @@ from .retrace import retraceable
 __all__ = ["preprocess_for_quantize", "quantize"]
 
 INTEGER_INPUTS = "fxprep_integer_inputs"
+_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.truediv)
 
 
 def preprocess_for_quantize(gm: fx.GraphModule, example_inputs: Any, **brevitas_options: Any) -> fx.GraphModule:
@@ -81,6 +83,11 @@ def quantize(graph_model: fx.GraphModule, **brevitas_options: Any) -> fx.GraphMo
             with graph.inserting_before(node):
                 plain = graph.call_function(dequantized, (node.args[0],))
             node.update_arg(0, plain)
+        elif node.op == "call_function" and node.target in _ARITHMETIC and len(node.args) == 2 \
+                and isinstance(node.args[0], int | float) and isinstance(node.args[1], type(node)):
+            with graph.inserting_before(node):  # 0.5 * q: a number times a tuple is a repetition
+                plain = graph.call_function(dequantized, (node.args[1],))
+            node.update_arg(1, plain)
     graph.lint()
     quantized.recompile()
     return quantized
