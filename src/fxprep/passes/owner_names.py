@@ -11,7 +11,9 @@ Linear can take its place: the container's children (``softmax``, ``topk``...) m
 Linear, and the Parameter keeps its path (``mlp.gate.weight``), so ``state_dict()`` is unchanged.
 
 Only where nothing else is at stake: the container is one fxprep created (never a user module),
-its Parameters are exactly the layer's (no buffer besides), and no node calls the container.
+its Parameters are exactly the layer's (no buffer besides), every module under it is one fxprep
+added (a user's block holding a LayerNorm beside its own ``F.linear`` stays the block), and no
+node calls the container.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.Co
            nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.PReLU)
 
 
-def _takes_owner_place(gm: fx.GraphModule, path: str, called: set[str]) -> bool:
+def _takes_owner_place(gm: fx.GraphModule, path: str, called: set[str], made: set[str] | None) -> bool:
     owner_path, _, _ = path.rpartition(".")
     if not owner_path or owner_path in called:
         return False
+    children = [f"{owner_path}.{name}" for name in gm.get_submodule(owner_path)._modules]
+    if made is not None and not all(child in made for child in children):
+        return False  # a block with layers of its own (a user's LayerNorm beside its F.linear) stays a block
     layer = gm.get_submodule(path)
     owner = gm.get_submodule(owner_path)
     if type(owner) is not nn.Module or owner._buffers:  # a user module, or one holding more state
@@ -43,6 +48,7 @@ def _takes_owner_place(gm: fx.GraphModule, path: str, called: set[str]) -> bool:
 def run(gm: fx.GraphModule, *, report: Report | None = None) -> list[tuple[str, str]]:
     """Rename each added layer that stands for its owner's raw parameters to the owner's path (see
     the module docstring). Returns the (old, new) names. Edits ``gm`` in place; the caller recompiles."""
+    added = {a.name for a in report.added} if report is not None else None
     made = {a.name for a in report.added if "on module parameters" in a.reason} if report is not None else None
     calls = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_module")
     called = set(calls)
@@ -53,7 +59,7 @@ def run(gm: fx.GraphModule, *, report: Report | None = None) -> list[tuple[str, 
         path = str(node.target)
         if not isinstance(gm.get_submodule(path), _LAYERS) or calls[path] != 1:
             continue
-        if not _takes_owner_place(gm, path, called):
+        if not _takes_owner_place(gm, path, called, added):
             continue
         owner_path, _, field = path.rpartition(".")
         parent_path, _, owner_field = owner_path.rpartition(".")
