@@ -89,7 +89,8 @@ def test_router_linear_takes_the_routers_name_and_a_per_name_config_reaches_it()
     gm = fxprep.prepare_model(model, example_inputs=(ids,))
     gate = gm.get_submodule("model.layers.0.mlp.gate")
     assert isinstance(gate, nn.Linear) and gate.weight is model.model.layers[0].mlp.gate.weight
-    assert not [n for n, _ in gm.named_modules() if n.endswith("mlp.gate.linear")]
+    assert not [n for n, _ in gm.named_modules() if n.startswith("model.layers.0.mlp.gate.")]  # a leaf layer
+    assert isinstance(gm.get_submodule("model.layers.0.mlp.gate_softmax"), nn.Softmax)  # the router's softmax
     assert list(gm.state_dict()) == list(model.state_dict())
     assert "model.layers.0.mlp.gate" in {a.name for a in gm.fxprep_report.added}
 

@@ -235,7 +235,7 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     if opts.share_parameters:
         state_dict.run(gm, model)
     if opts.convert_functionals and opts.style != "aimet":  # AIMET's names are module_<node> for every added layer
-        owner_names.run(gm, report=report)  # after state_dict: it puts the owner's raw parameters back in place
+        owner_names.run(gm, original=model, report=report)  # after state_dict: it puts the owner's raw parameters back in place
     _match_modes(gm, model)
     _restore_output_type(gm, reference)
     decisions.keep_locations(gm)

@@ -7,8 +7,10 @@ op (``mlp.gate.linear``), a name the user's model does not have. A toolkit confi
 names (torchao PT2E's ``set_module_name_qconfig("model.layers.0.mlp.gate", None)``, AIMET or NNCF
 ignored scopes) then misses the layer. The router has no layer of its own in the prepared graph
 (it is traced into, and kept as a plain container of what its forward was turned into), so the
-Linear can take its place: the container's children (``softmax``, ``topk``...) move under the
-Linear, and the Parameter keeps its path (``mlp.gate.weight``), so ``state_dict()`` is unchanged.
+Linear can take its place, and the Parameter keeps its path (``mlp.gate.weight``): ``state_dict()``
+is unchanged. The op modules the container held move beside it (``mlp.gate.softmax`` becomes
+``mlp.gate_softmax``): a layer stays a leaf without children, which toolkits that swap a Linear for
+their quantized one (Brevitas, AIMET's QuantSim) rely on.
 
 Only where nothing else is at stake: the container is one fxprep created (never a user module),
 its Parameters are exactly the layer's (no buffer besides), every module under it is one fxprep
@@ -24,6 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..report import Report
+from .naming import fresh_name
 
 _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
            nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.PReLU)
@@ -45,16 +48,18 @@ def _takes_owner_place(gm: fx.GraphModule, path: str, called: set[str], made: se
     return bool(mine) and mine == theirs
 
 
-def run(gm: fx.GraphModule, *, report: Report | None = None) -> list[tuple[str, str]]:
-    """Rename each added layer that stands for its owner's raw parameters to the owner's path (see
-    the module docstring). Returns the (old, new) names. Edits ``gm`` in place; the caller recompiles."""
+def run(gm: fx.GraphModule, *, original: nn.Module | None = None, report: Report | None = None) -> list[tuple[str, str]]:
+    """Rename each added layer that stands for its owner's raw parameters to the owner's path, and
+    the op modules beside it in the owner to ``<owner>_<op>`` (see the module docstring); new names
+    are also free in ``original``. Returns the (old, new) names. Edits ``gm`` in place; the caller recompiles."""
     added = {a.name for a in report.added} if report is not None else None
     made = {a.name for a in report.added if "on module parameters" in a.reason} if report is not None else None
     calls = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_module")
     called = set(calls)
-    renamed = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or (made is not None and node.target not in made):
+    renamed: list[tuple[str, str]] = []
+    taken: set[str] = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or (made is not None and node.target not in made) or node.target not in calls:
             continue
         path = str(node.target)
         if not isinstance(gm.get_submodule(path), _LAYERS) or calls[path] != 1:
@@ -64,16 +69,30 @@ def run(gm: fx.GraphModule, *, report: Report | None = None) -> list[tuple[str, 
         owner_path, _, field = path.rpartition(".")
         parent_path, _, owner_field = owner_path.rpartition(".")
         parent, owner, layer = gm.get_submodule(parent_path), gm.get_submodule(owner_path), gm.get_submodule(path)
-        for name, child in owner._modules.items():
-            if name != field:
-                layer._modules[name] = child
+        moved = {path: owner_path}
+        for name, child in list(owner._modules.items()):
+            if name == field:
+                continue
+            new = fresh_name(gm, original, parent_path, f"{owner_field}_{name}", taken)
+            parent._modules[new.rpartition(".")[2]] = child
+            moved[f"{owner_path}.{name}"] = new
         parent._modules[owner_field] = layer
-        node.target = owner_path
-        called.discard(path)
-        called.add(owner_path)
-        renamed.append((path, owner_path))
+        for other in gm.graph.nodes:
+            if other.op in ("call_module", "get_attr"):
+                other.target = _moved(str(other.target), moved)
+        called = {_moved(c, moved) for c in called}
+        renamed.extend(moved.items())
         if report is not None:
             for entry in report.added:
-                if entry.name == path:
-                    entry.name = owner_path
+                entry.name = _moved(entry.name, moved)
     return renamed
+
+
+def _moved(target: str, moved: dict[str, str]) -> str:
+    """``target`` after the moves (a moved module's own submodules and tensors move with it)."""
+    for old, new in moved.items():
+        if target == old:
+            return new
+        if target.startswith(f"{old}.") and old != next(iter(moved)):  # the layer itself has no children
+            return new + target[len(old):]
+    return target
