@@ -31,6 +31,11 @@ ORIGINAL_FAILS = {
 
 # Cases where fxprep's graph does not reach the bar yet, with whose limit it is.
 KNOWN = {
+    ("mct", "mixtral"): "MCT rebuilds the model from its own graph without Mixtral's in-place write "
+                        "inv_perm[perm] = arange(...) (a node nothing reads), so the MoE indexes with torch.empty_like "
+                        "garbage ('index 1405... is out of bounds')",
+    ("mct", "gpt2"): "MCT puts an activation quantizer on an integer tensor inside GPT-2's graph "
+                     "(fake_quantize_per_tensor_affine: 'not implemented for Long')",
 }
 
 DEFAULT = {  # one or more per toolkit, every transformers family (Mixtral: test_toolkits_passes.py)

@@ -11,6 +11,8 @@ the original fails; a prepared graph traces, once it is :func:`fxprep.compat.ret
   graph returned casts each input that is integer in the example back to its dtype first, with
   ``torch.ops.aten._to_copy`` (MCT reads a ``.long()`` method as the dtype ``torch.long``, and a
   traced ``torch.Tensor.long`` call fails on fx's Proxy).
+* MCT reads a Tensor method by its name on ``torch``, and ``x.float()``/``x.long()`` name dtypes
+  there; they are written as ``torch.ops.aten._to_copy`` calls too.
 * MCT's attention substitution refuses a boolean ``attn_mask``. A folded boolean mask read by
   ``scaled_dot_product_attention`` is given as the additive float mask it stands for (0 where
   attended, the dtype's lowest value elsewhere), which SDPA treats the same way.
@@ -46,6 +48,7 @@ def prepare(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
     """The graph to hand to MCT's ``pytorch_post_training_quantization`` (see the module docstring)."""
     ready = retraceable(gm, example_inputs)
     names = _integer_inputs_cast_back(ready)
+    _dtype_methods_as_copies(ready)
     _float_attention_masks(ready)
     ready.graph.lint()
     ready.recompile()
@@ -90,6 +93,19 @@ def _integer_inputs_cast_back(gm: fx.GraphModule) -> list[str]:
         node.replace_all_uses_with(cast, delete_user_cb=lambda user, cast=cast: user is not cast)
         names += [node.name, cast.name]
     return names
+
+
+_DTYPE_METHODS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16,
+                  "long": torch.int64, "int": torch.int32, "short": torch.int16, "bool": torch.bool}
+
+
+def _dtype_methods_as_copies(gm: fx.GraphModule) -> None:
+    """``x.float()`` → ``aten._to_copy(x, dtype=float32)``: MCT reads a method by its name on torch,
+    and ``torch.float`` is a dtype (MoE routing counts experts with ``ids.float()``)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target in _DTYPE_METHODS and len(node.args) == 1 and not node.kwargs:
+            dtype = _DTYPE_METHODS[str(node.target)]
+            node.op, node.target, node.kwargs = "call_function", torch.ops.aten._to_copy.default, {"dtype": dtype}
 
 
 def _reads_as_attention_mask(gm: fx.GraphModule, node: fx.Node) -> bool:

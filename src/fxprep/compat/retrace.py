@@ -111,7 +111,7 @@ def retraceable(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
     values = shape_prop.run(work, tuple(flat), keep=keep)
     fold_constants.run(work, values, holder=HOLDER)
     casts.run(work)
-    work.graph.eliminate_dead_code()
+    fold_constants.remove_dead_code(work)
     tuple_outputs.run(work)
     for node, name in zip(placeholders, names):
         node.target = name

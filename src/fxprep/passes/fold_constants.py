@@ -147,5 +147,23 @@ def run(gm: fx.GraphModule, values: dict[fx.Node, Any], *, holder: str = "fxprep
         node.replace_all_uses_with(read)
         folded.append(f"{holder}.{node.name}")
     if folded:
-        gm.graph.eliminate_dead_code()
+        remove_dead_code(gm)
     return folded
+
+
+def writes(node: fx.Node) -> bool:
+    """Whether ``node`` has an effect besides its result: fx's own impure ops, and writes into a
+    tensor (``t.__setitem__(i, v)``, ``t.index_put_(...)``, in-place methods) that fx's dead-code
+    elimination would drop because nothing reads their result (MoE code fills ``torch.empty_like``
+    this way)."""
+    if node.is_impure():
+        return True
+    name = getattr(node.target, "__name__", str(node.target))
+    if node.op in ("call_method", "call_function"):
+        return node.target is operator.setitem or name == "__setitem__" or name.endswith("_") and not name.endswith("__")
+    return False
+
+
+def remove_dead_code(gm: fx.GraphModule) -> None:
+    """fx's dead-code elimination, keeping every node that writes (see :func:`writes`)."""
+    gm.graph.eliminate_dead_code(is_impure_node=writes)
