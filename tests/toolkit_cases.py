@@ -54,7 +54,8 @@ VISION: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "mobilenet_v2": (lambda: torchvision.models.mobilenet_v2(weights=None), (1, 3, 64, 64)),
     "vit_b_16": (lambda: torchvision.models.vit_b_16(weights=None, image_size=32), (1, 3, 32, 32)),
     "convnext_atto": (lambda: timm.create_model("convnext_atto", pretrained=False), (1, 3, 64, 64)),
-    "efficientformer_l1": (lambda: timm.create_model("efficientformer_l1", pretrained=False, img_size=64), (1, 3, 64, 64)),
+    # its attention biases are for a 7x7 last stage: 224 x 224 inputs only (img_size=64 still builds 7x7 biases)
+    "efficientformer_l1": (lambda: timm.create_model("efficientformer_l1", pretrained=False), (1, 3, 224, 224)),
 }
 MODELS = [*TEXT, *VISION]
 
