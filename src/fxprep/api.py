@@ -27,7 +27,7 @@ from .capture.rewrite import branches
 from .errors import EquivalenceError, InputMismatch, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
-from .passes import aimet_modules, aimet_names, functional_to_module, state_dict, unroll, values
+from .passes import aimet_modules, aimet_names, functional_to_module, owner_names, state_dict, unroll, values
 from .prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, set_preserved
 from .report import Report, Verification
 from .runs import hooks_left_as_found, preserved_state
@@ -259,6 +259,8 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         aimet_names.run(gm, original=model, report=report)
     if opts.share_parameters:
         state_dict.run(gm, model)
+    if opts.convert_functionals and opts.style != "aimet":  # AIMET's names are module_<node> for every added layer
+        owner_names.run(gm, original=model, report=report)  # after state_dict: it puts the owner's raw parameters back in place
     _match_modes(gm, model)
     _restore_output_type(gm, reference)
     decisions.keep_locations(gm)

@@ -1,0 +1,145 @@
+"""Hand-off to Sony's Model Compression Toolkit: :func:`prepare`, then MCT's own PTQ.
+
+``mct.ptq.pytorch_post_training_quantization(model, representative_data_gen)`` traces the model
+with ``torch.fx`` and builds its own graph from the trace. On transformers models MCT's trace of
+the original fails; a prepared graph traces, once it is :func:`fxprep.compat.retrace.retraceable`
+(MCT refuses any ``Tensor.to`` call, and transformers' mask and rotary code is full of them).
+:func:`prepare` makes that graph and fixes two things of the hand-off that are MCT's limits:
+
+* MCT converts every calibration input to ``float32`` before running the model (its
+  ``to_torch_tensor`` default), so token ids reach the embedding as floats, which it refuses. The
+  graph returned casts each input that is integer in the example back to its dtype first, with
+  ``torch.ops.aten._to_copy`` (MCT reads a ``.long()`` method as the dtype ``torch.long``, and a
+  traced ``torch.Tensor.long`` call fails on fx's Proxy).
+* MCT reads a Tensor method by its name on ``torch``, and ``x.float()``/``x.long()`` name dtypes
+  there; they are written as ``torch.ops.aten._to_copy`` calls too.
+* MCT's attention substitution refuses a boolean ``attn_mask``. A folded boolean mask read by
+  ``scaled_dot_product_attention`` is given as the additive float mask it stands for (0 where
+  attended, the dtype's lowest value elsewhere), which SDPA treats the same way.
+
+* MCT puts an activation quantizer on every input and on every op's output, so the token ids and
+  their cast back are fake-quantized too (with a large vocabulary that changes the ids; on an int64
+  tensor at inference it raises). :func:`post_training_quantization` runs MCT's PTQ on
+  :func:`prepare`'s graph and replaces those two quantizers by identities: ids are indices, not
+  activations.
+
+``post_training_quantization(gm, example_inputs, representative_data_gen, **mct_options)`` is the
+whole hand-off; :func:`prepare` alone gives the graph for other MCT entry points (GPTQ, QAT), whose
+integer-input quantizers are then the caller's to remove (:func:`integer_input_quantizers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .. import ops
+from .retrace import HOLDER, retraceable
+
+__all__ = ["prepare", "post_training_quantization", "integer_input_quantizers"]
+
+INTEGER_INPUTS = "fxprep_integer_inputs"
+
+
+def prepare(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
+    """The graph to hand to MCT's ``pytorch_post_training_quantization`` (see the module docstring)."""
+    ready = retraceable(gm, example_inputs)
+    names = _integer_inputs_cast_back(ready)
+    _dtype_methods_as_copies(ready)
+    _float_attention_masks(ready)
+    ready.graph.lint()
+    ready.recompile()
+    setattr(ready, INTEGER_INPUTS, tuple(names))
+    return ready
+
+
+def post_training_quantization(gm: fx.GraphModule, example_inputs: Any, representative_data_gen: Any,
+                               **mct_options: Any) -> tuple[torch.nn.Module, Any]:
+    """``mct.ptq.pytorch_post_training_quantization`` on :func:`prepare` (``gm``, ``example_inputs``),
+    without activation quantizers on integer inputs. Returns MCT's (quantized model, user info)."""
+    import model_compression_toolkit as mct
+
+    ready = prepare(gm, example_inputs)
+    quantized, info = mct.ptq.pytorch_post_training_quantization(ready, representative_data_gen, **mct_options)
+    for name in integer_input_quantizers(ready, quantized):
+        setattr(quantized, name, torch.nn.Identity())
+    return quantized, info
+
+
+def integer_input_quantizers(ready: fx.GraphModule, quantized: torch.nn.Module) -> list[str]:
+    """The names, in MCT's quantized model, of the activation quantizers on :func:`prepare`'s
+    integer inputs and on their casts back."""
+    names = []
+    for node_name in getattr(ready, INTEGER_INPUTS, ()):
+        holder = f"{node_name}_activation_holder_quantizer"
+        if isinstance(getattr(quantized, holder, None), torch.nn.Module):
+            names.append(holder)
+    return names
+
+
+def _integer_inputs_cast_back(gm: fx.GraphModule) -> list[str]:
+    """Each integer input cast back to its dtype first; the names of the inputs and of the casts."""
+    names = []
+    for node in list(gm.graph.nodes):
+        value = node.meta.get("val")
+        if node.op != "placeholder" or not isinstance(value, torch.Tensor) or value.is_floating_point():
+            continue
+        with gm.graph.inserting_after(node):
+            cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": value.dtype})
+        cast.meta["val"] = value
+        node.replace_all_uses_with(cast, delete_user_cb=lambda user, cast=cast: user is not cast)
+        names += [node.name, cast.name]
+    return names
+
+
+_DTYPE_METHODS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16,
+                  "long": torch.int64, "int": torch.int32, "short": torch.int16, "bool": torch.bool}
+
+
+def _dtype_methods_as_copies(gm: fx.GraphModule) -> None:
+    """``x.float()`` → ``aten._to_copy(x, dtype=float32)``: MCT reads a method by its name on torch,
+    and ``torch.float`` is a dtype (MoE routing counts experts with ``ids.float()``)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target in _DTYPE_METHODS and len(node.args) == 1 and not node.kwargs:
+            dtype = _DTYPE_METHODS[str(node.target)]
+            node.op, node.target, node.kwargs = "call_function", torch.ops.aten._to_copy.default, {"dtype": dtype}
+
+
+def _reads_as_attention_mask(gm: fx.GraphModule, node: fx.Node) -> bool:
+    for user in node.users:
+        if user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)), ops.ScaledDotProductAttention):
+            continue
+        if user.op == "call_function" and user.target is F.scaled_dot_product_attention:
+            continue
+        return False
+    return bool(node.users)
+
+
+def _float_attention_masks(gm: fx.GraphModule) -> None:
+    if not hasattr(gm, HOLDER):
+        return
+    constants = gm.get_submodule(HOLDER)
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not str(node.target).startswith(f"{HOLDER}."):
+            continue
+        field = str(node.target).split(".", 1)[1]
+        mask = getattr(constants, field)
+        if mask.dtype != torch.bool or not _reads_as_attention_mask(gm, node):
+            continue
+        dtype = _query_dtype(node)
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        constants.register_buffer(f"{field}_additive", additive, persistent=False)
+        node.target = f"{HOLDER}.{field}_additive"
+        delattr(constants, field)  # each folded constant has one get_attr node: this one
+        node.meta["val"] = additive
+
+
+def _query_dtype(mask_node: fx.Node) -> torch.dtype:
+    """The dtype of the query the mask is applied to (the attention's first input)."""
+    user = next(iter(mask_node.users))
+    query = user.args[0] if user.args else None
+    value = query.meta.get("val") if isinstance(query, fx.Node) else None
+    return value.dtype if isinstance(value, torch.Tensor) and value.is_floating_point() else torch.float32

@@ -1,0 +1,50 @@
+"""Hand-off to NNCF: :func:`quantize`, NNCF's ``nncf.quantize`` for a prepared graph.
+
+NNCF picks its backend by the model's type: any ``torch.fx.GraphModule`` goes to its backend for
+``torch.export`` graphs, which expects aten ops and shape metadata on every node, and a prepared
+graph is a module-level torch graph (calls of the user's layers and of fxprep's op modules). For an
+``nn.Module`` NNCF uses its torch backend, which traces the model by running it and intercepting
+torch functions, and quantizes the layers it meets by their module paths. That is the backend that
+quantizes the original model, so it is the one a prepared graph should get: :func:`quantize` hands
+NNCF the graph inside a plain ``nn.Module`` (module paths are then the user's, under ``graph.``)
+and returns what NNCF returns. The prepared graph itself is not changed (NNCF quantizes a copy by
+default; ``inplace`` options are passed on as given).
+
+To go through NNCF's ``torch.export`` backend instead, hand it
+``fxprep.export_program(gm, example).module()``, an aten graph with the metadata it reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from ..errors import InvalidInput
+
+__all__ = ["quantize", "AsModule"]
+
+
+class AsModule(nn.Module):
+    """A prepared graph seen as a plain ``nn.Module`` (NNCF chooses its backend by type)."""
+
+    def __init__(self, graph: fx.GraphModule):
+        super().__init__()
+        self.graph = graph
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph(*args, **kwargs)
+
+
+def quantize(gm: fx.GraphModule, calibration_dataset: Any, **nncf_options: Any) -> nn.Module:
+    """``nncf.quantize(model, calibration_dataset, **nncf_options)`` on the prepared graph ``gm``,
+    through NNCF's torch backend (see the module docstring). ``calibration_dataset`` is an
+    ``nncf.Dataset``; ``nncf_options`` are NNCF's (``subset_size``, ``preset``, ``ignored_scope``: names
+    are then ``graph.<the user's module path>``). Returns NNCF's quantized module."""
+    import nncf
+
+    if not isinstance(gm, fx.GraphModule):
+        raise InvalidInput(f"fxprep.compat.nncf.quantize expects the GraphModule from fxprep.prepare_model, not "
+                           f"{type(gm).__name__}; call nncf.quantize on other models directly.")
+    return nncf.quantize(AsModule(gm), calibration_dataset, **nncf_options)

@@ -1,0 +1,125 @@
+"""A prepared graph made for toolkits that re-trace or read it: :func:`retraceable`.
+
+Brevitas' graph mode and Sony MCT trace the module they are given with their own ``torch.fx``
+tracers; NNCF, PT2E quantizers and MCT read shapes off the nodes. A prepared graph traces (it is
+fx code), but it also carries what the model computes besides its layers, which those tracers
+refuse or quantize: transformers' causal masks, position ids and rotary tables built from
+``torch.arange(n, device=input_ids.device)``, device and dtype conversions that convert nothing,
+a ModelOutput dict as output. :func:`retraceable` returns a new GraphModule for one input size,
+sharing every module and tensor of the prepared one (nothing is copied, the prepared graph and the
+user's model are not changed), in which:
+
+* every node carries ``meta["val"]`` / ``meta["tensor_meta"]`` (:mod:`fxprep.passes.shape_prop`);
+* computations that depend only on static shapes and constants are folded into non-persistent
+  buffers under ``fxprep_constants`` (:mod:`fxprep.passes.fold_constants`); sizes that are
+  dynamic in the graph are not folded;
+* identity conversions are dropped and the others written dtype-only (:mod:`fxprep.passes.casts`);
+* a leaf module's tuple output has every element read, as the model's own code unpacks it
+  (:mod:`fxprep.passes.tuple_outputs`);
+* the calling convention is the model's positional arguments, and the output is the tensors the
+  model returns, in order (one tensor alone, else a tuple): what re-tracers and toolkits that call
+  ``model(*inputs)`` expect.
+
+This is applied by the hand-off adapters (:mod:`.brevitas`, :mod:`.mct`) rather than by
+``prepare_model`` itself: folding specialises the graph to the example's sizes (a prepared graph
+from the fx tracer runs on any size) and adds buffers the size of the mask, and a prepared module
+keeps the output structure and keyword calling of the user's model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.graph import CodeGen, _PyTreeCodeGen
+from torch.utils import _pytree as pytree
+
+from ..errors import InvalidInput
+from ..inputs import normalize_example_inputs
+from ..passes import casts, fold_constants, shape_prop, tuple_outputs
+
+__all__ = ["retraceable"]
+
+HOLDER = "fxprep_constants"
+
+
+def _copy_graph(gm: fx.GraphModule) -> tuple[fx.Graph, list[str]]:
+    """A copy of ``gm``'s graph whose inputs are its placeholders, positional, and whose output is
+    the flat list of what the graph returns; the names its placeholders get."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    codegen = gm.graph._codegen
+    leaves = pytree.tree_leaves(out) if isinstance(codegen, _PyTreeCodeGen) else [out]
+    flat = [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
+    graph.output(flat[0] if len(flat) == 1 else tuple(flat))
+    names = []
+    if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info is not None:
+        orig = [a for a in codegen.pytree_info.orig_args if a != "self"]
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        if len(orig) == len(placeholders):  # one tensor per argument: name the inputs as the model does
+            names = orig
+    graph._codegen = CodeGen()
+    return graph, names
+
+
+def _root(gm: fx.GraphModule, graph: fx.Graph, constants: fx.GraphModule | None = None) -> dict[str, Any]:
+    """What the new GraphModule reads, by qualified name: ``gm``'s own objects (nothing copied), and
+    the folded constants from ``constants``."""
+    root: dict[str, Any] = {}
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            path = str(node.target)
+            owner, _, field = path.rpartition(".")
+            source = constants if constants is not None and path.startswith(f"{HOLDER}.") else gm
+            root[path] = getattr(source.get_submodule(owner), field)
+    return root
+
+
+def _keep_persistence(gm: fx.GraphModule, new: fx.GraphModule) -> None:
+    """Buffers the prepared graph does not save stay unsaved in the new one (the dict root
+    registers every tensor as a saved buffer)."""
+    for path, _ in list(new.named_buffers()):
+        owner, _, field = path.rpartition(".")
+        try:
+            source = gm.get_submodule(owner)
+        except AttributeError:
+            continue
+        if field in source._non_persistent_buffers_set:
+            new.get_submodule(owner)._non_persistent_buffers_set.add(field)
+
+
+def retraceable(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
+    """A GraphModule computing what ``gm`` computes on inputs shaped like ``example_inputs``, made
+    for toolkits that re-trace or read the graph (see the module docstring). ``example_inputs``: a
+    tensor, a tuple of positional arguments, or a dict of keyword arguments, as for prepare_model."""
+    if not isinstance(gm, fx.GraphModule):
+        raise InvalidInput(f"retraceable expects the torch.fx.GraphModule from fxprep.prepare_model, not {type(gm).__name__}.")
+    example = normalize_example_inputs(example_inputs)
+    if example is None:
+        raise InvalidInput("retraceable needs example_inputs: the graph is run once on them to propagate shapes.")
+    graph, names = _copy_graph(gm)
+    work = fx.GraphModule(_root(gm, graph), graph, "Retraceable")
+    _keep_persistence(gm, work)
+    flat = shape_prop.flat_inputs(gm, tuple(example.args), dict(example.kwargs))
+    placeholders = [n for n in work.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, flat):
+        if node.meta.get("val") is None and isinstance(value, torch.Tensor):
+            node.meta["val"] = value
+    keep = fold_constants.foldable(work)
+    values = shape_prop.run(work, tuple(flat), keep=keep)
+    fold_constants.run(work, values, holder=HOLDER)
+    casts.run(work)
+    fold_constants.remove_dead_code(work)
+    tuple_outputs.run(work)
+    for node, name in zip(placeholders, names):
+        node.target = name
+        node.name = name if name not in {n.name for n in work.graph.nodes if n is not node} else node.name
+    work.graph.lint()
+    new = fx.GraphModule(_root(gm, work.graph, work), work.graph, "Retraceable")
+    _keep_persistence(gm, new)
+    for path, _ in work.get_submodule(HOLDER).named_buffers() if hasattr(work, HOLDER) else []:
+        new.get_submodule(HOLDER)._non_persistent_buffers_set.add(path)
+    new.train(gm.training)
+    return new

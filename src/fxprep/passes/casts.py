@@ -1,0 +1,80 @@
+"""Conversions that convert nothing, dropped; the ones that do, written as a re-tracer accepts them.
+
+transformers writes ``hidden_states.to(torch.float32)`` in every RMSNorm, ``.to(input_dtype)`` after
+it, ``inv_freq.to(x.device)`` in rotary embeddings: in a float32 model on one device these return
+their input. In a graph they are ``call_method`` nodes that toolkits re-tracing the graph refuse
+(Sony MCT has no handler for ``Tensor.to``) or quantize around. With shapes propagated
+(:mod:`fxprep.passes.shape_prop`), a conversion whose input and output have the same dtype and
+device is the identity, and its users can read its input.
+
+A concatenation in which every input but one is empty returns that input (Phi-3's rotary code
+concatenates the rotated half with an empty "pass-through" slice when the whole head is rotated);
+it is dropped too: a quantizer placed on the empty input by a toolkit cannot compute statistics of
+nothing (Brevitas' percentile on an empty tensor raises).
+
+A conversion that changes the dtype (bf16 weights around a float32 RMSNorm) stays; it is written
+``x.to(dtype)`` with the dtype as a literal, no device argument: the device literal or the
+``x.device`` read is what re-tracers fail on, and a dtype-only ``to`` keeps the tensor's device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import ops
+from .shape_prop import known_value
+
+_CASTS = {"to", "type", "float", "double", "half", "bfloat16", "contiguous", "cpu", "cuda"}
+
+
+def _same_tensor_kind(a: object, b: object) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+        and a.device == b.device and tuple(a.shape) == tuple(b.shape)
+
+
+def run(gm: fx.GraphModule) -> tuple[int, int]:
+    """Drop identity conversions; rewrite the remaining ``.to`` calls to dtype-only form.
+    Needs ``meta['val']`` on the nodes (shape propagation). Returns (dropped, rewritten).
+    Edits ``gm.graph`` in place; the caller recompiles."""
+    dropped = rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_method" or node.target not in _CASTS or not node.args:
+            continue
+        source = node.args[0]
+        if not isinstance(source, fx.Node):
+            continue
+        before, after = known_value(source), known_value(node)
+        if node.target == "contiguous":
+            continue  # a layout change: harmless to every tracer, and views after it may rely on it
+        if _same_tensor_kind(before, after) and not node.kwargs.get("copy", False):
+            node.replace_all_uses_with(source)
+            gm.graph.erase_node(node)
+            dropped += 1
+            continue
+        if node.target == "to" and isinstance(after, torch.Tensor) and isinstance(before, torch.Tensor) \
+                and before.device == after.device and (len(node.args) > 1 or node.kwargs):
+            node.args, node.kwargs = (source, after.dtype), {}
+            rewritten += 1
+    for node in list(gm.graph.nodes):
+        if _identity_concat(gm, node) is not None:
+            node.replace_all_uses_with(_identity_concat(gm, node))
+            gm.graph.erase_node(node)
+            dropped += 1
+    return dropped, rewritten
+
+
+def _identity_concat(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The one non-empty input of a concatenation whose other inputs are all empty, else None."""
+    is_cat = node.op == "call_function" and node.target in (torch.cat, torch.concat) or \
+        node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), ops.Concat)
+    if not is_cat:
+        return None
+    inputs = node.all_input_nodes
+    values = [known_value(n) for n in inputs]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return None
+    full = [n for n, v in zip(inputs, values) if v.numel() > 0]
+    if len(full) != 1 or not _same_tensor_kind(known_value(full[0]), known_value(node)):
+        return None
+    return full[0]

@@ -1,0 +1,169 @@
+"""Shape-only computations folded into buffers: what depends on no input value and no dynamic size.
+
+transformers builds its causal mask, position ids and rotary tables inside ``forward`` from
+``torch.arange(seq_len, device=input_ids.device)``, the rotary ``inv_freq`` buffer and the like.
+In a prepared graph that code is a chain of ops (several of them op modules: ``model.add``,
+``model.cumsum``, ``model.le``) that computes the same tensor on every call. A toolkit that
+re-traces the graph with its own tracer (Brevitas, Sony MCT) trips over it (``torch.arange`` with
+a device read off a Proxy, ``Tensor.to(device)``), and one that quantizes every module would put
+quantizers on the mask arithmetic. Folding each such chain into one buffer leaves only the
+network: a constant ``get_attr`` read where the chain's result was used.
+
+A node is *constant* when its result depends on no input value and no size that may change:
+
+* ``x.device`` / ``x.dtype`` of anything, ``x.shape`` / ``x.size()`` / ``x.dim()`` of a tensor whose
+  recorded shape (``meta["val"]`` / ``example_value``) has no symbolic dimension; graphs without a
+  recorded shape (the fx tracer's, valid for any size) never have their sizes folded;
+* constants and buffers the model does not save (``persistent=False``, like ``inv_freq``) and
+  tensors Dynamo lifted; never a Parameter or a saved buffer (weights and running statistics stay
+  live, so loading other weights still changes the result);
+* a function, method or parameter-free module whose every input is constant and which is
+  deterministic and writes nothing (no random ops, no in-place methods, no dropout).
+
+Only tensors are folded (the last constant node before a live one); the chain behind them then
+has no users and is removed. The folded values are computed on the example's device and are
+registered as non-persistent buffers, so ``state_dict()`` is unchanged and ``.to(device)`` moves
+them.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .shape_prop import has_symbolic_size, known_value
+
+_METADATA_ATTRS = {"device", "dtype", "is_cuda", "is_floating_point", "layout"}
+_SIZE_ATTRS = {"shape", "ndim"}
+_SIZE_METHODS = {"size", "dim", "numel", "get_device"}
+_RANDOM = ("rand", "randn", "randint", "randperm", "bernoulli", "multinomial", "normal", "dropout", "uniform")
+
+
+def _static_shape(node: Any) -> bool:
+    if not isinstance(node, fx.Node):
+        return True
+    value = known_value(node)
+    return isinstance(value, torch.Tensor) and not has_symbolic_size(value)
+
+
+def _random_or_mutating(target: Any) -> bool:
+    name = getattr(target, "__name__", str(target))
+    return name.endswith("_") and not name.endswith("__") or any(r in name for r in _RANDOM) \
+        or target is operator.setitem
+
+
+def _foldable_attr(gm: fx.GraphModule, target: str) -> bool:
+    """A get_attr read of a tensor that is not state the user loads: a non-persistent buffer or a
+    plain constant (never a Parameter or a buffer in ``state_dict``)."""
+    owner_path, _, field = target.rpartition(".")
+    try:
+        owner = gm.get_submodule(owner_path)
+    except AttributeError:
+        return False
+    value = getattr(owner, field, None)
+    if isinstance(value, nn.Parameter):
+        return False
+    if isinstance(value, torch.Tensor) and field in owner._buffers:
+        return field in owner._non_persistent_buffers_set
+    return isinstance(value, torch.Tensor)
+
+
+def _stateless_module(module: nn.Module) -> bool:
+    if next(module.parameters(), None) is not None:
+        return False
+    if any(name not in m._non_persistent_buffers_set for m in module.modules() for name in m._buffers):
+        return False
+    return not isinstance(module, nn.modules.dropout._DropoutNd | nn.Dropout)
+
+
+def constant_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose result is the same on every call (see the module docstring)."""
+    constant: set[fx.Node] = set()
+
+    def inputs_constant(node: fx.Node) -> bool:
+        return all(n in constant for n in node.all_input_nodes)
+
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or has_symbolic_size(known_value(node)):
+            continue
+        if node.op == "get_attr":
+            if _foldable_attr(gm, str(node.target)):
+                constant.add(node)
+            continue
+        target = node.target
+        if node.op == "call_function" and target is getattr and len(node.args) == 2:
+            attr = node.args[1]
+            if attr in _METADATA_ATTRS or attr in _SIZE_ATTRS and _static_shape(node.args[0]):
+                constant.add(node)
+                continue
+        if node.op == "call_method" and target in _SIZE_METHODS and _static_shape(node.args[0]):
+            constant.add(node)
+            continue
+        if node.op == "call_method" and target in _METADATA_ATTRS:
+            constant.add(node)
+            continue
+        if node.op == "call_module":
+            if _stateless_module(gm.get_submodule(str(target))) and node.all_input_nodes and inputs_constant(node):
+                constant.add(node)
+            continue
+        if node.op in ("call_function", "call_method") and not _random_or_mutating(target) and inputs_constant(node):
+            if node.all_input_nodes or node.op == "call_function":  # torch.arange(8) reads no node
+                constant.add(node)
+    return constant
+
+
+def foldable(gm: fx.GraphModule) -> list[fx.Node]:
+    """Constant nodes whose result a live node (or the output) uses: the ones to turn into buffers.
+    Each must have produced a tensor (known once the graph has run: see :func:`run`)."""
+    constant = constant_nodes(gm)
+    frontier = []
+    for node in gm.graph.nodes:
+        if node in constant and node.op != "get_attr" and any(u not in constant for u in node.users):
+            frontier.append(node)
+    return frontier
+
+
+def run(gm: fx.GraphModule, values: dict[fx.Node, Any], *, holder: str = "fxprep_constants") -> list[str]:
+    """Replace each node of ``values`` whose value is a tensor by a read of a new non-persistent
+    buffer ``<holder>.<node name>`` holding it; remove what then has no users. Returns the buffer
+    names. ``values`` comes from :func:`fxprep.passes.shape_prop.run` with ``keep=foldable(gm)``.
+    Edits ``gm.graph`` in place; the caller recompiles."""
+    folded = []
+    constants = gm.get_submodule(holder) if hasattr(gm, holder) else None
+    for node, value in values.items():
+        if not isinstance(value, torch.Tensor) or value.requires_grad:
+            continue
+        if constants is None:
+            constants = nn.Module()
+            gm.add_module(holder, constants)
+        constants.register_buffer(node.name, value.detach(), persistent=False)
+        with gm.graph.inserting_before(node):
+            read = gm.graph.get_attr(f"{holder}.{node.name}")
+        read.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "example_value")}
+        node.replace_all_uses_with(read)
+        folded.append(f"{holder}.{node.name}")
+    if folded:
+        remove_dead_code(gm)
+    return folded
+
+
+def writes(node: fx.Node) -> bool:
+    """Whether ``node`` has an effect besides its result: fx's own impure ops, and writes into a
+    tensor (``t.__setitem__(i, v)``, ``t.index_put_(...)``, in-place methods) that fx's dead-code
+    elimination would drop because nothing reads their result (MoE code fills ``torch.empty_like``
+    this way)."""
+    if node.is_impure():
+        return True
+    name = getattr(node.target, "__name__", str(node.target))
+    if node.op in ("call_method", "call_function"):
+        return node.target is operator.setitem or name == "__setitem__" or name.endswith("_") and not name.endswith("__")
+    return False
+
+
+def remove_dead_code(gm: fx.GraphModule) -> None:
+    """fx's dead-code elimination, keeping every node that writes (see :func:`writes`)."""
+    gm.graph.eliminate_dead_code(is_impure_node=writes)

@@ -1,0 +1,98 @@
+"""A layer made for a module's own raw parameter takes that module's path: ``mlp.gate``, not ``mlp.gate.linear``.
+
+transformers' Mixtral router is a module (``mlp.gate``) holding a ``weight`` Parameter and calling
+``F.linear(x, self.weight)`` itself, then a softmax and a top-k. The functional-to-module pass turns
+that call into an ``nn.Linear`` sharing the Parameter, named in the router's scope like any added
+op (``mlp.gate.linear``), a name the user's model does not have. A toolkit configured by the user's
+names (torchao PT2E's ``set_module_name_qconfig("model.layers.0.mlp.gate", None)``, AIMET or NNCF
+ignored scopes) then misses the layer. The router has no layer of its own in the prepared graph
+(it is traced into, and kept as a plain container of what its forward was turned into), so the
+Linear can take its place, and the Parameter keeps its path (``mlp.gate.weight``): ``state_dict()``
+is unchanged. The op modules the container held move beside it (``mlp.gate.softmax`` becomes
+``mlp.gate_softmax``): a layer stays a leaf without children, which toolkits that swap a Linear for
+their quantized one (Brevitas, AIMET's QuantSim) rely on.
+
+Only where nothing else is at stake: the container is one fxprep created (never a user module),
+its Parameters are exactly the layer's (no buffer besides), every module under it is one fxprep
+added (a user's block holding a LayerNorm beside its own ``F.linear`` stays the block), and no
+node calls the container.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch.fx as fx
+from torch import nn
+
+from ..report import Report
+from .naming import fresh_name
+
+_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+           nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.PReLU)
+
+
+def _takes_owner_place(gm: fx.GraphModule, path: str, called: set[str], made: set[str] | None) -> bool:
+    owner_path, _, _ = path.rpartition(".")
+    if not owner_path or owner_path in called:
+        return False
+    children = [f"{owner_path}.{name}" for name in gm.get_submodule(owner_path)._modules]
+    if made is not None and not all(child in made for child in children):
+        return False  # a block with layers of its own (a user's LayerNorm beside its F.linear) stays a block
+    layer = gm.get_submodule(path)
+    owner = gm.get_submodule(owner_path)
+    if type(owner) is not nn.Module or owner._buffers:  # a user module, or one holding more state
+        return False
+    mine = {id(p) for p in layer._parameters.values() if p is not None}
+    theirs = {id(p) for p in owner._parameters.values() if p is not None}
+    return bool(mine) and mine == theirs
+
+
+def run(gm: fx.GraphModule, *, original: nn.Module | None = None, report: Report | None = None) -> list[tuple[str, str]]:
+    """Rename each added layer that stands for its owner's raw parameters to the owner's path, and
+    the op modules beside it in the owner to ``<owner>_<op>`` (see the module docstring); new names
+    are also free in ``original``. Returns the (old, new) names. Edits ``gm`` in place; the caller recompiles."""
+    added = {a.name for a in report.added} if report is not None else None
+    made = {a.name for a in report.added if "on module parameters" in a.reason} if report is not None else None
+    calls = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_module")
+    called = set(calls)
+    renamed: list[tuple[str, str]] = []
+    taken: set[str] = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or (made is not None and node.target not in made) or node.target not in calls:
+            continue
+        path = str(node.target)
+        if not isinstance(gm.get_submodule(path), _LAYERS) or calls[path] != 1:
+            continue
+        if not _takes_owner_place(gm, path, called, added):
+            continue
+        owner_path, _, field = path.rpartition(".")
+        parent_path, _, owner_field = owner_path.rpartition(".")
+        parent, owner, layer = gm.get_submodule(parent_path), gm.get_submodule(owner_path), gm.get_submodule(path)
+        moved = {path: owner_path}
+        for name, child in list(owner._modules.items()):
+            if name == field:
+                continue
+            new = fresh_name(gm, original, parent_path, f"{owner_field}_{name}", taken)
+            parent._modules[new.rpartition(".")[2]] = child
+            moved[f"{owner_path}.{name}"] = new
+        parent._modules[owner_field] = layer
+        for other in gm.graph.nodes:
+            if other.op in ("call_module", "get_attr"):
+                other.target = _moved(str(other.target), moved)
+        called = {_moved(c, moved) for c in called}
+        renamed.extend(moved.items())
+        if report is not None:
+            for entry in report.added:
+                entry.name = _moved(entry.name, moved)
+    return renamed
+
+
+def _moved(target: str, moved: dict[str, str]) -> str:
+    """``target`` after the moves (a moved module's own submodules and tensors move with it)."""
+    for old, new in moved.items():
+        if target == old:
+            return new
+        if target.startswith(f"{old}.") and old != next(iter(moved)):  # the layer itself has no children
+            return new + target[len(old):]
+    return target

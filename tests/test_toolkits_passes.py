@@ -1,0 +1,111 @@
+"""The graph made for re-tracing toolkits (fxprep.compat.retrace) and the names of layers made for
+raw parameters (fxprep.passes.owner_names), on real models (issue 29)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import transformers
+from torch import nn
+
+import fxprep
+from fxprep.compat.retrace import HOLDER, retraceable
+
+from .toolkit_cases import COMMON, build, pt2e_fxprep, pt2e_quantizer, x86
+
+
+def _ids():
+    return torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+
+
+def test_retraceable_llama_folds_masks_and_rotary_tables_and_keeps_the_network():
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).eval()
+    ids = _ids()
+    gm = fxprep.prepare_model(model, example_inputs=(ids,))
+    ready = retraceable(gm, (ids,))
+    nodes = list(ready.graph.nodes)
+    assert all("val" in n.meta for n in nodes if n.op != "output")
+    assert not [n for n in nodes if n.target is torch.arange or n.target in ("to", "float")]
+    assert not [n for n in nodes if n.op == "call_function" and n.target is getattr]  # no x.device left
+    folded = dict(ready.get_submodule(HOLDER).named_buffers())
+    assert folded and all(name in ready.get_submodule(HOLDER)._non_persistent_buffers_set for name in folded)
+    assert set(ready.state_dict()) == set(gm.state_dict())  # folded constants are not saved
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert linears <= {str(n.target) for n in nodes if n.op == "call_module"}
+    other = _ids() % 7
+    with torch.no_grad():
+        assert torch.equal(ready(other), gm(other).logits)  # the one output tensor, alone
+    fx.symbolic_trace(ready)  # a plain re-trace goes through
+
+
+def test_retraceable_keeps_sizes_symbolic_where_the_graph_is_dynamic():
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(64, 8)
+
+        def forward(self, ids):
+            pos = torch.arange(ids.shape[1], device=ids.device)
+            return self.emb(ids) + self.emb(pos)
+
+    model = Positions().eval()
+    ids = torch.randint(0, 64, (2, 8))
+    gm = fxprep.prepare_model(model, example_inputs=(ids,), dynamic={"ids": {1: "seq"}})
+    ready = retraceable(gm, (ids,))
+    assert not hasattr(ready, HOLDER)  # arange over a dynamic length: not a constant
+    longer = torch.randint(0, 64, (2, 11))
+    with torch.no_grad():
+        assert torch.equal(ready(longer), model(longer))
+
+
+def test_retraceable_reads_every_element_of_multihead_attention_output():
+    model = build("vit_b_16")
+    x = torch.randn(1, 3, 32, 32)
+    ready = retraceable(fxprep.prepare_model(model, example_inputs=(x,)), (x,))
+    attention = [n for n in ready.graph.nodes if n.op == "call_module"
+                 and isinstance(ready.get_submodule(str(n.target)), nn.MultiheadAttention)]
+    assert attention
+    for node in attention:
+        assert sorted(u.args[1] for u in node.users if u.target is operator.getitem) == [0, 1]
+
+
+def test_retraceable_drops_identity_casts_but_keeps_real_ones_in_bfloat16():
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).eval().to(torch.bfloat16)
+    ids = _ids()
+    gm = fxprep.prepare_model(model, example_inputs=(ids,))
+    ready = retraceable(gm, (ids,))
+    casts = [n for n in ready.graph.nodes if n.op == "call_method" and n.target == "to"]
+    assert casts  # RMSNorm computes in float32 and casts back: needed conversions stay
+    assert all(len(n.args) == 2 and isinstance(n.args[1], torch.dtype) and not n.kwargs for n in casts)
+    with torch.no_grad():
+        assert torch.equal(ready(ids), gm(ids).logits)
+
+
+def test_router_linear_takes_the_routers_name_and_a_per_name_config_reaches_it():
+    model = build("mixtral")
+    ids = _ids()
+    gm = fxprep.prepare_model(model, example_inputs=(ids,))
+    gate = gm.get_submodule("model.layers.0.mlp.gate")
+    assert isinstance(gate, nn.Linear) and gate.weight is model.model.layers[0].mlp.gate.weight
+    assert not [n for n, _ in gm.named_modules() if n.startswith("model.layers.0.mlp.gate.")]  # a leaf layer
+    assert isinstance(gm.get_submodule("model.layers.0.mlp.gate_softmax"), nn.Softmax)  # the router's softmax
+    assert list(gm.state_dict()) == list(model.state_dict())
+    assert "model.layers.0.mlp.gate" in {a.name for a in gm.fxprep_report.added}
+
+    converted = pt2e_fxprep(gm, ids, [ids], pt2e_quantizer(
+        lambda q: q.set_module_name_qconfig("model.layers.0.mlp.gate", x86.get_default_x86_inductor_quantization_config())))
+    assert _quantized_linears(converted) == ["model.layers.0.mlp.gate"]  # exactly the named layer
+
+
+def _quantized_linears(gm: fx.GraphModule) -> list[str]:
+    """Module paths of the linear layers that read a dequantized input."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "linear" in str(node.target):
+            source = node.args[0]
+            if isinstance(source, fx.Node) and "dequantize" in str(source.target):
+                stack = node.meta.get("nn_module_stack") or {}
+                out.append(list(stack.values())[-1][0] if stack else "?")
+    return out

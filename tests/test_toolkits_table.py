@@ -1,0 +1,85 @@
+"""Issue 29's table, re-measured: NNCF, Brevitas, Sony MCT and torchao PT2E on 11 models, each
+toolkit on the original model beside fxprep's hand-off of the prepared graph (SQNR of the first
+output against the float model).
+
+Where the toolkit quantizes the original, fxprep's graph must do as well (within 1 dB). Where it
+cannot (Brevitas' and MCT's tracers on transformers models, MCT on ViT and EfficientFormer), the
+original's failure is asserted in ``test_toolkit_fails_on_the_original`` (in a subprocess: Brevitas'
+tracer can crash the interpreter on GPT-2) and fxprep's graph must quantize to a sane SQNR. The
+default suite runs one or two cases per toolkit and every transformers family; the rest is zoo.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .toolkit_cases import MODELS, TEXT, measure
+
+# (toolkit, model) whose *original* the toolkit cannot quantize: its own tracer fails.
+ORIGINAL_FAILS = {
+    **{("brevitas", m): "Brevitas' fx tracer: 'co_varnames is too small' (a segfault on some)" for m in TEXT},
+    **{("mct", m): "MCT's torch.fx trace of the model fails" for m in TEXT},
+    ("mct", "vit_b_16"): "MCT cannot read torchvision's MultiheadAttention call",
+    ("mct", "efficientformer_l1"): "MCT's trace of the model fails",
+    ("pt2e", "resnet18"): "X86InductorQuantizer on torch.export of the original: its ReLU module called twice "
+                          "('Input partition has more than one output node')",
+}
+
+# Cases where fxprep's graph does not reach the bar yet, with whose limit it is.
+KNOWN = {
+    ("mct", "mixtral"): "MCT rebuilds the model from its own graph without Mixtral's in-place write "
+                        "inv_perm[perm] = arange(...) (a node nothing reads), so the MoE indexes with torch.empty_like "
+                        "garbage ('index 1405... is out of bounds')",
+    ("brevitas", "convnext_atto"): "not investigated yet: after calibration the quantized graph fails with "
+                                   "AttributeError: 'IntQuantTensor' object has no attribute 'mul'",
+    ("brevitas", "efficientformer_l1"): "not investigated yet: Brevitas' quantize() on the graph raises 'Residual "
+                                        "handler could not find a solution to align scale factors across ADDs and CATs'",
+    ("mct", "gpt2"): "MCT puts an activation quantizer on an integer tensor inside GPT-2's graph "
+                     "(fake_quantize_per_tensor_affine: 'not implemented for Long')",
+}
+
+DEFAULT = {  # one or more per toolkit, every transformers family (Mixtral: test_toolkits_passes.py)
+    ("nncf", "phi3"),
+    ("brevitas", "llama"), ("brevitas", "bert"), ("brevitas", "resnet18"),
+    ("mct", "qwen2"),
+    ("pt2e", "gpt2"),
+}
+
+
+def _params():
+    out = []
+    for toolkit in ("nncf", "brevitas", "mct", "pt2e"):
+        for name in MODELS:
+            marks = [] if (toolkit, name) in DEFAULT else [pytest.mark.zoo]
+            if (toolkit, name) in KNOWN:
+                marks.append(pytest.mark.xfail(reason=KNOWN[toolkit, name], strict=True))
+            out.append(pytest.param(toolkit, name, marks=marks, id=f"{toolkit}-{name}"))
+    return out
+
+
+@pytest.mark.parametrize("toolkit, name", _params())
+def test_toolkit_on_prepared_graph(toolkit, name):
+    ours = measure(toolkit, name, "fxprep")
+    if (toolkit, name) in ORIGINAL_FAILS:
+        print(f"{toolkit} x {name}: original fails ({ORIGINAL_FAILS[toolkit, name]}), fxprep {ours:.2f} dB")
+        assert ours > 5.0, ours  # 8-bit PTQ of these random-weight models: the originals that work give 9-33 dB
+        return
+    theirs = measure(toolkit, name, "original")
+    print(f"{toolkit} x {name}: original {theirs:.2f} dB, fxprep {ours:.2f} dB")
+    assert ours >= theirs - 1.0, (ours, theirs)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("toolkit, name", sorted(ORIGINAL_FAILS))
+def test_toolkit_fails_on_the_original(toolkit, name):
+    """The failures the table states for the original models are real (run apart: some crash)."""
+    code = textwrap.dedent(f"""
+        from tests.toolkit_cases import measure
+        measure({toolkit!r}, {name!r}, "original")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert done.returncode != 0, done.stdout[-2000:]
