@@ -310,14 +310,3 @@ def test_a_changed_attribute_or_global_is_refused_not_silently_ignored(tracer: s
     with torch.no_grad():
         torch.testing.assert_close(gm(x), model(x))
     assert copy.deepcopy(gm)(x) is not None  # a copy shares nothing with the model: it checks nothing
-
-
-def test_the_baked_values_page_runs():
-    """docs/baked-values.md's example runs as written."""
-    import re
-    from pathlib import Path
-
-    page = Path(__file__).resolve().parents[1] / "docs" / "baked-values.md"
-    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-    assert len(blocks) == 1
-    exec(compile(blocks[0], str(page), "exec"), {"__name__": "baked_values_page"})  # noqa: S102 - the page's own code

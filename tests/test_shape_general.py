@@ -165,15 +165,3 @@ def test_block_reuse_under_dynamic_shapes_computes_what_a_whole_model_capture_do
     with torch.no_grad():
         for call in ({"input_ids": _ids(2, 11, 4), "attention_mask": mask}, example):
             assert torch.equal(_main(reused(**call)), _main(whole(**call)))
-
-
-def test_the_documentation_page_runs() -> None:
-    """docs/shapes.md's example, executed as written."""
-    import re
-    from pathlib import Path
-
-    page = (Path(__file__).resolve().parents[1] / "docs" / "shapes.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
-    assert blocks
-    for block in blocks:
-        exec(compile(block, "docs/shapes.md", "exec"), {"__name__": "docs_shapes"})
