@@ -38,8 +38,6 @@ KNOWN = {
                                    "AttributeError: 'IntQuantTensor' object has no attribute 'mul'",
     ("brevitas", "efficientformer_l1"): "not investigated yet: Brevitas' quantize() on the graph raises 'Residual "
                                         "handler could not find a solution to align scale factors across ADDs and CATs'",
-    ("mct", "gpt2"): "MCT puts an activation quantizer on an integer tensor inside GPT-2's graph "
-                     "(fake_quantize_per_tensor_affine: 'not implemented for Long')",
 }
 
 DEFAULT = {  # one or more per toolkit, every transformers family (Mixtral: test_toolkits_passes.py)
