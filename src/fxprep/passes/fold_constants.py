@@ -146,12 +146,15 @@ def run(gm: fx.GraphModule, values: dict[fx.Node, Any], *, holder: str = "fxprep
         if constants is None:
             constants = nn.Module()
             gm.add_module(holder, constants)
-        constants.register_buffer(node.name, value.detach(), persistent=False)
+        name = node.name
+        while hasattr(constants, name):  # a node named "to" or "float" must not shadow nn.Module's methods
+            name = f"{name}_"
+        constants.register_buffer(name, value.detach(), persistent=False)
         with gm.graph.inserting_before(node):
-            read = gm.graph.get_attr(f"{holder}.{node.name}")
+            read = gm.graph.get_attr(f"{holder}.{name}")
         read.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "example_value")}
         node.replace_all_uses_with(read)
-        folded.append(f"{holder}.{node.name}")
+        folded.append(f"{holder}.{name}")
     if folded or inlined:
         remove_dead_code(gm)
     return folded
