@@ -39,7 +39,8 @@ KNOWN = {
                         "inv_perm[perm] = arange(...) (a node nothing reads), so the MoE indexes with torch.empty_like "
                         "garbage ('index 1405... is out of bounds'); written out of place "
                         "(inv_perm.scatter(0, perm, arange)), MCT's statistics collection then fails on "
-                        "torch.sort's two outputs ('tuple' object has no attribute 'astype')",
+                        "torch.sort's two outputs ('tuple' object has no attribute 'astype'); with sort as "
+                        "argsort+gather, an int64 tensor is still fake-quantized at inference",
     ("brevitas", "efficientformer_l1"): "Brevitas' limit: quantize() raises 'Residual handler could not find a "
                                         "solution to align scale factors across ADDs and CATs' on the graph exactly "
                                         "as on the original model (test_toolkit_fails_on_the_original)",
