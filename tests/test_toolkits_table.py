@@ -25,6 +25,10 @@ ORIGINAL_FAILS = {
     **{("mct", m): "MCT's torch.fx trace of the model fails" for m in TEXT},
     ("mct", "vit_b_16"): "MCT cannot read torchvision's MultiheadAttention call",
     ("mct", "efficientformer_l1"): "MCT's trace of the model fails",
+    ("brevitas", "convnext_atto"): "Brevitas' quantized ConvNeXt calls x.mul(gamma) on its IntQuantTensor after "
+                                   "calibration ('IntQuantTensor' object has no attribute 'mul')",
+    ("brevitas", "efficientformer_l1"): "Brevitas' residual handler: 'could not find a solution to align scale "
+                                        "factors across ADDs and CATs'",
     ("pt2e", "resnet18"): "X86InductorQuantizer on torch.export of the original: its ReLU module called twice "
                           "('Input partition has more than one output node')",
 }
@@ -33,13 +37,13 @@ ORIGINAL_FAILS = {
 KNOWN = {
     ("mct", "mixtral"): "MCT rebuilds the model from its own graph without Mixtral's in-place write "
                         "inv_perm[perm] = arange(...) (a node nothing reads), so the MoE indexes with torch.empty_like "
-                        "garbage ('index 1405... is out of bounds')",
-    ("brevitas", "convnext_atto"): "not investigated yet: after calibration the quantized graph fails with "
-                                   "AttributeError: 'IntQuantTensor' object has no attribute 'mul'",
-    ("brevitas", "efficientformer_l1"): "not investigated yet: Brevitas' quantize() on the graph raises 'Residual "
-                                        "handler could not find a solution to align scale factors across ADDs and CATs'",
-    ("mct", "gpt2"): "MCT puts an activation quantizer on an integer tensor inside GPT-2's graph "
-                     "(fake_quantize_per_tensor_affine: 'not implemented for Long')",
+                        "garbage ('index 1405... is out of bounds'); written out of place "
+                        "(inv_perm.scatter(0, perm, arange)), MCT's statistics collection then fails on "
+                        "torch.sort's two outputs ('tuple' object has no attribute 'astype'); with sort as "
+                        "argsort+gather, an int64 tensor is still fake-quantized at inference",
+    ("brevitas", "efficientformer_l1"): "Brevitas' limit: quantize() raises 'Residual handler could not find a "
+                                        "solution to align scale factors across ADDs and CATs' on the graph exactly "
+                                        "as on the original model (test_toolkit_fails_on_the_original)",
 }
 
 DEFAULT = {  # one or more per toolkit, every transformers family (Mixtral: test_toolkits_passes.py)

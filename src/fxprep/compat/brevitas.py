@@ -48,7 +48,7 @@ def preprocess_for_quantize(gm: fx.GraphModule, example_inputs: Any, **brevitas_
     ``example_inputs``); ``brevitas_options`` are passed on (``equalize_iters``, ``merge_bn``...)."""
     from brevitas.graph.quantize import preprocess_for_quantize as brevitas_preprocess
 
-    ready = retraceable(gm, example_inputs)
+    ready = retraceable(gm, example_inputs, specialize=True)  # Brevitas traces it again: one size
     example = normalize_example_inputs(example_inputs)
     assert example is not None  # retraceable checked it
     integer = [n.target for n in ready.graph.nodes

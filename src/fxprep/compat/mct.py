@@ -15,12 +15,15 @@ the original fails; a prepared graph traces, once it is :func:`fxprep.compat.ret
   there; they are written as ``torch.ops.aten._to_copy`` calls too.
 * MCT's attention substitution refuses a boolean ``attn_mask``. A folded boolean mask read by
   ``scaled_dot_product_attention`` is given as the additive float mask it stands for (0 where
-  attended, the dtype's lowest value elsewhere), which SDPA treats the same way.
-
+  attended, the dtype's lowest value elsewhere), which SDPA treats the same way. It refuses
+  ``is_causal=True`` too (a shape-general capture of a transformers model keeps SDPA's own causal
+  flag): each such attention is called with the additive causal mask of the example's sizes instead.
+  It also ignores ``enable_gqa`` (grouped-query attention): keys and values get their heads repeated.
 * MCT puts an activation quantizer on every input and on every op's output, so the token ids and
   their cast back are fake-quantized too (with a large vocabulary that changes the ids; on an int64
   tensor at inference it raises). :func:`post_training_quantization` runs MCT's PTQ on
-  :func:`prepare`'s graph and replaces those two quantizers by identities: ids are indices, not
+  :func:`prepare`'s graph and replaces those quantizers, and those on every other node whose
+  recorded output is an integer tensor (GPT-2's position ids), by identities: ids are indices, not
   activations.
 
 ``post_training_quantization(gm, example_inputs, representative_data_gen, **mct_options)`` is the
@@ -46,10 +49,11 @@ INTEGER_INPUTS = "fxprep_integer_inputs"
 
 def prepare(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
     """The graph to hand to MCT's ``pytorch_post_training_quantization`` (see the module docstring)."""
-    ready = retraceable(gm, example_inputs)
+    ready = retraceable(gm, example_inputs, specialize=True)
     names = _integer_inputs_cast_back(ready)
     _dtype_methods_as_copies(ready)
     _float_attention_masks(ready)
+    _causal_attention_as_masks(ready)
     ready.graph.lint()
     ready.recompile()
     setattr(ready, INTEGER_INPUTS, tuple(names))
@@ -70,10 +74,15 @@ def post_training_quantization(gm: fx.GraphModule, example_inputs: Any, represen
 
 
 def integer_input_quantizers(ready: fx.GraphModule, quantized: torch.nn.Module) -> list[str]:
-    """The names, in MCT's quantized model, of the activation quantizers on :func:`prepare`'s
-    integer inputs and on their casts back."""
+    """The names, in MCT's quantized model, of the activation quantizers on the integer values of
+    :func:`prepare`'s graph: its integer inputs, their casts back, and every node whose recorded
+    output (``meta["val"]``) is an integer or boolean tensor (GPT-2's position ids, MoE routing
+    indices): indices and counts, not activations, which MCT's fake-quantizer refuses at inference."""
+    integer = [n.name for n in ready.graph.nodes
+               if isinstance(n.meta.get("val"), torch.Tensor)
+               and not (n.meta["val"].is_floating_point() or n.meta["val"].is_complex())]
     names = []
-    for node_name in getattr(ready, INTEGER_INPUTS, ()):
+    for node_name in dict.fromkeys([*getattr(ready, INTEGER_INPUTS, ()), *integer]):
         holder = f"{node_name}_activation_holder_quantizer"
         if isinstance(getattr(quantized, holder, None), torch.nn.Module):
             names.append(holder)
@@ -143,3 +152,59 @@ def _query_dtype(mask_node: fx.Node) -> torch.dtype:
     query = user.args[0] if user.args else None
     value = query.meta.get("val") if isinstance(query, fx.Node) else None
     return value.dtype if isinstance(value, torch.Tensor) and value.is_floating_point() else torch.float32
+
+
+def _causal_mask(gm: fx.GraphModule, node: fx.Node, q_val: torch.Tensor, k_val: torch.Tensor) -> fx.Node:
+    """A read of a new buffer holding SDPA's causal mask as an additive float mask: the lower
+    triangle aligned top-left (query i attends keys <= i), the dtype's lowest value elsewhere."""
+    length, source = int(q_val.shape[-2]), int(k_val.shape[-2])
+    allowed = torch.ones(length, source, dtype=torch.bool).tril()
+    dtype = q_val.dtype if q_val.is_floating_point() else torch.float32
+    additive = torch.zeros(length, source, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    if not hasattr(gm, HOLDER):
+        gm.add_module(HOLDER, torch.nn.Module())
+    field = f"{node.name}_causal_mask"
+    gm.get_submodule(HOLDER).register_buffer(field, additive.to(q_val.device), persistent=False)
+    mask = gm.graph.get_attr(f"{HOLDER}.{field}")
+    mask.meta["val"] = additive
+    return mask
+
+
+def _causal_attention_as_masks(gm: fx.GraphModule) -> None:
+    """Each ``scaled_dot_product_attention`` written the way MCT's attention substitution reads it:
+    ``is_causal=True`` (static sizes) as ``attn_mask=<additive causal mask>``, since MCT refuses
+    the flag; ``enable_gqa=True`` with fewer key/value heads as keys and values with their heads
+    repeated (``repeat_interleave`` on the head dimension, what SDPA does), since MCT ignores it."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), ops.ScaledDotProductAttention):
+            module = gm.get_submodule(str(node.target))
+            args = ops.fill_template(module.args, tuple(node.args))
+            kwargs = dict(ops.fill_template(module.kwargs, tuple(node.args)))
+        elif node.op == "call_function" and node.target is F.scaled_dot_product_attention:
+            args, kwargs = tuple(node.args), dict(node.kwargs)
+        else:
+            continue
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+        bound = {**dict(zip(names, args)), **kwargs}
+        query, key = bound.get("query"), bound.get("key")
+        q_val = query.meta.get("val") if isinstance(query, fx.Node) else None
+        k_val = key.meta.get("val") if isinstance(key, fx.Node) else None
+        if not isinstance(q_val, torch.Tensor) or not isinstance(k_val, torch.Tensor):
+            continue
+        causal = bool(bound.get("is_causal")) and bound.get("attn_mask") is None
+        repeat = q_val.shape[-3] // k_val.shape[-3] if q_val.dim() >= 3 and k_val.dim() >= 3 else 1
+        grouped = bool(bound.get("enable_gqa")) and repeat > 1
+        if not (causal or grouped):
+            continue
+        with gm.graph.inserting_before(node):
+            if causal:
+                bound.update(attn_mask=_causal_mask(gm, node, q_val, k_val), is_causal=False)
+            if grouped:  # MCT's attention substitution ignores enable_gqa: the heads repeated as SDPA does
+                for name in ("key", "value"):
+                    bound[name] = gm.graph.call_function(torch.repeat_interleave, (bound[name], repeat), {"dim": -3})
+                bound["enable_gqa"] = False
+            call = gm.graph.call_function(F.scaled_dot_product_attention, (), bound)
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+

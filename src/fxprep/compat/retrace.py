@@ -90,10 +90,16 @@ def _keep_persistence(gm: fx.GraphModule, new: fx.GraphModule) -> None:
             new.get_submodule(owner)._non_persistent_buffers_set.add(field)
 
 
-def retraceable(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
+def retraceable(gm: fx.GraphModule, example_inputs: Any, *, specialize: bool = False) -> fx.GraphModule:
     """A GraphModule computing what ``gm`` computes on inputs shaped like ``example_inputs``, made
     for toolkits that re-trace or read the graph (see the module docstring). ``example_inputs``: a
-    tensor, a tuple of positional arguments, or a dict of keyword arguments, as for prepare_model."""
+    tensor, a tuple of positional arguments, or a dict of keyword arguments, as for prepare_model.
+
+    ``specialize=True`` makes the graph for the example's sizes only: sizes the graph keeps
+    symbolic (a shape-general capture) are read as the example's, so the mask, position and
+    size code over them is folded too. The MCT and Brevitas hand-offs ask for this: both trace the
+    graph again with a tracer that refuses that code (``torch.Size`` of traced sizes, ``arange``
+    on a traced device), and MCT builds its model for one input size anyway."""
     if not isinstance(gm, fx.GraphModule):
         raise InvalidInput(f"retraceable expects the torch.fx.GraphModule from fxprep.prepare_model, not {type(gm).__name__}.")
     example = normalize_example_inputs(example_inputs)
@@ -104,6 +110,11 @@ def retraceable(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
     _keep_persistence(gm, work)
     flat = shape_prop.flat_inputs(gm, tuple(example.args), dict(example.kwargs))
     placeholders = [n for n in work.graph.nodes if n.op == "placeholder"]
+    if specialize:  # forget the symbolic sizes: every node's value recorded again from the example
+        for node in work.graph.nodes:
+            for key in ("val", "example_value", "tensor_meta"):
+                node.meta.pop(key, None)
+        shape_prop.run(work, tuple(flat))
     for node, value in zip(placeholders, flat):
         if node.meta.get("val") is None and isinstance(value, torch.Tensor):
             node.meta["val"] = value

@@ -133,22 +133,42 @@ def run(gm: fx.GraphModule, values: dict[fx.Node, Any], *, holder: str = "fxprep
     names. ``values`` comes from :func:`fxprep.passes.shape_prop.run` with ``keep=foldable(gm)``.
     Edits ``gm.graph`` in place; the caller recompiles."""
     folded = []
+    inlined = False
     constants = gm.get_submodule(holder) if hasattr(gm, holder) else None
     for node, value in values.items():
+        literal = _literal(value)
+        if literal is not None:  # a size computed from static shapes: written into its users
+            node.replace_all_uses_with(literal)  # type: ignore[arg-type]
+            inlined = True
+            continue
         if not isinstance(value, torch.Tensor) or value.requires_grad:
             continue
         if constants is None:
             constants = nn.Module()
             gm.add_module(holder, constants)
-        constants.register_buffer(node.name, value.detach(), persistent=False)
+        name = node.name
+        while hasattr(constants, name):  # a node named "to" or "float" must not shadow nn.Module's methods
+            name = f"{name}_"
+        constants.register_buffer(name, value.detach(), persistent=False)
         with gm.graph.inserting_before(node):
-            read = gm.graph.get_attr(f"{holder}.{node.name}")
+            read = gm.graph.get_attr(f"{holder}.{name}")
         read.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "example_value")}
         node.replace_all_uses_with(read)
-        folded.append(f"{holder}.{node.name}")
-    if folded:
+        folded.append(f"{holder}.{name}")
+    if folded or inlined:
         remove_dead_code(gm)
     return folded
+
+
+def _literal(value: Any) -> Any:
+    """``value`` as a literal fx can write in a node's arguments (an int, a float, a tuple of
+    them: ``torch.Size`` as a plain tuple), or None. Re-tracers fail on ``torch.Size([s0, s1])``
+    of traced sizes; the literal is what a static capture writes."""
+    if isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, tuple | list) and value and all(isinstance(v, bool | int | float) for v in value):
+        return tuple(value) if isinstance(value, tuple) else list(value)
+    return None
 
 
 def writes(node: fx.Node) -> bool:
