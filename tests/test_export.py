@@ -160,3 +160,24 @@ def test_full_size_vit_b_16_exports(tmp_path):
     gm = fxprep.prepare_model(model, example_inputs=x)
     assert export.export_onnx(gm, x, tmp_path / "vit_b_16.onnx") < 1e-3
     export.export_program(gm, x)
+
+
+@pytest.mark.smoke
+def test_grouped_query_attention_exports_to_onnx_with_the_torchscript_exporter(tmp_path):
+    """The graph calls SDPA as eager does (enable_gqa=True for a GQA model); torch's TorchScript
+    exporter, which AIMET QuantSim's export uses, refused that flag on torch 2.8. Under export the
+    op writes the same attention with key/value heads repeated: the file runs and gives the same
+    values."""
+    import torch.nn.functional as F
+
+    from fxprep import ops
+
+    op = ops.ScaledDotProductAttention(F.scaled_dot_product_attention, (ops.Slot(0), ops.Slot(1), ops.Slot(2)),
+                                       {"is_causal": True, "enable_gqa": True})
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    path = tmp_path / "gqa.onnx"
+    torch.onnx.export(op, (q, k, v), str(path), dynamo=False, opset_version=17)
+    got = onnxruntime.InferenceSession(str(path)).run(None, {i.name: t.numpy() for i, t in zip(
+        onnxruntime.InferenceSession(str(path)).get_inputs(), (q, k, v))})[0]
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.allclose(torch.from_numpy(got), expected, atol=1e-5)

@@ -497,7 +497,26 @@ class Pool(BoundOp):
 
 
 class ScaledDotProductAttention(BoundOp):
-    """``F.scaled_dot_product_attention`` with every argument kept (mask, causal, scale, dropout)."""
+    """``F.scaled_dot_product_attention`` with every argument kept (mask, causal, scale, dropout, GQA)."""
+
+    def forward(self, *inputs: Any) -> Any:
+        # The graph calls SDPA as eager does, so grouped-query attention keeps enable_gqa=True; torch's
+        # TorchScript ONNX exporter (the one AIMET QuantSim's export uses) cannot convert that flag on
+        # older torch (2.8: "not implemented if enable_gqa is True"). Under an ONNX export the same
+        # attention is written with each key/value head repeated for its query group: equal values.
+        if self.kwargs.get("enable_gqa") is True and torch.onnx.is_in_onnx_export():
+            return _sdpa_heads_repeated(self.fn, fill_template(self.args, inputs), fill_template(self.kwargs, inputs))
+        return self._call(inputs)
+
+
+def _sdpa_heads_repeated(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fn(q, k, v, ..., enable_gqa=True)`` as ``fn(q, k', v', ...)`` with k and v's heads (dim -3)
+    repeated ``q_heads // kv_heads`` times each, which is what enable_gqa means."""
+    names = ("query", "key", "value")
+    q, k, v = (args[i] if i < len(args) else kwargs[names[i]] for i in range(3))
+    rest = {n: x for n, x in kwargs.items() if n not in names and n != "enable_gqa"}
+    groups = q.size(-3) // k.size(-3)
+    return fn(q, k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), *args[3:], **rest)
 
 
 class AutogradFunction(BoundOp):
