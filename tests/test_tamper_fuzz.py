@@ -307,7 +307,9 @@ def tagged_values(save: Save) -> st.SearchStrategy[Any]:
         st.builds(lambda v: {"$": "slot", "v": v}, st.integers(-3, 6)),
         st.builds(lambda t, v: {"$": t, "v": v}, st.sampled_from(["tuple", "dict", "slice", "size", "dtype", "device",
                                                                     "float", "complex", "ref", "pickle", "ellipsis"]), json_values),
-        st.just(json.loads("[" * 500 + "]" * 500)),
+        # built anew each time: a later edit may insert into it, and a shared object would carry that
+        # edit into the next example (hypothesis: "data generation depending on external state")
+        st.builds(lambda: json.loads("[" * 500 + "]" * 500)),
     )
 
 

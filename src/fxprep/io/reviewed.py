@@ -74,7 +74,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         "operator.sub", "operator.truediv", "operator.truth", "operator.xor",
     ),
     "graph_checks": (
-        "fxprep.cond.cond", "fxprep.decisions.check_decision", "torch._assert", "torch._check",
+        "fxprep.cond.cond", "fxprep.decisions.check_decision", "torch._assert", "torch._assert_async", "torch._check",
         "torch._check_is_size", "torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast",
         "torch.fx._symbolic_trace._assert_is_none", "torch.sym_constrain_range",
         "torch.sym_constrain_range_for_size", "torch.sym_float", "torch.sym_int", "torch.sym_ite", "torch.sym_max",
