@@ -99,6 +99,35 @@ def test_router_linear_takes_the_routers_name_and_a_per_name_config_reaches_it()
     assert _quantized_linears(converted) == ["model.layers.0.mlp.gate"]  # exactly the named layer
 
 
+
+class _ChannelsLastNorm(nn.LayerNorm):
+    """torchvision ConvNeXt's LayerNorm2d: a user module calling ``F.layer_norm`` on its own parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 2, 3, 1)
+        x = nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+def test_a_layer_moved_to_its_owners_path_loads_and_gives_its_state_dict_strictly():
+    """The moved layer's parameters were aliases at the old path (``norm.layer_norm.weight``); after
+    the move that path is gone, and ``load_state_dict`` must not fill it (it did: 'Unexpected key')."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), _ChannelsLastNorm(4), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 5, 5)
+    for tracer in ("fx", "dynamo"):
+        gm = fxprep.prepare_model(model, tracer=tracer, example_inputs=(x,))
+        assert isinstance(gm.get_submodule("1"), nn.LayerNorm) and gm.get_submodule("1").weight is model[1].weight
+        assert list(gm.state_dict()) == list(model.state_dict())
+        gm.load_state_dict(model.state_dict(), strict=True)
+        model.load_state_dict(gm.state_dict(), strict=True)
+        torch.testing.assert_close(gm(x), model(x))
+
+    mixtral = build("mixtral")
+    gm = fxprep.prepare_model(mixtral, example_inputs=(_ids(),))
+    gm.load_state_dict(mixtral.state_dict(), strict=True)
+    mixtral.load_state_dict(gm.state_dict(), strict=True)
+
+
 def _quantized_linears(gm: fx.GraphModule) -> list[str]:
     """Module paths of the linear layers that read a dequantized input."""
     out = []

@@ -260,7 +260,9 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
     if opts.share_parameters:
         state_dict.run(gm, model)
     if opts.convert_functionals and opts.style != "aimet":  # AIMET's names are module_<node> for every added layer
-        owner_names.run(gm, original=model, report=report)  # after state_dict: it puts the owner's raw parameters back in place
+        # after state_dict: it puts the owner's raw parameters back in place
+        if owner_names.run(gm, original=model, report=report) and opts.share_parameters:
+            state_dict.refresh_aliases(gm, model)  # the aliases of moved modules move with them
     _match_modes(gm, model)
     _restore_output_type(gm, reference)
     decisions.keep_locations(gm)

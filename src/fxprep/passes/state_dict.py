@@ -110,12 +110,29 @@ def run(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
 
     _reorder(gm, original, {id(m) for m in original.modules()})
 
-    # Everything else in the prepared state_dict is an alias of an original key.
+    _find_aliases(gm, original_state)
+    set_preserved(gm, METADATA_ATTR, {k: dict(v) for k, v in getattr(original_state, "_metadata", {}).items()})
+    gm.register_state_dict_post_hook(_drop_aliases)
+    gm.register_state_dict_post_hook(_restore_metadata)
+    gm.register_load_state_dict_pre_hook(_fill_aliases)
+    return gm
+
+
+def _find_aliases(gm: nn.Module, original_state: dict[str, Any]) -> None:
+    """Everything in the prepared state_dict that is not an original key is an alias of one (found
+    by tensor identity, never by name), or a constant the tracer made."""
     canonical_by_id = {}
     for key, tensor in original_state.items():
         canonical_by_id.setdefault(id(tensor), key)
     found: dict[str, str] = {}
-    for key, tensor in gm.state_dict(keep_vars=True).items():
+    with_aliases = gm.state_dict(keep_vars=True)
+    for alias in getattr(gm, ALIASES_ATTR, {}):  # a refresh: the hook already hides the old aliases
+        with_aliases.pop(alias, None)
+    for name, tensor in gm.named_parameters(remove_duplicate=False):
+        with_aliases.setdefault(name, tensor)
+    for name, tensor in gm.named_buffers(remove_duplicate=False):
+        with_aliases.setdefault(name, tensor)
+    for key, tensor in with_aliases.items():
         if key in original_state:
             continue
         if id(tensor) in canonical_by_id:
@@ -126,8 +143,9 @@ def run(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
         if leaf in owner._buffers:  # a constant the tracer made (``_tensor_constant0``): not state
             owner._non_persistent_buffers_set.add(leaf)
     set_preserved(gm, ALIASES_ATTR, found)
-    set_preserved(gm, METADATA_ATTR, {k: dict(v) for k, v in getattr(original_state, "_metadata", {}).items()})
-    gm.register_state_dict_post_hook(_drop_aliases)
-    gm.register_state_dict_post_hook(_restore_metadata)
-    gm.register_load_state_dict_pre_hook(_fill_aliases)
-    return gm
+
+
+def refresh_aliases(gm: fx.GraphModule, original: nn.Module) -> None:
+    """Recompute the alias map after a later pass moved modules (``owner_names``): an alias left at
+    a path that no longer exists would be filled by ``load_state_dict`` and refused as unexpected."""
+    _find_aliases(gm, original.state_dict(keep_vars=True))
