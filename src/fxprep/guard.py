@@ -207,9 +207,15 @@ def _fx_tracing() -> bool:
 
 
 def check(gm: torch.nn.Module, spec: InputSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise :class:`InputMismatch` when ``gm(*args, **kwargs)`` does not fit ``spec``."""
-    if tracing(args, kwargs):
-        return
+    """Raise :class:`InputMismatch` when ``gm(*args, **kwargs)`` does not fit ``spec`` (nothing while
+    :func:`tracing`)."""
+    if not tracing(args, kwargs):
+        check_inputs(gm, spec, args, kwargs)
+
+
+def check_inputs(gm: torch.nn.Module, spec: InputSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """:func:`check` for a caller that has already decided the inputs are not symbolic (a prepared
+    module's call, which also checks its baked values: :func:`tracing` is asked once per call)."""
     if spec._signature is None:
         spec._signature = inspect.signature(gm.forward)
         spec._binding = _Binding(spec._signature)
