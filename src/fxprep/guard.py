@@ -207,9 +207,15 @@ def _fx_tracing() -> bool:
 
 
 def check(gm: torch.nn.Module, spec: InputSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise :class:`InputMismatch` when ``gm(*args, **kwargs)`` does not fit ``spec``."""
-    if tracing(args, kwargs):
-        return
+    """Raise :class:`InputMismatch` when ``gm(*args, **kwargs)`` does not fit ``spec`` (nothing while
+    :func:`tracing`)."""
+    if not tracing(args, kwargs):
+        check_inputs(gm, spec, args, kwargs)
+
+
+def check_inputs(gm: torch.nn.Module, spec: InputSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """:func:`check` for a caller that has already decided the inputs are not symbolic (a prepared
+    module's call, which also checks its baked values: :func:`tracing` is asked once per call)."""
     if spec._signature is None:
         spec._signature = inspect.signature(gm.forward)
         spec._binding = _Binding(spec._signature)
@@ -389,11 +395,11 @@ class BakedValues:
 
 
 @functools.cache
-def _class_code(cls: type) -> tuple[frozenset[str], dict[int, tuple[dict[str, Any], frozenset[str]]]]:
+def _class_code(cls: type) -> tuple[frozenset[str], dict[int, tuple[dict[str, Any], tuple[str, ...]]]]:
     """For a module class: the attribute names its forward stores (``self.x = ...``: state a run
     updates, not a setting), and per globals dict the global names any of its methods load (the
     helpers its forward calls are among them), read from the bytecode of the functions the class and
-    its bases define outside torch."""
+    its bases define outside torch (sorted: the order messages name them in)."""
     import dis
 
     stores: set[str] = set()
@@ -413,7 +419,7 @@ def _class_code(cls: type) -> tuple[frozenset[str], dict[int, tuple[dict[str, An
                     stores.add(str(ins.argval))
                 elif ins.opname == "LOAD_GLOBAL" and reads:
                     names.add(str(ins.argval))
-    return frozenset(stores), {k: (g, frozenset(n)) for k, (g, n) in loads.items()}
+    return frozenset(stores), {k: (g, tuple(sorted(n))) for k, (g, n) in loads.items()}
 
 
 def record_baked(gm: torch.nn.Module, model: torch.nn.Module) -> BakedValues:
@@ -435,6 +441,7 @@ def record_baked(gm: torch.nn.Module, model: torch.nn.Module) -> BakedValues:
                 whole.update(id(o) for o in owner.modules())
     entries: list[tuple[dict[str, Any], str, Any, str]] = []
     seen_globals: set[tuple[int, str]] = set()
+    seen_classes: set[type] = set()  # a class's globals are the same for each of its instances
     for path, module in model.named_modules(remove_duplicate=True):
         if id(module) in whole:
             continue
@@ -446,8 +453,11 @@ def record_baked(gm: torch.nn.Module, model: torch.nn.Module) -> BakedValues:
         for key, value in module.__dict__.items():
             if type(value) in SCALARS and key != "training" and key not in _MODULE_INTERNALS and key not in stores:
                 entries.append((module.__dict__, key, value, f"{label}.{key}"))
+        if type(module) in seen_classes:
+            continue
+        seen_classes.add(type(module))
         for namespace, global_names in loads.values():
-            for name in sorted(global_names):
+            for name in global_names:
                 value = namespace.get(name, _GONE)
                 if type(value) in SCALARS and not name.startswith("__") and (id(namespace), name) not in seen_globals:
                     seen_globals.add((id(namespace), name))

@@ -57,11 +57,13 @@ class PreparedModule(fx.GraphModule):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec = self.__dict__.get(INPUT_SPEC)
-        if spec is not None:
-            guard.check(self, spec, args, kwargs)
         baked = self.__dict__.get(BAKED)
-        if baked and not guard.tracing(args, kwargs):  # compile/export/fx re-trace: read the values themselves
-            guard.check_baked(baked)
+        # compile/export/fx re-trace: symbolic inputs, and the tracer reads the values themselves
+        if (spec is not None or baked) and not guard.tracing(args, kwargs):
+            if spec is not None:
+                guard.check_inputs(self, spec, args, kwargs)
+            if baked:
+                guard.check_baked(baked)
         try:
             return super().__call__(*args, **kwargs)
         except RuntimeError as err:  # a value decided from the example, which this input decides otherwise

@@ -12,9 +12,10 @@ A save is written beside its target and renamed into place (:mod:`.target`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,17 @@ __all__ = [
     "TrustPolicy", "check_member", "init_kwargs", "inspect_saved", "load", "save",
 ]
 
-def _as_serialization_error(what: str, directory: Any, err: Exception) -> SerializationError:
-    """An exception from inside torch or safetensors, as the documented error (issue 28: every
+@contextlib.contextmanager
+def _as_serialization_errors(what: str, directory: Any) -> Iterator[None]:
+    """Any exception from inside torch or safetensors, as the documented error (issue 28: every
     exception out of ``load`` and ``save`` is an FxprepError; a hostile file must not be able to pick
     what a caller has to catch)."""
-    return SerializationError(f"cannot {what} {directory}: {type(err).__name__}: {str(err)[:300]}")
+    try:
+        yield
+    except FxprepError:
+        raise
+    except Exception as err:  # noqa: BLE001 - see the docstring
+        raise SerializationError(f"cannot {what} {directory}: {type(err).__name__}: {str(err)[:300]}") from err
 
 
 def save(
@@ -95,12 +102,8 @@ def save(
     The module is run once on a probe shaped like its example, and what it computed is recorded for
     ``load`` to check (:mod:`.selfcheck`).
     """
-    try:
+    with _as_serialization_errors("save to", directory):
         return _save(gm, directory, example_inputs=example_inputs, trusted_modules=trusted_modules, overwrite=overwrite)
-    except FxprepError:
-        raise
-    except Exception as err:  # noqa: BLE001 - see _as_serialization_error
-        raise _as_serialization_error("save to", directory, err) from err
 
 
 def _save(
@@ -177,12 +180,8 @@ def load(
     checked and within the whole-load budget of :data:`.format.LIMITS`). The process's global state
     (grad mode, autocast, default dtype, deterministic flags, RNG) is the same after ``load``.
     """
-    try:
+    with _as_serialization_errors("load", directory):
         return _load(directory, trusted_modules=trusted_modules, check_integrity=check_integrity)
-    except FxprepError:
-        raise
-    except Exception as err:  # noqa: BLE001 - see _as_serialization_error
-        raise _as_serialization_error("load", directory, err) from err
 
 
 def _load(

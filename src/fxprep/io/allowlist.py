@@ -60,9 +60,6 @@ _EXTRA_FUNCTIONS: dict[str, Any] = {
 AUTOCAST_ENTER = torch.amp.autocast_mode._enter_autocast
 AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
 
-BUILTINS = ("len", "getattr", "int", "float", "bool", "abs", "min", "max", "round", "range", "tuple", "list",
-            "slice", "sum", "all", "any", "divmod", "pow", "isinstance")
-
 # torch.ops namespaces trusted by default (aten only: prims are lower-level, unchecked building blocks).
 OP_NAMESPACES = frozenset({"aten"})
 

@@ -39,6 +39,7 @@ import torch.fx as fx
 from torch import nn
 
 from .. import ops
+from . import allowlist
 
 _UNKNOWN_ITEMSIZE = 4  # a method on a tensor whose dtype is not written in the call: float32's
 _HUGE = 2**256  # folded integers are clamped here: a literal can name no more than that
@@ -204,12 +205,13 @@ RULES: dict[str, Callable[[tuple, dict], int | None]] = {
 VIEWS = frozenset({"expand", "broadcast_to"})  # allocate nothing: the largest counts, not their sum
 _METHODS = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", "expand", "broadcast_to",
                       "repeat", "tile", "repeat_interleave"})
-_NAMESPACES = (torch, torch.nn.functional, torch._C._nn, torch._C._VariableFunctions)
+_NAMESPACES = frozenset({"torch", "torch.nn.functional", "torch._C._nn"})  # saved-name prefixes of the rules' functions
 
 
 def _rule_name(fn: Any) -> str | None:
     """The :data:`RULES` entry for ``fn``: a Tensor method called by an op module or a ``call_method``
-    node, an aten op, or the very torch function of that name (by identity, not a function named alike).
+    node, an aten op, or a reviewed torch function of that name (its saved name, found by identity in
+    the table load checks names against: :func:`.allowlist.function_names`; never a function named alike).
     Every rule reads the tensor a method or function works on as its first argument."""
     if isinstance(fn, ops._MethodCall):
         return fn.name if fn.name in _METHODS else None
@@ -217,12 +219,11 @@ def _rule_name(fn: Any) -> str | None:
         qualified = fn._schema.name if isinstance(fn, torch._ops.OpOverload) else fn._qualified_op_name
         namespace, _, name = qualified.partition("::")
         return name if namespace == "aten" and name in RULES else None
-    name = getattr(fn, "__name__", None)
-    if not isinstance(name, str) or name not in RULES:
-        return None
-    if name in _METHODS and getattr(torch.Tensor, name, None) is fn:
-        return name
-    return name if any(getattr(ns, name, None) is fn for ns in _NAMESPACES) else None
+    method = getattr(fn, "__name__", None)
+    if isinstance(method, str) and method in _METHODS and getattr(torch.Tensor, method, None) is fn:
+        return method
+    prefix, _, name = allowlist.function_names().get(id(fn), "").rpartition(".")
+    return name if prefix in _NAMESPACES and name in RULES else None
 
 
 # --- folding literal integer arithmetic ------------------------------------------------------------------
