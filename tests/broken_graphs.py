@@ -20,12 +20,20 @@ def _node(gm: fx.GraphModule, target: str) -> fx.Node:
     return found[0]
 
 
+def _rewire(users: list[fx.Node], old: fx.Node, new: fx.Node) -> None:
+    for user in users:
+        user.replace_input_with(old, new)
+
+
 @contextlib.contextmanager
-def _recompiled(gm: fx.GraphModule) -> Iterator[None]:
+def _edited(gm: fx.GraphModule, undo: Callable[[], None]) -> Iterator[None]:
+    """Runs the edited graph (recompiled) until exit; then ``undo()`` puts the graph back and it is
+    recompiled again, so the module computes the right graph afterwards."""
     gm.recompile()
     try:
         yield
     finally:
+        undo()
         gm.recompile()
 
 
@@ -33,16 +41,12 @@ def _recompiled(gm: fx.GraphModule) -> Iterator[None]:
 def dropped_residual(gm: fx.GraphModule, layer: int) -> Iterator[None]:
     """The MLP's residual add returns the MLP output alone."""
     add = _node(gm, f"model.layers.{layer}.add_1")
-    residual, branch = add.args
+    branch = add.args[1]
+    assert isinstance(branch, fx.Node)
     users = list(add.users)
-    add.replace_all_uses_with(branch)
-    try:
-        with _recompiled(gm):
-            yield
-    finally:
-        for user in users:
-            user.replace_input_with(branch, add)
-        del residual
+    _rewire(users, add, branch)
+    with _edited(gm, lambda: _rewire(users, branch, add)):
+        yield
 
 
 @contextlib.contextmanager
@@ -50,11 +54,8 @@ def swapped_weight(gm: fx.GraphModule, layer: int) -> Iterator[None]:
     """The MLP's down projection calls the next layer's module (its weights)."""
     node = _node(gm, f"model.layers.{layer}.mlp.down_proj")
     node.target = f"model.layers.{layer + 1}.mlp.down_proj"
-    try:
-        with _recompiled(gm):
-            yield
-    finally:
-        node.target = f"model.layers.{layer}.mlp.down_proj"
+    with _edited(gm, lambda: setattr(node, "target", f"model.layers.{layer}.mlp.down_proj")):
+        yield
 
 
 @contextlib.contextmanager
@@ -79,16 +80,15 @@ def extra_rounding(gm: fx.GraphModule, layer: int) -> Iterator[None]:
     with gm.graph.inserting_after(down):
         up = gm.graph.call_method("to", (down, torch.float32))
     users = [u for u in node.users if u is not down]
-    for user in users:
-        user.replace_input_with(node, up)
-    try:
-        with _recompiled(gm):
-            yield
-    finally:
-        for user in users:
-            user.replace_input_with(up, node)
+    _rewire(users, node, up)
+
+    def undo() -> None:
+        _rewire(users, up, node)
         gm.graph.erase_node(up)
         gm.graph.erase_node(down)
+
+    with _edited(gm, undo):
+        yield
 
 
 BREAKS: dict[str, Callable[[fx.GraphModule, int], contextlib.AbstractContextManager[None]]] = {

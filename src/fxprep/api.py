@@ -21,7 +21,7 @@ from . import batch, decisions, guard, heap, progress, shape_general
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 from .capture import cascade, dynamo_available, huggingface
 from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
-from .capture.dynamo import autodims
+from .capture.dynamo import autodims, grown_example
 from .capture.fx import mode_notes, trace_failure
 from .capture.rewrite import branches
 from .errors import EquivalenceError, InputMismatch, InvalidInput
@@ -171,13 +171,12 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
 
     if opts.dynamic and example is not None:
         _check_dynamic_inputs(model, example, concrete, opts.dynamic)
-    dynamic = opts.dynamic
     proposal = None  # shape-general by default: a transformers model's batch and sequence dims (fxprep.shape_general)
-    if dynamic is None and example is not None and opts.tracer != "fx" and opts.control_flow is None and dynamo_available():
+    if opts.dynamic is None and example is not None and opts.tracer != "fx" and opts.control_flow is None \
+            and dynamo_available():
         proposal = autodims.propose(model, example)
     if not_general:
-        report.note(f"Shape-general capture (batch and sequence dynamic) was tried and not kept: {not_general}. "
-                    f"Captured with static shapes instead.")
+        report.note(shape_general.not_kept_note(not_general))
     t1 = time.perf_counter()
     tracers = _tracers(opts, example, report, model)
     with GLOBAL_LOCK:  # capture patches process-wide state: one thread at a time (fxprep.threads)
@@ -185,20 +184,11 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
             result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
         elif proposal is not None and example is not None:  # proposed only with an example
-            def run(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-                return capture(model, ["dynamo"], policy, concrete, call, shape_general.with_dynamic(opts, dims))
-
-            try:
-                result, attempts, proposal = shape_general.capture(model, example, proposal, run)
-                dynamic = proposal.dynamic
-            except shape_general.NotShapeGeneral as err:  # static shapes, as before (the reference run is kept)
-                report.note(f"Shape-general capture (batch and sequence dynamic) was tried and not kept: {err}. "
-                            f"Captured with static shapes instead.")
-                proposal = None
-                opts = shape_general.with_dynamic(opts, False)
-                result, attempts = capture(model, tracers, policy, concrete, example, opts)
+            result, attempts, proposal, opts = _capture_general(model, tracers, policy, concrete, example, opts,
+                                                                proposal, report)
         else:
             result, attempts = capture(model, tracers, policy, concrete, example, opts)
+        dynamic = proposal.dynamic if proposal is not None else opts.dynamic
         sites: list[Any] = []
         if result is None and opts.fallback == "leaf":  # Dynamo again with the failing parts opaque, then fx
             with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
@@ -303,7 +293,9 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         if proposal is not None:
             _verify_general(model, gm, example, concrete, opts, report, absent, proposal)
         elif dynamic:
-            _verify_second_size(model, gm, example, concrete, opts, report, absent)
+            second = grown_example(model, example, dynamic)
+            checked = _verify_second_size(model, gm, second, concrete, opts, report, absent)
+            report.note(f"verified on {_second_size(second)}: max |diff| = {checked.max_abs_diff:.3g}")
         constructed = rewrite.coverage() if rewrite is not None else []
         for i, (label, extra) in enumerate([(None, e) for e in opts.verify_inputs] + constructed):
             progress.step(label or f"verify_inputs[{i}]")
@@ -324,11 +316,10 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         report.timings["verify"] = time.perf_counter() - t3
     elif example is None:
         report.verification = Verification("skipped", detail="no example_inputs given")
-    elif proposal is not None:
-        report.verification = Verification("skipped", detail="verify=False")
-        shape_general.notes(report, proposal, None)
     else:
         report.verification = Verification("skipped", detail="verify=False")
+        if proposal is not None:
+            shape_general.notes(report, proposal, None)
     if rewrite is not None:
         rewrite.report(report, result.extra_leaves, result.tracer)
     report.timings["total"] = time.perf_counter() - t0
@@ -433,41 +424,56 @@ def _check_dynamic_inputs(model: nn.Module, example: ExampleInputs, concrete: di
         raise InvalidInput(f"dynamic={dynamic!r} does not fit the example inputs ({example.describe()}): {err}.") from err
 
 
+def _capture_general(model: nn.Module, tracers: list[str], policy: LeafPolicy, concrete: dict[str, Any] | None,
+                     example: ExampleInputs, opts: PrepareOptions, proposal: autodims.Proposal, report: Report,
+                     ) -> tuple[CaptureResult | None, list[CaptureAttempt], autodims.Proposal | None, PrepareOptions]:
+    """The shape-general capture (:func:`shape_general.capture`: Dynamo alone, with ``proposal``'s
+    dimensions); when it fails, the static-shape capture as before, said in the report (the reference
+    run is kept). Returns the capture, the proposal kept (None when static) and the options it used."""
+
+    def run(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+        return capture(model, ["dynamo"], policy, concrete, call, shape_general.with_dynamic(opts, dims))
+
+    try:
+        result, attempts, kept = shape_general.capture(model, example, proposal, run)
+        return result, attempts, kept, opts
+    except shape_general.NotShapeGeneral as err:
+        report.note(shape_general.not_kept_note(str(err)))
+        static = shape_general.with_dynamic(opts, False)
+        result, attempts = capture(model, tracers, policy, concrete, example, static)
+        return result, attempts, None, static
+
+
 def _verify_general(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, concrete: dict[str, Any] | None,
                     opts: PrepareOptions, report: Report, absent: dict[str, str], proposal: autodims.Proposal) -> None:
     """A shape-general capture checked on a second size (batch and sequence 3 larger): the proof that
     lets calls at other sizes through; a failure means static shapes (:class:`shape_general.NotShapeGeneral`)."""
-
-    def check(second: ExampleInputs, label: str) -> Any:
-        progress.step(label)
-        original_call = split_calls(model, second, huggingface.without_added(concrete, absent))[0]
-        prepared_call = split_calls(model, second, concrete)[1]
-        try:
-            return verify(model, gm, original_call, prepared_example=prepared_call, what=label, rtol=opts.rtol,
-                          atol=opts.atol, grad=opts.verify == "grad", absent=absent)
-        except Exception as err:  # noqa: BLE001 - any failure at another size: the dims did not hold
-            raise shape_general.NotShapeGeneral(f"at {label}: {type(err).__name__}: "
-                                                f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}") from err
-
-    result, second = shape_general.verify_second_size(example, proposal.dynamic, model, check)
-    _note_state(report, result)
-    shape_general.notes(report, proposal, f"{second} (max |diff| {result.max_abs_diff:.3g})")
+    second = grown_example(model, example, proposal.dynamic, grow=3)
+    try:
+        result = _verify_second_size(model, gm, second, concrete, opts, report, absent)
+    except Exception as err:  # noqa: BLE001 - any failure at another size: the dims did not hold
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        raise shape_general.NotShapeGeneral(f"at {_second_size(second)}: {type(err).__name__}: {first}") from err
+    shape_general.notes(report, proposal, f"{second.describe()} (max |diff| {result.max_abs_diff:.3g})")
 
 
-def _verify_second_size(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs,
-                        concrete: dict[str, Any] | None, opts: PrepareOptions, report: Report, absent: dict[str, str]) -> None:
-    """With ``dynamic``, the prepared module must also match on an input whose dynamic dimensions
-    differ from the example's (raises EquivalenceError otherwise)."""
-    from .capture.dynamo import grown_example
+def _second_size(second: ExampleInputs) -> str:
+    return f"a second input size ({second.describe()})"
 
-    second = grown_example(model, example, opts.dynamic)
-    progress.step(f"a second input size ({second.describe()})")
+
+def _verify_second_size(model: nn.Module, gm: fx.GraphModule, second: ExampleInputs, concrete: dict[str, Any] | None,
+                        opts: PrepareOptions, report: Report, absent: dict[str, str]) -> Verification:
+    """The prepared module checked against the original on ``second`` (the example grown in its
+    dynamic dimensions: :func:`fxprep.capture.dynamo.grown_example`); raises EquivalenceError where
+    they differ."""
+    label = _second_size(second)
+    progress.step(label)
     original_call = split_calls(model, second, huggingface.without_added(concrete, absent))[0]
     prepared_call = split_calls(model, second, concrete)[1]
-    result = verify(model, gm, original_call, prepared_example=prepared_call, what=f"a second input size ({second.describe()})",
+    result = verify(model, gm, original_call, prepared_example=prepared_call, what=label,
                     rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", absent=absent)
     _note_state(report, result)
-    report.note(f"verified on a second input size ({second.describe()}): max |diff| = {result.max_abs_diff:.3g}")
+    return result
 
 
 def get_report(gm: nn.Module) -> Report:

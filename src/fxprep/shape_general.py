@@ -4,10 +4,10 @@ dynamic, and proven so, unless the user said otherwise.
 :mod:`fxprep.capture.dynamo.autodims` says which dimensions those are and gives the example to
 capture on. This module runs that capture for ``prepare_model`` (:func:`capture`: Dynamo alone,
 block reuse kept; a dimension the model's code specialises is taken out, with why, and the capture
-retried), and checks the result on a second size (:func:`verify_second_size`: batch and sequence
-3 larger than the example's). Any failure is a :class:`NotShapeGeneral`: ``prepare_model`` then
-captures with static shapes as before (after a failed capture at once, after a failed verification
-by preparing again) and says why in the report. The batch probe
+retried); ``prepare_model`` checks the result on a second size (batch and sequence 3 larger than
+the example's) and reports it (:func:`notes`). Any failure is a :class:`NotShapeGeneral`:
+``prepare_model`` then captures with static shapes as before (after a failed capture at once, after
+a failed verification by preparing again) and says why (:func:`not_kept_note`). The batch probe
 (:mod:`fxprep.batch`, one more whole-model Dynamo trace plus two verification runs) has nothing
 left to find where the batch dimension is declared and verified, so it does not run then.
 """
@@ -24,9 +24,8 @@ from torch import nn
 
 from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims
-from .capture.dynamo.shapes import grown_example
 from .inputs import ExampleInputs
-from .report import Report, Verification
+from .report import Report
 
 Capture = Callable[[ExampleInputs, Any], tuple["CaptureResult | None", list[CaptureAttempt]]]
 
@@ -76,13 +75,10 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
     raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
 
 
-def verify_second_size(example: ExampleInputs, dynamic: dict[str, dict[int, str]], model: nn.Module,
-                       check: Callable[[ExampleInputs, str], Verification], grow: int = 3) -> tuple[Verification, str]:
-    """``check(example grown by grow in every dynamic dimension, label)`` (a verification of the
-    prepared module against the original), and the grown example's description."""
-    second = grown_example(model, example, dynamic, grow=grow)
-    label = f"a second input size ({second.describe()})"
-    return check(second, label), second.describe()
+def not_kept_note(why: str) -> str:
+    """The report's note when the shape-general capture (or its verification) failed: ``why``."""
+    return (f"Shape-general capture (batch and sequence dynamic) was tried and not kept: {why}. "
+            f"Captured with static shapes instead.")
 
 
 def notes(report: Report, proposal: autodims.Proposal, second: str | None) -> None:

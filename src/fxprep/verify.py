@@ -80,9 +80,10 @@ def _key_order_differences(ref: Any, got: Any, path: str = "out") -> list[tuple[
 def run_original(model: nn.Module, example: ExampleInputs, what: str = "the example inputs") -> tuple[Any, dict[str, Any]]:
     """The reference run of the user's model: its output, and the state it leaves behind
     (:func:`fxprep.runs.observed_state`, restored afterwards). Its failure is the user's to fix,
-    said so plainly."""
+    said so plainly. A half-precision model runs with SDPA's math kernel (:func:`pinned_kernels`),
+    as :func:`verify` runs the prepared module, so one reference run serves capture and verification."""
     try:
-        with preserved_state(model):
+        with pinned_kernels(low_precision_model(model)), preserved_state(model):
             out = run_model(model, example)
             return out, observed_state(model)
     except Exception as err:
@@ -306,7 +307,9 @@ def verify(
 
     ``prepared_example`` is how the prepared module is called when it differs from the original's
     call (``concrete_args`` removed some arguments, for instance). ``reference`` and
-    ``reference_state`` are what :func:`run_original` returned, when the original already ran.
+    ``reference_state`` are what :func:`run_original` returned, when the original already ran (it
+    pins the attention kernel in half precision as this comparison does: a reference made otherwise
+    would not do).
 
     State is compared too: the buffers and plain scalar attributes (counters, running averages) one
     run of the original leaves behind against those one run of the prepared module leaves behind;
@@ -320,11 +323,9 @@ def verify(
     prepared module (it was read only by the branch not taken, which ``torch.where`` computes too).
     """
     prepared_example = prepared_example or example
-    pin = low_precision_model(original)  # a given reference was run with any kernel: run again, pinned
-    if reference is None or reference_state is None or pin:
-        with pinned_kernels(pin):
-            reference, reference_state = run_original(original, example, what)
-    low = pin or low_precision(reference) is not None
+    if reference is None or reference_state is None:
+        reference, reference_state = run_original(original, example, what)
+    low = low_precision_model(original) or low_precision(reference) is not None
     with preserved_state(original, prepared), pinned_kernels(low):
         try:
             got = run_model(prepared, prepared_example)

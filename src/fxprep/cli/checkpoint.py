@@ -85,9 +85,7 @@ def _inputs(texts: list[str], config: Any, device: torch.device) -> dict[str, to
     else:
         ids = torch.randint(0, high, (1, 16), generator=torch.Generator().manual_seed(0))
         inputs = {"input_ids": ids}
-    if isinstance(inputs, dict):
-        return {k: v.to(device) for k, v in inputs.items()}
-    return tuple(v.to(device) for v in inputs)
+    return _to(inputs, device)
 
 
 def _to(inputs: Any, device: torch.device | str) -> Any:

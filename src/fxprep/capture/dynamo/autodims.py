@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ...inputs import ExampleInputs
-from .shapes import positional_names
+from .shapes import positional_names, repeated_to
 
 # input name -> {dimension: symbol}; every other dimension of that input stays static
 _TOKENS = {0: "batch", 1: "seq"}
@@ -134,10 +134,8 @@ def _grown(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict[int, s
 
     def grow(name: str, value: Any) -> Any:
         for d, sym in dynamic.get(name, {}).items():
-            size, want = int(value.shape[d]), target[sym]
-            if want != size:
-                reps = -(-want // size)
-                value = torch.cat([value] * reps, dim=d).narrow(d, 0, want)
+            if target[sym] != int(value.shape[d]):
+                value = repeated_to(value, d, target[sym])
         return value
 
     names = positional_names(model, len(call.args))

@@ -123,6 +123,13 @@ def dynamic_dims(model: nn.Module, call: ExampleInputs, dynamic: Any) -> dict[st
     return out
 
 
+def repeated_to(value: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``value`` made ``size`` long in ``dim`` by repeating it whole and cutting the end: the extra
+    rows repeat the first ones, so token ids and masks stay valid."""
+    reps = math.ceil(size / max(value.shape[dim], 1))
+    return torch.cat([value] * reps, dim=dim).narrow(dim, 0, size)
+
+
 def grown_example(model: nn.Module, example: ExampleInputs, dynamic: Any, grow: int = 1) -> ExampleInputs:
     """A second example whose dynamic dimensions are ``grow`` larger (the extra rows repeat the
     first ones, so token ids and masks stay valid). Dimensions sharing a name grow together."""
@@ -133,9 +140,7 @@ def grown_example(model: nn.Module, example: ExampleInputs, dynamic: Any, grow: 
             return value
         for d in sorted(spec):
             d = d % value.dim()
-            size = value.shape[d]
-            reps = math.ceil((size + grow) / max(size, 1))
-            value = torch.cat([value] * reps, dim=d).narrow(d, 0, size + grow)
+            value = repeated_to(value, d, value.shape[d] + grow)
         return value
 
     names = positional_names(model, len(example.args))
