@@ -64,22 +64,19 @@ def _copy_graph(gm: fx.GraphModule) -> tuple[fx.Graph, list[str]]:
     return graph, names
 
 
-def _root(gm: fx.GraphModule, graph: fx.Graph, constants: fx.GraphModule | None = None) -> dict[str, Any]:
-    """What the new GraphModule reads, by qualified name: ``gm``'s own objects (nothing copied), and
-    the folded constants from ``constants``."""
+def _root(gm: fx.GraphModule, graph: fx.Graph) -> dict[str, Any]:
+    """What a GraphModule of ``graph`` reads, by qualified name: ``gm``'s own objects (nothing copied)."""
     root: dict[str, Any] = {}
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module"):
-            path = str(node.target)
-            owner, _, field = path.rpartition(".")
-            source = constants if constants is not None and path.startswith(f"{HOLDER}.") else gm
-            root[path] = getattr(source.get_submodule(owner), field)
+            owner, _, field = str(node.target).rpartition(".")
+            root[str(node.target)] = getattr(gm.get_submodule(owner), field)
     return root
 
 
 def _keep_persistence(gm: fx.GraphModule, new: fx.GraphModule) -> None:
-    """Buffers the prepared graph does not save stay unsaved in the new one (the dict root
-    registers every tensor as a saved buffer)."""
+    """Buffers ``gm`` does not save stay unsaved in ``new`` (a dict root registers every tensor
+    as a saved buffer)."""
     for path, _ in list(new.named_buffers()):
         owner, _, field = path.rpartition(".")
         try:
@@ -128,9 +125,9 @@ def retraceable(gm: fx.GraphModule, example_inputs: Any, *, specialize: bool = F
         node.target = name
         node.name = name if name not in {n.name for n in work.graph.nodes if n is not node} else node.name
     work.graph.lint()
-    new = fx.GraphModule(_root(gm, work.graph, work), work.graph, "Retraceable")
-    _keep_persistence(gm, new)
-    for path, _ in work.get_submodule(HOLDER).named_buffers() if hasattr(work, HOLDER) else []:
-        new.get_submodule(HOLDER)._non_persistent_buffers_set.add(path)
+    # the working module holds the prepared graph's objects (shared) and the folded constants:
+    # it is the root of the new one, persistence included
+    new = fx.GraphModule(_root(work, work.graph), work.graph, "Retraceable")
+    _keep_persistence(work, new)
     new.train(gm.training)
     return new
