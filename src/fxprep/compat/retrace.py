@@ -107,15 +107,14 @@ def retraceable(gm: fx.GraphModule, example_inputs: Any, *, specialize: bool = F
     _keep_persistence(gm, work)
     flat = shape_prop.flat_inputs(gm, tuple(example.args), dict(example.kwargs))
     placeholders = [n for n in work.graph.nodes if n.op == "placeholder"]
-    if specialize:  # forget the symbolic sizes: every node's value recorded again from the example
+    if specialize:  # forget the symbolic sizes: the run below records every node's value from the example
         for node in work.graph.nodes:
             for key in ("val", "example_value", "tensor_meta"):
                 node.meta.pop(key, None)
-        shape_prop.run(work, tuple(flat))
     for node, value in zip(placeholders, flat):
         if node.meta.get("val") is None and isinstance(value, torch.Tensor):
             node.meta["val"] = value
-    keep = fold_constants.foldable(work)
+    keep = fold_constants.foldable(work, static_shapes=specialize)  # decided before the one run of the graph
     values = shape_prop.run(work, tuple(flat), keep=keep)
     fold_constants.run(work, values, holder=HOLDER)
     casts.run(work)
