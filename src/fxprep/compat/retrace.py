@@ -42,6 +42,14 @@ from ..passes import casts, fold_constants, shape_prop, tuple_outputs
 __all__ = ["retraceable"]
 
 HOLDER = "fxprep_constants"
+INTEGER_INPUTS = "fxprep_integer_inputs"  # the adapters' note, on the graph they return, of its integer inputs
+
+
+def integer_valued(node: fx.Node) -> bool:
+    """Whether ``node``'s recorded value (``meta["val"]``) is an integer or boolean tensor: token ids,
+    positions, indices and counts, which the adapters keep away from activation quantizers."""
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())
 
 
 def _copy_graph(gm: fx.GraphModule) -> tuple[fx.Graph, list[str]]:
