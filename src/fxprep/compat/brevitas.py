@@ -34,12 +34,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..inputs import normalize_example_inputs
-from .retrace import retraceable
+from .retrace import INTEGER_INPUTS, integer_valued, retraceable
 
 __all__ = ["preprocess_for_quantize", "quantize"]
 
-INTEGER_INPUTS = "fxprep_integer_inputs"
 _ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.truediv)
 
 
@@ -49,11 +47,7 @@ def preprocess_for_quantize(gm: fx.GraphModule, example_inputs: Any, **brevitas_
     from brevitas.graph.quantize import preprocess_for_quantize as brevitas_preprocess
 
     ready = retraceable(gm, example_inputs, specialize=True)  # Brevitas traces it again: one size
-    example = normalize_example_inputs(example_inputs)
-    assert example is not None  # retraceable checked it
-    integer = [n.target for n in ready.graph.nodes
-               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
-               and not (n.meta["val"].is_floating_point() or n.meta["val"].is_complex())]
+    integer = [n.target for n in ready.graph.nodes if n.op == "placeholder" and integer_valued(n)]
     graph_model = brevitas_preprocess(ready, **brevitas_options)
     setattr(graph_model, INTEGER_INPUTS, tuple(integer))
     return graph_model

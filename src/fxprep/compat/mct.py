@@ -40,11 +40,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .. import ops
-from .retrace import HOLDER, retraceable
+from .retrace import HOLDER, INTEGER_INPUTS, integer_valued, retraceable
 
 __all__ = ["prepare", "post_training_quantization", "integer_input_quantizers"]
-
-INTEGER_INPUTS = "fxprep_integer_inputs"
 
 
 def prepare(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
@@ -78,9 +76,7 @@ def integer_input_quantizers(ready: fx.GraphModule, quantized: torch.nn.Module) 
     :func:`prepare`'s graph: its integer inputs, their casts back, and every node whose recorded
     output (``meta["val"]``) is an integer or boolean tensor (GPT-2's position ids, MoE routing
     indices): indices and counts, not activations, which MCT's fake-quantizer refuses at inference."""
-    integer = [n.name for n in ready.graph.nodes
-               if isinstance(n.meta.get("val"), torch.Tensor)
-               and not (n.meta["val"].is_floating_point() or n.meta["val"].is_complex())]
+    integer = [n.name for n in ready.graph.nodes if integer_valued(n)]
     names = []
     for node_name in dict.fromkeys([*getattr(ready, INTEGER_INPUTS, ()), *integer]):
         holder = f"{node_name}_activation_holder_quantizer"

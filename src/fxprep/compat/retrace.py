@@ -42,6 +42,14 @@ from ..passes import casts, fold_constants, shape_prop, tuple_outputs
 __all__ = ["retraceable"]
 
 HOLDER = "fxprep_constants"
+INTEGER_INPUTS = "fxprep_integer_inputs"  # the adapters' note, on the graph they return, of its integer inputs
+
+
+def integer_valued(node: fx.Node) -> bool:
+    """Whether ``node``'s recorded value (``meta["val"]``) is an integer or boolean tensor: token ids,
+    positions, indices and counts, which the adapters keep away from activation quantizers."""
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())
 
 
 def _copy_graph(gm: fx.GraphModule) -> tuple[fx.Graph, list[str]]:
@@ -64,22 +72,19 @@ def _copy_graph(gm: fx.GraphModule) -> tuple[fx.Graph, list[str]]:
     return graph, names
 
 
-def _root(gm: fx.GraphModule, graph: fx.Graph, constants: fx.GraphModule | None = None) -> dict[str, Any]:
-    """What the new GraphModule reads, by qualified name: ``gm``'s own objects (nothing copied), and
-    the folded constants from ``constants``."""
+def _root(gm: fx.GraphModule, graph: fx.Graph) -> dict[str, Any]:
+    """What a GraphModule of ``graph`` reads, by qualified name: ``gm``'s own objects (nothing copied)."""
     root: dict[str, Any] = {}
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module"):
-            path = str(node.target)
-            owner, _, field = path.rpartition(".")
-            source = constants if constants is not None and path.startswith(f"{HOLDER}.") else gm
-            root[path] = getattr(source.get_submodule(owner), field)
+            owner, _, field = str(node.target).rpartition(".")
+            root[str(node.target)] = getattr(gm.get_submodule(owner), field)
     return root
 
 
 def _keep_persistence(gm: fx.GraphModule, new: fx.GraphModule) -> None:
-    """Buffers the prepared graph does not save stay unsaved in the new one (the dict root
-    registers every tensor as a saved buffer)."""
+    """Buffers ``gm`` does not save stay unsaved in ``new`` (a dict root registers every tensor
+    as a saved buffer)."""
     for path, _ in list(new.named_buffers()):
         owner, _, field = path.rpartition(".")
         try:
@@ -110,15 +115,14 @@ def retraceable(gm: fx.GraphModule, example_inputs: Any, *, specialize: bool = F
     _keep_persistence(gm, work)
     flat = shape_prop.flat_inputs(gm, tuple(example.args), dict(example.kwargs))
     placeholders = [n for n in work.graph.nodes if n.op == "placeholder"]
-    if specialize:  # forget the symbolic sizes: every node's value recorded again from the example
+    if specialize:  # forget the symbolic sizes: the run below records every node's value from the example
         for node in work.graph.nodes:
             for key in ("val", "example_value", "tensor_meta"):
                 node.meta.pop(key, None)
-        shape_prop.run(work, tuple(flat))
     for node, value in zip(placeholders, flat):
         if node.meta.get("val") is None and isinstance(value, torch.Tensor):
             node.meta["val"] = value
-    keep = fold_constants.foldable(work)
+    keep = fold_constants.foldable(work, static_shapes=specialize)  # decided before the one run of the graph
     values = shape_prop.run(work, tuple(flat), keep=keep)
     fold_constants.run(work, values, holder=HOLDER)
     casts.run(work)
@@ -128,9 +132,9 @@ def retraceable(gm: fx.GraphModule, example_inputs: Any, *, specialize: bool = F
         node.target = name
         node.name = name if name not in {n.name for n in work.graph.nodes if n is not node} else node.name
     work.graph.lint()
-    new = fx.GraphModule(_root(gm, work.graph, work), work.graph, "Retraceable")
-    _keep_persistence(gm, new)
-    for path, _ in work.get_submodule(HOLDER).named_buffers() if hasattr(work, HOLDER) else []:
-        new.get_submodule(HOLDER)._non_persistent_buffers_set.add(path)
+    # the working module holds the prepared graph's objects (shared) and the folded constants:
+    # it is the root of the new one, persistence included
+    new = fx.GraphModule(_root(work, work.graph), work.graph, "Retraceable")
+    _keep_persistence(work, new)
     new.train(gm.training)
     return new

@@ -25,7 +25,8 @@ import torch.fx as fx
 from .. import ops
 from .shape_prop import known_value
 
-_CASTS = {"to", "type", "float", "double", "half", "bfloat16", "contiguous", "cpu", "cuda"}
+# no ``contiguous``: a layout change, harmless to every tracer, and views after it may rely on it
+_CASTS = {"to", "type", "float", "double", "half", "bfloat16", "cpu", "cuda"}
 
 
 def _same_tensor_kind(a: object, b: object) -> bool:
@@ -47,8 +48,6 @@ def run(gm: fx.GraphModule) -> tuple[int, int]:
         if not isinstance(source, fx.Node):
             continue
         before, after = known_value(source), known_value(node)
-        if node.target == "contiguous":
-            continue  # a layout change: harmless to every tracer, and views after it may rely on it
         if _same_tensor_kind(before, after) and not node.kwargs.get("copy", False):
             node.replace_all_uses_with(source)
             gm.graph.erase_node(node)
@@ -59,8 +58,8 @@ def run(gm: fx.GraphModule) -> tuple[int, int]:
             node.args, node.kwargs = (source, after.dtype), {}
             rewritten += 1
     for node in list(gm.graph.nodes):
-        if _identity_concat(gm, node) is not None:
-            node.replace_all_uses_with(_identity_concat(gm, node))
+        if (kept := _identity_concat(gm, node)) is not None:
+            node.replace_all_uses_with(kept)
             gm.graph.erase_node(node)
             dropped += 1
     return dropped, rewritten

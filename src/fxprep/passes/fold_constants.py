@@ -13,7 +13,8 @@ A node is *constant* when its result depends on no input value and no size that 
 
 * ``x.device`` / ``x.dtype`` of anything, ``x.shape`` / ``x.size()`` / ``x.dim()`` of a tensor whose
   recorded shape (``meta["val"]`` / ``example_value``) has no symbolic dimension; graphs without a
-  recorded shape (the fx tracer's, valid for any size) never have their sizes folded;
+  recorded shape (the fx tracer's, valid for any size) never have their sizes folded, unless the
+  caller makes the graph for the example's sizes only (``static_shapes=True``: every size is static);
 * constants and buffers the model does not save (``persistent=False``, like ``inv_freq``) and
   tensors Dynamo lifted; never a Parameter or a saved buffer (weights and running statistics stay
   live, so loading other weights still changes the result);
@@ -43,8 +44,8 @@ _SIZE_METHODS = {"size", "dim", "numel", "get_device"}
 _RANDOM = ("rand", "randn", "randint", "randperm", "bernoulli", "multinomial", "normal", "dropout", "uniform")
 
 
-def _static_shape(node: Any) -> bool:
-    if not isinstance(node, fx.Node):
+def _static_shape(node: Any, static_shapes: bool) -> bool:
+    if static_shapes or not isinstance(node, fx.Node):
         return True
     value = known_value(node)
     return isinstance(value, torch.Tensor) and not has_symbolic_size(value)
@@ -80,8 +81,9 @@ def _stateless_module(module: nn.Module) -> bool:
     return not isinstance(module, nn.modules.dropout._DropoutNd | nn.Dropout)
 
 
-def constant_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes whose result is the same on every call (see the module docstring)."""
+def constant_nodes(gm: fx.GraphModule, *, static_shapes: bool = False) -> set[fx.Node]:
+    """The nodes whose result is the same on every call (see the module docstring);
+    ``static_shapes``: every size is the example's, recorded or not."""
     constant: set[fx.Node] = set()
 
     def inputs_constant(node: fx.Node) -> bool:
@@ -97,10 +99,10 @@ def constant_nodes(gm: fx.GraphModule) -> set[fx.Node]:
         target = node.target
         if node.op == "call_function" and target is getattr and len(node.args) == 2:
             attr = node.args[1]
-            if attr in _METADATA_ATTRS or attr in _SIZE_ATTRS and _static_shape(node.args[0]):
+            if attr in _METADATA_ATTRS or attr in _SIZE_ATTRS and _static_shape(node.args[0], static_shapes):
                 constant.add(node)
                 continue
-        if node.op == "call_method" and target in _SIZE_METHODS and _static_shape(node.args[0]):
+        if node.op == "call_method" and target in _SIZE_METHODS and _static_shape(node.args[0], static_shapes):
             constant.add(node)
             continue
         if node.op == "call_method" and target in _METADATA_ATTRS:
@@ -116,10 +118,11 @@ def constant_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return constant
 
 
-def foldable(gm: fx.GraphModule) -> list[fx.Node]:
-    """Constant nodes whose result a live node (or the output) uses: the ones to turn into buffers.
-    Each must have produced a tensor (known once the graph has run: see :func:`run`)."""
-    constant = constant_nodes(gm)
+def foldable(gm: fx.GraphModule, *, static_shapes: bool = False) -> list[fx.Node]:
+    """Constant nodes whose result a live node (or the output) uses: the ones to turn into buffers
+    (``static_shapes`` as for :func:`constant_nodes`). Each must have produced a tensor (known once
+    the graph has run: see :func:`run`)."""
+    constant = constant_nodes(gm, static_shapes=static_shapes)
     frontier = []
     for node in gm.graph.nodes:
         if node in constant and node.op != "get_attr" and any(u not in constant for u in node.users):

@@ -22,7 +22,8 @@ def run(gm: fx.GraphModule) -> int:
     """For each ``call_module`` node whose value is a tuple read only by ``getitem``s, add the
     ``getitem``s of the elements not read. Returns how many were added. Needs ``meta['val']``."""
     added = 0
-    for node in list(gm.graph.nodes):
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}  # a getitem added below reads a node already handled
+    for node in list(order):
         value = known_value(node)
         if node.op != "call_module" or not isinstance(value, tuple) or not node.users:
             continue
@@ -30,7 +31,7 @@ def run(gm: fx.GraphModule) -> int:
                    for u in node.users):
             continue
         read = {u.args[1] for u in node.users}
-        last = max(node.users, key=lambda u: list(gm.graph.nodes).index(u))
+        last = max(node.users, key=order.__getitem__)
         for index in range(len(value)):
             if index in read:
                 continue
