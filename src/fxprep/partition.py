@@ -315,12 +315,12 @@ def partition(gm: fx.GraphModule, targets: Target | Sequence[Target] | None = No
     output = next(n for n in gm.graph.nodes if n.op == "output")
     final = output.all_input_nodes
     last_use: dict[fx.Node, int] = {}
-    mutated: dict[int, list[fx.Node]] = {}
+    mutated: dict[int, dict[fx.Node, None]] = {}  # per stage, the values it changes in place (an ordered set)
     for k, (_, _, nodes) in enumerate(segments):
         for node in nodes:
             for used in node.all_input_nodes:
                 last_use[used] = max(last_use.get(used, -1), k)
-            mutated.setdefault(k, []).extend(m for m in _mutated_inputs(node) if m not in mutated.get(k, []))
+            mutated.setdefault(k, {}).update(dict.fromkeys(_mutated_inputs(node)))
     stages: list[Stage] = []
     for k, (name, members, nodes) in enumerate(segments):
         inside = set(nodes)
