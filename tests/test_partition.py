@@ -81,12 +81,25 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
+@pytest.fixture(scope="module")
+def prepared() -> dict[str, tuple[torch.nn.Module, Any, list[Any], fx.GraphModule]]:
+    """Each case's model, example, more batches and prepared graph, prepared once for the module
+    (filled as tests ask: partition changes nothing in ``gm``)."""
+    return {}
+
+
+def _prepared(cache: dict[str, Any], name: str) -> tuple[torch.nn.Module, Any, list[Any], fx.GraphModule]:
+    if name not in cache:
+        model, example, more = CASES[name][0]()
+        cache[name] = model, example, more, fxprep.prepare_model(model, example_inputs=example)
+    return cache[name]
+
+
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request: pytest.FixtureRequest) -> tuple[str, fx.GraphModule, Any, list[Any], list[str]]:
-    build, names = CASES[request.param]
-    model, example, more = build()
-    gm = fxprep.prepare_model(model, example_inputs=example)
-    return request.param, gm, example, [example] + more, names
+def case(request: pytest.FixtureRequest, prepared: dict[str, Any]
+         ) -> tuple[str, fx.GraphModule, Any, list[Any], list[str]]:
+    _, example, more, gm = _prepared(prepared, request.param)
+    return request.param, gm, example, [example] + more, CASES[request.param][1]
 
 
 def test_stages_are_the_blocks_in_order(case: Any) -> None:
@@ -151,9 +164,8 @@ def test_running_the_stages_in_order_is_running_gm(case: Any) -> None:
             assert pairs and all(torch.equal(a, b) for a, b in pairs)
 
 
-def test_targets_by_class_name_and_glob() -> None:
-    model, example, _ = _llama()
-    gm = fxprep.prepare_model(model, example_inputs=example)
+def test_targets_by_class_name_and_glob(prepared: dict[str, Any]) -> None:
+    model, example, _, gm = _prepared(prepared, "llama")
     by_class = fxprep.partition(gm, targets=tf.models.llama.modeling_llama.LlamaDecoderLayer)
     by_glob = fxprep.partition(gm, targets="model.layers.*")
     assert [s.name for s in by_class] == [s.name for s in by_glob] == [s.name for s in fxprep.partition(gm)]

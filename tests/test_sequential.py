@@ -91,11 +91,18 @@ def test_the_model_is_left_as_found(gm: Any) -> None:
     assert {id(m): m.__dict__.get("forward") for m in gm.modules()} == forward
 
 
-@pytest.mark.parametrize("offload", ["cpu", "disk"])
-def test_weights_changed_on_stage_are_written_back(offload: str) -> None:
+@pytest.fixture(scope="module")
+def changed() -> tuple[nn.Module, Any]:
+    """A model of its own (and its graph) for the test that changes weights: both offload modes use
+    it, each wanting what it finds changed once more."""
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**CFG)).eval()
-    gm = fxprep.prepare_model(model, example_inputs=BATCHES[0], verify=False)
+    return model, fxprep.prepare_model(model, example_inputs=BATCHES[0], verify=False)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_weights_changed_on_stage_are_written_back(changed: tuple[nn.Module, Any], offload: str) -> None:
+    model, gm = changed
     want = {n: p.detach().clone() * (0.5 if n.endswith("down_proj.weight") else 1.0) for n, p in model.named_parameters()}
 
     def halve_down_proj(stage: Any, inputs: Any, outputs: Any) -> None:  # a GPTQ-style update, in place

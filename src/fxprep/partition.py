@@ -53,10 +53,19 @@ class Stage(fx.GraphModule):
 
     name: str
     blocks: tuple[str, ...]
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
     frees: tuple[str, ...]
     weight_modules: dict[str, nn.Module]
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Its placeholders' targets: the keyword names ``forward`` takes."""
+        return tuple(str(n.target) for n in self.graph.find_nodes(op="placeholder"))
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The keys of the dict its output node returns."""
+        (output,) = self.graph.find_nodes(op="output")
+        return tuple(output.args[0])
 
     def __repr__(self) -> str:
         return (f"Stage({self.name!r}, {len(self.graph.nodes) - len(self.inputs) - 1} nodes, "
@@ -71,14 +80,14 @@ class Stages(list):
     first stages read), :meth:`result` (``gm``'s return value from the named values) and ``__call__``
     (all stages in order: the same as calling ``gm``)."""
 
-    def __init__(self, stages: Iterable[Stage], binder: fx.GraphModule, placeholders: Sequence[str],
-                 result_graph: fx.GraphModule, result_reads: Sequence[str], codegen: Any):
+    def __init__(self, stages: Iterable[Stage], binder: fx.GraphModule, result_graph: fx.GraphModule, codegen: Any):
         super().__init__(stages)
         self._binder = binder
-        self.placeholders = tuple(placeholders)
         self._result_graph = result_graph
-        self.result_reads = tuple(result_reads)  # the values gm's output is made of
         self._codegen = codegen
+        # gm's placeholders (the binder's are copies, same names) and the values gm's output is made of
+        self.placeholders = tuple(n.name for n in binder.graph.find_nodes(op="placeholder"))
+        self.result_reads = tuple(str(n.target) for n in result_graph.graph.find_nodes(op="placeholder"))
 
     def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """``{placeholder name: value}`` for a call ``gm(*args, **kwargs)``, flattened by ``gm``'s own
@@ -303,18 +312,15 @@ def partition(gm: fx.GraphModule, targets: Target | Sequence[Target] | None = No
     if targets is not None and not blocks:
         raise InvalidInput(f"no module of the graph matches the partition targets {targets!r}.")
     segments = _segments(gm, blocks)
-    stage_of: dict[fx.Node, int] = {}
-    for k, (_, _, nodes) in enumerate(segments):
-        stage_of.update({n: k for n in nodes})
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    final = [n for n in output.all_input_nodes]
+    final = output.all_input_nodes
     last_use: dict[fx.Node, int] = {}
-    mutated: dict[int, list[fx.Node]] = {}
+    mutated: dict[int, dict[fx.Node, None]] = {}  # per stage, the values it changes in place (an ordered set)
     for k, (_, _, nodes) in enumerate(segments):
         for node in nodes:
             for used in node.all_input_nodes:
                 last_use[used] = max(last_use.get(used, -1), k)
-            mutated.setdefault(k, []).extend(m for m in _mutated_inputs(node) if m not in mutated.get(k, []))
+            mutated.setdefault(k, {}).update(dict.fromkeys(_mutated_inputs(node)))
     stages: list[Stage] = []
     for k, (name, members, nodes) in enumerate(segments):
         inside = set(nodes)
@@ -323,8 +329,7 @@ def partition(gm: fx.GraphModule, targets: Target | Sequence[Target] | None = No
         outputs += [m for m in mutated.get(k, []) if m not in outputs and (last_use.get(m, -1) > k or m in final)]
         frees = [n.name for n in inputs + outputs if last_use.get(n, -1) <= k and n not in final and n.op != "get_attr"]
         stages.append(_stage(gm, name, members, nodes, inputs, outputs, frees))
-    return Stages(stages, _binder(gm), [n.name for n in gm.graph.nodes if n.op == "placeholder"],
-                  _result_module(gm, output, final), [n.name for n in final], gm.graph._codegen)
+    return Stages(stages, _binder(gm), _result_module(gm, output, final), gm.graph._codegen)
 
 
 def _stage(gm: fx.GraphModule, name: str, blocks: list[str], nodes: list[fx.Node], inputs: list[fx.Node],
@@ -341,8 +346,6 @@ def _stage(gm: fx.GraphModule, name: str, blocks: list[str], nodes: list[fx.Node
     owners = _install_owners(gm, stage, nodes)
     stage.name = name
     stage.blocks = tuple(blocks)
-    stage.inputs = tuple(n.name for n in inputs)
-    stage.outputs = tuple(n.name for n in outputs)
     stage.frees = tuple(frees)
     stage.weight_modules = owners
     return stage

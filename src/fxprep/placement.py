@@ -135,30 +135,28 @@ def _has_module(tree: nn.Module, name: str) -> bool:
     return True
 
 
+def _entry(path: str, device_map: dict[str, Any]) -> tuple[int, Any] | None:
+    """The map's longest entry holding ``path``, as ``(its length, its device)``; None if none does."""
+    hits = [(len(name), device) for name, device in device_map.items()
+            if name == "" or path == name or path.startswith(name + ".")]
+    return max(hits, key=lambda h: h[0]) if hits else None
+
+
 def device_of(paths: list[str], device_map: dict[str, Any]) -> Any:
     """The device the map gives a tensor reachable under ``paths`` (its longest matching entry)."""
-    best, found = -1, None
-    for path in paths:
-        for name, device in device_map.items():
-            if (name == "" or path == name or path.startswith(name + ".")) and len(name) > best:
-                best, found = len(name), device
-    if found is None:
+    hits = [hit for hit in (_entry(path, device_map) for path in paths) if hit is not None]
+    if not hits:
         raise InvalidInput(f"the device_map places no module holding '{paths[0]}'.")
-    return found
+    return max(hits, key=lambda h: h[0])[1]
 
 
 def main_device(device_map: dict[str, Any]) -> str:
     accelerators = [d for d in device_map.values() if d not in ("cpu", "disk")]
-    if not accelerators:
-        return "cpu"
-    first = accelerators[0]
-    return f"cuda:{first}" if isinstance(first, int) else str(first)
+    return str(torch_device(accelerators[0])) if accelerators else "cpu"
 
 
 def _execution_device(device: Any, main: str) -> str:
-    if device in ("cpu", "disk"):
-        return main
-    return f"cuda:{device}" if isinstance(device, int) else str(device)
+    return main if device in ("cpu", "disk") else str(torch_device(device))
 
 
 def move_between_devices(gm: fx.GraphModule, device_map: dict[str, Any]) -> int:
@@ -179,9 +177,9 @@ def move_between_devices(gm: fx.GraphModule, device_map: dict[str, Any]) -> int:
     for stage in stages:
         place = main
         for path in stage.weight_modules:
-            hits = [(len(k), d) for k, d in device_map.items() if k == "" or path == k or path.startswith(k + ".")]
-            if hits:
-                place = _execution_device(max(hits, key=lambda h: h[0])[1], main)
+            hit = _entry(path, device_map)
+            if hit is not None:
+                place = _execution_device(hit[1], main)
                 break
         computing = {n.name for n in stage.graph.nodes if n.op not in ("placeholder", "output", "get_attr")}
         for name in stage.inputs:

@@ -261,16 +261,7 @@ class _Hooks:
 
     def resident_bytes(self) -> int:
         """Bytes of the tensors the modules hold on the device now (each memory counted once)."""
-        seen: set[tuple[int, torch.device]] = set()
-        total = 0
-        for module in self.owners.values():
-            for _, t in _tensors(module):
-                key = (t.untyped_storage().data_ptr(), t.device) if not t.is_meta else None
-                if key is None or t.device != self.device or key in seen:
-                    continue
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-        return total
+        return _nbytes([t for module in self.owners.values() for _, t in _tensors(module)], self.device)
 
 
 def _offload_hook(module: nn.Module, even_paused: bool = False) -> Any:
@@ -295,15 +286,15 @@ def _owners(stages: Stages) -> dict[int, nn.Module]:
 
 
 def _stage_bytes(stage: Stage) -> int:
-    return _total_bytes({id(m): m for m in stage.weight_modules.values()}, persistent_only=True)
+    return _total_bytes({id(m): m for m in stage.weight_modules.values()})
 
 
-def _total_bytes(owners: dict[int, nn.Module], persistent_only: bool = True) -> int:
+def _total_bytes(owners: dict[int, nn.Module]) -> int:
     """Bytes of the weights (parameters and persistent buffers), by their shapes (offloaded ones too)."""
     seen: set[int] = set()
     total = 0
     for module in owners.values():
-        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set()) if persistent_only else set()
+        skip: set[str] = module._non_persistent_buffers_set
         for name, t in _tensors(module):
             if name in skip or id(t) in seen:
                 continue
