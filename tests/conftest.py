@@ -10,6 +10,19 @@ from fxprep import io
 from fxprep.cli.demo import ModelWithReusedReLU
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print what the fuzzers tried in this run (the tamper, index and model fuzzers draw anew each
+    run: their counts are part of the CI log). A test reports its line as the user property "summary",
+    which pytest-xdist carries from the workers, where ``print`` is captured."""
+    lines = [value for outcome in ("passed", "failed") for report in terminalreporter.stats.get(outcome, [])
+             if getattr(report, "when", "call") == "call"
+             for name, value in getattr(report, "user_properties", []) if name == "summary"]
+    if lines:
+        terminalreporter.section("fuzz counts")
+        for line in lines:
+            terminalreporter.write_line(str(line))
+
+
 @pytest.fixture
 def seed_save(tmp_path):
     """AIMET's seed model with a reused ReLU, prepared on one image and saved: (directory, the prepared

@@ -188,10 +188,9 @@ def test_generated_models_prepare_and_verify(case: tuple[body.Program, Wrapper, 
             raise AssertionError("a container with one more item than at capture was accepted")
 
 
-def test_fuzz_count() -> None:
+def test_fuzz_count(record_property: Any) -> None:
     """Runs after the fuzz test in this file (pytest keeps file order): says how many models the
-    run generated, prepared and verified (printed with ``-s``/``-rA``; the issue's closing note
-    quotes it)."""
+    run generated, prepared and verified (in the run's "fuzz counts" section, tests/conftest.py)."""
     if GENERATED["models"]:
         assert GENERATED["models"] >= min(EXAMPLES, 500) * 0.9, GENERATED
-    print(f"fuzz: {GENERATED['models']} generated models prepared and verified ({GENERATED['dynamo']} by Dynamo)")
+    record_property("summary", f"fuzz: {GENERATED['models']} generated models prepared and verified ({GENERATED['dynamo']} by Dynamo)")

@@ -579,7 +579,7 @@ def test_mutated_saves_never_run_code(saves, model, tmp_path_factory, monkeypatc
     for key, value in counts.items():
         record_property(key, value)
     record_property("seconds", round(seconds, 1))
-    print(f"tamper fuzz [{model}]: {counts['saves_mutated']} saves mutated in {seconds:.1f}s: "
+    record_property("summary", f"tamper fuzz [{model}]: {counts['saves_mutated']} saves mutated in {seconds:.1f}s: "
           f"{counts['refused']} refused, {counts['same']} same outputs, {counts['close']} outputs equal to 1e-4, "
           f"{counts['guard_edits']} input-guard edits among them, "
           f"0 failing when run, 0 ran code")
@@ -719,7 +719,7 @@ def test_mutated_checkpoint_indexes_never_escape_and_raise_only_fxprep_errors(tm
     fuzz()
     for key, value in counts.items():
         record_property(key, value)
-    print(f"index fuzz: {counts['indexes']} indexes ({counts['shards_damaged']} with a damaged shard): {counts['refused']} "
+    record_property("summary", f"index fuzz: {counts['indexes']} indexes ({counts['shards_damaged']} with a damaged shard): {counts['refused']} "
           f"refused (WeightsError), {counts['loaded']} loaded the checkpoint's own shards, 0 read a file outside it, "
           f"0 raw exceptions")
     assert counts["refused"] > 0 and counts["loaded"] > 0 and counts["shards_damaged"] > 0
