@@ -36,10 +36,11 @@ class Signature:
 
 
 def _params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
-    args = node.args
-    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    args = node.args  # in the order a signature declares them
+    names = [a.arg for a in (*args.posonlyargs, *args.args)]
     if args.vararg is not None:
         names.append("*" + args.vararg.arg)
+    names += [a.arg for a in args.kwonlyargs]
     if args.kwarg is not None:
         names.append("**" + args.kwarg.arg)
     return tuple(n for n in names if n not in ("self", "cls"))

@@ -83,8 +83,11 @@ def _free_name(taken: set[str], model: nn.Module, base: str) -> str:
     return name
 
 
-def build(dgm: fx.GraphModule, model: nn.Module, names: Names, stacks: Stacks, targets: dict[fx.Node, str],
-           pytree_info: Any, notes: list[str], wrappers: dict[str, Site] | None = None) -> fx.GraphModule:
+def build(dgm: fx.GraphModule, stacks: Stacks, targets: dict[fx.Node, str], pytree_info: Any, notes: list[str],
+          wrappers: dict[str, Site] | None = None) -> fx.GraphModule:
+    """The prepared module over ``dgm``'s re-lifted graph (``stacks``: the model's frames resolver,
+    holding the model and its names; ``targets``: each ``call_module`` node's qualified name)."""
+    model, names = stacks.model, stacks.names
     graph = dgm.graph
     holder = _Holder()
     taken: set[str] = set()
@@ -295,7 +298,7 @@ def relift(dgm: fx.GraphModule, target: LiftTarget, box: BlackBox | None = None,
 
     # Leaf calls: re-target Dynamo's call_module nodes, collapse inlined leaves.
     method_calls = module_method_calls(dgm, names, stacks)
-    regrouper = Regrouper(dgm, model, policy, names, stacks, capture_call, list(placeholders))
+    regrouper = Regrouper(dgm, policy, stacks, capture_call, list(placeholders))
     regrouper.run()
     for node, name in [*method_calls.items(), *opaque_calls.items()]:
         if not getattr(node, "_erased", False):  # not collapsed into an enclosing leaf
@@ -330,8 +333,8 @@ def relift(dgm: fx.GraphModule, target: LiftTarget, box: BlackBox | None = None,
 
     if device_literals:
         follow_input_device(dgm, kept, prepared_call, notes)
-    gm = build(dgm, model, names, stacks, regrouper.targets, pytree_info, notes, wrappers)
-    relift_conds(gm, model, names, stacks, policy, notes)  # torch.cond branches: leaves → call_module
+    gm = build(dgm, stacks, regrouper.targets, pytree_info, notes, wrappers)
+    relift_conds(gm, stacks, policy, notes)  # torch.cond branches: leaves → call_module
     gm.meta[ROUTE_META] = target.route
     return gm, regrouper.extra_leaves
 
