@@ -1,6 +1,10 @@
 """``prepare_model``: capture cascade → passes → verify → report.
 
 This module only orchestrates; every step lives in its own module and can be used alone.
+:func:`_prepare` reads as its stages (reference run, capture, passes, input guard, verification,
+report), each a function of one :class:`_Preparation`: the :class:`~fxprep.capture.request.CaptureRequest`
+made once by :func:`_start`, and what the stages learn on the way. The report's longer note texts
+live in :mod:`fxprep.notes`.
 """
 
 from __future__ import annotations
@@ -339,7 +343,13 @@ def _verification(run: _Preparation, gm: fx.GraphModule) -> None:
     if spec is not None and result.tracer.split("+")[0] == "dynamo" and not run.dynamic:
         progress.step("other batch sizes")
         concrete = run.request.concrete_args
-        batch.probe(run.model, gm, spec, example, run.calls, report, opts.rtol, opts.atol, run.absent,
+
+        def check(other: ExampleInputs, what: str) -> None:
+            original, prepared = run.calls(other)
+            verify(run.model, gm, original, prepared_example=prepared, rtol=opts.rtol, atol=opts.atol,
+                   absent=run.absent, what=what)
+
+        batch.probe(run.model, gm, example, report, check=check,
                     captured=lambda e: split_calls(run.model, e, concrete)[0])
     if run.proposal is not None:
         _verify_general(run, gm)
