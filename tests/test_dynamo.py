@@ -25,6 +25,7 @@ from fxprep.capture.common import LeafPolicy
 from fxprep.capture.dynamo import names as dynamo_names
 from fxprep.capture.dynamo import record, regroup
 from fxprep.capture.fx import capture_fx
+from fxprep.capture.request import CaptureRequest
 from fxprep.inputs import ExampleInputs
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
@@ -39,8 +40,8 @@ def targets(gm: torch.fx.GraphModule) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
 
 
-def capture(model: nn.Module, example: ExampleInputs, route: str, policy: LeafPolicy | None = None, **kw):
-    result, attempt = D.capture_dynamo(model, policy or LeafPolicy(), example, route=route, **kw)
+def capture(model: nn.Module, example: ExampleInputs, route: str, policy: LeafPolicy | None = None):
+    result, attempt = D.capture_dynamo(CaptureRequest(model, policy or LeafPolicy(), example, reuse=True), route=route)
     assert result is not None, attempt.error
     return result
 
@@ -410,7 +411,8 @@ def test_untraceable_model_fails_with_trace_failure() -> None:
 
 
 def test_capture_dynamo_never_raises_for_capture_failures() -> None:
-    result, attempt = D.capture_dynamo(DataDependent().eval(), LeafPolicy(), ExampleInputs((torch.randn(2, 4),), {}))
+    result, attempt = D.capture_dynamo(
+        CaptureRequest(DataDependent().eval(), LeafPolicy(), ExampleInputs((torch.randn(2, 4),), {}), reuse=True))
     assert result is None and not attempt.ok and attempt.exception is not None and attempt.tracer == "dynamo"
 
 
@@ -458,7 +460,7 @@ def test_no_grad_region_keeps_gradients(route: str, force_route) -> None:
 def test_route_argument() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError):
-        D.capture_dynamo(model, LeafPolicy(), ExampleInputs((torch.randn(1, 2),), {}), route="bogus")
+        D.capture_dynamo(CaptureRequest(model, LeafPolicy(), ExampleInputs((torch.randn(1, 2),), {})), route="bogus")
     assert D.default_route() == ("flag" if D.flag_available() else "regroup")
 
 

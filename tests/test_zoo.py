@@ -434,12 +434,13 @@ def assert_routes_agree(model: nn.Module, example: Any) -> None:
     from fxprep.capture.common import LeafPolicy
     from fxprep.capture.dynamo.names import default_leaf
     from fxprep.capture.fx import capture_fx
+    from fxprep.capture.request import CaptureRequest
 
     ex = normalize_example_inputs(example)
     concrete = capture_concrete_args(model, None, ex)
     got = {}
     for route in ("flag", "regroup") if dynamo.flag_available() else ("regroup",):
-        result, attempt = dynamo.capture_dynamo(model, LeafPolicy(), ex, concrete, route=route)
+        result, attempt = dynamo.capture_dynamo(CaptureRequest(model, LeafPolicy(), ex, concrete, reuse=True), route=route)
         assert result is not None, f"{route}: {attempt.error}"
         got[route] = _call_targets(result.gm)
     assert len({tuple(t) for t in got.values()}) == 1, got

@@ -1,6 +1,10 @@
 """``prepare_model``: capture cascade → passes → verify → report.
 
 This module only orchestrates; every step lives in its own module and can be used alone.
+:func:`_prepare` reads as its stages (reference run, capture, passes, input guard, verification,
+report), each a function of one :class:`_Preparation`: the :class:`~fxprep.capture.request.CaptureRequest`
+made once by :func:`_start`, and what the stages learn on the way. The report's longer note texts
+live in :mod:`fxprep.notes`.
 """
 
 from __future__ import annotations
@@ -11,18 +15,20 @@ import copy
 import inspect
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from . import batch, decisions, guard, heap, progress, shape_general
+from . import batch, decisions, guard, heap, notes, progress, shape_general
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 from .capture import cascade, dynamo_available, huggingface
-from .capture.common import CaptureAttempt, CaptureResult, LeafPolicy
+from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims, grown_example
 from .capture.fx import mode_notes, trace_failure
+from .capture.request import CaptureRequest
 from .capture.rewrite import branches
 from .errors import EquivalenceError, InputMismatch, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
@@ -34,31 +40,6 @@ from .runs import hooks_left_as_found, preserved_state
 from .threads import GLOBAL_LOCK
 from .verify import run_original, verify
 from .weights import remember_original
-
-
-def _tracers(opts: PrepareOptions, example: ExampleInputs | None, report: Report,
-             model: nn.Module) -> list[str]:
-    tracers, note = cascade.plan(opts.tracer, example, model)
-    if note:
-        report.note(note)
-    return tracers
-
-
-def capture(
-    model: nn.Module,
-    tracers: list[str],
-    policy: LeafPolicy,
-    concrete_args: dict[str, Any] | None,
-    example: ExampleInputs | None,
-    opts: PrepareOptions,
-) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-    """Run the tracers in order until one succeeds (:func:`fxprep.capture.cascade.capture`)."""
-    return cascade.capture(model, tracers, policy, concrete_args, example,
-                           autowrap_functions=opts.autowrap_functions, dynamic=opts.dynamic,
-                           # block reuse stays off while control-flow sites are rewritten (their methods are
-                           # bound to single instances for the capture)
-                           reuse=opts.reuse_blocks and opts.control_flow is None,
-                           block_pass=_block_conversion(model, opts))
 
 
 def _block_conversion(model: nn.Module, opts: PrepareOptions) -> Any:
@@ -134,90 +115,168 @@ def prepare_model(
     title = str(options.get("name") or type(model).__name__)
     with heap.frozen_heap(), progress.reporting(options.get("progress"), title), \
             hooks_left_as_found(model), huggingface.output_capturing_hooks(model):
+        user = _UserArguments(modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs)
         try:
-            return _prepare(model, modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs, options)
+            return _prepare(model, user, options)
         except shape_general.NotShapeGeneral as err:  # found dimensions did not hold: static shapes, as before
-            return _prepare(model, modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs,
-                            {**options, "dynamic": False}, not_general=str(err))
+            return _prepare(model, user, {**options, "dynamic": False}, not_general=str(err))
 
 
-def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclude: Any, concrete_args: Any,
-             example_inputs: Any, options: dict[str, Any], not_general: str | None = None) -> fx.GraphModule:
-    t0 = time.perf_counter()
+class _UserArguments(NamedTuple):
+    """``prepare_model``'s positional arguments and its example, as the user gave them."""
+
+    modules_to_exclude: Any
+    module_classes_to_exclude: Any
+    concrete_args: Any
+    example_inputs: Any
+
+
+@dataclass
+class _Preparation:
+    """One ``prepare_model`` call, as its stages fill it in (:func:`_prepare`).
+
+    ``request`` is the capture request, created once (:func:`_start`); the other fields are what the
+    stages learn: the calls of the original and of the prepared module on the example, the
+    reference run's output and state, the shape-general proposal, the control-flow rewrite session,
+    the capture and whether it has dynamic shapes."""
+
+    request: CaptureRequest
+    opts: PrepareOptions
+    report: Report
+    absent: dict[str, str]  # outputs fxprep turned off for the capture (past_key_values)
+    start: float
+    original_call: ExampleInputs | None = None
+    prepared_call: ExampleInputs | None = None
+    reference: Any = None
+    reference_state: Any = None
+    proposal: autodims.Proposal | None = None
+    rewrite: Any = None
+    result: CaptureResult | None = None
+    dynamic: Any = None
+
+    @property
+    def model(self) -> nn.Module:
+        return self.request.model
+
+    def calls(self, example: ExampleInputs) -> tuple[ExampleInputs, ExampleInputs]:
+        """``(original call, prepared call)`` of ``example``: the original is called as the user calls
+        it (``use_cache`` as given, or its default), the prepared module as it was captured."""
+        concrete = self.request.concrete_args
+        original = split_calls(self.model, example, huggingface.without_added(concrete, self.absent))[0]
+        return original, split_calls(self.model, example, concrete)[1]
+
+
+def _prepare(model: nn.Module, user: _UserArguments, options: dict[str, Any],
+             not_general: str | None = None) -> fx.GraphModule:
+    """The stages of ``prepare_model``, in order; each is a function of the preparation ``run``."""
+    run = _start(model, user, options)
+    _reference_run(run)
+    _propose_shapes(run, not_general)
+    t1 = time.perf_counter()
+    run.result = _capture(run)
+    run.report.timings["capture"] = time.perf_counter() - t1
+    gm = _captured_module(run)
+    t2 = time.perf_counter()
+    _passes(run, gm)
+    _guard_inputs(run, gm)
+    run.report.timings["passes"] = time.perf_counter() - t2
+    _verification(run, gm)
+    return _finish(run, gm)
+
+
+def _start(model: nn.Module, user: _UserArguments, options: dict[str, Any]) -> _Preparation:
+    """Check the arguments and make the capture request: the model (a deep copy with ``copy=True``),
+    its leaf policy, the example, the concrete arguments (transformers' own added) and the options."""
+    start = time.perf_counter()
     model = check_model(model)
     opts = PrepareOptions.from_kwargs(options)
+    modules_to_exclude = user.modules_to_exclude
     if opts.copy:
         model, modules_to_exclude = _independent_copy(model, modules_to_exclude)
-    policy = leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
-    example = normalize_example_inputs(example_inputs)
-    user_concrete = check_concrete_args(model, concrete_args)
+    policy = leaf_policy(model, modules_to_exclude, user.module_classes_to_exclude)
+    example = normalize_example_inputs(user.example_inputs)
+    user_concrete = check_concrete_args(model, user.concrete_args)
     concrete = huggingface.capture_concrete_args(model, user_concrete, example)
     report = Report(opts.name or type(model).__name__)
     report.inputs = example.describe() if example is not None else "none"
     absent = huggingface.absent_outputs(user_concrete, concrete)  # past_key_values, with use_cache=False added
     if absent:
         report.note(huggingface.CACHE_OFF_NOTE)
-
     concrete = defaults_as_concrete(model, example, concrete, report)
-    reference = reference_state = None
-    original_call = prepared_call = example
-    if example is not None:
-        # the original is verified as the user calls it (use_cache as given, or its default)
-        original_call = split_calls(model, example, huggingface.without_added(concrete, absent))[0]
-        prepared_call = split_calls(model, example, concrete)[1]
-        if opts.verify:  # the reference run doubles as the check that the inputs suit the model
-            progress.stage("reference run")
-            reference, reference_state = run_original(model, original_call)
+    request = CaptureRequest(
+        model, policy, example, concrete, autowrap_functions=opts.autowrap_functions, dynamic=opts.dynamic,
+        # block reuse stays off while control-flow sites are rewritten (their methods are bound to
+        # single instances for the capture)
+        reuse=opts.reuse_blocks and opts.control_flow is None, block_pass=_block_conversion(model, opts))
+    return _Preparation(request, opts, report, absent, start)
 
-    if opts.dynamic and example is not None:
-        _check_dynamic_inputs(model, example, concrete, opts.dynamic)
-    proposal = None  # shape-general by default: a transformers model's batch and sequence dims (fxprep.shape_general)
-    if opts.dynamic is None and example is not None and opts.tracer != "fx" and opts.control_flow is None \
+
+def _reference_run(run: _Preparation) -> None:
+    """The original run on the example, as the user calls it (its output is what the prepared
+    module is verified against); it doubles as the check that the inputs suit the model."""
+    example = run.request.example
+    run.original_call = run.prepared_call = example
+    if example is None:
+        return
+    run.original_call, run.prepared_call = run.calls(example)
+    if run.opts.verify:
+        progress.stage("reference run")
+        run.reference, run.reference_state = run_original(run.model, run.original_call)
+
+
+def _propose_shapes(run: _Preparation, not_general: str | None) -> None:
+    """Check ``dynamic=`` against the example; without it, propose the shape-general dimensions (a
+    transformers model's batch and sequence: :mod:`fxprep.shape_general`)."""
+    opts, request = run.opts, run.request
+    if opts.dynamic and request.example is not None:
+        _check_dynamic_inputs(request, opts.dynamic)
+    if opts.dynamic is None and request.example is not None and opts.tracer != "fx" and opts.control_flow is None \
             and dynamo_available():
-        proposal = autodims.propose(model, example)
+        run.proposal = autodims.propose(run.model, request.example)
     if not_general:
-        report.note(shape_general.not_kept_note(not_general))
-    t1 = time.perf_counter()
-    tracers = _tracers(opts, example, report, model)
-    with GLOBAL_LOCK:  # capture patches process-wide state: one thread at a time (fxprep.threads)
-        rewrite = _control_flow(model, opts, example, concrete, None if absent else reference)
+        run.report.note(shape_general.not_kept_note(not_general))
+
+
+def _capture(run: _Preparation) -> CaptureResult:
+    """The capture: the tracers in order (with the control-flow rewrite, or shape-general first),
+    then the opaque-leaf fallback; raises the located failure when nothing captures the model."""
+    opts, report = run.opts, run.report
+    tracers, note = cascade.plan(opts.tracer, run.request.example, run.model)
+    if note:
+        report.note(note)
+    with GLOBAL_LOCK:  # capture patches process-wide state: one thing at a time (fxprep.threads)
+        run.rewrite = rewrite = _control_flow(run)
         if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
-            result, attempts = rewrite.capture(lambda: capture(model, tracers, policy, concrete, example, opts))
-        elif proposal is not None and example is not None:  # proposed only with an example
-            result, attempts, proposal, opts = _capture_general(model, tracers, policy, concrete, example, opts,
-                                                                proposal, report)
+            result, attempts = rewrite.capture(lambda: cascade.capture(run.request, tracers))
+        elif run.proposal is not None:  # proposed only with an example
+            result, attempts = _capture_general(run, tracers)
         else:
-            result, attempts = capture(model, tracers, policy, concrete, example, opts)
-        dynamic = proposal.dynamic if proposal is not None else opts.dynamic
+            result, attempts = cascade.capture(run.request, tracers)
+        run.dynamic = run.proposal.dynamic if run.proposal is not None else run.request.dynamic
         sites: list[Any] = []
         if result is None and opts.fallback == "leaf":  # Dynamo again with the failing parts opaque, then fx
             with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
-                result, sites = cascade.capture_with_opaque_parts(
-                    model, policy, concrete, example, attempts, fx_too=opts.tracer != "dynamo", dynamic=opts.dynamic,
-                    autowrap_functions=opts.autowrap_functions, handled=rewrite.learn if rewrite is not None else None)
+                handled = rewrite.learn if rewrite is not None else None
+                result, sites = cascade.capture_with_opaque_parts(run.request.replace(handled=handled), attempts,
+                                                                  fx_too=opts.tracer != "dynamo")
     report.issues.extend(issue for _, issue in sites)
-    if result is not None and sites and result.tracer.startswith("dynamo"):
-        report.note(
-            f"{len(sites)} part(s) could not be captured by Dynamo and run eagerly as opaque calls (see 'kept as "
-            f"leaves'); their outputs were recorded from the example inputs: sizes that followed the data stay "
-            f"symbolic, but Python values they return (ints, list lengths, None-ness) are the example's, so "
-            f"inputs giving different ones need verify_inputs=[...] to be checked."
-        )
-    elif result is not None and sites:
-        report.note(
-            f"{len(sites)} part(s) could not be traced and run eagerly as opaque calls (see 'kept as "
-            f"leaves'); their output structure (list lengths, None-ness) was recorded from the example "
-            f"inputs, so inputs giving a differently-structured result need verify_inputs=[...] to be checked."
-        )
+    if result is not None and sites:
+        report.note(notes.opaque_parts(len(sites), dynamo=result.tracer.startswith("dynamo")))
     report.attempts = attempts
-    report.timings["capture"] = time.perf_counter() - t1
     if result is None:
-        failure = trace_failure(attempts, model)
+        failure = trace_failure(attempts, run.model)
         if rewrite is not None:
             failure.args = (f"{failure.args[0]}\n\n{rewrite.explain()}",)
         raise failure
     for attempt in attempts:  # a failed tracer's error holds its frames (fake tensors, globals): not kept alive
         attempt.exception = None
+    return result
+
+
+def _captured_module(run: _Preparation) -> fx.GraphModule:
+    """The captured graph as the prepared module, and what the capture says in the report."""
+    result, report, example = run.result, run.report, run.request.example
+    assert result is not None
     gm = as_prepared(result.gm, compiled=False)  # recompiled once, after the passes
     report.tracer = result.tracer
     report.leaves.update(result.extra_leaves)
@@ -226,18 +285,19 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         report.reuse = reuse.to_dict()
     for note in result.notes:
         report.note(note)
-    for note in mode_notes(gm, model):
+    for note in mode_notes(gm, run.model):
         report.note(note)
-    if result.tracer.startswith("dynamo") and not dynamic and example is not None:
-        report.note(
-            f"Dynamo captured with static shapes: the graph is valid for inputs shaped like the example "
-            f"({example.describe()}). Pass dynamic=... (or tracer='fx') to run it on other sizes."
-        )
+    if result.tracer.startswith("dynamo") and not run.dynamic and example is not None:
+        report.note(notes.static_shapes(example))
+    return gm
 
-    t2 = time.perf_counter()
+
+def _passes(run: _Preparation, gm: fx.GraphModule) -> None:
+    """The passes, in place, in their order; the module is recompiled once at the end."""
+    model, opts, report = run.model, run.opts, run.report
     progress.stage("passes")
     with preserved_state(model):
-        values.annotate(gm, prepared_call)
+        values.annotate(gm, run.prepared_call)
     if opts.convert_functionals:
         functional_to_module.run(gm, training=model.training, original=model, report=report, recompile=False)
     branches.run(gm, training=model.training, report=report, original=model, convert=opts.convert_functionals,
@@ -254,91 +314,103 @@ def _prepare(model: nn.Module, modules_to_exclude: Any, module_classes_to_exclud
         if owner_names.run(gm, original=model, report=report) and opts.share_parameters:
             state_dict.refresh_aliases(gm, model)  # the aliases of moved modules move with them
     _match_modes(gm, model)
-    _restore_output_type(gm, reference)
+    _restore_output_type(gm, run.reference)
     decisions.keep_locations(gm)
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
-    _guard_inputs(gm, model, result.tracer, prepared_call, concrete, dynamic, report,
-                  shape_general.specialised_reasons(proposal))
-    decided = decisions.summary(gm)
-    if decided:
-        report.note(
-            f"The graph reads values from data (.item(), .tolist(), sizes from tensors) at {len(decided)} place(s) of the "
-            f"model's code; what the capture took from the example's values there is checked on every call (an input "
-            f"deciding otherwise raises InputMismatch): " + "; ".join(decided))
-    report.timings["passes"] = time.perf_counter() - t2
 
-    where_rewrite = rewrite is not None and rewrite.joins_with_where
-    if example is not None and opts.verify:
-        t3 = time.perf_counter()
-        progress.stage("verification")
-        assert original_call is not None
-        try:
-            report.verification = verify(
-                model, gm, original_call, reference=reference, reference_state=reference_state,
-                prepared_example=prepared_call, rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
-                where_rewrite=where_rewrite, absent=absent,
-            )
-        except (EquivalenceError, InputMismatch) as err:
-            if proposal is None:
-                raise
-            raise shape_general.NotShapeGeneral(f"the graph captured at {proposal.capture_example.describe()} "
-                                                f"did not match on the example: {str(err).splitlines()[0][:200]}") from err
-        _note_state(report, report.verification)
-        spec = gm.__dict__.get(INPUT_SPEC)
-        if spec is not None and result.tracer.split("+")[0] == "dynamo" and not dynamic:
-            progress.step("other batch sizes")
-            batch.probe(model, gm, spec, example, lambda e: (split_calls(model, e, huggingface.without_added(concrete, absent))[0],
-                                                             split_calls(model, e, concrete)[1]),
-                        report, opts.rtol, opts.atol, absent, captured=lambda e: split_calls(model, e, concrete)[0])
-        if proposal is not None:
-            _verify_general(model, gm, example, concrete, opts, report, absent, proposal)
-        elif dynamic:
-            second = grown_example(model, example, dynamic)
-            checked = _verify_second_size(model, gm, second, concrete, opts, report, absent)
-            report.note(f"verified on {_second_size(second)}: max |diff| = {checked.max_abs_diff:.3g}")
-        constructed = rewrite.coverage() if rewrite is not None else []
-        for i, (label, extra) in enumerate([(None, e) for e in opts.verify_inputs] + constructed):
-            progress.step(label or f"verify_inputs[{i}]")
-            extra_example = normalize_example_inputs(extra)
-            assert extra_example is not None
-            extra_original = split_calls(model, extra_example, huggingface.without_added(concrete, absent))[0]
-            extra_prepared = split_calls(model, extra_example, concrete)[1]
-            try:
-                checked = verify(
-                    model, gm, extra_original, prepared_example=extra_prepared, what=label or f"verify_inputs[{i}]",
-                    rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite, absent=absent,
-                )
-            except InputMismatch as err:  # the graph cannot serve this input: a verification failure
-                raise EquivalenceError(f"{label or f'verify_inputs[{i}]'}: the prepared module refuses it, {err}") from err
-            checked.label = label or ""
-            report.extra_verifications.append(checked)
-            _note_state(report, checked)
-        report.timings["verify"] = time.perf_counter() - t3
-    elif example is None:
-        report.verification = Verification("skipped", detail="no example_inputs given")
+
+def _verification(run: _Preparation, gm: fx.GraphModule) -> None:
+    """The prepared module checked against the original: on the example (then other batch sizes,
+    for a static Dynamo capture), on a second size (dynamic shapes), on each extra input."""
+    opts, report, example, result = run.opts, run.report, run.request.example, run.result
+    assert result is not None
+    if example is None or not opts.verify:
+        detail = "no example_inputs given" if example is None else "verify=False"
+        report.verification = Verification("skipped", detail=detail)
+        if example is not None and run.proposal is not None:
+            shape_general.notes(report, run.proposal, None)
+        return
+    t3 = time.perf_counter()
+    progress.stage("verification")
+    try:
+        report.verification = _verify_call(run, gm, (run.original_call, run.prepared_call), None)
+    except (EquivalenceError, InputMismatch) as err:
+        if run.proposal is None:
+            raise
+        raise shape_general.NotShapeGeneral(f"the graph captured at {run.proposal.capture_example.describe()} "
+                                            f"did not match on the example: {str(err).splitlines()[0][:200]}") from err
+    spec = gm.__dict__.get(INPUT_SPEC)
+    if spec is not None and result.tracer.split("+")[0] == "dynamo" and not run.dynamic:
+        progress.step("other batch sizes")
+        concrete = run.request.concrete_args
+
+        def check(other: ExampleInputs, what: str) -> None:
+            original, prepared = run.calls(other)
+            verify(run.model, gm, original, prepared_example=prepared, rtol=opts.rtol, atol=opts.atol,
+                   absent=run.absent, what=what)
+
+        batch.probe(run.model, gm, example, report, check=check,
+                    captured=lambda e: split_calls(run.model, e, concrete)[0])
+    if run.proposal is not None:
+        _verify_general(run, gm)
+    elif run.dynamic:
+        second = grown_example(run.model, example, run.dynamic)
+        checked = _verify_second_size(run, gm, second)
+        report.note(f"verified on {_second_size(second)}: max |diff| = {checked.max_abs_diff:.3g}")
+    _verify_extra_inputs(run, gm)
+    report.timings["verify"] = time.perf_counter() - t3
+
+
+def _verify_call(run: _Preparation, gm: fx.GraphModule, calls: tuple[Any, Any], what: str | None) -> Verification:
+    """``gm`` checked against the original on ``calls`` (original call, prepared call); ``what``
+    names the input (None: the example, with the reference run reused); the state it leaves is noted."""
+    opts = run.opts
+    where_rewrite = run.rewrite is not None and run.rewrite.joins_with_where
+    if what is None:
+        checked = verify(run.model, gm, calls[0], reference=run.reference, reference_state=run.reference_state,
+                         prepared_example=calls[1], rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
+                         where_rewrite=where_rewrite, absent=run.absent)
     else:
-        report.verification = Verification("skipped", detail="verify=False")
-        if proposal is not None:
-            shape_general.notes(report, proposal, None)
-    if rewrite is not None:
-        rewrite.report(report, result.extra_leaves, result.tracer)
-    report.timings["total"] = time.perf_counter() - t0
+        checked = verify(run.model, gm, calls[0], prepared_example=calls[1], what=what, rtol=opts.rtol,
+                         atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite, absent=run.absent)
+    _note_state(run.report, checked)
+    return checked
+
+
+def _verify_extra_inputs(run: _Preparation, gm: fx.GraphModule) -> None:
+    """``verify_inputs=[...]``, then the inputs the control-flow rewrite built to run each branch."""
+    constructed = run.rewrite.coverage() if run.rewrite is not None else []
+    for i, (label, extra) in enumerate([(None, e) for e in run.opts.verify_inputs] + constructed):
+        what = label or f"verify_inputs[{i}]"
+        progress.step(what)
+        extra_example = normalize_example_inputs(extra)
+        assert extra_example is not None
+        try:
+            checked = _verify_call(run, gm, run.calls(extra_example), what)
+        except InputMismatch as err:  # the graph cannot serve this input: a verification failure
+            raise EquivalenceError(f"{what}: the prepared module refuses it, {err}") from err
+        checked.label = label or ""
+        run.report.extra_verifications.append(checked)
+
+
+def _finish(run: _Preparation, gm: fx.GraphModule) -> fx.GraphModule:
+    """The report completed and attached, the original remembered (for ``load_weights`` and
+    ``verify_prepared``), fxprep's module classes registered with the toolkits imported."""
+    report, result = run.report, run.result
+    assert result is not None
+    if run.rewrite is not None:
+        run.rewrite.report(report, result.extra_leaves, result.tracer)
+    report.timings["total"] = time.perf_counter() - run.start
     set_preserved(gm, REPORT, report)
-    remember_original(gm, model, concrete)  # for fxprep.load_weights / verify_prepared
+    remember_original(gm, run.model, run.request.concrete_args)  # for fxprep.load_weights / verify_prepared
     register_with_toolkits()
     return gm
 
 
 def _note_state(report: Report, verification: Verification) -> None:
     """State the original's forward updates and the prepared module does not: said loudly."""
-    names = verification.state_not_reproduced
-    if names:
-        shown = ", ".join(names[:8]) + ("..." if len(names) > 8 else "")
-        report.note(
-            f"WARNING: state not reproduced: a call of the original leaves {shown} other than a call of the "
-            f"prepared module does (a counter or running value the original's forward updates and the graph "
-            f"does not, or the reverse). Outputs matched on this call; later calls may not."
-        )
+    if verification.state_not_reproduced:
+        report.note(notes.state_not_reproduced(verification.state_not_reproduced))
 
 
 def register_with_toolkits() -> None:
@@ -351,15 +423,16 @@ def register_with_toolkits() -> None:
         register()
 
 
-def _control_flow(model: nn.Module, opts: PrepareOptions, example: ExampleInputs | None,
-                  concrete: dict[str, Any] | None, reference: Any) -> Any:
+def _control_flow(run: _Preparation) -> Any:
     """The control-flow rewrite session when ``control_flow="rewrite"``, else None."""
-    if opts.control_flow != "rewrite":
+    if run.opts.control_flow != "rewrite":
         return None
     from .capture.rewrite.session import ControlFlowRewrite
 
-    extra = [e for e in (normalize_example_inputs(v) for v in opts.verify_inputs) if e is not None]
-    return ControlFlowRewrite(model, example, extra, concrete, reference)
+    extra = [e for e in (normalize_example_inputs(v) for v in run.opts.verify_inputs) if e is not None]
+    request = run.request
+    return ControlFlowRewrite(request.model, request.example, extra, request.concrete_args,
+                              None if run.absent else run.reference)
 
 
 def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Module, Any]:
@@ -376,103 +449,106 @@ def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Mod
     return clone, modules_to_exclude
 
 
-def _guard_inputs(gm: fx.GraphModule, model: nn.Module, tracer: str, call: ExampleInputs | None,
-                  concrete: dict[str, Any] | None, dynamic: Any, report: Report,
-                  why: dict[str, dict[int, str]] | None = None) -> None:
+def _guard_inputs(run: _Preparation, gm: fx.GraphModule) -> None:
     """Record the inputs ``gm`` was captured for, and the values it took from the model's attributes
-    and globals; each call is checked against them (fxprep.guard)."""
+    and globals; each call is checked against them (fxprep.guard), and so is each value the graph
+    decided from data (fxprep.decisions)."""
+    model, report, concrete = run.model, run.report, run.request.concrete_args
+    assert run.result is not None
     baked = guard.record_baked(gm, model)
     if len(baked):
         setattr(gm, BAKED, baked)  # not preserved by a copy: a copy no longer shares the user's modules
-        report.note(f"The prepared module checks at each call that the {len(baked)} Python value(s) its graph took "
-                    f"from the model's attributes and globals are unchanged ({', '.join(baked.names()[:4])}"
-                    f"{', ...' if len(baked) > 4 else ''}) and raises InputMismatch otherwise: the graph holds them "
-                    f"as constants.")
-    tracer = tracer.split("+")[0]  # dynamo+leaves: Dynamo's rules (static shapes) with opaque parts
+        report.note(notes.baked_values(baked.names()))
+    tracer = run.result.tracer.split("+")[0]  # dynamo+leaves: Dynamo's rules (static shapes) with opaque parts
+    call = run.prepared_call
     if call is None and tracer == "dynamo":  # captured on inputs built from a transformers config
         built = cascade.dynamo_call(model, None)
         call = split_calls(model, built, concrete)[1] if built is not None else None
-    if call is None:
-        return
-    dims: dict[str, set[int]] = {}
-    if dynamic and tracer == "dynamo":
-        from .capture.dynamo import dynamic_dims
+    if call is not None:
+        dims: dict[str, set[int]] = {}
+        if run.dynamic and tracer == "dynamo":
+            from .capture.dynamo import dynamic_dims
 
-        named = dynamic_dims(model, call, dynamic)
-        values = {**dict(zip(inspect.signature(gm.forward).parameters, call.args)), **call.kwargs}
-        for name, spec in named.items():
-            value = values.get(name)
-            rank = value.dim() if isinstance(value, torch.Tensor) else 0
-            dims[name] = {d % rank for d in spec} if rank else set()
-    spec = guard.record(gm, call.args, call.kwargs, tracer, dims, why)
-    if spec is not None:
-        set_preserved(gm, INPUT_SPEC, spec)
-        if tracer == "dynamo" and any(n.get("kind") == "tensor" and None not in (n.get("shape") or [None])
-                                      for n in spec.params.values()):
-            report.note("The prepared module checks every call against the inputs it was captured for (structure, "
-                        "None-ness and, where Dynamo specialised them, shapes) and raises InputMismatch otherwise.")
+            named = dynamic_dims(model, call, run.dynamic)
+            given = {**dict(zip(inspect.signature(gm.forward).parameters, call.args)), **call.kwargs}
+            for name, spec in named.items():
+                value = given.get(name)
+                rank = value.dim() if isinstance(value, torch.Tensor) else 0
+                dims[name] = {d % rank for d in spec} if rank else set()
+        spec = guard.record(gm, call.args, call.kwargs, tracer, dims, shape_general.specialised_reasons(run.proposal))
+        if spec is not None:
+            set_preserved(gm, INPUT_SPEC, spec)
+            if tracer == "dynamo" and any(n.get("kind") == "tensor" and None not in (n.get("shape") or [None])
+                                          for n in spec.params.values()):
+                report.note(notes.INPUT_CHECKS)
+    decided = decisions.summary(gm)
+    if decided:
+        report.note(notes.decided_values(decided))
 
 
-def _check_dynamic_inputs(model: nn.Module, example: ExampleInputs, concrete: dict[str, Any] | None, dynamic: Any) -> None:
+def _check_dynamic_inputs(request: CaptureRequest, dynamic: Any) -> None:
     """``dynamic`` must name inputs and dimensions the example has, before minutes of capturing (a
     wrong one would otherwise only make the Dynamo capture fail, and fx be used instead)."""
     from .capture.dynamo import dynamic_shapes_spec
 
+    assert request.example is not None
     try:
-        dynamic_shapes_spec(model, split_calls(model, example, concrete)[0], dynamic)
+        dynamic_shapes_spec(request.model, request.calls()[0], dynamic)
     except ValueError as err:
-        raise InvalidInput(f"dynamic={dynamic!r} does not fit the example inputs ({example.describe()}): {err}.") from err
+        raise InvalidInput(f"dynamic={dynamic!r} does not fit the example inputs ({request.example.describe()}): "
+                           f"{err}.") from err
 
 
-def _capture_general(model: nn.Module, tracers: list[str], policy: LeafPolicy, concrete: dict[str, Any] | None,
-                     example: ExampleInputs, opts: PrepareOptions, proposal: autodims.Proposal, report: Report,
-                     ) -> tuple[CaptureResult | None, list[CaptureAttempt], autodims.Proposal | None, PrepareOptions]:
-    """The shape-general capture (:func:`shape_general.capture`: Dynamo alone, with ``proposal``'s
+def _capture_general(run: _Preparation, tracers: list[str]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+    """The shape-general capture (:func:`shape_general.capture`: Dynamo alone, with the proposal's
     dimensions); when it fails, the static-shape capture as before, said in the report (the reference
-    run is kept). Returns the capture, the proposal kept (None when static) and the options it used."""
+    run is kept). ``run.proposal`` becomes the proposal kept (None when static) and ``run.request``
+    the request the capture used."""
+    request, proposal = run.request, run.proposal
+    assert proposal is not None and request.example is not None
 
-    def run(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-        return capture(model, ["dynamo"], policy, concrete, call, shape_general.with_dynamic(opts, dims))
+    def capture_at(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+        return cascade.capture(request.replace(example=call, dynamic=dims), ["dynamo"])
 
     try:
-        result, attempts, kept = shape_general.capture(model, example, proposal, run)
-        return result, attempts, kept, opts
+        result, attempts, run.proposal = shape_general.capture(request.model, request.example, proposal, capture_at)
+        return result, attempts
     except shape_general.NotShapeGeneral as err:
-        report.note(shape_general.not_kept_note(str(err)))
-        static = shape_general.with_dynamic(opts, False)
-        result, attempts = capture(model, tracers, policy, concrete, example, static)
-        return result, attempts, None, static
+        run.report.note(shape_general.not_kept_note(str(err)))
+        run.proposal = None
+        run.request = request.replace(dynamic=False)
+        return cascade.capture(run.request, tracers)
 
 
-def _verify_general(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, concrete: dict[str, Any] | None,
-                    opts: PrepareOptions, report: Report, absent: dict[str, str], proposal: autodims.Proposal) -> None:
+def _verify_general(run: _Preparation, gm: fx.GraphModule) -> None:
     """A shape-general capture checked on a second size (batch and sequence 3 larger): the proof that
     lets calls at other sizes through; a failure means static shapes (:class:`shape_general.NotShapeGeneral`)."""
-    second = grown_example(model, example, proposal.dynamic, grow=3)
+    proposal, example = run.proposal, run.request.example
+    assert proposal is not None and example is not None
+    second = grown_example(run.model, example, proposal.dynamic, grow=3)
     try:
-        result = _verify_second_size(model, gm, second, concrete, opts, report, absent)
+        result = _verify_second_size(run, gm, second)
     except Exception as err:  # noqa: BLE001 - any failure at another size: the dims did not hold
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         raise shape_general.NotShapeGeneral(f"at {_second_size(second)}: {type(err).__name__}: {first}") from err
-    shape_general.notes(report, proposal, f"{second.describe()} (max |diff| {result.max_abs_diff:.3g})")
+    shape_general.notes(run.report, proposal, f"{second.describe()} (max |diff| {result.max_abs_diff:.3g})")
 
 
 def _second_size(second: ExampleInputs) -> str:
     return f"a second input size ({second.describe()})"
 
 
-def _verify_second_size(model: nn.Module, gm: fx.GraphModule, second: ExampleInputs, concrete: dict[str, Any] | None,
-                        opts: PrepareOptions, report: Report, absent: dict[str, str]) -> Verification:
+def _verify_second_size(run: _Preparation, gm: fx.GraphModule, second: ExampleInputs) -> Verification:
     """The prepared module checked against the original on ``second`` (the example grown in its
     dynamic dimensions: :func:`fxprep.capture.dynamo.grown_example`); raises EquivalenceError where
     they differ."""
     label = _second_size(second)
     progress.step(label)
-    original_call = split_calls(model, second, huggingface.without_added(concrete, absent))[0]
-    prepared_call = split_calls(model, second, concrete)[1]
-    result = verify(model, gm, original_call, prepared_example=prepared_call, what=label,
-                    rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", absent=absent)
-    _note_state(report, result)
+    original_call, prepared_call = run.calls(second)
+    opts = run.opts
+    result = verify(run.model, gm, original_call, prepared_example=prepared_call, what=label,
+                    rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", absent=run.absent)
+    _note_state(run.report, result)
     return result
 
 

@@ -37,7 +37,6 @@ from .inputs import ExampleInputs
 from .prepared import INPUT_SPEC
 from .report import Report
 from .runs import quiet_fx_errors
-from .verify import verify
 
 
 def example_batch(example: ExampleInputs) -> int | None:
@@ -107,15 +106,15 @@ def _branches(model: nn.Module, example: ExampleInputs, batch: int,
     return [b for b in found if b.restricts()], None
 
 
-def probe(model: nn.Module, gm: fx.GraphModule, spec: InputSpec, example: ExampleInputs,
-          calls: Callable[[ExampleInputs], tuple[ExampleInputs, ExampleInputs]], report: Report,
-          rtol: float | None, atol: float | None, absent: dict[str, str] | None,
-          captured: Callable[[ExampleInputs], ExampleInputs]) -> None:
+def probe(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, report: Report, *,
+          check: Callable[[ExampleInputs, str], Any], captured: Callable[[ExampleInputs], ExampleInputs]) -> None:
     """Probe the batch dimension of ``gm``'s static-shape capture (see the module docstring).
 
-    ``calls(example) -> (original call, prepared call)`` splits an example as prepare_model does for
-    verification; ``captured(example)`` as it does for the capture (with the arguments it adds, such
-    as ``use_cache=False``)."""
+    ``check(example, what)`` verifies ``gm`` against ``model`` on an example as prepare_model does
+    (its calls, tolerances and absent outputs), raising where they differ; ``captured(example)``
+    splits an example as prepare_model does for the capture (with the arguments it adds, such as
+    ``use_cache=False``). ``gm``'s input spec loses its batch dimension when the probe frees it."""
+    spec = gm.__dict__[INPUT_SPEC]
     batch = example_batch(example)
     if batch is None:
         return
@@ -124,11 +123,9 @@ def probe(model: nn.Module, gm: fx.GraphModule, spec: InputSpec, example: Exampl
              if branches else "")
     sizes = [s for s in (batch - 1, batch + 1) if s >= 1]
     for size in sizes:
-        original, prepared = calls(with_batch(example, batch, size))
         try:
             with unchecked(gm), quiet_fx_errors():  # a failure here is a finding, said in the report
-                verify(model, gm, original, prepared_example=prepared, rtol=rtol, atol=atol, absent=absent,
-                       what=f"the example at batch {size}")
+                check(with_batch(example, batch, size), f"the example at batch {size}")
         except Exception as err:  # noqa: BLE001 - any failure (FxprepError or not) keeps the check
             # at another size a static-shape graph failing is what this probe looks for, not a bug
             reason = str(err).strip().splitlines()[0].replace(" This is an fxprep bug; please report it with the model.", "")

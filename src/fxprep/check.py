@@ -20,6 +20,7 @@ from torch import nn
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 from .capture import cascade, huggingface
 from .capture.common import CaptureAttempt
+from .capture.request import CaptureRequest
 from .diagnose import (
     CUSTOM_OP,
     DATA_DEPENDENT_BRANCH,
@@ -207,28 +208,34 @@ def check_traceability(
     """
     # tracers patch process-wide state (fxprep.threads)
     with GLOBAL_LOCK, hooks_left_as_found(model), huggingface.output_capturing_hooks(model):
-        return _check_traceability(model, example_inputs, modules_to_exclude, module_classes_to_exclude,
-                                   concrete_args, draft_export, control_flow)
+        request = _request(model, example_inputs, modules_to_exclude, module_classes_to_exclude, concrete_args)
+        return _check_traceability(request, draft_export, control_flow)
 
 
-def _check_traceability(model: Any, example_inputs: Any, modules_to_exclude: Any, module_classes_to_exclude: Any,
-                        concrete_args: Any, draft_export: bool, control_flow: bool) -> TraceReport:
+def _request(model: Any, example_inputs: Any, modules_to_exclude: Any, module_classes_to_exclude: Any,
+             concrete_args: Any) -> CaptureRequest:
+    """The capture request ``prepare_model`` would make for these arguments (default options): the
+    same leaf policy, concrete arguments and tracers (fxprep.capture.cascade)."""
     model = check_model(model)
     policy = leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
     example = normalize_example_inputs(example_inputs)
-    # the same concrete arguments and tracers as prepare_model (fxprep.capture.cascade)
     concrete = huggingface.capture_concrete_args(model, check_concrete_args(model, concrete_args), example)
     concrete = defaults_as_concrete(model, example, concrete, Report(type(model).__name__))
+    return CaptureRequest(model, policy, example, concrete)
+
+
+def _check_traceability(request: CaptureRequest, draft_export: bool, control_flow: bool) -> TraceReport:
+    model, example = request.model, request.example
     out = TraceReport(type(model).__name__)
     tracers, _ = cascade.plan("auto", example, model)
     for name in tracers:
-        _, attempts = cascade.run_tracer(name, model, policy, concrete, example)
+        _, attempts = cascade.run_tracer(name, request)
         out.attempts += attempts
         for attempt in attempts:
             if attempt.exception is not None:
                 out.issues += diagnose(attempt.exception, attempt.tracer.replace("hf_fx", "fx"), model)
     if not out.traceable:
-        result, sites = cascade.capture_with_opaque_parts(model, policy, concrete, example, out.attempts)
+        result, sites = cascade.capture_with_opaque_parts(request, out.attempts)
         out.hybrid_ok = result is not None
         for site, issue in sites:
             out.opaque[site.qualname] = issue
@@ -237,20 +244,20 @@ def _check_traceability(model: Any, example_inputs: Any, modules_to_exclude: Any
             out.issues += _draft_export_issues(model, fresh.args, fresh.kwargs)
         found = [i for i in out.issues if i.category in (DATA_DEPENDENT_BRANCH, DATA_DEPENDENT_VALUE, DATA_DEPENDENT_LOOP)]
         if control_flow and found:
-            out.control_flow, out.rewrite_tracer = _rewrite(model, policy, example, concrete, found)
+            out.control_flow, out.rewrite_tracer = _rewrite(request, found)
     return out
 
 
-def _rewrite(model: nn.Module, policy: Any, example: Any, concrete: dict[str, Any] | None, issues: list[Issue]
-             ) -> tuple[list[RewrittenSite], str | None]:
+def _rewrite(request: CaptureRequest, issues: list[Issue]) -> tuple[list[RewrittenSite], str | None]:
     """The ``control_flow="rewrite"`` loop over the whole-model tracers (no opaque fallback); the
     data-dependent sites among ``issues`` it did not reach are assessed without capturing."""
     from .capture.rewrite.session import ControlFlowRewrite
 
-    session = ControlFlowRewrite(model, example, [], concrete)
+    model, example = request.model, request.example
+    session = ControlFlowRewrite(model, example, [], request.concrete_args)
 
     tracers, _ = cascade.plan("auto", example, model)
-    result, attempts = session.capture(lambda: cascade.capture(model, tracers, policy, concrete, example))
+    result, attempts = session.capture(lambda: cascade.capture(request, tracers))
     for issue in issues:
         if issue.file is not None and issue.line is not None:
             session.assess(issue.file, issue.line)

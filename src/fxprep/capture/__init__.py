@@ -1,13 +1,15 @@
 """Capture: turn a model into one torch-level, module-level GraphModule.
 
-Each tracer lives in its own module and returns a :class:`CaptureResult`; ``api.py`` runs the
-cascade. Whatever the tracer, the result's leaf ``call_module`` nodes point at the user's own module
+Each tracer lives in its own module, takes a :class:`CaptureRequest` (the model, example, leaf
+policy and options, as one object) and returns a :class:`CaptureResult`; ``api.py`` runs the
+cascade (:mod:`.cascade`). Whatever the tracer, the result's leaf ``call_module`` nodes point at the user's own module
 objects and its ``get_attr`` nodes at the user's own tensors.
 """
 
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
+from .request import CaptureRequest
 
-__all__ = ["CaptureAttempt", "CaptureResult", "LeafPolicy", "dynamo_available"]
+__all__ = ["CaptureAttempt", "CaptureRequest", "CaptureResult", "LeafPolicy", "dynamo_available"]
 
 
 def dynamo_available() -> bool:

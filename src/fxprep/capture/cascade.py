@@ -11,7 +11,6 @@ one that ``prepare_model`` then prepares.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -21,9 +20,10 @@ from ..errors import InvalidInput
 from ..inputs import ExampleInputs, normalize_example_inputs, split_calls
 from ..runs import preserved_state
 from . import dynamo_available, huggingface
-from .common import CaptureAttempt, CaptureResult, LeafPolicy
+from .common import CaptureAttempt, CaptureResult
 from .fx import capture_fx, restored_attributes
 from .leaves import capture_hybrid
+from .request import CaptureRequest
 
 NO_INPUTS_DYNAMO = ("No example_inputs: Dynamo captured with inputs built from the model config "
                     "(input_ids, attention_mask, ...); the result is not verified.")
@@ -51,23 +51,13 @@ def dynamo_call(model: nn.Module, example: ExampleInputs | None) -> ExampleInput
     return normalize_example_inputs(built) if built is not None else None
 
 
-def run_tracer(
-    name: str,
-    model: nn.Module,
-    policy: LeafPolicy,
-    concrete_args: dict[str, Any] | None,
-    example: ExampleInputs | None,
-    *,
-    autowrap_functions: tuple[Callable[..., Any], ...] = (),
-    dynamic: Any = None,
-    reuse: bool = False,
-    block_pass: Any = None,
-) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-    """One tracer's capture (never raises for a capture failure); every attempt it made."""
+def run_tracer(name: str, request: CaptureRequest) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+    """One tracer's capture of ``request`` (never raises for a capture failure); every attempt it made."""
+    model, example = request.model, request.example
     if name == "fx":
-        result, attempt = capture_fx(model, policy, concrete_args, autowrap_functions)
+        result, attempt = capture_fx(model, request.policy, request.concrete_args, request.autowrap_functions)
         attempts = [attempt]
-        if result is None and not concrete_args:  # transformers < 5: its own tracer, if installed
+        if result is None and not request.concrete_args:  # transformers < 5: its own tracer, if installed
             hf_result, hf_attempt = huggingface.capture_hf_fx(model, example)
             if hf_attempt is not None:
                 result = hf_result
@@ -80,50 +70,26 @@ def run_tracer(
         return None, []
     changed: list[str] = []
     with restored_attributes(model, changed):  # Dynamo marks the root (_is_torch_compile)
-        result, attempt = capture_dynamo(model, policy, call, concrete_args, dynamic=dynamic, reuse=reuse,
-                                         block_pass=block_pass)
+        result, attempt = capture_dynamo(request.replace(example=call))
     return result, [attempt]
 
 
-def capture(
-    model: nn.Module,
-    tracers: list[str],
-    policy: LeafPolicy,
-    concrete_args: dict[str, Any] | None,
-    example: ExampleInputs | None,
-    *,
-    autowrap_functions: tuple[Callable[..., Any], ...] = (),
-    dynamic: Any = None,
-    reuse: bool = False,
-    block_pass: Any = None,
-) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+def capture(request: CaptureRequest, tracers: list[str]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """Run the tracers in order until one succeeds; every attempt is returned for the report
-    (``reuse``: Dynamo captures each repeated block once, :mod:`fxprep.capture.dynamo.reuse`;
-    ``block_pass``: run once on each such block before it is stamped out)."""
+    (``request.reuse``: Dynamo captures each repeated block once, :mod:`fxprep.capture.dynamo.reuse`;
+    ``request.block_pass``: run once on each such block before it is stamped out)."""
     attempts: list[CaptureAttempt] = []
     for k, name in enumerate(tracers, 1):
         progress.stage(f"capture {k}/{len(tracers)}: {name}")
-        result, tried = run_tracer(name, model, policy, concrete_args, example,
-                                   autowrap_functions=autowrap_functions, dynamic=dynamic, reuse=reuse,
-                                   block_pass=block_pass)
+        result, tried = run_tracer(name, request)
         attempts += tried
         if result is not None:
             return result, attempts
     return None, attempts
 
 
-def capture_with_opaque_parts(
-    model: nn.Module,
-    policy: LeafPolicy,
-    concrete_args: dict[str, Any] | None,
-    example: ExampleInputs | None,
-    attempts: list[CaptureAttempt],
-    *,
-    fx_too: bool = True,
-    dynamic: Any = None,
-    autowrap_functions: tuple[Any, ...] = (),
-    handled: Callable[[BaseException], bool] | None = None,
-) -> tuple[CaptureResult | None, list[Any]]:
+def capture_with_opaque_parts(request: CaptureRequest, attempts: list[CaptureAttempt], *, fx_too: bool = True
+                              ) -> tuple[CaptureResult | None, list[Any]]:
     """The fallback after every whole-model tracer failed, in the one order ``prepare_model`` and
     ``check_traceability`` share: Dynamo with the failing parts opaque (``dynamo+leaves``, when
     Dynamo failed on example inputs); where those parts hide layers and Dynamo stopped at a value
@@ -132,24 +98,24 @@ def capture_with_opaque_parts(
     (``fx+leaves``, unless ``fx_too`` is False: a forced ``tracer="dynamo"`` never takes fx's result). Returns the capture (None when both
     failed) and its opaque parts as ``(site, issue)`` pairs; each run is appended to ``attempts``.
     The model is left as it was (:func:`fxprep.runs.preserved_state`)."""
+    model, policy, example = request.model, request.policy, request.example
     failed = next((a.exception for a in attempts if a.tracer == "dynamo" and a.exception is not None), None)
     if failed is not None and example is not None:
         from .dynamo import values
         from .dynamo.fallback import capture_dynamo_leaves
 
         progress.stage("capture: Dynamo with the untraceable parts opaque")
-        records: dict[Any, Any] = {}  # opaque parts' eager recordings, shared by the two captures below
+        # opaque parts' eager recordings, shared by the two captures below
+        request = request.replace(records={} if request.records is None else request.records)
         with preserved_state(model):
-            result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete_args, failed,
-                                                           dynamic=dynamic, handled=handled, records=records)
+            result, attempt, sites = capture_dynamo_leaves(request, failed)
         attempts.append(attempt)
         hidden = values.hidden_layers(model, result, [s for s, _ in sites], policy) if result is not None else None
         if hidden != [] and values.worth_deciding(failed, sites, model):
             progress.stage("capture: Dynamo deciding values read from data from the example")
             # preserved: opaque parts run eagerly during this capture (their real outputs, .opaque)
             with restored_attributes(model, []), preserved_state(model):
-                decided, attempt, decided_sites = values.capture_deciding_values(
-                    model, policy, example, concrete_args, dynamic=dynamic, records=records)
+                decided, attempt, decided_sites = values.capture_deciding_values(request)
             attempts.append(attempt)
             still = values.hidden_layers(model, decided, [s for s, _ in decided_sites], policy) if decided else []
             if decided is not None and (hidden is None or len(still) < len(hidden)):
@@ -160,8 +126,7 @@ def capture_with_opaque_parts(
     if not fx_too:
         return None, []
     progress.stage("capture: fx with the untraceable parts opaque")
-    hybrid_call = split_calls(model, example, concrete_args)[1] if example is not None else None
-    result, attempt, sites = capture_hybrid(model, policy, concrete_args, hybrid_call, autowrap_functions,
-                                            handled=handled)
+    hybrid_call = split_calls(model, example, request.concrete_args)[1] if example is not None else None
+    result, attempt, sites = capture_hybrid(request.replace(example=hybrid_call))
     attempts.append(attempt)
     return result, sites

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from ..threads import GLOBAL_LOCK, confined
 from ..wrap import find_proxy
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
 from .fx import FxprepTracer, capture_fx, flatten_container_inputs
+from .request import CaptureRequest
 from .sites import FUNCTIONS, MISSING, OpaqueFunction, OpaqueMethod, Site, failure_site, put_back
 
 MAX_ROUNDS = 40
@@ -237,37 +237,26 @@ def _install(gm: nn.Module, path: str, value: Any) -> None:
         setattr(module, leaf, value)
 
 
-def capture_hybrid(
-    model: nn.Module,
-    policy: LeafPolicy,
-    concrete_args: dict[str, Any] | None,
-    example: ExampleInputs | None,
-    autowrap_functions: tuple[Any, ...] = (),
-    handled: Callable[[BaseException], bool] | None = None,
-) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
-    """Capture with the smallest opaque parts that make fx succeed.
+def capture_hybrid(request: CaptureRequest) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
+    """Capture ``request`` with the smallest opaque parts that make fx succeed (``request.example``:
+    the call of the prepared module, :func:`fxprep.inputs.split_calls`; None: no structures recorded).
 
     Returns the result (or None), the attempt for the report, and each opaque site with the issue
-    that made it opaque (or, on failure, the issue nothing smaller could fix). ``handled`` is asked
-    first about each failure: True means it was dealt with otherwise (``control_flow="rewrite"``
+    that made it opaque (or, on failure, the issue nothing smaller could fix). ``request.handled`` is
+    asked first about each failure: True means it was dealt with otherwise (``control_flow="rewrite"``
     rewrote the failing ``if``) and the trace is simply tried again. Runs under
     :data:`fxprep.threads.GLOBAL_LOCK`: the opaque functions are routed through the tracer in their
     modules' globals for the length of each trace.
     """
     with GLOBAL_LOCK:
-        return _capture_hybrid(model, policy, concrete_args, example, autowrap_functions, handled)
+        return _capture_hybrid(request)
 
 
-def _capture_hybrid(
-    model: nn.Module,
-    policy: LeafPolicy,
-    concrete_args: dict[str, Any] | None,
-    example: ExampleInputs | None,
-    autowrap_functions: tuple[Any, ...],
-    handled: Callable[[BaseException], bool] | None,
-) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
+def _capture_hybrid(request: CaptureRequest) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
+    model, policy, example = request.model, request.policy, request.example
+    autowrap_functions, handled = request.autowrap_functions, request.handled
     start = time.perf_counter()
-    concrete = flatten_container_inputs(model, example, concrete_args)
+    concrete = flatten_container_inputs(model, example, request.concrete_args)
     sites: list[Site] = []
     found: list[tuple[Site, Issue]] = []
     structures: dict[Site, Any] = {}

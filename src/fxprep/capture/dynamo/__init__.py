@@ -32,15 +32,17 @@ Nothing here raises for a capture failure: :func:`capture_dynamo` returns it in 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from ... import progress
-from ...inputs import ExampleInputs, split_calls
+from ...inputs import ExampleInputs
 from ...threads import GLOBAL_LOCK
 from .. import huggingface
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
+from ..request import CaptureRequest
 from ..sites import Site
 from .export import (
     FLAG,
@@ -55,9 +57,8 @@ from .export import (
 )
 from .names import resolve_source
 from .opaque import black_box
-from .recording import Recorded
-from .relift import ROUTE_META, relift, unreferenced_parameters
-from .reuse import REUSE_META, capture_reusing
+from .relift import ROUTE_META, LiftTarget, relift, unreferenced_parameters
+from .reuse import REUSE_META, ReuseJob, capture_reusing
 from .shapes import dynamic_dims, dynamic_shapes_spec, grown_example
 
 
@@ -87,30 +88,18 @@ def reuse_unavailable_note(model: nn.Module, policy: LeafPolicy) -> list[str]:
             f"the same graph, only slower on deep models."]
 
 
-def capture_dynamo(
-    model: nn.Module,
-    policy: LeafPolicy,
-    example: ExampleInputs,
-    concrete_args: dict[str, Any] | None = None,
-    *,
-    route: str = "auto",
-    dynamic: Any = None,
-    opaque: list[Site] | None = None,
-    records: dict[Site, list[Recorded]] | None = None,
-    reuse: bool = True,
-    block_pass: Any = None,
-    real_values: bool = False,
-) -> tuple[CaptureResult | None, CaptureAttempt]:
-    """Capture ``model`` with Dynamo and re-lift it to module level.
+def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list[Site] | None = None,
+                   real_values: bool = False) -> tuple[CaptureResult | None, CaptureAttempt]:
+    """Capture ``request.model`` with Dynamo on ``request.example`` and re-lift it to module level.
 
     ``route`` is ``"auto"`` (the flag route when this torch has the flag, else regroup; a flag-route
     failure Dynamo only has on that route is retried with regroup), ``"flag"`` or ``"regroup"``.
-    ``dynamic`` marks dimensions dynamic (``"batch"`` or ``{arg: {dim: name}}``). ``opaque`` names
+    ``request.dynamic`` marks dimensions dynamic (``"batch"`` or ``{arg: {dim: name}}``). ``opaque`` names
     more parts Dynamo must call without tracing into (the excluded modules always are, see
-    :mod:`.opaque`); ``records`` caches their eager recordings across calls. ``reuse``: capture
-    each repeated block once and stamp its graph out for the others (:mod:`.reuse`; flag route,
-    static or dynamic shapes, no opaque parts); ``block_pass(block_gm, first_instance)`` is then run once on
-    each repeated block before it is stamped out (:func:`.reuse.capture_reusing`).
+    :mod:`.opaque`); ``request.records`` caches their eager recordings across calls. ``request.reuse``:
+    capture each repeated block once and stamp its graph out for the others (:mod:`.reuse`; flag route,
+    static or dynamic shapes, no opaque parts); ``request.block_pass(block_gm, first_instance)`` is then
+    run once on each repeated block before it is stamped out (:func:`.reuse.capture_reusing`).
     ``real_values``: values read from data are decided from the example's, each decision checked in
     the graph (:mod:`fxprep.decisions`; tracer "dynamo+values"; callers pass reuse=False). Never raises for a
     capture failure.
@@ -122,65 +111,96 @@ def capture_dynamo(
     if route == "flag" and not flag_available():
         err = RuntimeError(f"this torch has no torch._dynamo.config.{FLAG}; use route='regroup'")
         return _failure(err, start, tracer)
-    current = default_route() if route == "auto" else route
-    capture_call, prepared_call = split_calls(model, example, concrete_args)
+    model, policy = request.model, request.policy
+    capture_call, prepared_call = request.calls()
     notes: list[str] = []
     try:
-        spec = dynamic_shapes_spec(model, capture_call, dynamic)
+        spec = dynamic_shapes_spec(model, capture_call, request.dynamic)
     except Exception as err:  # noqa: BLE001
         return _failure(err, start, tracer)
     try:
-        box = black_box(model, policy, opaque or [], capture_call, records)
+        box = black_box(model, policy, opaque or [], capture_call, request.records)
     except Exception as err:  # noqa: BLE001 - an opaque part the eager run cannot record
         return _failure(err, start, tracer)
-    caches = tensor_caches(model)
-    grad_inputs = True
-    hooks_installed = False
-    fresh_kwargs = False
+    state = _Relaxed(route, default_route() if route == "auto" else route, tensor_caches(model))
     while True:  # each failure below relaxes one thing and tries again, or gives up
-        guard = AttributeGuard(model, caches)
-        attempt_notes: list[str] = []
+        guard = AttributeGuard(model, state.caches)
+        target = LiftTarget(model, policy, capture_call, prepared_call, state.current, [])
         try:
-            with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, attempt_notes, capture_call), guard:
-                call = requiring_grad(capture_call) if grad_inputs else capture_call
+            with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, target.notes, capture_call), guard:
+                call = requiring_grad(capture_call) if state.grad_inputs else capture_call
                 reused = None
-                if reuse and current == "flag" and box:
-                    attempt_notes.append(
-                        f"block reuse: off for this capture: {len(box.sites)} part(s) are called without tracing "
-                        f"into them (excluded or opaque modules), which block reuse does not handle yet; every "
-                        f"block was captured by the whole-model capture.")
-                if reuse and current != "flag" and route == "auto" and not fresh_kwargs:
-                    attempt_notes.extend(reuse_unavailable_note(model, policy))
-                if reuse and current == "flag" and not box and not fresh_kwargs:
-                    reused = capture_reusing(model, policy, call, capture_call, prepared_call, current, guard,
-                                             attempt_notes, block_pass, dynamic_spec=spec)
+                if request.reuse:
+                    target.notes.extend(_reuse_notes(model, policy, state, box))
+                if request.reuse and state.current == "flag" and not box and not state.fresh_kwargs:
+                    reused = capture_reusing(ReuseJob(target, call, guard, request.block_pass, spec))
                 if reused is not None:
                     gm, extra = reused
                 else:
-                    result = dynamo_export(model, call, current, spec, real_values=real_values,
-                                           fresh_kwargs=fresh_kwargs)
+                    result = dynamo_export(model, call, state.current, spec, real_values=real_values,
+                                           fresh_kwargs=state.fresh_kwargs)
                     guard.reset()  # Dynamo left fake tensors in attributes forward() writes
-                    gm, extra = relift(result.graph_module, model, policy, capture_call, prepared_call, current,
-                                       attempt_notes, box, decided=real_values)
-            notes.extend(attempt_notes)
+                    gm, extra = relift(result.graph_module, target, box, decided=real_values)
+            notes.extend(target.notes)
             break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
-            if not hooks_installed and huggingface.stopped_at_hook_installation(err):
-                huggingface.install_hooks_by_running(model, capture_call)  # as the user's first call would
-                hooks_installed = True
-            elif not fresh_kwargs and spec is None and MUTATED_INPUT_DICT in str(err):
-                fresh_kwargs = True  # trace from a root whose **kwargs is the trace's own (export.fresh_kwargs_root)
-            elif grad_inputs and any(s in str(err) for s in _RETRY_WITHOUT_GRAD):
-                grad_inputs = False  # capture the inputs as given instead
-            elif caches:
-                caches = []  # maybe the model cannot run with its caches emptied: keep them in place
-            elif route == "auto" and current == "flag" and any(s in str(err) for s in _RETRY_ON_REGROUP):
-                notes.append(f"Dynamo's call_module route failed ({type(err).__name__}); used the regroup route.")
-                current = "regroup"
-            else:
+            if not state.relax(err, model, capture_call, spec is None, notes):
                 return _failure(err, start, tracer)
             progress.step(f"retrying after {type(err).__name__}")
-    written = guard.written
+    notes.extend(_capture_notes(request, gm, state.caches, guard.written, capture_call))
+    result_ = CaptureResult(gm, tracer, notes=notes, extra_leaves=extra)
+    return result_, CaptureAttempt(tracer, True, time.perf_counter() - start)
+
+
+@dataclass
+class _Relaxed:
+    """What :func:`capture_dynamo`'s loop has relaxed so far: each failure relaxes one more thing
+    (:meth:`relax`), in this order, until the capture succeeds or nothing is left to relax."""
+
+    route: str  # the route asked for
+    current: str  # the route tried now
+    caches: list[Any]  # tensor caches emptied during the capture (:func:`.export.tensor_caches`)
+    grad_inputs: bool = True
+    hooks_installed: bool = False
+    fresh_kwargs: bool = False
+
+    def relax(self, err: BaseException, model: nn.Module, capture_call: ExampleInputs, static: bool,
+              notes: list[str]) -> bool:
+        """Relax what ``err`` calls for; False when nothing is left (the capture failed)."""
+        if not self.hooks_installed and huggingface.stopped_at_hook_installation(err):
+            huggingface.install_hooks_by_running(model, capture_call)  # as the user's first call would
+            self.hooks_installed = True
+        elif not self.fresh_kwargs and static and MUTATED_INPUT_DICT in str(err):
+            self.fresh_kwargs = True  # trace from a root whose **kwargs is the trace's own (export.fresh_kwargs_root)
+        elif self.grad_inputs and any(s in str(err) for s in _RETRY_WITHOUT_GRAD):
+            self.grad_inputs = False  # capture the inputs as given instead
+        elif self.caches:
+            self.caches = []  # maybe the model cannot run with its caches emptied: keep them in place
+        elif self.route == "auto" and self.current == "flag" and any(s in str(err) for s in _RETRY_ON_REGROUP):
+            notes.append(f"Dynamo's call_module route failed ({type(err).__name__}); used the regroup route.")
+            self.current = "regroup"
+        else:
+            return False
+        return True
+
+
+def _reuse_notes(model: nn.Module, policy: LeafPolicy, state: _Relaxed, box: Any) -> list[str]:
+    """Why block reuse is off for this capture, when it was asked for and cannot run."""
+    if state.current == "flag" and box:
+        return [f"block reuse: off for this capture: {len(box.sites)} part(s) are called without tracing "
+                f"into them (excluded or opaque modules), which block reuse does not handle yet; every "
+                f"block was captured by the whole-model capture."]
+    if state.current != "flag" and state.route == "auto" and not state.fresh_kwargs:
+        return reuse_unavailable_note(model, policy)
+    return []
+
+
+def _capture_notes(request: CaptureRequest, gm: Any, caches: list[Any], written: Any,
+                   capture_call: ExampleInputs) -> list[str]:
+    """What the report says about a successful capture: caches emptied, attributes forward() wrote,
+    parameters the graph does not read while it reads constants, the dynamic dimensions."""
+    model = request.model
+    notes = []
     if caches:
         notes.append(
             f"{len(caches)} tensor cache(s) ({', '.join(sorted({k for _, k, _ in caches}))}) were emptied during "
@@ -200,10 +220,9 @@ def capture_dynamo(
             f"those constants from the parameters (a cache), changing the parameters will NOT change the prepared "
             f"module. Clear the cache or use tracer='fx'."
         )
-    if dynamic:
-        notes.append(f"dynamic dimensions: {dynamic_dims(model, capture_call, dynamic)}")
-    result_ = CaptureResult(gm, tracer, notes=notes, extra_leaves=extra)
-    return result_, CaptureAttempt(tracer, True, time.perf_counter() - start)
+    if request.dynamic:
+        notes.append(f"dynamic dimensions: {dynamic_dims(model, capture_call, request.dynamic)}")
+    return notes
 
 
 __all__ = [

@@ -29,7 +29,7 @@ from torch import nn
 
 from ...cond import cond
 from ..common import LeafPolicy
-from .names import Frame, Names, Stacks, default_leaf, frames_meta, get_path
+from .names import Frame, Stacks, default_leaf, frames_meta, get_path
 
 HOP = getattr(torch.ops.higher_order, "cond", None)
 
@@ -75,14 +75,13 @@ def _install(holder: nn.Module, path: str, obj: Any) -> None:
 class _Branch:
     """One branch subgraph being re-lifted (on a copy of its graph)."""
 
-    def __init__(self, branch: fx.GraphModule, params: dict[int, str], model: nn.Module, names: Names,
-                 stacks: Stacks, policy: LeafPolicy):
+    def __init__(self, branch: fx.GraphModule, params: dict[int, str], stacks: Stacks, policy: LeafPolicy):
         self.original = branch
         self.graph = fx.Graph()
         self.graph.output(self.graph.graph_copy(branch.graph, {}))
         self.params = params
-        self.model = model
-        self.names = names
+        self.model = stacks.model
+        self.names = stacks.names
         self.stacks = stacks
         self.policy = policy
         self.holder = nn.Module()
@@ -194,9 +193,10 @@ def _same(original: fx.GraphModule, new: fx.GraphModule, operands: list[Any], ke
     )
 
 
-def relift_conds(gm: fx.GraphModule, model: nn.Module, names: Names, stacks: Stacks, policy: LeafPolicy,
-                 notes: list[str]) -> None:
-    """Re-lift every ``torch.cond`` of ``gm`` (and of its branches) in place."""
+def relift_conds(gm: fx.GraphModule, stacks: Stacks, policy: LeafPolicy, notes: list[str]) -> None:
+    """Re-lift every ``torch.cond`` of ``gm`` (and of its branches) in place (``stacks``: the
+    model's frames resolver, holding the model and its names)."""
+    names = stacks.names
     if HOP is None:
         return
     for node in list(gm.graph.nodes):
@@ -216,11 +216,11 @@ def relift_conds(gm: fx.GraphModule, model: nn.Module, names: Names, stacks: Sta
         new_branches = []
         for attr in (t_attr, f_attr):
             original = gm.get_submodule(str(attr.target))
-            branch = _Branch(original, params, model, names, stacks, policy)
+            branch = _Branch(original, params, stacks, policy)
             branch.collapse()
             branch.localise_params()
             lifted = branch.finish()
-            relift_conds(lifted, model, names, stacks, policy, notes)
+            relift_conds(lifted, stacks, policy, notes)
             placeholders = [n for n in original.graph.nodes if n.op == "placeholder"]
             kept = [i for i in range(len(operands)) if i not in params]
             same = _same(original, lifted, list(zip(placeholders, [v for _, v in values])), kept)

@@ -18,15 +18,14 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import time
-from collections.abc import Callable
-from typing import Any
 
 from torch import nn
 
 from ... import progress
 from ...diagnose import DATA_DEPENDENT_VALUE, FIXES, Issue, diagnose
-from ...inputs import ExampleInputs, split_calls
-from ..common import CaptureAttempt, CaptureResult, LeafPolicy
+from ...inputs import ExampleInputs
+from ..common import CaptureAttempt, CaptureResult
+from ..request import CaptureRequest
 from ..sites import Site
 from . import capture_dynamo
 from .locate import Located, locate, origin_stack, resolve, user_stack
@@ -99,37 +98,30 @@ def _made_at(issue: Issue, frame: tuple[str, str, int] | None) -> Issue:
                                fix=FIXES[DATA_DEPENDENT_VALUE])
 
 
-def capture_dynamo_leaves(
-    model: nn.Module,
-    policy: LeafPolicy,
-    example: ExampleInputs,
-    concrete_args: dict[str, Any] | None,
-    first_error: BaseException | None,
-    *,
-    dynamic: Any = None,
-    handled: Callable[[BaseException], bool] | None = None,
-    real_values: bool = False,
-    records: dict[Site, list[Recorded]] | None = None,
-) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
-    """Capture with Dynamo, making the smallest failing parts opaque until it succeeds.
+def capture_dynamo_leaves(request: CaptureRequest, first_error: BaseException | None, *, real_values: bool = False
+                          ) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
+    """Capture ``request`` with Dynamo, making the smallest failing parts opaque until it succeeds.
 
     ``first_error`` is the whole-model Dynamo failure to start from (None: capture first, with
     nothing opaque). Returns the result (or None), the attempt for the report, and each opaque site
-    with the issue that made it opaque. ``handled`` is asked first about each failure
+    with the issue that made it opaque. ``request.handled`` is asked first about each failure
     (``control_flow="rewrite"`` rewrote the ``if``): True means capture is simply tried again.
     ``real_values``: each capture decides values read from data from the example
     (:mod:`.values`), so only what Dynamo cannot trace for other reasons is made opaque.
-    ``records``: the opaque parts' eager recordings, filled here; pass the same dict to a second
-    call on the same model and example and a part both make opaque is recorded once.
+    ``request.records``: the opaque parts' eager recordings, filled here; a request sharing the same
+    dict on the same model and example records a part both make opaque once.
     """
     start = time.perf_counter()
     tracer = VALUES_TRACER if real_values else TRACER
-    capture_call, _ = split_calls(model, example, concrete_args)
+    model, handled = request.model, request.handled
+    records = {} if request.records is None else request.records
+    # block reuse does not handle opaque parts; the block pass belongs to the whole-model capture
+    request = request.replace(records=records, reuse=not real_values, block_pass=None)
+    capture_call, _ = request.calls()
     sites: list[Site] = []
     found: list[tuple[Site, Issue, Site | None]] = []
-    records = {} if records is None else records
     err = first_error
-    excluded = excluded_sites(model, policy)
+    excluded = excluded_sites(model, request.policy)
     for _ in range(MAX_ROUNDS):
         if err is not None and (handled is None or not handled(err)):
             new, made_at = next_sites(err, model, capture_call, sites + excluded, records)
@@ -140,8 +132,7 @@ def capture_dynamo_leaves(
             found.extend((site, issue, new[0] if k else None) for k, site in enumerate(new))
             more = f" and {len(new) - 1} more like it" if len(new) > 1 else ""
             progress.step(f"{new[0].qualname} made opaque{more} ({issue.category})")
-        result, attempt = capture_dynamo(model, policy, example, concrete_args, dynamic=dynamic, opaque=sites,
-                                         records=records, reuse=not real_values, real_values=real_values)
+        result, attempt = capture_dynamo(request, opaque=sites, real_values=real_values)
         if result is not None:
             result.tracer = tracer
             for site, issue, first in found:

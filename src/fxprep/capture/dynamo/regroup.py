@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from ...inputs import ExampleInputs
 from ..common import LeafPolicy
 from .flag import direct_call
-from .names import Frame, Group, Names, ReliftError, Stacks, default_leaf, frames_meta, read_part
+from .names import Frame, Group, ReliftError, Stacks, default_leaf, frames_meta, read_part
 from .record import Call, TensorSpec, record_calls, record_values
 
 _CONSTANT_TYPES = (type(None), bool, int, float, str, complex, torch.dtype, torch.device, torch.memory_format,
@@ -70,16 +70,17 @@ def _matches(node: fx.Node, t: TensorSpec) -> bool:
 class Regrouper:
     """Collapses leaf calls into ``call_module`` nodes of the user's modules (both routes).
 
-    ``inputs`` are the graph nodes of the flattened capture call (None for a non-tensor input).
+    ``inputs`` are the graph nodes of the flattened capture call (None for a non-tensor input);
+    ``stacks`` resolves frames to the model's modules (it holds the model and its names).
     """
 
-    def __init__(self, dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, names: Names,
-                 stacks: Stacks, call: ExampleInputs, inputs: list[fx.Node | None]):
+    def __init__(self, dgm: fx.GraphModule, policy: LeafPolicy, stacks: Stacks, call: ExampleInputs,
+                 inputs: list[fx.Node | None]):
         self.dgm = dgm
         self.graph = dgm.graph
-        self.model = model
+        self.model = stacks.model
         self.policy = policy
-        self.names = names
+        self.names = stacks.names
         self.stacks = stacks
         self.call = call
         self.inputs = inputs

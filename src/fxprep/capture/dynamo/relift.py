@@ -11,6 +11,7 @@ reported.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -82,8 +83,11 @@ def _free_name(taken: set[str], model: nn.Module, base: str) -> str:
     return name
 
 
-def build(dgm: fx.GraphModule, model: nn.Module, names: Names, stacks: Stacks, targets: dict[fx.Node, str],
-           pytree_info: Any, notes: list[str], wrappers: dict[str, Site] | None = None) -> fx.GraphModule:
+def build(dgm: fx.GraphModule, stacks: Stacks, targets: dict[fx.Node, str], pytree_info: Any, notes: list[str],
+          wrappers: dict[str, Site] | None = None) -> fx.GraphModule:
+    """The prepared module over ``dgm``'s re-lifted graph (``stacks``: the model's frames resolver,
+    holding the model and its names; ``targets``: each ``call_module`` node's qualified name)."""
+    model, names = stacks.model, stacks.names
     graph = dgm.graph
     holder = _Holder()
     taken: set[str] = set()
@@ -243,18 +247,31 @@ def _first_tensor(call: ExampleInputs) -> tuple[int, torch.Tensor] | None:
     return None
 
 
-def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_call: ExampleInputs,
-           prepared_call: ExampleInputs, route: str, notes: list[str], box: BlackBox | None = None, *,
-           device_literals: bool = True, decided: bool = False) -> tuple[fx.GraphModule, dict[str, str]]:
-    """Turn Dynamo's graph into the module-level one (see the module docstring).
+@dataclass
+class LiftTarget:
+    """What a Dynamo graph is re-lifted against: the module Dynamo captured (the model, or one
+    block of it with block reuse), its leaf policy, the two calls, the route taken, and the notes
+    the re-lifting adds to (for the report)."""
 
-    ``capture_call`` is what Dynamo was called with (``concrete_args`` included), ``prepared_call``
-    how the prepared module will be called, ``box`` the parts Dynamo called without tracing into.
+    model: nn.Module
+    policy: LeafPolicy
+    capture_call: ExampleInputs  # what Dynamo was called with (``concrete_args`` included)
+    prepared_call: ExampleInputs  # how the prepared module will be called
+    route: str  # "flag" or "regroup" (:mod:`.export`)
+    notes: list[str] = field(default_factory=list)
+
+
+def relift(dgm: fx.GraphModule, target: LiftTarget, box: BlackBox | None = None, *,
+           device_literals: bool = True, decided: bool = False) -> tuple[fx.GraphModule, dict[str, str]]:
+    """Turn Dynamo's graph into the module-level one of ``target`` (see the module docstring).
+
+    ``box``: the parts Dynamo called without tracing into.
     Returns the module and the extra leaves with reasons. ``device_literals=False`` leaves device
     literals as they are (block reuse replaces them once, on the assembled graph:
     :func:`follow_input_device`). ``decided``: the capture decided values read from data from the
     example, and the run-time asserts on unbacked sizes are those decisions' checks
     (:mod:`fxprep.decisions`): every one is kept, also where opaque parts are re-lifted."""
+    model, capture_call, prepared_call, notes = target.model, target.capture_call, target.prepared_call, target.notes
     graph = dgm.graph
     names = Names(model)
     stacks = Stacks(model, names)
@@ -277,11 +294,11 @@ def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_ca
     opaque_calls, wrappers = relift_opaque(dgm, box, names)  # opaque parts → call_module
     if opaque_calls and not decided:
         drop_size_asserts(dgm)
-    policy = with_opaque(policy, box)
+    policy = with_opaque(target.policy, box)
 
     # Leaf calls: re-target Dynamo's call_module nodes, collapse inlined leaves.
     method_calls = module_method_calls(dgm, names, stacks)
-    regrouper = Regrouper(dgm, model, policy, names, stacks, capture_call, list(placeholders))
+    regrouper = Regrouper(dgm, policy, stacks, capture_call, list(placeholders))
     regrouper.run()
     for node, name in [*method_calls.items(), *opaque_calls.items()]:
         if not getattr(node, "_erased", False):  # not collapsed into an enclosing leaf
@@ -316,9 +333,9 @@ def relift(dgm: fx.GraphModule, model: nn.Module, policy: LeafPolicy, capture_ca
 
     if device_literals:
         follow_input_device(dgm, kept, prepared_call, notes)
-    gm = build(dgm, model, names, stacks, regrouper.targets, pytree_info, notes, wrappers)
-    relift_conds(gm, model, names, stacks, policy, notes)  # torch.cond branches: leaves → call_module
-    gm.meta[ROUTE_META] = route
+    gm = build(dgm, stacks, regrouper.targets, pytree_info, notes, wrappers)
+    relift_conds(gm, stacks, policy, notes)  # torch.cond branches: leaves → call_module
+    gm.meta[ROUTE_META] = target.route
     return gm, regrouper.extra_leaves
 
 

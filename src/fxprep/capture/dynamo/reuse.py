@@ -65,7 +65,7 @@ from .blocks import (
     structure_difference,
 )
 from .export import AttributeGuard, dynamo_export
-from .relift import ROUTE_META, follow_input_device, relift
+from .relift import ROUTE_META, LiftTarget, follow_input_device, relift
 from .stamp import Stamper, block_output_signature, converted_block, foreign_attributes, names_free
 
 BlockPass = Callable[[fx.GraphModule, nn.Module], Any]  # (block graph, its first instance) -> rewritten in place
@@ -368,17 +368,31 @@ class _Captured:
     notes: list[str]
 
 
-def _capture_group(group: list[Member], recorded: Any, policy: LeafPolicy, route: str,
-                   guard: AttributeGuard, why: dict[str, str],
-                   dynamic: bool = False) -> tuple[_Captured, list[list[Member]]]:
+@dataclass
+class ReuseJob:
+    """One whole-model capture with block reuse (:func:`capture_reusing`)."""
+
+    target: LiftTarget  # the model, its policy, its capture and prepared calls, the route, the notes
+    call: ExampleInputs  # what Dynamo is called with (the capture call, inputs maybe requiring grad)
+    guard: AttributeGuard  # puts back what Dynamo leaves in the attributes forward() writes
+    # run once on each repeated block's graph before it is stamped out (the caller's pass on the whole graph)
+    convert: BlockPass | None = None
+    # the model's dynamic dimensions (Dynamo's ``dynamic_shapes``); None: static shapes
+    dynamic_spec: dict[str, Any] | None = None
+
+
+def _capture_group(group: list[Member], recorded: Any, job: ReuseJob,
+                   why: dict[str, str]) -> tuple[_Captured, list[list[Member]]]:
     """Capture the first member; the others its guards hold for share the graph, the rest are
     regrouped (by what the guarded attributes hold) for the next round, with the reason in ``why``."""
     first = group[0]
+    route = job.target.route
     call = _block_call(first, recorded)
-    result = dynamo_export(first.module, call, route, _block_spec(first, call) if dynamic else None)
-    guard.reset()
-    notes: list[str] = []
-    gm, extra = relift(result.graph_module, first.module, policy, call, call, route, notes, device_literals=False)
+    result = dynamo_export(first.module, call, route, _block_spec(first, call) if job.dynamic_spec is not None else None)
+    job.guard.reset()
+    block = LiftTarget(first.module, job.target.policy, call, call, route)
+    gm, extra = relift(result.graph_module, block, device_literals=False)
+    notes = block.notes
     sources = self_guards(result.guards, first.module)
     foreign = foreign_attributes(gm, first.module)
     same, rest = [first], []
@@ -409,19 +423,18 @@ def _capture_group(group: list[Member], recorded: Any, policy: LeafPolicy, route
     return _Captured(same, gm, extra, notes), rest
 
 
-def capture_reusing(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_call: ExampleInputs,
-                    prepared_call: ExampleInputs, route: str, guard: AttributeGuard,
-                    notes: list[str], convert: BlockPass | None = None,
-                    dynamic_spec: dict[str, Any] | None = None) -> tuple[fx.GraphModule, dict[str, str]] | None:
+def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | None:
     """The model captured with each repeated block captured once (see the module docstring), or
     None when nothing repeats or reuse does not work out here (then the caller captures the whole
-    model). ``call`` is what Dynamo is called with, ``capture_call`` the same without grad-requiring
-    inputs (the eager recording run), ``prepared_call`` how the prepared module is called.
-    ``convert(block_gm, first_instance)``: a pass the caller runs on the whole graph later, run
+    model). ``job.call`` is what Dynamo is called with, ``job.target.capture_call`` the same without
+    grad-requiring inputs (the eager recording run), ``job.target.prepared_call`` how the prepared
+    module is called; notes go to ``job.target.notes``.
+    ``job.convert(block_gm, first_instance)``: a pass the caller runs on the whole graph later, run
     once on each repeated block's graph before it is stamped out (the work of a pass that goes
     node by node then does not grow with depth); it must give what it gives on the whole graph.
-    ``dynamic_spec``: the model's dynamic dimensions (Dynamo's ``dynamic_shapes``); each block is then
+    ``job.dynamic_spec``: the model's dynamic dimensions (Dynamo's ``dynamic_shapes``); each block is then
     captured with the dimensions that are symbolic at its call dynamic too (:func:`_block_spec`)."""
+    model, policy, guard, notes = job.target.model, job.target.policy, job.guard, job.target.notes
     descend: set[int] = set()
     uncached: set[Any] = set()
     for _ in range(4):  # a retry looks inside blocks whose output one call cannot return, or computes more
@@ -435,8 +448,7 @@ def capture_reusing(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, c
             return None
         stubs = _Stubs(instances, uncached)
         try:
-            return _capture(model, policy, call, capture_call, prepared_call, route, guard, notes, stubs, qualnames,
-                            convert, dynamic_spec)
+            return _capture(job, stubs, qualnames)
         except Exception as err:  # noqa: BLE001 - reuse is an optimisation: the whole-model capture decides
             guard.reset()
             if isinstance(err, _OtherOutput) and err.key not in uncached:
@@ -483,22 +495,22 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0][:200] if text else ""
 
 
-def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_call: ExampleInputs,
-             prepared_call: ExampleInputs, route: str, guard: AttributeGuard, notes: list[str],
-             stubs: _Stubs, qualnames: dict[int, str], convert: BlockPass | None,
-             dynamic_spec: dict[str, Any] | None) -> tuple[fx.GraphModule, dict[str, str]]:
+def _capture(job: ReuseJob, stubs: _Stubs, qualnames: dict[int, str]) -> tuple[fx.GraphModule, dict[str, str]]:
+    target, guard = job.target, job.guard
+    model, policy, route, notes = target.model, target.policy, target.route, target.notes
+    prepared_call = target.prepared_call
     instances = stubs.instances
     with stubs:
-        result = dynamo_export(model, call, route, dynamic_spec)
+        result = dynamo_export(model, job.call, route, job.dynamic_spec)
     guard.reset()
-    outer_notes: list[str] = []
     # Leaves the user named inside a block are called from the block's graph, not the outer one:
     # the outer re-lifting must see the blocks as leaves then (it records the outermost leaves' calls).
     user_leaves = any(policy.reason(m) is not None for m in model.modules() if m is not model)
     outer_policy = LeafPolicy(modules=(*policy.modules, *(m for m, _ in instances.values())),
                               classes=policy.classes) if user_leaves else policy
-    outer, extra = relift(result.graph_module, model, outer_policy, capture_call, prepared_call, route, outer_notes,
-                          device_literals=False)
+    outer_target = LiftTarget(model, outer_policy, target.capture_call, prepared_call, route)
+    outer_notes = outer_target.notes
+    outer, extra = relift(result.graph_module, outer_target, device_literals=False)
     by_name = {qualnames[mid]: module for mid, (module, _) in instances.items()}
     extra = {k: v for k, v in extra.items() if k not in by_name}
     groups: dict[Any, list[Member]] = {}
@@ -524,8 +536,7 @@ def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_
         guard.reset()
         next_round: list[list[Member]] = []
         for group in pending:
-            done, rest = _capture_group(group, recorded[(id(group[0].module), group[0].k)], policy, route, guard, why,
-                                        dynamic=dynamic_spec is not None)
+            done, rest = _capture_group(group, recorded[(id(group[0].module), group[0].k)], job, why)
             captured.append(done)
             next_round.extend(rest)
         pending = next_round
@@ -533,10 +544,10 @@ def _capture(model: nn.Module, policy: LeafPolicy, call: ExampleInputs, capture_
     for done in captured:
         first = done.members[0]
         block, made = done.gm, None
-        if convert is not None and len({id(m.module) for m in done.members}) == len(done.members) > 1:
+        if job.convert is not None and len({id(m.module) for m in done.members}) == len(done.members) > 1:
             # converted once here rather than once per instance on the whole graph; an instance
             # called twice keeps the whole-graph conversion (its second call's ops get other names)
-            converted = converted_block(done.gm, convert, first.module)
+            converted = converted_block(done.gm, job.convert, first.module)
             if converted is not None and names_free(converted[1], [m.module for m in done.members[1:]]):
                 block, made = converted
         for member in done.members:

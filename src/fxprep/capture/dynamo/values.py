@@ -24,7 +24,6 @@ That is only worth it, and only sound enough, when two things hold, and this mod
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 from torch import nn
@@ -32,14 +31,15 @@ from torch import nn
 from ... import decisions
 from ...diagnose import Issue
 from ...errors import InputMismatch
-from ...inputs import ExampleInputs, split_calls
+from ...inputs import ExampleInputs
 from ...runs import preserved_state
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
+from ..request import CaptureRequest
 from ..sites import Site
 from .fallback import VALUES_TRACER as TRACER
 from .fallback import capture_dynamo_leaves
 from .names import default_leaf
-from .recording import Recorded, perturbed
+from .recording import perturbed
 
 PERTURBED_RUNS = 3  # each with other shuffles; a decision that follows activations rarely survives all
 
@@ -129,27 +129,19 @@ def broken_on_perturbed(gm: torch.fx.GraphModule, model: nn.Module, call: Exampl
     return None
 
 
-def capture_deciding_values(
-    model: nn.Module,
-    policy: LeafPolicy,
-    example: ExampleInputs,
-    concrete_args: dict[str, Any] | None,
-    *,
-    dynamic: Any = None,
-    records: dict[Site, list[Recorded]] | None = None,
-) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
+def capture_deciding_values(request: CaptureRequest) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
     """Dynamo with values read from data decided from the example, and the parts it still cannot
     trace for other reasons opaque (:func:`.fallback.capture_dynamo_leaves`: Qwen2-VL's rope index
     groups tokens with ``itertools.groupby``). The result only when its decisions hold on perturbed
-    inputs (:func:`broken_on_perturbed`), else the attempt says why. ``records``: the eager
+    inputs (:func:`broken_on_perturbed`), else the attempt says why. ``request.records``: the eager
     recordings the fallback already made (a part both make opaque is not run again). The caller
     protects the model (``capture.fx.restored_attributes``), as around any capture."""
     start = time.perf_counter()
-    result, attempt, sites = capture_dynamo_leaves(model, policy, example, concrete_args, None, dynamic=dynamic,
-                                                   real_values=True, records=records)
+    # every failure is made opaque here: the rewrite's handler belongs to the first fallback capture
+    result, attempt, sites = capture_dynamo_leaves(request.replace(handled=None), None, real_values=True)
     if result is None:
         return None, attempt, sites
-    broken = broken_on_perturbed(result.gm, model, split_calls(model, example, concrete_args)[1])
+    broken = broken_on_perturbed(result.gm, request.model, request.calls()[1])
     if broken is not None:
         return None, CaptureAttempt.failed(TRACER, broken, start), sites
     return result, CaptureAttempt(TRACER, True, time.perf_counter() - start), sites

@@ -1,0 +1,75 @@
+"""One capture request: what every capture route needs, travelling as one object.
+
+A capture needs the model, the example it runs on, which modules stay leaves, the concrete
+arguments, a handful of options (``autowrap_functions``, ``dynamic``, block reuse and the pass run
+on each reused block) and, in the opaque-part fallback, the eager recordings its captures share.
+Passed loose, each of these was a parameter of every function on the way from ``prepare_model`` to
+the tracer (``capture_dynamo`` took eleven), and a new option meant editing every signature on the
+way. They travel as one frozen :class:`CaptureRequest` instead: created once in ``prepare_model``
+(:mod:`fxprep.api`) or ``check_traceability`` (:mod:`fxprep.check`), handed to the routes of
+:mod:`fxprep.capture.cascade`, which return a :class:`~fxprep.capture.common.CaptureResult`; a
+route that tries a variant (another example size, other dynamic dimensions, Dynamo deciding values
+from data) makes it with :meth:`CaptureRequest.replace`, leaving the caller's request as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ..inputs import ExampleInputs, split_calls
+from .common import LeafPolicy
+
+# The fields that decide what an eager recording of an opaque part holds: a variant changing one of
+# them must not reuse the recordings made for the original (a recording is the run on *this* example).
+_RECORDED_ON = ("model", "example", "concrete_args")
+
+
+@dataclass(frozen=True)
+class CaptureRequest:
+    """What to capture and how; immutable (make variants with :meth:`replace`).
+
+    ``model``: the module to capture (never mutated). ``policy``: the modules kept as leaves.
+    ``example``: the normalized example inputs (None: fx only, or inputs built from a transformers
+    config, :func:`fxprep.capture.cascade.dynamo_call`). ``concrete_args``: arguments baked into the
+    graph (:func:`fxprep.inputs.split_calls`). ``autowrap_functions``: functions fx calls without
+    tracing into. ``dynamic``: Dynamo's dynamic dimensions (``"batch"``, ``{arg: {dim: name}}``, False
+    for static, None for Dynamo's default). ``reuse``: Dynamo captures each repeated block once
+    (:mod:`fxprep.capture.dynamo.reuse`); ``block_pass(block_gm, first_instance)`` then runs once on
+    each such block. ``handled(err)``: asked first about each failure of the opaque-part fallback
+    (``control_flow="rewrite"`` rewrote the failing ``if``: True means capture again). ``records``:
+    the opaque parts' eager recordings shared by the captures of one fallback (None: each capture
+    records its own).
+    """
+
+    model: nn.Module
+    policy: LeafPolicy = field(default_factory=LeafPolicy)
+    example: ExampleInputs | None = None
+    concrete_args: dict[str, Any] | None = None
+    autowrap_functions: tuple[Callable[..., Any], ...] = ()
+    dynamic: Any = None
+    reuse: bool = False
+    block_pass: Callable[..., Any] | None = None
+    handled: Callable[[BaseException], bool] | None = None
+    records: dict[Any, Any] | None = field(default=None, compare=False)
+
+    def replace(self, **changes: Any) -> CaptureRequest:
+        """A copy with ``changes`` (``dataclasses.replace``). A copy for another model, example or
+        concrete arguments starts without recordings unless ``records`` is given: the recordings were
+        made by running this request's model on this request's example."""
+        if "records" not in changes and any(k in changes and changes[k] is not getattr(self, k) for k in _RECORDED_ON):
+            changes["records"] = None if self.records is None else {}
+        return dataclasses.replace(self, **changes)
+
+    def calls(self) -> tuple[ExampleInputs, ExampleInputs]:
+        """``(capture_call, prepared_call)`` of the example (:func:`fxprep.inputs.split_calls`): what
+        the tracer runs the model on (``concrete_args`` included) and how the prepared module is called."""
+        assert self.example is not None, "a capture call needs example inputs"
+        return split_calls(self.model, self.example, self.concrete_args)
+
+
+__all__ = ["CaptureRequest"]
