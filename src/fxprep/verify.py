@@ -120,31 +120,8 @@ def _compare(ref: Any, got: Any, rtol: float, atol: float,
     are accepted and stated, any other structural difference is a problem.
     """
     out = Comparison()
-    if absent and isinstance(ref, tuple) and isinstance(got, tuple) and len(ref) > len(got):
-        # return_dict=False: the cache is a tuple item, named by position (Llava's is out[1], before
-        # the image features), so the items after it move up by one in the prepared output
-        caches = [i for i, v in enumerate(ref) if "Cache" in type(v).__name__]
-        if len(ref) - len(caches) == len(got):
-            why = next(iter(absent.values()))
-            out.accepted.extend(f"out[{i}] returned by the original only ({why}); the items after it come one "
-                                f"place earlier in the prepared output" for i in caches if i < len(got))
-            out.accepted.extend(f"out[{i}] returned by the original only ({why})" for i in caches if i >= len(got))
-            ref = tuple(v for i, v in enumerate(ref) if i not in caches)
-    ref_leaves, got_leaves = flatten_output(ref), flatten_output(got)
-    if absent:
-        got_paths = {p for p, _ in got_leaves}
-        kept = []
-        # return_dict=False: the cache is a trailing tuple item, named by position, not by key
-        dropped = {f"out[{i}]": next(iter(absent)) for i in range(len(got), len(ref))
-                   if isinstance(ref, tuple) and isinstance(got, tuple) and "Cache" in type(ref[i]).__name__}
-        for path, value in ref_leaves:
-            key = next((k for k in absent if path.startswith(f"out[{k!r}]")), None)
-            key = key or next((k for p, k in dropped.items() if path == p or path.startswith(p + "[")), None)
-            if key is not None and path not in got_paths:
-                out.accepted.append(f"{path} returned by the original only ({absent[key]})")
-                continue
-            kept.append((path, value))
-        ref_leaves = kept
+    ref, ref_leaves = _without_absent(ref, got, absent, out)
+    got_leaves = flatten_output(got)
     reordered = _key_order_differences(ref, got) if [p for p, _ in ref_leaves] != [p for p, _ in got_leaves] else []
     if reordered and sorted(p for p, _ in ref_leaves) == sorted(p for p, _ in got_leaves):
         by_path = dict(got_leaves)
@@ -160,40 +137,79 @@ def _compare(ref: Any, got: Any, rtol: float, atol: float,
         out.worst, out.problem = math.inf, f"output type differs: original {type(ref).__name__} vs prepared {type(got).__name__}"
         return out
     for (path, a), (_, b) in zip(ref_leaves, got_leaves):
-        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
-            out.problem = out.problem or f"{path}: {type(a).__name__} vs {type(b).__name__}"
-            continue
-        if not isinstance(a, torch.Tensor):
-            if a != b and not (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)):
-                out.problem = out.problem or f"{path}: {a!r} != {b!r}"
-            continue
-        out.count += 1
-        if broadcast is not None and a.shape != b.shape and a.dtype == b.dtype and a.numel() == b.numel():
-            try:
-                joined = torch.broadcast_shapes(a.shape, b.shape) == b.shape
-            except RuntimeError:
-                joined = False
-            if joined:
-                broadcast.append(f"{path}: original shape {tuple(a.shape)}, prepared {tuple(b.shape)}")
-                a = a.reshape(b.shape)
-        if a.shape != b.shape or a.dtype != b.dtype:
-            out.problem = out.problem or f"{path}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
-            out.worst = math.inf
-            continue
-        if a.device.type == "meta" or b.device.type == "meta":
-            out.meta.append(path)  # no values on the meta device: shape and dtype are all there is
-            continue
-        if a.numel() == 0:
-            out.empty.append(path)
-            continue
-        if _all_nan(a) and _all_nan(b):
-            out.all_nan.append(path)
-            continue
-        diff, bad = _tensor_diff(a, b, rtol, atol)
-        out.worst = max(out.worst, diff)
-        if bad:
-            out.problem = out.problem or f"{path}: {bad}"
+        _compare_leaf(out, path, a, b, rtol, atol, broadcast)
     return out
+
+
+def _without_absent(ref: Any, got: Any, absent: dict[str, str] | None,
+                    out: Comparison) -> tuple[Any, list[tuple[str, Any]]]:
+    """``ref`` and its leaves without the outputs ``absent`` names that the prepared output lacks,
+    each stated in ``out.accepted`` (see :func:`_compare`)."""
+    if absent and isinstance(ref, tuple) and isinstance(got, tuple) and len(ref) > len(got):
+        # return_dict=False: the cache is a tuple item, named by position (Llava's is out[1], before
+        # the image features), so the items after it move up by one in the prepared output
+        caches = [i for i, v in enumerate(ref) if "Cache" in type(v).__name__]
+        if len(ref) - len(caches) == len(got):
+            why = next(iter(absent.values()))
+            out.accepted.extend(f"out[{i}] returned by the original only ({why}); the items after it come one "
+                                f"place earlier in the prepared output" for i in caches if i < len(got))
+            out.accepted.extend(f"out[{i}] returned by the original only ({why})" for i in caches if i >= len(got))
+            ref = tuple(v for i, v in enumerate(ref) if i not in caches)
+    ref_leaves = flatten_output(ref)
+    if not absent:
+        return ref, ref_leaves
+    got_paths = {p for p, _ in flatten_output(got)}
+    kept = []
+    # return_dict=False: the cache is a trailing tuple item, named by position, not by key
+    dropped = {f"out[{i}]": next(iter(absent)) for i in range(len(got), len(ref))
+               if isinstance(ref, tuple) and isinstance(got, tuple) and "Cache" in type(ref[i]).__name__}
+    for path, value in ref_leaves:
+        key = next((k for k in absent if path.startswith(f"out[{k!r}]")), None)
+        key = key or next((k for p, k in dropped.items() if path == p or path.startswith(p + "[")), None)
+        if key is not None and path not in got_paths:
+            out.accepted.append(f"{path} returned by the original only ({absent[key]})")
+            continue
+        kept.append((path, value))
+    return ref, kept
+
+
+def _compare_leaf(out: Comparison, path: str, a: Any, b: Any, rtol: float, atol: float,
+                  broadcast: list[str] | None) -> None:
+    """One leaf of :func:`_compare` into ``out``: a non-tensor by equality (NaN equal to NaN), a
+    tensor by shape, dtype and values (what cannot be compared, said so)."""
+    if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+        out.problem = out.problem or f"{path}: {type(a).__name__} vs {type(b).__name__}"
+        return
+    if not isinstance(a, torch.Tensor):
+        if a != b and not (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)):
+            out.problem = out.problem or f"{path}: {a!r} != {b!r}"
+        return
+    out.count += 1
+    if broadcast is not None and a.shape != b.shape and a.dtype == b.dtype and a.numel() == b.numel():
+        try:
+            joined = torch.broadcast_shapes(a.shape, b.shape) == b.shape
+        except RuntimeError:
+            joined = False
+        if joined:
+            broadcast.append(f"{path}: original shape {tuple(a.shape)}, prepared {tuple(b.shape)}")
+            a = a.reshape(b.shape)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        out.problem = out.problem or f"{path}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
+        out.worst = math.inf
+        return
+    if a.device.type == "meta" or b.device.type == "meta":
+        out.meta.append(path)  # no values on the meta device: shape and dtype are all there is
+        return
+    if a.numel() == 0:
+        out.empty.append(path)
+        return
+    if _all_nan(a) and _all_nan(b):
+        out.all_nan.append(path)
+        return
+    diff, bad = _tensor_diff(a, b, rtol, atol)
+    out.worst = max(out.worst, diff)
+    if bad:
+        out.problem = out.problem or f"{path}: {bad}"
 
 
 def _all_nan(t: torch.Tensor) -> bool:
@@ -326,17 +342,7 @@ def verify(
     if reference is None or reference_state is None:
         reference, reference_state = run_original(original, example, what)
     low = low_precision_model(original) or low_precision(reference) is not None
-    with preserved_state(original, prepared), pinned_kernels(low):
-        try:
-            got = run_model(prepared, prepared_example)
-        except FxprepError:
-            raise
-        except Exception as err:
-            raise EquivalenceError(
-                f"The prepared module failed on {what} where the original ran: "
-                f"{type(err).__name__}: {err}. This is an fxprep bug; please report it with the model."
-            ) from err
-        prepared_state = observed_state(original)
+    got, prepared_state = _run_prepared(original, prepared, prepared_example, what, low)
     if rtol is None or atol is None:
         d_rtol, d_atol = default_tolerances(reference, graph_depth(prepared))
         rtol = d_rtol if rtol is None else rtol
@@ -376,6 +382,23 @@ def verify(
                 node=None if node is None else node.node,
             )
     return result
+
+
+def _run_prepared(original: nn.Module, prepared: fx.GraphModule, prepared_example: ExampleInputs, what: str,
+                  low: bool) -> tuple[Any, dict[str, Any]]:
+    """One call of ``prepared`` (the attention kernel pinned in half precision) and the state it
+    leaves on the shared modules, which are then put back as they were: a failure is an fxprep bug."""
+    with preserved_state(original, prepared), pinned_kernels(low):
+        try:
+            got = run_model(prepared, prepared_example)
+        except FxprepError:
+            raise
+        except Exception as err:
+            raise EquivalenceError(
+                f"The prepared module failed on {what} where the original ran: "
+                f"{type(err).__name__}: {err}. This is an fxprep bug; please report it with the model."
+            ) from err
+        return got, observed_state(original)
 
 
 def low_precision_model(model: nn.Module) -> bool:

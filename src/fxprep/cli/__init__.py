@@ -204,23 +204,16 @@ def prepare_command(
     def body() -> int:
         import fxprep
 
-        from .. import export, io
+        from .. import export
         from . import checkpoint as ckpt
         from . import flags
-        from .specs import resolve
 
         if verify_grad and not verify:
             raise InvalidInput("--verify-grad compares gradients during verification; it cannot go with --no-verify.")
         if output is not None:
             flags.check_output_dir(output)
         from_checkpoint = ckpt.is_checkpoint(spec)
-        if from_checkpoint:
-            built = ckpt.build(spec, flags.split_inputs(input or ()), meta=meta, device=device, dtype=dtype)
-        elif meta or device or dtype:
-            raise InvalidInput(f"--meta, --device and --dtype apply to a checkpoint directory (config.json + "
-                               f"safetensors); {spec!r} is not one.")
-        else:
-            built = resolve(spec, flags.split_inputs(input or ()))
+        built = _built_model(spec, input, meta=meta, device=device, dtype=dtype)
         if built.example_inputs is None:
             if onnx is not None:
                 raise InvalidInput("--onnx needs example inputs (--input).")
@@ -249,25 +242,8 @@ def prepare_command(
             result["view"] = str(show)
             if not as_json:
                 out.say(f"graph view written to {show}")
-        if output is not None:
-            try:  # -o replaces an earlier fxprep save at DIR, never anything else
-                io.save(gm, output, example_inputs=built.example_inputs, trusted_modules=trust or (), overwrite=True)
-            except OSError as err:
-                raise SerializationError(f"-o {output}: cannot save there ({err.strerror or err}"
-                                         f"{': ' + str(err.filename) if err.filename else ''}).") from err
-            except SerializationError as err:  # the report above still stands
-                if "trusted_modules=" in str(err):
-                    err = SerializationError(f"{err}\nOn the command line, that is --trust PKG (repeatable).")
-                elif not str(err).startswith("-o "):
-                    err = SerializationError(f"-o {output}: {err}")
-                if as_json:
-                    print(json.dumps({**result, "ok": False, "exit_code": EXIT_DELIVERY, "error_type": type(err).__name__,
-                                      "error": str(err)}, default=str))
-                    return EXIT_DELIVERY
-                raise err from None
-            result["saved_to"] = str(output)
-            if not as_json:
-                out.say(f"saved to {output} (load with fxprep.load)")
+        if output is not None and not _save_output(gm, output, built.example_inputs, trust or [], result, as_json):
+            return EXIT_DELIVERY
         if onnx is not None:
             result["onnx"] = {"path": str(onnx), "max_abs_diff": export.export_onnx(gm, built.example_inputs, onnx)}
             if not as_json:
@@ -279,6 +255,49 @@ def prepare_command(
         return code
 
     _guarded(body, as_json)
+
+
+def _built_model(spec: str, input: list[str] | None, *, meta: bool, device: str | None, dtype: str | None) -> Any:
+    """The model and example inputs ``spec`` names (:mod:`fxprep.cli.specs`, or a checkpoint
+    directory, the only kind ``--meta``/``--device``/``--dtype`` apply to)."""
+    from . import checkpoint as ckpt
+    from . import flags
+    from .specs import resolve
+
+    if ckpt.is_checkpoint(spec):
+        return ckpt.build(spec, flags.split_inputs(input or ()), meta=meta, device=device, dtype=dtype)
+    if meta or device or dtype:
+        raise InvalidInput(f"--meta, --device and --dtype apply to a checkpoint directory (config.json + "
+                           f"safetensors); {spec!r} is not one.")
+    return resolve(spec, flags.split_inputs(input or ()))
+
+
+def _save_output(gm: Any, output: Path, example_inputs: Any, trust: list[str], result: dict[str, Any],
+                 as_json: bool) -> bool:
+    """``-o``: save ``gm`` (replacing an earlier fxprep save at ``output``, never anything else).
+    False when the save was refused and said so in the JSON result (exit 3); raised otherwise, the
+    report printed before it still standing."""
+    from .. import io
+
+    try:
+        io.save(gm, output, example_inputs=example_inputs, trusted_modules=trust, overwrite=True)
+    except OSError as err:
+        raise SerializationError(f"-o {output}: cannot save there ({err.strerror or err}"
+                                 f"{': ' + str(err.filename) if err.filename else ''}).") from err
+    except SerializationError as err:
+        if "trusted_modules=" in str(err):
+            err = SerializationError(f"{err}\nOn the command line, that is --trust PKG (repeatable).")
+        elif not str(err).startswith("-o "):
+            err = SerializationError(f"-o {output}: {err}")
+        if as_json:
+            print(json.dumps({**result, "ok": False, "exit_code": EXIT_DELIVERY, "error_type": type(err).__name__,
+                              "error": str(err)}, default=str))
+            return False
+        raise err from None
+    result["saved_to"] = str(output)
+    if not as_json:
+        out.say(f"saved to {output} (load with fxprep.load)")
+    return True
 
 
 @app.command("check")

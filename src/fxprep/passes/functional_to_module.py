@@ -161,11 +161,6 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
         if t is None:
             return None
 
-    def finish(layer: nn.Module, weights: dict[str, nn.Parameter | None], name: str, x: Any) -> Replacement:
-        for attr, p in weights.items():
-            setattr(layer, attr, p)  # the user's own Parameter object (or None): nothing is copied
-        return Replacement(layer, [x], name, f"F.{name} on module parameters → nn.{type(layer).__name__} sharing them")
-
     if t is F.linear:
         b = bind("input, weight, bias=None", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"], b["bias"])
@@ -173,57 +168,11 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
             return None
         w, bias = ps
         layer = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta", dtype=w.dtype)
-        return finish(layer, {"weight": w, "bias": bias}, "linear", b["input"])
-    convs = {F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
-    if t in convs:
-        b = bind("input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1", args, kwargs)
-        ps = b and _params_or_none(gm, b["weight"], b["bias"])
-        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
-            [b["stride"], b["padding"], b["dilation"], b["groups"]]
-        ):
-            return None
-        w, bias = ps
-        groups = b["groups"]
-        layer = convs[t](
-            w.shape[1] * groups, w.shape[0], tuple(w.shape[2:]), stride=b["stride"], padding=b["padding"],
-            dilation=b["dilation"], groups=groups, bias=bias is not None, device="meta", dtype=w.dtype,
-        )
-        return finish(layer, {"weight": w, "bias": bias}, t.__name__, b["input"])
-    tconvs = {F.conv_transpose1d: nn.ConvTranspose1d, F.conv_transpose2d: nn.ConvTranspose2d, F.conv_transpose3d: nn.ConvTranspose3d}
-    if t in tconvs:
-        b = bind("input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1", args, kwargs)
-        ps = b and _params_or_none(gm, b["weight"], b["bias"])
-        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
-            [b["stride"], b["padding"], b["output_padding"], b["dilation"], b["groups"]]
-        ):
-            return None
-        w, bias = ps
-        groups = b["groups"]
-        layer = tconvs[t](
-            w.shape[0], w.shape[1] * groups, tuple(w.shape[2:]), stride=b["stride"], padding=b["padding"],
-            output_padding=b["output_padding"], groups=groups, bias=bias is not None, dilation=b["dilation"],
-            device="meta", dtype=w.dtype,
-        )
-        return finish(layer, {"weight": w, "bias": bias}, t.__name__, b["input"])
-    if t is F.layer_norm:
-        b = bind("input, normalized_shape, weight=None, bias=None, eps=1e-05", args, kwargs)
-        ps = b and _params_or_none(gm, b["weight"], b["bias"])
-        if not b or not ps or not isinstance(b["input"], fx.Node) or _contains_node([b["normalized_shape"], b["eps"]]):
-            return None
-        w, bias = ps
-        if w is None and bias is not None:
-            return None
-        layer = nn.LayerNorm(b["normalized_shape"], eps=b["eps"], elementwise_affine=w is not None,
-                             bias=bias is not None, device="meta")
-        return finish(layer, {"weight": w, "bias": bias} if w is not None else {}, "layer_norm", b["input"])
-    if t is F.group_norm:
-        b = bind("input, num_groups, weight=None, bias=None, eps=1e-05", args, kwargs)
-        ps = b and _params_or_none(gm, b["weight"], b["bias"])
-        if not b or not ps or ps[0] is None or ps[1] is None or not isinstance(b["input"], fx.Node) or _contains_node([b["num_groups"], b["eps"]]):
-            return None
-        w, bias = ps
-        layer = nn.GroupNorm(b["num_groups"], w.shape[0], eps=b["eps"], affine=True, device="meta")
-        return finish(layer, {"weight": w, "bias": bias}, "group_norm", b["input"])
+        return _sharing(layer, {"weight": w, "bias": bias}, "linear", b["input"])
+    if t in _CONVS or t in _TRANSPOSED_CONVS:
+        return _owned_conv(gm, t, args, kwargs)
+    if t is F.layer_norm or t is F.group_norm:
+        return _owned_norm(gm, t, args, kwargs)
     if t is F.embedding:
         b = bind("input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"])
@@ -235,7 +184,7 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
         layer = nn.Embedding(w.shape[0], w.shape[1], padding_idx=b["padding_idx"], max_norm=b["max_norm"],
                              norm_type=b["norm_type"], scale_grad_by_freq=b["scale_grad_by_freq"], sparse=b["sparse"],
                              device="meta")
-        return finish(layer, {"weight": w}, "embedding", b["input"])
+        return _sharing(layer, {"weight": w}, "embedding", b["input"])
     if t in (F.prelu, torch.prelu):
         b = bind("input, weight", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"])
@@ -243,7 +192,75 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
             return None
         (w,) = ps
         layer = nn.PReLU(w.numel(), device="meta")
-        return finish(layer, {"weight": w}, "prelu", b["input"])
+        return _sharing(layer, {"weight": w}, "prelu", b["input"])
+    return None
+
+
+def _sharing(layer: nn.Module, weights: dict[str, nn.Parameter | None], name: str, x: Any) -> Replacement:
+    """``layer`` (built on ``meta``) holding the user's own Parameter objects: nothing is copied."""
+    for attr, p in weights.items():
+        setattr(layer, attr, p)
+    return Replacement(layer, [x], name, f"F.{name} on module parameters → nn.{type(layer).__name__} sharing them")
+
+
+_CONVS = {F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
+_TRANSPOSED_CONVS = {F.conv_transpose1d: nn.ConvTranspose1d, F.conv_transpose2d: nn.ConvTranspose2d,
+                     F.conv_transpose3d: nn.ConvTranspose3d}
+
+
+def _owned_conv(gm: fx.GraphModule, t: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Replacement | None:
+    """``F.conv*`` / ``F.conv_transpose*`` on module Parameters with literal hyper-parameters."""
+    if t in _CONVS:
+        b = bind("input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1", args, kwargs)
+        ps = b and _params_or_none(gm, b["weight"], b["bias"])
+        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
+            [b["stride"], b["padding"], b["dilation"], b["groups"]]
+        ):
+            return None
+        w, bias = ps
+        groups = b["groups"]
+        layer = _CONVS[t](
+            w.shape[1] * groups, w.shape[0], tuple(w.shape[2:]), stride=b["stride"], padding=b["padding"],
+            dilation=b["dilation"], groups=groups, bias=bias is not None, device="meta", dtype=w.dtype,
+        )
+        return _sharing(layer, {"weight": w, "bias": bias}, t.__name__, b["input"])
+    b = bind("input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1", args, kwargs)
+    ps = b and _params_or_none(gm, b["weight"], b["bias"])
+    if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
+        [b["stride"], b["padding"], b["output_padding"], b["dilation"], b["groups"]]
+    ):
+        return None
+    w, bias = ps
+    groups = b["groups"]
+    layer = _TRANSPOSED_CONVS[t](
+        w.shape[0], w.shape[1] * groups, tuple(w.shape[2:]), stride=b["stride"], padding=b["padding"],
+        output_padding=b["output_padding"], groups=groups, bias=bias is not None, dilation=b["dilation"],
+        device="meta", dtype=w.dtype,
+    )
+    return _sharing(layer, {"weight": w, "bias": bias}, t.__name__, b["input"])
+
+
+def _owned_norm(gm: fx.GraphModule, t: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Replacement | None:
+    """``F.layer_norm`` / ``F.group_norm`` on module Parameters with literal shapes and eps."""
+    if t is F.layer_norm:
+        b = bind("input, normalized_shape, weight=None, bias=None, eps=1e-05", args, kwargs)
+        ps = b and _params_or_none(gm, b["weight"], b["bias"])
+        if not b or not ps or not isinstance(b["input"], fx.Node) or _contains_node([b["normalized_shape"], b["eps"]]):
+            return None
+        w, bias = ps
+        if w is None and bias is not None:
+            return None
+        layer = nn.LayerNorm(b["normalized_shape"], eps=b["eps"], elementwise_affine=w is not None,
+                             bias=bias is not None, device="meta")
+        return _sharing(layer, {"weight": w, "bias": bias} if w is not None else {}, "layer_norm", b["input"])
+    if t is F.group_norm:
+        b = bind("input, num_groups, weight=None, bias=None, eps=1e-05", args, kwargs)
+        ps = b and _params_or_none(gm, b["weight"], b["bias"])
+        if not b or not ps or ps[0] is None or ps[1] is None or not isinstance(b["input"], fx.Node) or _contains_node([b["num_groups"], b["eps"]]):
+            return None
+        w, bias = ps
+        layer = nn.GroupNorm(b["num_groups"], w.shape[0], eps=b["eps"], affine=True, device="meta")
+        return _sharing(layer, {"weight": w, "bias": bias}, "group_norm", b["input"])
     return None
 
 
