@@ -19,6 +19,17 @@ the original fails; a prepared graph traces, once it is :func:`fxprep.compat.ret
   ``is_causal=True`` too (a shape-general capture of a transformers model keeps SDPA's own causal
   flag): each such attention is called with the additive causal mask of the example's sizes instead.
   It also ignores ``enable_gqa`` (grouped-query attention): keys and values get their heads repeated.
+* MCT reads a ``torch.nn.MultiheadAttention`` call only with three distinct query, key and value
+  inputs and both outputs tensors; torchvision's ViT calls it as self-attention with
+  ``need_weights=False`` (outputs ``(out, None)``, whose ``None`` MCT's shape reader fails on). Such
+  a call is written out as what the module computes (:func:`_self_attention_as_functions`): input
+  projection ``F.linear``, ``scaled_dot_product_attention``, output projection ``F.linear``, on the
+  module's own parameters, which MCT reads as two linear layers and an attention.
+* MCT's model builder substitutes graph nodes only at the top level of an op's arguments, so an
+  index that is itself a tensor read (timm EfficientFormer's ``attention_biases[:,
+  attention_bias_idxs]``) reaches its ``getitem`` as an fx Node. An indexing of weights and
+  buffers alone is evaluated once and read as a constant (:func:`_constant_indexing_folded`); MCT
+  copies every weight when it reads the graph anyway, so its model sees the same value.
 * MCT puts an activation quantizer on every input and on every op's output, so the token ids and
   their cast back are fake-quantized too (with a large vocabulary that changes the ids; on an int64
   tensor at inference it raises). :func:`post_training_quantization` runs MCT's PTQ on
@@ -33,11 +44,14 @@ integer-input quantizers are then the caller's to remove (:func:`integer_input_q
 
 from __future__ import annotations
 
+import inspect
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch import nn
 
 from .. import ops
 from .retrace import HOLDER, INTEGER_INPUTS, integer_valued, retraceable
@@ -52,6 +66,8 @@ def prepare(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
     _dtype_methods_as_copies(ready)
     _float_attention_masks(ready)
     _causal_attention_as_masks(ready)
+    _self_attention_as_functions(ready)
+    _constant_indexing_folded(ready)
     ready.graph.lint()
     ready.recompile()
     setattr(ready, INTEGER_INPUTS, tuple(names))
@@ -204,3 +220,83 @@ def _causal_attention_as_masks(gm: fx.GraphModule) -> None:
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
 
+
+
+def _self_attention_as_functions(gm: fx.GraphModule) -> None:
+    """Each ``nn.MultiheadAttention`` self-attention call (query, key and value one node, batch
+    first, no masks, no extra key/value bias, weights not read) written as the module's computation:
+    ``F.linear`` with ``in_proj_weight``, heads split, ``scaled_dot_product_attention``, heads merged,
+    ``F.linear`` with ``out_proj``'s weight. MCT cannot read the call itself (module docstring);
+    it reads these ops (two linear layers it quantizes, an attention it decomposes). The parameters
+    are read in place (``get_attr``), not copied."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(str(node.target)), nn.MultiheadAttention):
+            continue
+        mha = gm.get_submodule(str(node.target))
+        try:
+            bound = inspect.signature(mha.forward).bind(*node.args, **node.kwargs).arguments
+        except TypeError:
+            continue
+        query = bound.get("query")
+        value = query.meta.get("val") if isinstance(query, fx.Node) else None
+        getitems = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+        if (bound.get("key") is not query or bound.get("value") is not query or not isinstance(value, torch.Tensor)
+                or value.dim() != 3 or not mha.batch_first or not mha._qkv_same_embed_dim or mha.bias_k is not None
+                or mha.add_zero_attn or mha.training or len(getitems) != len(node.users)
+                or any(bound.get(k) is not None for k in ("key_padding_mask", "attn_mask")) or bound.get("is_causal")
+                or any(u.args[1] != 0 and u.users for u in getitems)):
+            continue
+        batch, length, embed = value.shape
+        heads = mha.num_heads
+        graph, path = gm.graph, str(node.target)
+        with graph.inserting_before(node):
+            weight, bias = _read(gm, f"{path}.in_proj_weight"), _read(gm, f"{path}.in_proj_bias")
+            qkv = graph.call_function(F.linear, (query, weight, bias))
+            qkv = graph.call_function(torch.reshape, (qkv, (batch, length, 3, heads, embed // heads)))
+            qkv = graph.call_function(torch.permute, (qkv, (2, 0, 3, 1, 4)))
+            q, k, v = (graph.call_function(operator.getitem, (qkv, i)) for i in range(3))
+            out = graph.call_function(F.scaled_dot_product_attention, (q, k, v))
+            out = graph.call_function(torch.transpose, (out, 1, 2))
+            out = graph.call_function(torch.reshape, (out, (batch, length, embed)))
+            weight, bias = _read(gm, f"{path}.out_proj.weight"), _read(gm, f"{path}.out_proj.bias")
+            out = graph.call_function(F.linear, (out, weight, bias))
+        for user in getitems:
+            user.replace_all_uses_with(out)
+            graph.erase_node(user)
+        graph.erase_node(node)
+
+
+def _read(gm: fx.GraphModule, target: str) -> fx.Node | None:
+    """A ``get_attr`` read of ``target``, or None where the module holds None there (no bias)."""
+    owner, _, field = target.rpartition(".")
+    return gm.graph.get_attr(target) if getattr(gm.get_submodule(owner), field) is not None else None
+
+
+def _constant_indexing_folded(gm: fx.GraphModule) -> None:
+    """Each ``tensor[..., index]`` whose tensor and tensor index are both weight or buffer reads
+    (``get_attr``), read instead as a buffer holding its value: MCT's model builder would pass the
+    index's fx Node itself to ``getitem`` (module docstring)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+            continue
+        index = node.args[1]
+        inner = index if isinstance(index, (tuple, list)) else (index,)
+        inputs = node.all_input_nodes
+        if not any(isinstance(i, fx.Node) for i in inner) or not all(i.op == "get_attr" for i in inputs):
+            continue
+        env = {i: gm.get_submodule(str(i.target).rpartition(".")[0]) for i in inputs}
+        env = {i: getattr(owner, str(i.target).rpartition(".")[2]) for i, owner in env.items()}
+        with torch.no_grad():
+            folded = operator.getitem(*fx.node.map_arg(node.args, env.__getitem__)).detach().clone()
+        if not hasattr(gm, HOLDER):
+            gm.add_module(HOLDER, torch.nn.Module())
+        field = f"{node.name}_indexed"
+        gm.get_submodule(HOLDER).register_buffer(field, folded, persistent=False)
+        with gm.graph.inserting_before(node):
+            constant = gm.graph.get_attr(f"{HOLDER}.{field}")
+        constant.meta["val"] = folded
+        node.replace_all_uses_with(constant)
+        gm.graph.erase_node(node)
+        for i in inputs:
+            if not i.users:
+                gm.graph.erase_node(i)
