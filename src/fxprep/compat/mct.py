@@ -35,7 +35,12 @@ the original fails; a prepared graph traces, once it is :func:`fxprep.compat.ret
   tensor at inference it raises). :func:`post_training_quantization` runs MCT's PTQ on
   :func:`prepare`'s graph and replaces those quantizers, and those on every other node whose
   recorded output is an integer tensor (GPT-2's position ids), by identities: ids are indices, not
-  activations.
+  activations. MCT's quantizers on the other integer tensors, which its graph does not tell apart
+  (Mixtral's routing permutations), pass integer tensors through unchanged (:class:`_FloatOnly`).
+* Mixtral's experts sort their token-to-expert assignment (``torch.sort``, two outputs, on which
+  MCT's statistics collection fails) and un-sort with an in-place write ``inv[perm] = arange(n)``
+  (MCT rebuilds its model without in-place writes): the sort is written as ``argsort`` + ``gather``
+  and the inverse permutation as ``argsort(perm)``.
 
 ``post_training_quantization(gm, example_inputs, representative_data_gen, **mct_options)`` is the
 whole hand-off; :func:`prepare` alone gives the graph for other MCT entry points (GPTQ, QAT), whose
@@ -68,6 +73,8 @@ def prepare(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
     _causal_attention_as_masks(ready)
     _self_attention_as_functions(ready)
     _constant_indexing_folded(ready)
+    _sorts_as_argsort(ready)
+    _inverse_permutations_as_argsort(ready)
     ready.graph.lint()
     ready.recompile()
     setattr(ready, INTEGER_INPUTS, tuple(names))
@@ -84,7 +91,23 @@ def post_training_quantization(gm: fx.GraphModule, example_inputs: Any, represen
     quantized, info = mct.ptq.pytorch_post_training_quantization(ready, representative_data_gen, **mct_options)
     for name in integer_input_quantizers(ready, quantized):
         setattr(quantized, name, torch.nn.Identity())
+    for name, holder in list(quantized.named_children()):
+        if name.endswith("_activation_holder_quantizer") and not isinstance(holder, torch.nn.Identity):
+            setattr(quantized, name, _FloatOnly(holder))
     return quantized, info
+
+
+class _FloatOnly(torch.nn.Module):
+    """An MCT activation quantizer applied to floating-point tensors only: an integer tensor (MoE
+    routing indices and permutations, which MCT's graph gives no recorded dtype to tell apart)
+    passes unchanged, as MCT's fake-quantizer raises on int64 at inference."""
+
+    def __init__(self, quantizer: torch.nn.Module):
+        super().__init__()
+        self.quantizer = quantizer
+
+    def forward(self, x: Any) -> Any:
+        return self.quantizer(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
 def integer_input_quantizers(ready: fx.GraphModule, quantized: torch.nn.Module) -> list[str]:
@@ -300,3 +323,63 @@ def _constant_indexing_folded(gm: fx.GraphModule) -> None:
         for i in inputs:
             if not i.users:
                 gm.graph.erase_node(i)
+
+
+def _sort_call(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, ...] | None:
+    """``(input, dim, descending, stable)`` of a ``torch.sort`` call (function, method or op module)."""
+    if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), ops.BoundOp):
+        module = gm.get_submodule(str(node.target))
+        if module.fn is not torch.sort:
+            return None
+        args = ops.fill_template(module.args, tuple(node.args))
+        kwargs = dict(ops.fill_template(module.kwargs, tuple(node.args)))
+    elif (node.op == "call_function" and node.target is torch.sort) or (node.op == "call_method" and node.target == "sort"):
+        args, kwargs = tuple(node.args), dict(node.kwargs)
+    else:
+        return None
+    bound = {**dict(zip(("input", "dim", "descending"), args)), **kwargs}
+    return bound["input"], bound.get("dim", -1), bool(bound.get("descending", False)), bool(bound.get("stable", False))
+
+
+def _sorts_as_argsort(gm: fx.GraphModule) -> None:
+    """``values, indices = torch.sort(x)`` written as ``indices = torch.argsort(x)``, ``values =
+    torch.gather(x, dim, indices)`` (the same kernel, the same order): MCT's statistics collection
+    fails on an op with two outputs (``'tuple' object has no attribute 'astype'``). Mixtral's experts
+    sort their token-to-expert assignment."""
+    for node in list(gm.graph.nodes):
+        call = _sort_call(gm, node)
+        if call is None or not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+            continue
+        x, dim, descending, stable = call
+        with gm.graph.inserting_before(node):
+            indices = gm.graph.call_function(torch.argsort, (x,), {"dim": dim, "descending": descending, "stable": stable})
+            values = gm.graph.call_function(torch.gather, (x, dim, indices))
+        for user in list(node.users):
+            user.replace_all_uses_with(values if user.args[1] == 0 else indices)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+
+
+def _inverse_permutations_as_argsort(gm: fx.GraphModule) -> None:
+    """``inv = torch.empty_like(perm); inv[perm] = arange(n)`` written as ``inv = torch.argsort(perm)``
+    (the inverse of a permutation): MCT rebuilds its model without in-place writes (a node nothing
+    reads), so ``inv`` would stay uninitialised memory. Mixtral's experts un-sort their outputs so."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_method" or node.target != "__setitem__" or len(node.args) != 3:
+            continue
+        inverse, perm, values = node.args
+        if not (isinstance(inverse, fx.Node) and inverse.op == "call_function" and inverse.target is torch.empty_like
+                and inverse.args[:1] == (perm,) and isinstance(values, fx.Node) and values.op == "get_attr"):
+            continue
+        owner, _, field = str(values.target).rpartition(".")
+        constant = getattr(gm.get_submodule(owner), field)
+        if not (isinstance(constant, torch.Tensor) and constant.dim() == 1
+                and torch.equal(constant.cpu(), torch.arange(constant.numel(), dtype=constant.dtype))):
+            continue
+        with gm.graph.inserting_after(node):
+            argsort = gm.graph.call_function(torch.argsort, (perm,))
+        inverse.replace_all_uses_with(argsort, delete_user_cb=lambda user, setitem=node: user is not setitem)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(inverse)
+        if not values.users:
+            gm.graph.erase_node(values)
