@@ -36,7 +36,8 @@ the original fails; a prepared graph traces, once it is :func:`fxprep.compat.ret
   :func:`prepare`'s graph and replaces those quantizers, and those on every other node whose
   recorded output is an integer tensor (GPT-2's position ids), by identities: ids are indices, not
   activations. MCT's quantizers on the other integer tensors, which its graph does not tell apart
-  (Mixtral's routing permutations), pass integer tensors through unchanged (:class:`_FloatOnly`).
+  (Mixtral's routing permutations), found by running MCT's model once on the example, are
+  replaced by identities too.
 * Mixtral's experts sort their token-to-expert assignment (``torch.sort``, two outputs, on which
   MCT's statistics collection fails) and un-sort with an in-place write ``inv[perm] = arange(n)``
   (MCT rebuilds its model without in-place writes): the sort is written as ``argsort`` + ``gather``
@@ -59,6 +60,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..inputs import normalize_example_inputs
+from ..passes import shape_prop
 from .retrace import HOLDER, INTEGER_INPUTS, integer_valued, retraceable
 
 __all__ = ["prepare", "post_training_quantization", "integer_input_quantizers"]
@@ -91,23 +94,41 @@ def post_training_quantization(gm: fx.GraphModule, example_inputs: Any, represen
     quantized, info = mct.ptq.pytorch_post_training_quantization(ready, representative_data_gen, **mct_options)
     for name in integer_input_quantizers(ready, quantized):
         setattr(quantized, name, torch.nn.Identity())
-    for name, holder in list(quantized.named_children()):
-        if name.endswith("_activation_holder_quantizer") and not isinstance(holder, torch.nn.Identity):
-            setattr(quantized, name, _FloatOnly(holder))
+    for name in _integer_fed_quantizers(gm, quantized, example_inputs):
+        setattr(quantized, name, torch.nn.Identity())
     return quantized, info
 
 
-class _FloatOnly(torch.nn.Module):
-    """An MCT activation quantizer applied to floating-point tensors only: an integer tensor (MoE
-    routing indices and permutations, which MCT's graph gives no recorded dtype to tell apart)
-    passes unchanged, as MCT's fake-quantizer raises on int64 at inference."""
-
-    def __init__(self, quantizer: torch.nn.Module):
+class _Record(torch.nn.Module):
+    def __init__(self, name: str, seen: list[str]):
         super().__init__()
-        self.quantizer = quantizer
+        self.name, self.seen = name, seen
 
     def forward(self, x: Any) -> Any:
-        return self.quantizer(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        if isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()):
+            self.seen.append(self.name)
+        return x
+
+
+def _integer_fed_quantizers(gm: fx.GraphModule, quantized: torch.nn.Module, example_inputs: Any) -> list[str]:
+    """The names of MCT's activation quantizers that get an integer tensor on the example (Mixtral's
+    routing permutations, from ops MCT's graph keeps no dtype for): found by running MCT's model once
+    with every quantizer replaced by a recorder, as MCT's fake-quantizer raises on int64."""
+    example = normalize_example_inputs(example_inputs)
+    if example is None:
+        return []
+    flat = shape_prop.flat_inputs(gm, tuple(example.args), dict(example.kwargs))
+    holders = {name: m for name, m in quantized.named_children() if name.endswith("_activation_holder_quantizer")}
+    seen: list[str] = []
+    try:
+        for name in holders:
+            setattr(quantized, name, _Record(name, seen))
+        with torch.no_grad():
+            quantized(*flat)
+    finally:
+        for name, holder in holders.items():
+            setattr(quantized, name, holder)
+    return [name for name in dict.fromkeys(seen) if not isinstance(holders[name], torch.nn.Identity)]
 
 
 def integer_input_quantizers(ready: fx.GraphModule, quantized: torch.nn.Module) -> list[str]:
