@@ -7,13 +7,16 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
+import torchvision
 import transformers
 from torch import nn
 
 import fxprep
+from fxprep.compat import mct as fx_mct
 from fxprep.compat.retrace import HOLDER, retraceable
 
-from .toolkit_cases import COMMON, build, pt2e_fxprep, pt2e_quantizer, x86
+from .toolkit_cases import COMMON, build, pt2e_fxprep, pt2e_quantizer, sqnr, x86
 
 
 def _ids():
@@ -138,3 +141,65 @@ def _quantized_linears(gm: fx.GraphModule) -> list[str]:
                 stack = node.meta.get("nn_module_stack") or {}
                 out.append(list(stack.values())[-1][0] if stack else "?")
     return out
+
+
+def _calls(gm: fx.GraphModule, kind: type) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), kind)]
+
+
+def _mct_ptq_sqnr(model: nn.Module, gm: fx.GraphModule, shape: tuple[int, ...]) -> float:
+    gen = torch.Generator().manual_seed(2)
+
+    def representative_data_gen():
+        for _ in range(2):
+            yield [torch.randn(shape, generator=gen)]
+
+    x = torch.randn(shape, generator=gen)
+    quantized = fx_mct.post_training_quantization(gm, (x,), representative_data_gen)[0]
+    with torch.no_grad():
+        return sqnr(model(x), quantized(x))
+
+
+def test_mct_hand_off_writes_vit_self_attention_as_linear_and_sdpa_and_quantizes_it():
+    """MCT cannot read torchvision's ``MultiheadAttention(x, x, x, need_weights=False)`` call (its
+    ``(out, None)`` output); the MCT graph computes it with F.linear and SDPA on the same weights."""
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=2, num_heads=2,
+                                                 hidden_dim=32, mlp_dim=64).eval()
+    nn.init.normal_(model.heads.head.weight)  # torchvision's head starts at zero
+    x = torch.randn(1, 3, 32, 32)
+    gm = fxprep.prepare_model(model, example_inputs=(x,))
+    ready = fx_mct.prepare(gm, (x,))
+    assert not _calls(ready, nn.MultiheadAttention) and len(_calls(gm, nn.MultiheadAttention)) == 2
+    assert sum(n.target is F.scaled_dot_product_attention for n in ready.graph.nodes) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(ready(x), model(x))
+    assert _mct_ptq_sqnr(model, gm, (1, 3, 32, 32)) > 5.0
+
+
+class _IndexedBias(nn.Module):
+    """timm EfficientFormer's attention bias: a Parameter indexed by a buffer of indices."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.biases = nn.Parameter(torch.randn(2, 5))
+        self.register_buffer("idxs", torch.randint(0, 5, (4, 4)))
+
+    def forward(self, x):
+        return self.linear(x) + self.biases[:, self.idxs]
+
+
+def test_mct_hand_off_reads_a_weight_indexed_by_a_buffer_as_a_constant():
+    """MCT's model builder passes an fx Node nested in getitem's index to ``getitem`` itself; the
+    MCT graph reads the indexed weight as a constant, the prepared graph keeps the indexing."""
+    torch.manual_seed(0)
+    model = _IndexedBias().eval()
+    x = torch.randn(1, 2, 4, 4)
+    gm = fxprep.prepare_model(model, example_inputs=(x,))
+    ready = fx_mct.prepare(gm, (x,))
+    assert not [n for n in ready.graph.nodes if n.target is operator.getitem]
+    assert [n for n in gm.graph.nodes if n.target is operator.getitem]
+    with torch.no_grad():
+        torch.testing.assert_close(ready(x), model(x))
+    assert _mct_ptq_sqnr(model, gm, (1, 2, 4, 4)) > 5.0

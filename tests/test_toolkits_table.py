@@ -35,12 +35,6 @@ ORIGINAL_FAILS = {
 
 # Cases where fxprep's graph does not reach the bar yet, with whose limit it is.
 KNOWN = {
-    ("mct", "mixtral"): "MCT rebuilds the model from its own graph without Mixtral's in-place write "
-                        "inv_perm[perm] = arange(...) (a node nothing reads), so the MoE indexes with torch.empty_like "
-                        "garbage ('index 1405... is out of bounds'); written out of place "
-                        "(inv_perm.scatter(0, perm, arange)), MCT's statistics collection then fails on "
-                        "torch.sort's two outputs ('tuple' object has no attribute 'astype'); with sort as "
-                        "argsort+gather, an int64 tensor is still fake-quantized at inference",
     ("brevitas", "efficientformer_l1"): "Brevitas' limit: quantize() raises 'Residual handler could not find a "
                                         "solution to align scale factors across ADDs and CATs' on the graph exactly "
                                         "as on the original model (test_toolkit_fails_on_the_original)",
@@ -49,7 +43,7 @@ KNOWN = {
 DEFAULT = {  # one or more per toolkit, every transformers family (Mixtral: test_toolkits_passes.py)
     ("nncf", "phi3"),
     ("brevitas", "llama"), ("brevitas", "bert"), ("brevitas", "resnet18"),
-    ("mct", "qwen2"),
+    ("mct", "qwen2"), ("mct", "mixtral"),
     ("pt2e", "gpt2"),
 }
 

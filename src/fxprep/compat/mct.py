@@ -19,12 +19,29 @@ the original fails; a prepared graph traces, once it is :func:`fxprep.compat.ret
   ``is_causal=True`` too (a shape-general capture of a transformers model keeps SDPA's own causal
   flag): each such attention is called with the additive causal mask of the example's sizes instead.
   It also ignores ``enable_gqa`` (grouped-query attention): keys and values get their heads repeated.
+* MCT reads a ``torch.nn.MultiheadAttention`` call only with three distinct query, key and value
+  inputs and both outputs tensors; torchvision's ViT calls it as self-attention with
+  ``need_weights=False`` (outputs ``(out, None)``, whose ``None`` MCT's shape reader fails on). Such
+  a call is written out as what the module computes (:func:`_self_attention_as_functions`): input
+  projection ``F.linear``, ``scaled_dot_product_attention``, output projection ``F.linear``, on the
+  module's own parameters, which MCT reads as two linear layers and an attention.
+* MCT's model builder substitutes graph nodes only at the top level of an op's arguments, so an
+  index that is itself a tensor read (timm EfficientFormer's ``attention_biases[:,
+  attention_bias_idxs]``) reaches its ``getitem`` as an fx Node. An indexing of weights and
+  buffers alone is evaluated once and read as a constant (:func:`_constant_indexing_folded`); MCT
+  copies every weight when it reads the graph anyway, so its model sees the same value.
 * MCT puts an activation quantizer on every input and on every op's output, so the token ids and
   their cast back are fake-quantized too (with a large vocabulary that changes the ids; on an int64
   tensor at inference it raises). :func:`post_training_quantization` runs MCT's PTQ on
   :func:`prepare`'s graph and replaces those quantizers, and those on every other node whose
   recorded output is an integer tensor (GPT-2's position ids), by identities: ids are indices, not
-  activations.
+  activations. MCT's quantizers on the other integer tensors, which its graph does not tell apart
+  (Mixtral's routing permutations), found by running MCT's model once on the example, are
+  replaced by identities too.
+* Mixtral's experts sort their token-to-expert assignment (``torch.sort``, two outputs, on which
+  MCT's statistics collection fails) and un-sort with an in-place write ``inv[perm] = arange(n)``
+  (MCT rebuilds its model without in-place writes): the sort is written as ``argsort`` + ``gather``
+  and the inverse permutation as ``argsort(perm)``.
 
 ``post_training_quantization(gm, example_inputs, representative_data_gen, **mct_options)`` is the
 whole hand-off; :func:`prepare` alone gives the graph for other MCT entry points (GPTQ, QAT), whose
@@ -33,13 +50,18 @@ integer-input quantizers are then the caller's to remove (:func:`integer_input_q
 
 from __future__ import annotations
 
+import inspect
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch import nn
 
 from .. import ops
+from ..inputs import normalize_example_inputs
+from ..passes import shape_prop
 from .retrace import HOLDER, INTEGER_INPUTS, integer_valued, retraceable
 
 __all__ = ["prepare", "post_training_quantization", "integer_input_quantizers"]
@@ -52,6 +74,10 @@ def prepare(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
     _dtype_methods_as_copies(ready)
     _float_attention_masks(ready)
     _causal_attention_as_masks(ready)
+    _self_attention_as_functions(ready)
+    _constant_indexing_folded(ready)
+    _sorts_as_argsort(ready)
+    _inverse_permutations_as_argsort(ready)
     ready.graph.lint()
     ready.recompile()
     setattr(ready, INTEGER_INPUTS, tuple(names))
@@ -68,7 +94,41 @@ def post_training_quantization(gm: fx.GraphModule, example_inputs: Any, represen
     quantized, info = mct.ptq.pytorch_post_training_quantization(ready, representative_data_gen, **mct_options)
     for name in integer_input_quantizers(ready, quantized):
         setattr(quantized, name, torch.nn.Identity())
+    for name in _integer_fed_quantizers(gm, quantized, example_inputs):
+        setattr(quantized, name, torch.nn.Identity())
     return quantized, info
+
+
+class _Record(torch.nn.Module):
+    def __init__(self, name: str, seen: list[str]):
+        super().__init__()
+        self.name, self.seen = name, seen
+
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()):
+            self.seen.append(self.name)
+        return x
+
+
+def _integer_fed_quantizers(gm: fx.GraphModule, quantized: torch.nn.Module, example_inputs: Any) -> list[str]:
+    """The names of MCT's activation quantizers that get an integer tensor on the example (Mixtral's
+    routing permutations, from ops MCT's graph keeps no dtype for): found by running MCT's model once
+    with every quantizer replaced by a recorder, as MCT's fake-quantizer raises on int64."""
+    example = normalize_example_inputs(example_inputs)
+    if example is None:
+        return []
+    flat = shape_prop.flat_inputs(gm, tuple(example.args), dict(example.kwargs))
+    holders = {name: m for name, m in quantized.named_children() if name.endswith("_activation_holder_quantizer")}
+    seen: list[str] = []
+    try:
+        for name in holders:
+            setattr(quantized, name, _Record(name, seen))
+        with torch.no_grad():
+            quantized(*flat)
+    finally:
+        for name, holder in holders.items():
+            setattr(quantized, name, holder)
+    return [name for name in dict.fromkeys(seen) if not isinstance(holders[name], torch.nn.Identity)]
 
 
 def integer_input_quantizers(ready: fx.GraphModule, quantized: torch.nn.Module) -> list[str]:
@@ -204,3 +264,143 @@ def _causal_attention_as_masks(gm: fx.GraphModule) -> None:
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
 
+
+
+def _self_attention_as_functions(gm: fx.GraphModule) -> None:
+    """Each ``nn.MultiheadAttention`` self-attention call (query, key and value one node, batch
+    first, no masks, no extra key/value bias, weights not read) written as the module's computation:
+    ``F.linear`` with ``in_proj_weight``, heads split, ``scaled_dot_product_attention``, heads merged,
+    ``F.linear`` with ``out_proj``'s weight. MCT cannot read the call itself (module docstring);
+    it reads these ops (two linear layers it quantizes, an attention it decomposes). The parameters
+    are read in place (``get_attr``), not copied."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(str(node.target)), nn.MultiheadAttention):
+            continue
+        mha = gm.get_submodule(str(node.target))
+        try:
+            bound = inspect.signature(mha.forward).bind(*node.args, **node.kwargs).arguments
+        except TypeError:
+            continue
+        query = bound.get("query")
+        value = query.meta.get("val") if isinstance(query, fx.Node) else None
+        getitems = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+        if (bound.get("key") is not query or bound.get("value") is not query or not isinstance(value, torch.Tensor)
+                or value.dim() != 3 or not mha.batch_first or not mha._qkv_same_embed_dim or mha.bias_k is not None
+                or mha.add_zero_attn or mha.training or len(getitems) != len(node.users)
+                or any(bound.get(k) is not None for k in ("key_padding_mask", "attn_mask")) or bound.get("is_causal")
+                or any(u.args[1] != 0 and u.users for u in getitems)):
+            continue
+        batch, length, embed = value.shape
+        heads = mha.num_heads
+        graph, path = gm.graph, str(node.target)
+        with graph.inserting_before(node):
+            weight, bias = _read(gm, f"{path}.in_proj_weight"), _read(gm, f"{path}.in_proj_bias")
+            qkv = graph.call_function(F.linear, (query, weight, bias))
+            qkv = graph.call_function(torch.reshape, (qkv, (batch, length, 3, heads, embed // heads)))
+            qkv = graph.call_function(torch.permute, (qkv, (2, 0, 3, 1, 4)))
+            q, k, v = (graph.call_function(operator.getitem, (qkv, i)) for i in range(3))
+            out = graph.call_function(F.scaled_dot_product_attention, (q, k, v))
+            out = graph.call_function(torch.transpose, (out, 1, 2))
+            out = graph.call_function(torch.reshape, (out, (batch, length, embed)))
+            weight, bias = _read(gm, f"{path}.out_proj.weight"), _read(gm, f"{path}.out_proj.bias")
+            out = graph.call_function(F.linear, (out, weight, bias))
+        for user in getitems:
+            user.replace_all_uses_with(out)
+            graph.erase_node(user)
+        graph.erase_node(node)
+
+
+def _read(gm: fx.GraphModule, target: str) -> fx.Node | None:
+    """A ``get_attr`` read of ``target``, or None where the module holds None there (no bias)."""
+    owner, _, field = target.rpartition(".")
+    return gm.graph.get_attr(target) if getattr(gm.get_submodule(owner), field) is not None else None
+
+
+def _constant_indexing_folded(gm: fx.GraphModule) -> None:
+    """Each ``tensor[..., index]`` whose tensor and tensor index are both weight or buffer reads
+    (``get_attr``), read instead as a buffer holding its value: MCT's model builder would pass the
+    index's fx Node itself to ``getitem`` (module docstring)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+            continue
+        index = node.args[1]
+        inner = index if isinstance(index, (tuple, list)) else (index,)
+        inputs = node.all_input_nodes
+        if not any(isinstance(i, fx.Node) for i in inner) or not all(i.op == "get_attr" for i in inputs):
+            continue
+        env = {i: gm.get_submodule(str(i.target).rpartition(".")[0]) for i in inputs}
+        env = {i: getattr(owner, str(i.target).rpartition(".")[2]) for i, owner in env.items()}
+        with torch.no_grad():
+            folded = operator.getitem(*fx.node.map_arg(node.args, env.__getitem__)).detach().clone()
+        if not hasattr(gm, HOLDER):
+            gm.add_module(HOLDER, torch.nn.Module())
+        field = f"{node.name}_indexed"
+        gm.get_submodule(HOLDER).register_buffer(field, folded, persistent=False)
+        with gm.graph.inserting_before(node):
+            constant = gm.graph.get_attr(f"{HOLDER}.{field}")
+        constant.meta["val"] = folded
+        node.replace_all_uses_with(constant)
+        gm.graph.erase_node(node)
+        for i in inputs:
+            if not i.users:
+                gm.graph.erase_node(i)
+
+
+def _sort_call(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, ...] | None:
+    """``(input, dim, descending, stable)`` of a ``torch.sort`` call (function, method or op module)."""
+    if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), ops.BoundOp):
+        module = gm.get_submodule(str(node.target))
+        if module.fn is not torch.sort:
+            return None
+        args = ops.fill_template(module.args, tuple(node.args))
+        kwargs = dict(ops.fill_template(module.kwargs, tuple(node.args)))
+    elif (node.op == "call_function" and node.target is torch.sort) or (node.op == "call_method" and node.target == "sort"):
+        args, kwargs = tuple(node.args), dict(node.kwargs)
+    else:
+        return None
+    bound = {**dict(zip(("input", "dim", "descending"), args)), **kwargs}
+    return bound["input"], bound.get("dim", -1), bool(bound.get("descending", False)), bool(bound.get("stable", False))
+
+
+def _sorts_as_argsort(gm: fx.GraphModule) -> None:
+    """``values, indices = torch.sort(x)`` written as ``indices = torch.argsort(x)``, ``values =
+    torch.gather(x, dim, indices)`` (the same kernel, the same order): MCT's statistics collection
+    fails on an op with two outputs (``'tuple' object has no attribute 'astype'``). Mixtral's experts
+    sort their token-to-expert assignment."""
+    for node in list(gm.graph.nodes):
+        call = _sort_call(gm, node)
+        if call is None or not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+            continue
+        x, dim, descending, stable = call
+        with gm.graph.inserting_before(node):
+            indices = gm.graph.call_function(torch.argsort, (x,), {"dim": dim, "descending": descending, "stable": stable})
+            values = gm.graph.call_function(torch.gather, (x, dim, indices))
+        for user in list(node.users):
+            user.replace_all_uses_with(values if user.args[1] == 0 else indices)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+
+
+def _inverse_permutations_as_argsort(gm: fx.GraphModule) -> None:
+    """``inv = torch.empty_like(perm); inv[perm] = arange(n)`` written as ``inv = torch.argsort(perm)``
+    (the inverse of a permutation): MCT rebuilds its model without in-place writes (a node nothing
+    reads), so ``inv`` would stay uninitialised memory. Mixtral's experts un-sort their outputs so."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_method" or node.target != "__setitem__" or len(node.args) != 3:
+            continue
+        inverse, perm, values = node.args
+        if not (isinstance(inverse, fx.Node) and inverse.op == "call_function" and inverse.target is torch.empty_like
+                and inverse.args[:1] == (perm,) and isinstance(values, fx.Node) and values.op == "get_attr"):
+            continue
+        owner, _, field = str(values.target).rpartition(".")
+        constant = getattr(gm.get_submodule(owner), field)
+        if not (isinstance(constant, torch.Tensor) and constant.dim() == 1
+                and torch.equal(constant.cpu(), torch.arange(constant.numel(), dtype=constant.dtype))):
+            continue
+        with gm.graph.inserting_after(node):
+            argsort = gm.graph.call_function(torch.argsort, (perm,))
+        inverse.replace_all_uses_with(argsort, delete_user_cb=lambda user, setitem=node: user is not setitem)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(inverse)
+        if not values.users:
+            gm.graph.erase_node(values)
