@@ -16,6 +16,8 @@ To go through NNCF's ``torch.export`` backend instead, hand it
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch.fx as fx
@@ -27,13 +29,25 @@ __all__ = ["quantize", "AsModule"]
 
 
 class AsModule(nn.Module):
-    """A prepared graph seen as a plain ``nn.Module`` (NNCF chooses its backend by type)."""
+    """A prepared graph seen as a plain ``nn.Module`` (NNCF chooses its backend by type).
+
+    Its ``forward`` has the graph's own signature (``forward(x)`` for a prepared resnet18): NNCF
+    quantizes a model's inputs by binding the call to ``inspect.signature(model.forward)`` and
+    hooking the arguments that are tensors, so a ``forward(*args, **kwargs)`` would leave the
+    graph's inputs unquantized where NNCF quantizes the original's (issue 29: resnet18 22.64 dB
+    against the original's 22.81 dB, vit_b_16 15.92 against 16.43)."""
 
     def __init__(self, graph: fx.GraphModule):
         super().__init__()
         self.graph = graph
+        # A partial, not a closure: copy.deepcopy (NNCF copies the model) must rebind it to the copy.
+        self.forward = functools.partial(AsModule._call_graph, self)
+        self.forward.__signature__ = inspect.signature(graph.forward)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _call_graph(self, *args: Any, **kwargs: Any) -> Any:
+        return self.graph(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # replaced per instance in __init__
         return self.graph(*args, **kwargs)
 
 
