@@ -6,8 +6,8 @@ graph is a module-level torch graph (calls of the user's layers and of fxprep's 
 ``nn.Module`` NNCF uses its torch backend, which traces the model by running it and intercepting
 torch functions, and quantizes the layers it meets by their module paths. That is the backend that
 quantizes the original model, so it is the one a prepared graph should get: :func:`quantize` hands
-NNCF the graph inside a plain ``nn.Module`` (module paths are then the user's, under ``graph.``)
-and returns what NNCF returns. The prepared graph itself is not changed (NNCF quantizes a copy by
+NNCF the graph inside a plain ``nn.Module`` (module paths, as in ``state_dict``, are then the
+user's under ``graph.``) and returns what NNCF returns. The prepared graph itself is not changed (NNCF quantizes a copy by
 default; ``inplace`` options are passed on as given).
 
 To go through NNCF's ``torch.export`` backend instead, hand it
@@ -54,8 +54,9 @@ class AsModule(nn.Module):
 def quantize(gm: fx.GraphModule, calibration_dataset: Any, **nncf_options: Any) -> nn.Module:
     """``nncf.quantize(model, calibration_dataset, **nncf_options)`` on the prepared graph ``gm``,
     through NNCF's torch backend (see the module docstring). ``calibration_dataset`` is an
-    ``nncf.Dataset``; ``nncf_options`` are NNCF's (``subset_size``, ``preset``, ``ignored_scope``: names
-    are then ``graph.<the user's module path>``). Returns NNCF's quantized module."""
+    ``nncf.Dataset``; ``nncf_options`` are NNCF's (``subset_size``, ``preset``, ``ignored_scope``: NNCF's
+    names of operations are then ``graph/conv1/conv2d/0`` for a direct child of the model and only
+    ``graph/conv2d/<n>`` for a nested layer, see docs/handoff/nncf.md). Returns NNCF's quantized module."""
     import nncf
 
     if not isinstance(gm, fx.GraphModule):
