@@ -41,8 +41,9 @@ class AsModule(nn.Module):
         super().__init__()
         self.graph = graph
         # A partial, not a closure: copy.deepcopy (NNCF copies the model) must rebind it to the copy.
-        self.forward = functools.partial(AsModule._call_graph, self)
-        self.forward.__signature__ = inspect.signature(graph.forward)
+        bound = functools.partial(AsModule._call_graph, self)
+        bound.__signature__ = inspect.signature(graph.forward)  # type: ignore[attr-defined]  # read by inspect
+        self.forward = bound  # type: ignore[method-assign]  # per instance: shadows the class's forward below
 
     def _call_graph(self, *args: Any, **kwargs: Any) -> Any:
         return self.graph(*args, **kwargs)
