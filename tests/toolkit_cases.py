@@ -8,6 +8,7 @@ measure is SQNR of the quantized model's first output against the float model's.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Callable
@@ -15,24 +16,32 @@ from typing import Any
 
 os.environ.setdefault("NNCF_EXTENSION_LOAD_TIMEOUT", "0")  # NNCF compiles its CPU kernels once (minutes on 2 cores)
 
+import aimet_torch.model_preparer as aimet_preparer  # noqa: E402
 import nncf  # noqa: E402
 import timm  # noqa: E402
 import torch  # noqa: E402
 import torchvision  # noqa: E402
 import transformers  # noqa: E402
+from aimet_torch.quantsim import QuantizationSimModel  # noqa: E402
 from brevitas.graph.calibrate import calibration_mode  # noqa: E402
 from brevitas.graph.quantize import preprocess_for_quantize, quantize  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.ao.quantization import get_default_qconfig_mapping  # noqa: E402
+from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx  # noqa: E402
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e  # noqa: E402
 from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86  # noqa: E402
 
 import fxprep  # noqa: E402
 from fxprep.cli.specs import revive_zero_weights  # noqa: E402
+from fxprep.compat import aimet as fx_aimet  # noqa: E402
 from fxprep.compat import brevitas as fx_brevitas  # noqa: E402
 from fxprep.compat import mct as fx_mct  # noqa: E402
 from fxprep.compat import nncf as fx_nncf  # noqa: E402
 
 from .helpers import with_batchnorm_statistics  # noqa: E402
+from .test_aimet_handoff import QUANT as AIMET_QUANT  # noqa: E402
+from .test_aimet_handoff import _float as aimet_float  # noqa: E402
+from .test_torch_ao import ENGINE  # noqa: E402
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32)
@@ -165,12 +174,58 @@ def pt2e_fxprep(gm, x, calibration, quantizer=None):
     return _pt2e(fxprep.export_program(gm, (x,)), calibration, quantizer or pt2e_quantizer())
 
 
+def _quantsim(model, x, calibration):
+    """AIMET QuantSim as tests/test_aimet_handoff.py runs it: build, compute_encodings, run."""
+    sim = QuantizationSimModel(model, dummy_input=(x,), **AIMET_QUANT)
+
+    def calibrate(m: nn.Module) -> None:
+        with torch.no_grad():
+            for c in calibration:
+                m(c)
+
+    sim.compute_encodings(calibrate)
+    return lambda inp: aimet_float(sim.model(inp))  # QuantSim returns AIMET's dequantized tensors
+
+
+def aimet_original(model, x, calibration):
+    return _quantsim(aimet_preparer.prepare_model(model), x, calibration)  # AIMET's docs: prepare first
+
+
+def aimet_fxprep(gm, x, calibration):
+    return _quantsim(gm, x, calibration)
+
+
+def _torchao_fx(model, x, calibration):
+    """torch.ao FX graph mode as tests/test_torch_ao.py runs it: prepare_fx, calibrate, convert_fx."""
+    torch.backends.quantized.engine = ENGINE
+    observed = prepare_fx(model, get_default_qconfig_mapping(ENGINE), (x,))
+    with torch.no_grad():
+        for c in calibration:
+            observed(c)
+    return convert_fx(observed)
+
+
+def torchao_original(model, x, calibration):
+    return _torchao_fx(model, x, calibration)
+
+
+def torchao_fxprep(gm, x, calibration):
+    return _torchao_fx(copy.deepcopy(gm), x, calibration)  # as docs/handoff/torch-ao.md: the flow rewrites gm
+
+
 TOOLKITS = {
     "nncf": (nncf_original, nncf_fxprep),
     "brevitas": (brevitas_original, brevitas_fxprep),
     "mct": (mct_original, mct_fxprep),
     "pt2e": (pt2e_original, pt2e_fxprep),
+    "aimet": (aimet_original, aimet_fxprep),
+    "torchao": (torchao_original, torchao_fxprep),
 }
+
+# How fxprep's graph is made for a toolkit: AIMET users call fxprep's drop-in for AIMET's preparer
+# (docs/handoff/aimet.md), which captures transformers models with return_dict=False because
+# QuantSim traces with torch.jit, and that refuses ModelOutput dicts.
+PREPARE: dict[str, Callable[..., nn.Module]] = {"aimet": fx_aimet.prepare_model}
 
 
 def measure(toolkit: str, name: str, which: str) -> float:
@@ -183,7 +238,7 @@ def measure(toolkit: str, name: str, which: str) -> float:
     if which == "original":
         quantized = original(model, x, calibration)
     else:
-        gm = fxprep.prepare_model(model, example_inputs=(x,))
+        gm = PREPARE.get(toolkit, fxprep.prepare_model)(model, example_inputs=(x,))
         quantized = ours(gm, x, calibration)
     with torch.no_grad():
         return sqnr(reference, first_tensor(quantized(x)))
