@@ -51,14 +51,10 @@ KNOWN = {
                                 "in float (78 output quantizers against fxprep's 95); with the 17 LayerNorm output "
                                 "quantizers of fxprep's QuantSim switched off it gives 31.13 dB, the original's "
                                 "exactly (fxprep 29.16 dB as it is)",
-    ("torchao", "gpt2"): "fxprep's limit (issue 29, a graph other tracers can re-trace): prepare_fx re-traces the "
-                         "graph with torch.fx, and the shape code the graph keeps, torch.Size([size_0, size_1, 96]) "
-                         "for a view, cannot take a Proxy ('torch.Size() takes an iterable of int'); the sizes are "
-                         "dynamic in the graph, so fxprep.compat.retrace.retraceable(gm, x) does not fold them either",
-    ("torchao", "bert"): "fxprep's limit (issue 29, a graph other tracers can re-trace): the graph slices the "
-                         "position_ids buffer by the input's length, position_ids[:, 0:size_1]; torch.fx's "
-                         "re-trace reads the buffer as a plain tensor, which a Proxy cannot index ('slice "
-                         "indices must be integers'), on retraceable(gm, x) as well",
+    ("torchao", "gpt2"): "torch.ao's limit: on fxprep's graph made re-traceable (retraceable(gm, x, specialize=True), "
+                         "as docs/handoff/torch-ao.md says for transformers graphs) prepare_fx runs, but FX graph mode "
+                         "places observers without knowing dtypes and puts a HistogramObserver on an integer tensor "
+                         "of GPT-2's position code: '\"histogram_cpu\" not implemented for Long' in calibration",
     ("torchao", "mixtral"): "torch.ao's limit: FX graph mode places observers without knowing dtypes, and puts a "
                             "HistogramObserver on the router's integer expert indices (reshape/sort/floordiv of the "
                             "top-k indices): '\"histogram_cpu\" not implemented for Long' in calibration (on "

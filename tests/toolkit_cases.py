@@ -37,6 +37,7 @@ from fxprep.compat import aimet as fx_aimet  # noqa: E402
 from fxprep.compat import brevitas as fx_brevitas  # noqa: E402
 from fxprep.compat import mct as fx_mct  # noqa: E402
 from fxprep.compat import nncf as fx_nncf  # noqa: E402
+from fxprep.compat.retrace import retraceable  # noqa: E402
 
 from .helpers import with_batchnorm_statistics  # noqa: E402
 from .test_aimet_handoff import QUANT as AIMET_QUANT  # noqa: E402
@@ -210,7 +211,13 @@ def torchao_original(model, x, calibration):
 
 
 def torchao_fxprep(gm, x, calibration):
-    return _torchao_fx(copy.deepcopy(gm), x, calibration)  # as docs/handoff/torch-ao.md: the flow rewrites gm
+    """As docs/handoff/torch-ao.md: on a copy (the flow rewrites the module it is given); a
+    transformers graph (token ids in) is shape-general, and torch.fx's re-trace cannot run its size
+    code, so it goes through retraceable(..., specialize=True), every size the example's."""
+    gm = copy.deepcopy(gm)
+    if not x.is_floating_point():
+        gm = retraceable(gm, (x,), specialize=True)
+    return _torchao_fx(gm, x, calibration)
 
 
 TOOLKITS = {
