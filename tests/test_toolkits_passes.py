@@ -131,6 +131,30 @@ def test_a_layer_moved_to_its_owners_path_loads_and_gives_its_state_dict_strictl
     mixtral.load_state_dict(gm.state_dict(), strict=True)
 
 
+class _OwnNamedParameter(nn.Module):
+    """A block calling ``F.linear`` on its own Parameter named ``proj`` (not ``weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.proj)
+
+
+def test_a_layer_for_a_parameter_not_named_weight_keeps_the_users_parameter_path():
+    """Moving the Linear made for ``blk.proj`` to ``blk`` would rename the Parameter ``blk.weight``
+    (found by tests/test_property.py: 'Linear has no attribute `add`'): it stays ``blk.linear``."""
+    model = nn.Sequential(nn.Linear(4, 4), _OwnNamedParameter()).eval()
+    x = torch.randn(2, 4)
+    for tracer in ("fx", "dynamo"):
+        gm = fxprep.prepare_model(model, tracer=tracer, example_inputs=(x,))
+        assert gm.get_parameter("1.proj") is model[1].proj
+        assert list(gm.state_dict()) == list(model.state_dict())
+        gm.load_state_dict(model.state_dict(), strict=True)
+        torch.testing.assert_close(gm(x), model(x))
+
+
 def _quantized_linears(gm: fx.GraphModule) -> list[str]:
     """Module paths of the linear layers that read a dequantized input."""
     out = []

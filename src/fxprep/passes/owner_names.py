@@ -13,7 +13,7 @@ is unchanged. The op modules the container held move beside it (``mlp.gate.softm
 their quantized one (Brevitas, AIMET's QuantSim) rely on.
 
 Only where nothing else is at stake: the container is one fxprep created (never a user module),
-its Parameters are exactly the layer's (no buffer besides), every module under it is one fxprep
+its Parameters are exactly the layer's under the same names (no buffer besides), every module under it is one fxprep
 added (a user's block holding a LayerNorm beside its own ``F.linear`` stays the block), and no
 node calls the container.
 """
@@ -43,8 +43,11 @@ def _takes_owner_place(gm: fx.GraphModule, path: str, called: set[str], made: se
     owner = gm.get_submodule(owner_path)
     if type(owner) is not nn.Module or owner._buffers:  # a user module, or one holding more state
         return False
-    mine = {id(p) for p in layer._parameters.values() if p is not None}
-    theirs = {id(p) for p in owner._parameters.values() if p is not None}
+    # The same Parameters under the same names: the layer's ``weight`` must be the owner's ``weight``
+    # (a block's ``F.linear(x, self.proj)`` would move ``blk.proj`` to ``blk.weight``: a key the
+    # user's state_dict does not have).
+    mine = {name: id(p) for name, p in layer._parameters.items() if p is not None}
+    theirs = {name: id(p) for name, p in owner._parameters.items() if p is not None}
     return bool(mine) and mine == theirs
 
 
