@@ -383,6 +383,11 @@ def mutate_weights(data: st.DataObject, save: Save, header: dict[str, Any], log:
 GUARD_DTYPES = ["qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8", "bits16", "bits1x8", "complex32",
                 "complex128", "float8_e4m3fn", "uint64", "bool", "float64", "nope", "", None, 7, ["float32"]]
 GUARD_SHAPES = [[], [0], [2**28], [2**14, 2**14], [2**39], [-1, 3], [1.5], ["2"], [1] * 65, None, "1x3", [2**63]]
+# Drawn values are copied before they go into a document: a later edit of the same example may
+# insert into a shape list, and an edited pool entry would change every later example (hypothesis:
+# FlakyStrategyDefinition, "data generation depending on external state"). The fuzz test checks
+# that the pools are as written here when it ends.
+_POOLS = copy.deepcopy((GUARD_DTYPES, GUARD_SHAPES))
 
 
 def mutate_guard(data: st.DataObject, docs: dict[str, Any], log: list[str]) -> None:
@@ -396,13 +401,14 @@ def mutate_guard(data: st.DataObject, docs: dict[str, Any], log: list[str]) -> N
     op = data.draw(st.sampled_from(["dtype", "shape", "many", "kind", "example"]), label="guard op")
     example = node.get("example") if isinstance(node, dict) else None
     if op == "dtype" and isinstance(example, dict):
-        example["dtype"] = data.draw(st.sampled_from(GUARD_DTYPES), label="dtype")
+        example["dtype"] = copy.deepcopy(data.draw(st.sampled_from(GUARD_DTYPES), label="dtype"))
     elif op == "shape" and isinstance(example, dict):
-        example["shape"] = data.draw(st.sampled_from(GUARD_SHAPES), label="shape")
+        example["shape"] = copy.deepcopy(data.draw(st.sampled_from(GUARD_SHAPES), label="shape"))
     elif op == "many":  # many inputs, each within the per-input limit: the whole-load budget
         count = data.draw(st.sampled_from([2, 64, 1000]), label="count")
-        item = {"kind": "leaf", "example": {"shape": data.draw(st.sampled_from(GUARD_SHAPES[:5]), label="shape"),
-                                            "dtype": data.draw(st.sampled_from(GUARD_DTYPES), label="dtype")}}
+        item = {"kind": "leaf", "example": copy.deepcopy({
+            "shape": data.draw(st.sampled_from(GUARD_SHAPES[:5]), label="shape"),
+            "dtype": data.draw(st.sampled_from(GUARD_DTYPES), label="dtype")})}
         params[name] = {"kind": "seq", "type": "list", "items": [item] * count}
     elif op == "kind" and isinstance(node, dict):
         node["kind"] = data.draw(st.sampled_from(["tensor", "seq", "dict", "value", "leaf", "none", "x", None]), label="kind")
@@ -575,6 +581,7 @@ def test_mutated_saves_never_run_code(saves, model, tmp_path_factory, monkeypatc
 
     fuzz()
     fuzz()
+    assert (GUARD_DTYPES, GUARD_SHAPES) == _POOLS, "an edit changed a value pool shared by every example"
     seconds = time.perf_counter() - started
     for key, value in counts.items():
         record_property(key, value)
