@@ -308,11 +308,11 @@ def _passes(run: _Preparation, gm: fx.GraphModule) -> None:
         aimet_modules.run(gm, report=report)
         aimet_names.run(gm, original=model, report=report)
     if opts.share_parameters:
-        state_dict.run(gm, model)
+        state_dict.restore(gm, model)  # the owner's raw parameters back in place, for owner_names
     if opts.convert_functionals and opts.style != "aimet":  # AIMET's names are module_<node> for every added layer
-        # after state_dict: it puts the owner's raw parameters back in place
-        if owner_names.run(gm, original=model, report=report) and opts.share_parameters:
-            state_dict.refresh_aliases(gm, model)  # the aliases of moved modules move with them
+        owner_names.run(gm, original=model, report=report)
+    if opts.share_parameters:
+        state_dict.record_aliases(gm, model)  # after every pass that moves modules
     _match_modes(gm, model)
     _restore_output_type(gm, run.reference)
     decisions.keep_locations(gm)

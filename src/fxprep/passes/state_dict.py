@@ -1,6 +1,7 @@
 """State-dict parity: the prepared module loads the original's ``state_dict`` and vice versa.
 
-Three things break parity after capture and the other passes, and this pass mends each:
+Three things break parity after capture and the other passes, and this pass mends each, in two
+steps around the passes that move modules (:func:`restore` before, :func:`record_aliases` after):
 
 * Parameters/buffers the forward never touches are not copied into a GraphModule; they are put back
   (the same tensor objects) at their original paths.
@@ -80,7 +81,11 @@ def aliases(gm: nn.Module) -> dict[str, str]:
     return dict(getattr(gm, ALIASES_ATTR, {}))
 
 
-def run(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
+def restore(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
+    """Put back (the same objects) what the forward never read, make buffer persistence the
+    original's, and order children, parameters and buffers as the original does. Runs before the
+    passes that name layers after their owners (:mod:`fxprep.passes.owner_names` compares a layer's
+    parameters with the raw ones put back here); :func:`record_aliases` runs after them."""
     original_state = original.state_dict(keep_vars=True)
     non_persistent = {
         f"{name}.{b}" if name else b
@@ -88,8 +93,6 @@ def run(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
         if not isinstance(m, torch.jit.ScriptModule)
         for b in m._non_persistent_buffers_set
     }
-
-    # Put back what the forward never read, and fix buffer persistence.
     current = gm.state_dict(keep_vars=True)
     for key, tensor in original_state.items():
         if key in current:
@@ -107,32 +110,22 @@ def run(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
             key = f"{name}.{b}" if name else b
             if key in non_persistent:
                 module._non_persistent_buffers_set.add(b)
-
     _reorder(gm, original, {id(m) for m in original.modules()})
-
-    _find_aliases(gm, original_state)
-    set_preserved(gm, METADATA_ATTR, {k: dict(v) for k, v in getattr(original_state, "_metadata", {}).items()})
-    gm.register_state_dict_post_hook(_drop_aliases)
-    gm.register_state_dict_post_hook(_restore_metadata)
-    gm.register_load_state_dict_pre_hook(_fill_aliases)
     return gm
 
 
-def _find_aliases(gm: nn.Module, original_state: dict[str, Any]) -> None:
+def record_aliases(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
     """Everything in the prepared state_dict that is not an original key is an alias of one (found
-    by tensor identity, never by name), or a constant the tracer made."""
+    by tensor identity, never by name), hidden by ``state_dict()`` and filled by
+    ``load_state_dict()``; or a constant the tracer made, which is not state. Runs after every pass
+    that moves modules: an alias recorded at a path that no longer exists would be filled by
+    ``load_state_dict`` and refused as unexpected."""
+    original_state = original.state_dict(keep_vars=True)
     canonical_by_id = {}
     for key, tensor in original_state.items():
         canonical_by_id.setdefault(id(tensor), key)
     found: dict[str, str] = {}
-    with_aliases = gm.state_dict(keep_vars=True)
-    for alias in getattr(gm, ALIASES_ATTR, {}):  # a refresh: the hook already hides the old aliases
-        with_aliases.pop(alias, None)
-    for name, tensor in gm.named_parameters(remove_duplicate=False):
-        with_aliases.setdefault(name, tensor)
-    for name, tensor in gm.named_buffers(remove_duplicate=False):
-        with_aliases.setdefault(name, tensor)
-    for key, tensor in with_aliases.items():
+    for key, tensor in gm.state_dict(keep_vars=True).items():
         if key in original_state:
             continue
         if id(tensor) in canonical_by_id:
@@ -143,9 +136,8 @@ def _find_aliases(gm: nn.Module, original_state: dict[str, Any]) -> None:
         if leaf in owner._buffers:  # a constant the tracer made (``_tensor_constant0``): not state
             owner._non_persistent_buffers_set.add(leaf)
     set_preserved(gm, ALIASES_ATTR, found)
-
-
-def refresh_aliases(gm: fx.GraphModule, original: nn.Module) -> None:
-    """Recompute the alias map after a later pass moved modules (``owner_names``): an alias left at
-    a path that no longer exists would be filled by ``load_state_dict`` and refused as unexpected."""
-    _find_aliases(gm, original.state_dict(keep_vars=True))
+    set_preserved(gm, METADATA_ATTR, {k: dict(v) for k, v in getattr(original_state, "_metadata", {}).items()})
+    gm.register_state_dict_post_hook(_drop_aliases)
+    gm.register_state_dict_post_hook(_restore_metadata)
+    gm.register_load_state_dict_pre_hook(_fill_aliases)
+    return gm
