@@ -61,7 +61,7 @@ from torch import nn
 
 from .. import ops
 from ..inputs import normalize_example_inputs
-from ..passes import shape_prop
+from ..passes import fold_constants, shape_prop
 from .retrace import HOLDER, INTEGER_INPUTS, integer_valued, retraceable
 
 __all__ = ["prepare", "post_training_quantization", "integer_input_quantizers"]
@@ -318,9 +318,10 @@ def _read(gm: fx.GraphModule, target: str) -> fx.Node | None:
 
 def _constant_indexing_folded(gm: fx.GraphModule) -> None:
     """Each ``tensor[..., index]`` whose tensor and tensor index are both weight or buffer reads
-    (``get_attr``), read instead as a buffer holding its value: MCT's model builder would pass the
-    index's fx Node itself to ``getitem`` (module docstring)."""
-    for node in list(gm.graph.nodes):
+    (``get_attr``), read instead as a constant holding its value (:func:`fxprep.passes.fold_constants.run`):
+    MCT's model builder would pass the index's fx Node itself to ``getitem`` (module docstring)."""
+    values: dict[fx.Node, Any] = {}
+    for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
             continue
         index = node.args[1]
@@ -331,19 +332,8 @@ def _constant_indexing_folded(gm: fx.GraphModule) -> None:
         env = {i: gm.get_submodule(str(i.target).rpartition(".")[0]) for i in inputs}
         env = {i: getattr(owner, str(i.target).rpartition(".")[2]) for i, owner in env.items()}
         with torch.no_grad():
-            folded = operator.getitem(*fx.node.map_arg(node.args, env.__getitem__)).detach().clone()
-        if not hasattr(gm, HOLDER):
-            gm.add_module(HOLDER, torch.nn.Module())
-        field = f"{node.name}_indexed"
-        gm.get_submodule(HOLDER).register_buffer(field, folded, persistent=False)
-        with gm.graph.inserting_before(node):
-            constant = gm.graph.get_attr(f"{HOLDER}.{field}")
-        constant.meta["val"] = folded
-        node.replace_all_uses_with(constant)
-        gm.graph.erase_node(node)
-        for i in inputs:
-            if not i.users:
-                gm.graph.erase_node(i)
+            values[node] = operator.getitem(*fx.node.map_arg(node.args, env.__getitem__)).clone()
+    fold_constants.run(gm, values, holder=HOLDER)
 
 
 def _sort_call(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, ...] | None:
