@@ -165,3 +165,29 @@ def test_block_reuse_under_dynamic_shapes_computes_what_a_whole_model_capture_do
     with torch.no_grad():
         for call in ({"input_ids": _ids(2, 11, 4), "attention_mask": mask}, example):
             assert torch.equal(_main(reused(**call)), _main(whole(**call)))
+
+
+class LengthBranch(transformers.LlamaForCausalLM):
+    """A model whose output depends on a Python test of the length: the shape-general graph, made
+    at another size, fails verification, and fxprep prepares again with static shapes."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        logits = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+        return logits * 2 if input_ids.shape[1] > 9 else logits
+
+
+def test_preparing_again_with_static_shapes_reuses_the_reference_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The original is run on the example once, not once per attempt (a 7B forward is not free)."""
+    import fxprep.api
+
+    runs = []
+    real = fxprep.api.run_original
+    monkeypatch.setattr(fxprep.api, "run_original", lambda *a, **k: (runs.append(1), real(*a, **k))[1])
+    torch.manual_seed(0)
+    model = LengthBranch(transformers.LlamaConfig(**TINY)).eval()
+    ids = _ids(1, 8, 0)
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": ids})
+    assert "was tried and not kept" in fxprep.get_report(gm).to_text()
+    assert len(runs) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(gm(input_ids=ids), model(input_ids=ids))

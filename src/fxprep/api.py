@@ -119,7 +119,10 @@ def prepare_model(
         try:
             return _prepare(model, user, options)
         except shape_general.NotShapeGeneral as err:  # found dimensions did not hold: static shapes, as before
-            return _prepare(model, user, {**options, "dynamic": False}, not_general=str(err))
+            why, reference = str(err), err.reference
+        # outside the except block: the first attempt's frames (its capture, its copy of the model
+        # with copy=True) are freed before the second one starts; its reference run is reused
+        return _prepare(model, user, {**options, "dynamic": False}, not_general=why, reference=reference)
 
 
 class _UserArguments(NamedTuple):
@@ -167,10 +170,20 @@ class _Preparation:
 
 
 def _prepare(model: nn.Module, user: _UserArguments, options: dict[str, Any],
-             not_general: str | None = None) -> fx.GraphModule:
-    """The stages of ``prepare_model``, in order; each is a function of the preparation ``run``."""
+             not_general: str | None = None, reference: tuple[Any, Any] | None = None) -> fx.GraphModule:
+    """The stages of ``prepare_model``, in order; each is a function of the preparation ``run``.
+    ``reference``: the original's run on the example from an attempt that was not shape-general."""
     run = _start(model, user, options)
-    _reference_run(run)
+    _reference_run(run, reference)
+    try:
+        return _stages(run, not_general)
+    except shape_general.NotShapeGeneral as err:
+        err.reference = (run.reference, run.reference_state) if run.reference_state is not None else None
+        raise
+
+
+def _stages(run: _Preparation, not_general: str | None) -> fx.GraphModule:
+    """What follows the reference run, in order (see :func:`_prepare`)."""
     _propose_shapes(run, not_general)
     t1 = time.perf_counter()
     run.result = _capture(run)
@@ -211,15 +224,18 @@ def _start(model: nn.Module, user: _UserArguments, options: dict[str, Any]) -> _
     return _Preparation(request, opts, report, absent, start)
 
 
-def _reference_run(run: _Preparation) -> None:
+def _reference_run(run: _Preparation, reference: tuple[Any, Any] | None) -> None:
     """The original run on the example, as the user calls it (its output is what the prepared
-    module is verified against); it doubles as the check that the inputs suit the model."""
+    module is verified against); it doubles as the check that the inputs suit the model.
+    ``reference``: that run, made already by the attempt before (:func:`prepare_model`)."""
     example = run.request.example
     run.original_call = run.prepared_call = example
     if example is None:
         return
     run.original_call, run.prepared_call = run.calls(example)
-    if run.opts.verify:
+    if run.opts.verify and reference is not None:
+        run.reference, run.reference_state = reference
+    elif run.opts.verify:
         progress.stage("reference run")
         run.reference, run.reference_state = run_original(run.model, run.original_call)
 

@@ -32,7 +32,10 @@ Capture = Callable[[ExampleInputs, Any], tuple["CaptureResult | None", list[Capt
 
 class NotShapeGeneral(Exception):
     """The automatically declared dimensions did not hold (capture or verification): prepare with
-    static shapes instead. Not an FxprepError: it never reaches the user."""
+    static shapes instead. Not an FxprepError: it never reaches the user. ``reference``: the
+    original's run on the example (output, state) when one was made, for the static attempt."""
+
+    reference: tuple[Any, Any] | None = None
 
 
 @contextlib.contextmanager
