@@ -5,7 +5,9 @@ opaque-part fallback runs too) under :func:`sys.setprofile`, and records every c
 ``fxprep`` that receives the capture's inputs: an argument that is an ``ExampleInputs`` or a
 ``CaptureRequest``. Prints the files those calls pass through and how often the path *enters* a file
 (a carrying call whose nearest carrying caller is in another file): entries beyond one per file are
-returns to a file the path had left. Run it against any checkout::
+returns to a file the path had left. Returns made inside the opaque-part fallback are counted apart:
+the fallback captures the model again with the failing parts opaque, so it goes back through the
+files the first capture went through by design. Run it against any checkout::
 
     PYTHONPATH=path/to/src python benchmarks/example_path.py [-v]    # -v: the path, entry by entry
 """
@@ -19,6 +21,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+# The opaque-part fallback's captures (fxprep.capture.cascade.capture_with_opaque_parts): each captures
+# the model again with the failing parts opaque.
+FALLBACKS = {"capture_dynamo_leaves", "capture_deciding_values", "capture_hybrid"}
 
 
 class Gate(nn.Module):
@@ -61,7 +67,8 @@ def main() -> None:
     root = str(Path(fxprep.__file__).parent) + "/"
     entries: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
-    stack: list[tuple[object, str]] = []  # (frame, file) of the carrying calls now running
+    stack: list[tuple[object, str, bool]] = []  # (frame, file, inside a retry) of the carrying calls now running
+    retries: collections.Counter[str] = collections.Counter()  # returns made inside the fallback
     path: list[str] = []  # each entry, indented by its depth among the carrying calls
     resumed: set[object] = set()  # generator frames already entered
 
@@ -84,10 +91,13 @@ def main() -> None:
                 caller = caller.f_back
             while stack and id(stack[-1][0]) not in callers:
                 stack.pop()
+            retry = frame.f_code.co_name in FALLBACKS or (bool(stack) and stack[-1][2])
             if not stack or stack[-1][1] != rel:
                 entries[rel] += 1
-                path.append(f"{'  ' * len(stack)}{rel} {frame.f_code.co_name}")
-            stack.append((frame, rel))
+                if retry and entries[rel] > 1:
+                    retries[rel] += 1
+                path.append(f"{'  ' * len(stack)}{rel} {frame.f_code.co_name}{'  (fallback)' if retry else ''}")
+            stack.append((frame, rel, retry))
         elif event == "return" and stack and stack[-1][0] is frame:
             stack.pop()
 
@@ -101,10 +111,12 @@ def main() -> None:
         sys.setprofile(None)
     print(f"fxprep at {root}")
     print(f"check_traceability: {report.to_text().splitlines()[1].strip()}")
+    returns = sum(entries.values()) - len(entries)
     print(f"files the capture's inputs pass through: {len(entries)}; entries: {sum(entries.values())}; "
-          f"returns to a file left before: {sum(entries.values()) - len(entries)}")
+          f"returns to a file left before: {returns} ({sum(retries.values())} inside the opaque-part fallback, "
+          f"{returns - sum(retries.values())} outside)")
     for rel, n in sorted(entries.items(), key=lambda kv: (-kv[1], kv[0])):
-        print(f"  {n:3d} entries, {calls[rel]:4d} calls  {rel}")
+        print(f"  {n:3d} entries ({retries[rel]} in the fallback), {calls[rel]:4d} calls  {rel}")
     if "-v" in sys.argv:
         print("the path (each entry into a file, indented by depth):")
         print("\n".join("  " + p for p in path))

@@ -227,24 +227,22 @@ def _request(model: Any, example_inputs: Any, modules_to_exclude: Any, module_cl
 def _check_traceability(request: CaptureRequest, draft_export: bool, control_flow: bool) -> TraceReport:
     model, example = request.model, request.example
     out = TraceReport(type(model).__name__)
-    tracers, _ = cascade.plan("auto", example, model)
-    for name in tracers:
-        _, attempts = cascade.run_tracer(name, request)
-        out.attempts += attempts
-        for attempt in attempts:
-            if attempt.exception is not None:
-                out.issues += diagnose(attempt.exception, attempt.tracer.replace("hf_fx", "fx"), model)
-    if not out.traceable:
-        result, sites = cascade.capture_with_opaque_parts(request, out.attempts)
-        out.hybrid_ok = result is not None
-        for site, issue in sites:
+    found = cascade.run_each(request)
+    out.attempts = found.attempts + found.fallback
+    for attempt in found.attempts:
+        if attempt.exception is not None:
+            out.issues += diagnose(attempt.exception, attempt.tracer.replace("hf_fx", "fx"), model)
+    if not found.whole:
+        out.hybrid_ok = found.hybrid is not None
+        for site, issue in found.opaque:
             out.opaque[site.qualname] = issue
         if draft_export and example is not None:
             fresh = example.fresh_copy()
             out.issues += _draft_export_issues(model, fresh.args, fresh.kwargs)
-        found = [i for i in out.issues if i.category in (DATA_DEPENDENT_BRANCH, DATA_DEPENDENT_VALUE, DATA_DEPENDENT_LOOP)]
-        if control_flow and found:
-            out.control_flow, out.rewrite_tracer = _rewrite(request, found)
+        data_dependent = [i for i in out.issues
+                          if i.category in (DATA_DEPENDENT_BRANCH, DATA_DEPENDENT_VALUE, DATA_DEPENDENT_LOOP)]
+        if control_flow and data_dependent:
+            out.control_flow, out.rewrite_tracer = _rewrite(request, data_dependent)
     return out
 
 
@@ -255,9 +253,7 @@ def _rewrite(request: CaptureRequest, issues: list[Issue]) -> tuple[list[Rewritt
 
     model, example = request.model, request.example
     session = ControlFlowRewrite(model, example, [], request.concrete_args)
-
-    tracers, _ = cascade.plan("auto", example, model)
-    result, attempts = session.capture(lambda: cascade.capture(request, tracers))
+    result, attempts = session.capture(lambda: cascade.capture(request))
     for issue in issues:
         if issue.file is not None and issue.line is not None:
             session.assess(issue.file, issue.line)

@@ -34,6 +34,17 @@ class ExampleInputs:
         args, kwargs = pytree.tree_map_only(torch.Tensor, _clone, (self.args, self.kwargs))
         return ExampleInputs(tuple(args), dict(kwargs))
 
+    def requiring_grad(self) -> ExampleInputs:
+        """These inputs with their floating-point tensors requiring grad (``detach()`` views: no copy).
+
+        Why: with inputs that do not require grad, Dynamo runs a custom ``autograd.Function`` as its
+        forward alone and inlines it (``STE.apply(x)`` becomes ``torch.round(x)``), silently dropping
+        the backward a quantization-aware user relies on. With a grad-requiring input it records the
+        Function as one call, which the re-lifting keeps as a module (:mod:`fxprep.capture.dynamo`).
+        """
+        args, kwargs = pytree.tree_map_only(torch.Tensor, _mark_grad, (self.args, self.kwargs))
+        return ExampleInputs(tuple(args), dict(kwargs))
+
     def describe(self) -> str:
         parts = [_describe(a) for a in self.args]
         parts += [f"{k}={_describe(v)}" for k, v in self.kwargs.items()]
@@ -44,6 +55,12 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     out = t.detach().clone()
     out.requires_grad_(t.requires_grad)
     return out
+
+
+def _mark_grad(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() and not t.requires_grad and t.is_leaf:
+        return t.detach().requires_grad_(True)
+    return t
 
 
 def _describe(value: Any) -> str:

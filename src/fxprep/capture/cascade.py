@@ -11,6 +11,7 @@ one that ``prepare_model`` then prepares.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -74,10 +75,14 @@ def run_tracer(name: str, request: CaptureRequest) -> tuple[CaptureResult | None
     return result, [attempt]
 
 
-def capture(request: CaptureRequest, tracers: list[str]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-    """Run the tracers in order until one succeeds; every attempt is returned for the report
+def capture(request: CaptureRequest, tracers: list[str] | None = None
+            ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+    """Run the tracers (default: :func:`plan`'s for ``"auto"``) in order until one succeeds; every
+    attempt is returned for the report
     (``request.reuse``: Dynamo captures each repeated block once, :mod:`fxprep.capture.dynamo.reuse`;
     ``request.block_pass``: run once on each such block before it is stamped out)."""
+    if tracers is None:
+        tracers = plan("auto", request.example, request.model)[0]
     attempts: list[CaptureAttempt] = []
     for k, name in enumerate(tracers, 1):
         progress.stage(f"capture {k}/{len(tracers)}: {name}")
@@ -86,6 +91,37 @@ def capture(request: CaptureRequest, tracers: list[str]) -> tuple[CaptureResult 
         if result is not None:
             return result, attempts
     return None, attempts
+
+
+@dataclass
+class EachTracer:
+    """What :func:`run_each` found: each whole-model tracer's attempts (run alone), and, when none
+    captured the model, the opaque-part fallback's attempts, capture and opaque ``(site, issue)`` pairs."""
+
+    attempts: list[CaptureAttempt] = field(default_factory=list)
+    fallback: list[CaptureAttempt] = field(default_factory=list)
+    hybrid: CaptureResult | None = None
+    opaque: list[Any] = field(default_factory=list)
+
+    @property
+    def whole(self) -> bool:
+        """True when some tracer captured the whole model (the fallback did not run)."""
+        return any(a.ok for a in self.attempts)
+
+
+def run_each(request: CaptureRequest) -> EachTracer:
+    """Every tracer ``prepare_model`` would try, each run alone on ``request`` (what each makes of
+    the model, for ``check_traceability``), then, when none captured the model whole, the same
+    opaque-part fallback ``prepare_model`` would run."""
+    found = EachTracer()
+    tracers, _ = plan("auto", request.example, request.model)
+    for name in tracers:
+        found.attempts += run_tracer(name, request)[1]
+    if not found.whole:
+        tried = list(found.attempts)  # the fallback starts from Dynamo's failure, and appends its own
+        found.hybrid, found.opaque = capture_with_opaque_parts(request, tried)
+        found.fallback = tried[len(found.attempts):]
+    return found
 
 
 def capture_with_opaque_parts(request: CaptureRequest, attempts: list[CaptureAttempt], *, fx_too: bool = True

@@ -52,7 +52,6 @@ from .export import (
     default_route,
     dynamo_export,
     flag_available,
-    requiring_grad,
     tensor_caches,
 )
 from .names import resolve_source
@@ -128,7 +127,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
         target = LiftTarget(model, policy, capture_call, prepared_call, state.current, [])
         try:
             with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, target.notes, capture_call), guard:
-                call = requiring_grad(capture_call) if state.grad_inputs else capture_call
+                call = capture_call.requiring_grad() if state.grad_inputs else capture_call
                 reused = None
                 if request.reuse:
                     target.notes.extend(_reuse_notes(model, policy, state, box))

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ... import heap
 from ...inputs import ExampleInputs
@@ -297,21 +296,3 @@ def _real_value_propagation() -> Iterator[None]:
             yield
     finally:
         logger.setLevel(level)
-
-
-def requiring_grad(call: ExampleInputs) -> ExampleInputs:
-    """``call`` with its floating-point tensors requiring grad (``detach()`` views: no copy).
-
-    Why: with inputs that do not require grad, Dynamo runs a custom ``autograd.Function`` as its
-    forward alone and inlines it (``STE.apply(x)`` becomes ``torch.round(x)``), silently dropping the
-    backward a quantization-aware user relies on. With a grad-requiring input it records the
-    Function as one call, which the re-lifting keeps as a module.
-    """
-
-    def mark(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point() and not t.requires_grad and t.is_leaf:
-            return t.detach().requires_grad_(True)
-        return t
-
-    args, kwargs = pytree.tree_map_only(torch.Tensor, mark, (call.args, call.kwargs))
-    return ExampleInputs(tuple(args), dict(kwargs))
