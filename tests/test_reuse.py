@@ -131,16 +131,89 @@ def test_excluded_classes_inside_blocks_stay_leaves_in_every_copy() -> None:
 
     model, example = hf("llama", layers=3)
     reuse = assert_reuse_exact(model, example, module_classes_to_exclude=[LlamaMLP, LlamaRMSNorm])
-    # excluded modules are called without Dynamo tracing into them (issue 13); block reuse does not
-    # handle such parts yet: it is switched off, and the report says so
-    assert _stamped(reuse) == {}
-    notes = fxprep.get_report(fxprep.prepare_model(model, example_inputs=example, tracer="dynamo",
-                                                   module_classes_to_exclude=[LlamaMLP])).notes
-    assert any(n.startswith("block reuse: off for this capture") for n in notes), notes
+    # excluded modules are called without Dynamo tracing into them (issue 13): a layer holding one
+    # is captured with the model around it, and its attention, which holds none, is reused
+    assert _stamped(reuse) == {"model.layers.0.self_attn": ["model.layers.1.self_attn", "model.layers.2.self_attn"]}
     gm = fxprep.prepare_model(model, example_inputs=example, module_classes_to_exclude=[LlamaMLP])
     assert [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target.endswith("mlp")] == \
         [f"model.layers.{i}.mlp" for i in range(3)]
     assert set(fxprep.get_report(gm).leaves) == {f"model.layers.{i}.mlp" for i in range(3)}
+
+
+def test_an_excluded_module_outside_the_blocks_keeps_reuse() -> None:
+    """Excluding a module outside the repeated blocks (the final norm, a transformers class Dynamo
+    then calls without tracing into it) used to switch block reuse off for the whole model (issue 27)."""
+    model, example = hf("llama", layers=4)
+    reuse = assert_reuse_exact(model, example, modules_to_exclude=[model.model.norm])
+    assert _stamped(reuse) == {"model.layers.0": ["model.layers.1", "model.layers.2", "model.layers.3"]}
+    gm = fxprep.prepare_model(model, example_inputs=example, modules_to_exclude=[model.model.norm])
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target == "model.norm"] == ["model.norm"]
+    assert "model.norm" in fxprep.get_report(gm).leaves
+
+
+def test_a_block_holding_an_excluded_module_is_captured_with_the_model_and_said_why() -> None:
+    model, example = hf("llama", layers=4)
+    reuse = assert_reuse_exact(model, example, modules_to_exclude=[model.model.layers[1].mlp])
+    assert _stamped(reuse) == {"model.layers.0": ["model.layers.2", "model.layers.3"]}
+    assert "it holds 'model.layers.1.mlp'" in reuse["why"]["model.layers.1"]
+
+
+class _ClampIfLarge(nn.Module):
+    """No layers, a branch on data: Dynamo stops here and the fallback makes it opaque."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if h.abs().max() > 100:
+            return h.clamp(-100, 100)
+        return h
+
+
+class _DecoderThenClamp(nn.Module):
+    def __init__(self, decoder: nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.clamp = _ClampIfLarge()
+        self.head = nn.Linear(decoder.config.hidden_size, 5)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.clamp(self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state))
+
+
+def test_an_opaque_part_outside_the_blocks_keeps_reuse() -> None:
+    """The Dynamo fallback makes a part outside the repeated blocks opaque: the blocks are still
+    captured once and stamped out, and the graph is the whole-model capture's (issue 27)."""
+    lm, example = hf("llama", layers=3)
+    model = _DecoderThenClamp(lm.model).eval()
+    example = {"input_ids": example["input_ids"]}
+    reuse = assert_reuse_exact(model, example)
+    assert _stamped(reuse) == {"decoder.layers.0": ["decoder.layers.1", "decoder.layers.2"]}
+    gm = fxprep.prepare_model(model, example_inputs=example)
+    report = fxprep.get_report(gm)
+    assert report.tracer == "dynamo+leaves" and "clamp" in report.leaves
+    other = torch.randint(0, 64, example["input_ids"].shape)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(input_ids=other), model(input_ids=other), rtol=0, atol=1e-6)
+
+
+class _DecoderThenClampMethod(_DecoderThenClamp):
+    """The branch on data in a method of the root: the opaque part is that method, called through a
+    module fxprep places at the root."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self._clamp(self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state))
+
+    def _clamp(self, h: torch.Tensor) -> torch.Tensor:
+        if h.abs().max() > 100:
+            return h.clamp(-100, 100)
+        return h
+
+
+def test_an_opaque_method_of_the_root_keeps_reuse() -> None:
+    lm, example = hf("llama", layers=3)
+    model = _DecoderThenClampMethod(lm.model).eval()
+    reuse = assert_reuse_exact(model, {"input_ids": example["input_ids"]})
+    assert _stamped(reuse) == {"decoder.layers.0": ["decoder.layers.1", "decoder.layers.2"]}
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": example["input_ids"]}, dynamic=False)
+    assert fxprep.get_report(gm).tracer == "dynamo+leaves" and "_clamp" in fxprep.get_report(gm).leaves
 
 
 def test_t5_first_block_with_position_bias_is_its_own() -> None:

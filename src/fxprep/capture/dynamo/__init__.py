@@ -97,7 +97,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
     more parts Dynamo must call without tracing into (the excluded modules always are, see
     :mod:`.opaque`); ``request.records`` caches their eager recordings across calls. ``request.reuse``:
     capture each repeated block once and stamp its graph out for the others (:mod:`.reuse`; flag route,
-    static or dynamic shapes, no opaque parts); ``request.block_pass(block_gm, first_instance)`` is then
+    static or dynamic shapes; opaque parts are kept out of the blocks); ``request.block_pass(block_gm, first_instance)`` is then
     run once on each repeated block before it is stamped out (:func:`.reuse.capture_reusing`).
     ``real_values``: values read from data are decided from the example's, each decision checked in
     the graph (:mod:`fxprep.decisions`; tracer "dynamo+values"; callers pass reuse=False). Never raises for a
@@ -130,9 +130,9 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
                 call = capture_call.requiring_grad() if state.grad_inputs else capture_call
                 reused = None
                 if request.reuse:
-                    target.notes.extend(_reuse_notes(model, policy, state, box))
-                if request.reuse and state.current == "flag" and not box and not state.fresh_kwargs:
-                    reused = capture_reusing(ReuseJob(target, call, guard, request.block_pass, spec))
+                    target.notes.extend(_reuse_notes(model, policy, state))
+                if request.reuse and state.current == "flag" and not state.fresh_kwargs:
+                    reused = capture_reusing(ReuseJob(target, call, guard, request.block_pass, spec, box))
                 if reused is not None:
                     gm, extra = reused
                 else:
@@ -183,12 +183,8 @@ class _Relaxed:
         return True
 
 
-def _reuse_notes(model: nn.Module, policy: LeafPolicy, state: _Relaxed, box: Any) -> list[str]:
+def _reuse_notes(model: nn.Module, policy: LeafPolicy, state: _Relaxed) -> list[str]:
     """Why block reuse is off for this capture, when it was asked for and cannot run."""
-    if state.current == "flag" and box:
-        return [f"block reuse: off for this capture: {len(box.sites)} part(s) are called without tracing "
-                f"into them (excluded or opaque modules), which block reuse does not handle yet; every "
-                f"block was captured by the whole-model capture."]
     if state.current != "flag" and state.route == "auto" and not state.fresh_kwargs:
         return reuse_unavailable_note(model, policy)
     return []

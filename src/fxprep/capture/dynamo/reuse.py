@@ -65,6 +65,7 @@ from .blocks import (
     structure_difference,
 )
 from .export import AttributeGuard, dynamo_export
+from .opaque import BlackBox
 from .relift import ROUTE_META, LiftTarget, follow_input_device, relift
 from .stamp import Stamper, block_output_signature, converted_block, foreign_attributes, names_free
 
@@ -379,6 +380,8 @@ class ReuseJob:
     convert: BlockPass | None = None
     # the model's dynamic dimensions (Dynamo's ``dynamic_shapes``); None: static shapes
     dynamic_spec: dict[str, Any] | None = None
+    # the parts Dynamo calls without tracing into (excluded or opaque modules): kept out of the blocks
+    box: BlackBox | None = None
 
 
 def _capture_group(group: list[Member], recorded: Any, job: ReuseJob,
@@ -435,16 +438,26 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
     ``job.dynamic_spec``: the model's dynamic dimensions (Dynamo's ``dynamic_shapes``); each block is then
     captured with the dimensions that are symbolic at its call dynamic too (:func:`_block_spec`)."""
     model, policy, guard, notes = job.target.model, job.target.policy, job.guard, job.target.notes
+    sites = job.box.sites if job.box else []
+    if any(site.func is not None for site in sites):
+        notes.append("block reuse: off for this capture: a free function is called without tracing into it (an "
+                     "opaque part), and the blocks may call it too; every block was captured by the whole-model "
+                     "capture.")
+        return None
     descend: set[int] = set()
     uncached: set[Any] = set()
     for _ in range(4):  # a retry looks inside blocks whose output one call cannot return, or computes more
         instances: dict[int, tuple[nn.Module, Any]] = {}
         qualnames: dict[int, str] = {}
-        for key, group in enumerate(find_groups(model, policy, descend)):
+        for key, group in enumerate(_apart_from_opaque(model, policy, descend, sites)):
             for name, module in group:
                 instances[id(module)] = (module, key)
                 qualnames[id(module)] = name
         if not instances:
+            if sites:
+                notes.append(f"block reuse: off for this capture: the repeated blocks hold parts called without "
+                             f"tracing into them (excluded or opaque, e.g. '{sites[0].qualname}'); every block was "
+                             f"captured by the whole-model capture.")
             return None
         stubs = _Stubs(instances, uncached)
         try:
@@ -461,6 +474,32 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
                          f"was captured instead.")
             return None
     return None
+
+
+def _apart_from_opaque(model: nn.Module, policy: LeafPolicy, descend: set[int],
+                       sites: list[Any]) -> list[list[tuple[str, nn.Module]]]:
+    """:func:`.blocks.find_groups` with no instance overlapping an opaque part (``sites``): an
+    instance holding one is looked inside (``descend``, updated: its own repeated children may still
+    be reused), one inside an opaque part (or the part itself) is left out. Such a part is called
+    by the outer capture, where its recorded outputs stand in for it; a block captured on its own
+    cannot replay them."""
+    paths = [site.path for site in sites]
+    # a module inside an opaque module runs only in its recorded eager calls; one inside the owner of an
+    # opaque method is called by the outer capture as usual, unless from that method (then not at all)
+    modules = [site.path for site in sites if site.is_module]
+
+    def holds(name: str) -> bool:
+        return any(p.startswith(f"{name}.") for p in paths if name)
+
+    def within(name: str) -> bool:
+        return name in paths or any(p == "" or name.startswith(f"{p}.") for p in modules)
+
+    while True:
+        groups = find_groups(model, policy, descend)
+        holding = {id(module) for group in groups for name, module in group if holds(name)}
+        if not holding - descend:
+            return [kept for kept in ([(n, m) for n, m in group if not within(n)] for group in groups) if kept]
+        descend |= holding
 
 
 def _structure_whys(model: nn.Module, policy: LeafPolicy, instances: dict[int, tuple[nn.Module, Any]],
@@ -510,7 +549,7 @@ def _capture(job: ReuseJob, stubs: _Stubs, qualnames: dict[int, str]) -> tuple[f
                               classes=policy.classes) if user_leaves else policy
     outer_target = LiftTarget(model, outer_policy, target.capture_call, prepared_call, route)
     outer_notes = outer_target.notes
-    outer, extra = relift(result.graph_module, outer_target, device_literals=False)
+    outer, extra = relift(result.graph_module, outer_target, job.box, device_literals=False)
     by_name = {qualnames[mid]: module for mid, (module, _) in instances.items()}
     extra = {k: v for k, v in extra.items() if k not in by_name}
     groups: dict[Any, list[Member]] = {}
@@ -524,6 +563,11 @@ def _capture(job: ReuseJob, stubs: _Stubs, qualnames: dict[int, str]) -> tuple[f
             groups.setdefault((instances[id(module)][1], input_key(node)), []).append(member)
     info = ReuseInfo()
     why, alone = _structure_whys(model, policy, instances, qualnames)
+    for name in alone:
+        held = next((site for site in (job.box.sites if job.box else []) if site.path.startswith(f"{name}.")), None)
+        if held is not None:
+            alone[name] = (f"it holds '{held.qualname}', which is called without tracing into it (excluded or "
+                           f"opaque), so its inside is captured with the model around it")
     firsts: dict[int, str] = {}
     for key, group in groups.items():
         first = firsts.setdefault(key[0], group[0].name)

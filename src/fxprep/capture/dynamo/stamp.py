@@ -201,8 +201,9 @@ class Stamper:
                 module = self.added.get(str(node.target))
                 try:
                     module = self.model.get_submodule(str(node.target)) if module is None else module
-                except AttributeError as err:
-                    raise StampError(f"no submodule '{node.target}'") from err
+                except AttributeError:
+                    # the module calling an opaque method, placed by the outer re-lifting (relift.place_wrappers)
+                    module = _outer_module(self.outer, str(node.target))
                 holder.install(str(node.target), module)
         for node in self.graph.nodes:
             if node.op != "get_attr":
@@ -224,6 +225,14 @@ class Stamper:
         gm.meta["fxprep_constants"] = self.constants
         _reorder_like(gm, self.model)
         return gm
+
+
+def _outer_module(outer: fx.GraphModule, target: str) -> nn.Module:
+    try:
+        module = outer.get_submodule(target)
+    except AttributeError as err:
+        raise StampError(f"no submodule '{target}'") from err
+    return module
 
 
 def converted_block(block: fx.GraphModule, convert: Any,
