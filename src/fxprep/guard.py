@@ -183,7 +183,8 @@ def tracing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if torch.compiler.is_compiling() or _is_exporting():
         return True
     if _FX_TLS is not None:
-        if getattr(_FX_TLS, "flag", False):
+        # this thread's dict: a lookup, where getattr's default costs a raised AttributeError (~1.5 µs)
+        if _FX_TLS.__dict__.get("flag", False):
             return True
     elif _fx_tracing():
         return True
