@@ -142,17 +142,8 @@ def load_weights(gm: fx.GraphModule, source: Any, *, device: Any = None, dtype: 
     before = {t.device for s in slots.values() for t in (s.tensor,)}
     target = _device(device) if device is not None else _default_device(before)
     plan = _plan(slots, checkpoint, dtype)
-    recompute = [s for s in slots.values() if id(s.tensor) not in plan.keys and s.tensor.is_meta]
     roots = [gm] if original is None else [gm, original]
-    new = _recompute(recompute, original, target)
-    failed = [s for s in recompute if id(s.tensor) not in new and s.in_gm]
-    if failed:
-        raise WeightsError(
-            f"{len(failed)} tensor(s) hold no value and are not in {checkpoint.where}, and could not be recomputed by "
-            f"their module's own initialisation: {_list(s.paths[0] for s in failed)}. Pass their values in the source "
-            f"(a state_dict may hold non-persistent buffers too)."
-        )
-    _replace(roots, new)
+    recompute, new = _fill_missing(slots, plan, checkpoint, original, roots, target)
     loaded = 0
     for shard in checkpoint.shards(set(plan.first) | set(plan.duplicates)):
         fresh: dict[int, torch.Tensor] = {}
@@ -180,6 +171,25 @@ def load_weights(gm: fx.GraphModule, source: Any, *, device: Any = None, dtype: 
               + (f"; left on meta in the original model only (the graph does not use them): {_list(left)}" if left else "")
               + (f", {moved} device literal(s) moved" if moved else "") + ".")
     return gm
+
+
+def _fill_missing(slots: dict[int, _Slot], plan: _Plan, checkpoint: Checkpoint, original: nn.Module | None,
+                  roots: list[nn.Module], device: torch.device) -> tuple[list[_Slot], dict[int, torch.Tensor]]:
+    """The tensors on ``meta`` the checkpoint does not hold, recomputed by their module's own
+    initialisation on ``device`` and put in place in ``roots`` (both :func:`load_weights` paths).
+    Returns those slots and the new tensors by the old one's id; :class:`WeightsError` before any
+    change when one the graph uses cannot be recomputed."""
+    recompute = [s for s in slots.values() if id(s.tensor) not in plan.keys and s.tensor.is_meta]
+    new = _recompute(recompute, original, device)
+    failed = [s for s in recompute if id(s.tensor) not in new and s.in_gm]
+    if failed:
+        raise WeightsError(
+            f"{len(failed)} tensor(s) hold no value and are not in {checkpoint.where}, and could not be recomputed by "
+            f"their module's own initialisation: {_list(s.paths[0] for s in failed)}. Pass their values in the source "
+            f"(a state_dict may hold non-persistent buffers too)."
+        )
+    _replace(roots, new)
+    return recompute, new
 
 
 def _device(device: Any) -> torch.device:
@@ -475,13 +485,7 @@ def _load_by_map(gm: fx.GraphModule, source: Any, device_map: Any, dtype: torch.
     on_disk = "disk" in device_map.values()
     folder = str(offload_dir) if offload_dir is not None else (tempfile.mkdtemp(prefix="fxprep-offload-") if on_disk else None)
     roots = [gm] if original is None else [gm, original]
-    recompute = [s for s in slots.values() if id(s.tensor) not in plan.keys and s.tensor.is_meta]
-    new = _recompute(recompute, original, main)
-    failed = [s for s in recompute if id(s.tensor) not in new and s.in_gm]
-    if failed:
-        raise WeightsError(f"{len(failed)} tensor(s) hold no value and are not in {checkpoint.where}, and could not be "
-                           f"recomputed: {_list(s.paths[0] for s in failed)}.")
-    _replace(roots, new)
+    _, new = _fill_missing(slots, plan, checkpoint, original, roots, main)
     index: dict[str, Any] = {}
     for shard_file, keys in checkpoint.files.items():
         for key in keys:
