@@ -115,7 +115,7 @@ def capture_dynamo_leaves(request: CaptureRequest, first_error: BaseException | 
     tracer = VALUES_TRACER if real_values else TRACER
     model, handled = request.model, request.handled
     records = {} if request.records is None else request.records
-    # block reuse keeps the opaque parts out of the blocks (reuse._apart_from_opaque), but not values decided
+    # block reuse keeps the opaque parts out of the blocks (blocks.groups_apart_from), but not values decided
     # from data (each block would decide its own); the block pass belongs to the whole-model capture
     request = request.replace(records=records, reuse=request.reuse and not real_values, block_pass=None)
     capture_call, _ = request.calls()

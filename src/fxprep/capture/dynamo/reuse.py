@@ -53,16 +53,15 @@ from ...runs import SEED, preserved_state
 from ..common import LeafPolicy
 from .blocks import (
     call_inputs,
-    eligible_kind,
-    find_groups,
     freeze,
+    groups_apart_from,
     guard_differences,
     guard_key,
     input_key,
     self_guards,
     shape_kind,
     size_key,
-    structure_difference,
+    structure_whys,
 )
 from .export import AttributeGuard, dynamo_export
 from .opaque import BlackBox
@@ -449,7 +448,7 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
     for _ in range(4):  # a retry looks inside blocks whose output one call cannot return, or computes more
         instances: dict[int, tuple[nn.Module, Any]] = {}
         qualnames: dict[int, str] = {}
-        for key, group in enumerate(_apart_from_opaque(model, policy, descend, sites)):
+        for key, group in enumerate(groups_apart_from(model, policy, descend, sites)):
             for name, module in group:
                 instances[id(module)] = (module, key)
                 qualnames[id(module)] = name
@@ -474,59 +473,6 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
                          f"was captured instead.")
             return None
     return None
-
-
-def _apart_from_opaque(model: nn.Module, policy: LeafPolicy, descend: set[int],
-                       sites: list[Any]) -> list[list[tuple[str, nn.Module]]]:
-    """:func:`.blocks.find_groups` with no instance overlapping an opaque part (``sites``): an
-    instance holding one is looked inside (``descend``, updated: its own repeated children may still
-    be reused), one inside an opaque part (or the part itself) is left out. Such a part is called
-    by the outer capture, where its recorded outputs stand in for it; a block captured on its own
-    cannot replay them."""
-    paths = [site.path for site in sites]
-    # a module inside an opaque module runs only in its recorded eager calls; one inside the owner of an
-    # opaque method is called by the outer capture as usual, unless from that method (then not at all)
-    modules = [site.path for site in sites if site.is_module]
-
-    def holds(name: str) -> bool:
-        return any(p.startswith(f"{name}.") for p in paths if name)
-
-    def within(name: str) -> bool:
-        return name in paths or any(p == "" or name.startswith(f"{p}.") for p in modules)
-
-    while True:
-        groups = find_groups(model, policy, descend)
-        holding = {id(module) for group in groups for name, module in group if holds(name)}
-        if not holding - descend:
-            return [kept for kept in ([(n, m) for n, m in group if not within(n)] for group in groups) if kept]
-        descend |= holding
-
-
-def _structure_whys(model: nn.Module, policy: LeafPolicy, instances: dict[int, tuple[nn.Module, Any]],
-                    qualnames: dict[int, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """Why instances of a reused block's class are not stamped from its first instance, by their
-    module tree: the first of each further group of that class (a MoE layer among dense ones, a
-    ResNet stage's wider bottlenecks), and each instance with no twin at all, captured as part of the
-    model around it (a layer with ``mlp_only_layers``, T5's first block)."""
-    reference: dict[type, tuple[str, nn.Module]] = {}
-    groups: dict[str, str] = {}
-    seen_keys: set[Any] = set()
-    for mid, (module, key) in instances.items():  # group by group, each in model order
-        if key in seen_keys:
-            continue
-        seen_keys.add(key)
-        first = reference.setdefault(type(module), (qualnames[mid], module))
-        if first[1] is not module:
-            groups[qualnames[mid]] = structure_difference(module, first[1], first[0], policy)
-    members = set(qualnames.values())
-    alone: dict[str, str] = {}
-    for name, module in model.named_modules():
-        if (type(module) in reference and id(module) not in instances and eligible_kind(module, model, policy)
-                and not any(name.startswith(f"{m}.") for m in members)):
-            first_name, first = reference[type(module)]
-            alone[name] = (f"no other instance has its module tree ({structure_difference(module, first, first_name, policy)}"
-                           f"), so its inside is captured with the model around it")
-    return groups, alone
 
 
 def _first_line(err: BaseException) -> str:
@@ -562,7 +508,7 @@ def _capture(job: ReuseJob, stubs: _Stubs, qualnames: dict[int, str]) -> tuple[f
             seen[name] = member.k + 1
             groups.setdefault((instances[id(module)][1], input_key(node)), []).append(member)
     info = ReuseInfo()
-    why, alone = _structure_whys(model, policy, instances, qualnames)
+    why, alone = structure_whys(model, policy, instances, qualnames)
     for name in alone:
         held = next((site for site in (job.box.sites if job.box else []) if site.path.startswith(f"{name}.")), None)
         if held is not None:
