@@ -4,7 +4,8 @@ On CPU: ``"cpu"`` and ``"disk"`` entries (explicit, nested, ``"auto"`` from a ``
 sharded safetensors checkpoint and from a state_dict. Outputs equal transformers' ``from_pretrained``;
 tensors on disk are never loaded (still ``meta`` in the model, read from the checkpoint's own files);
 ``run_sequential`` runs on the hooks the map attached. Maps naming two accelerators (where the graph
-moves activations between devices) cannot be run without GPUs and are not tested here.
+moves activations between devices) cannot be run without two GPUs; where the graph moves values for
+such a map is checked without them.
 """
 
 from __future__ import annotations
@@ -133,3 +134,54 @@ def test_on_stage_updates_reach_weights_left_on_disk(llama_dir: Path, tmp_path: 
         for layer in reference.model.layers:
             layer.mlp.down_proj.weight.mul_(0.5)
         assert torch.equal(gm(input_ids=IDS).logits, reference(input_ids=IDS, use_cache=False).logits)
+
+
+TWO_ACCELERATORS = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
+                    "model.layers.2": 1, "model.norm": 1, "lm_head": 1}
+
+
+def test_values_crossing_to_another_accelerator_are_moved_once_before_their_first_use() -> None:
+    """The graph's moves for a map over two accelerators, checked without them (no run on two
+    devices is possible here): each value made on cuda:0 and read on cuda:1 is moved once, every
+    reader on cuda:1 reads the moved value, nothing is moved where it already is; with the moves
+    pointed at the CPU the graph still computes what it computed."""
+    from fxprep import placement
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**CFG)).eval()
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": IDS}, verify=False)
+    with torch.no_grad():
+        before = gm(input_ids=IDS).logits
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    made_on: dict[str, str] = {}  # each computing node: the device of its stage's weights under the map
+    for stage in fxprep.partition(gm):
+        hits = [d for path in stage.weight_modules for k, d in TWO_ACCELERATORS.items()
+                if path == k or path.startswith(k + ".")]
+        assert len(set(hits)) == 1, (stage.name, hits)  # the map puts each stage on one device
+        for n in stage.graph.nodes:
+            if n.op not in ("placeholder", "output", "get_attr"):
+                made_on[n.name] = f"cuda:{hits[0]}"
+    moves = placement.move_between_devices(gm, TWO_ACCELERATORS)
+    sends = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is placement.send_to]
+    assert moves == len(sends) > 0
+    moved = [n.args[0] for n in sends]
+    assert len({m.name for m in moved}) == len(moved)  # each value moved once
+    for send in sends:
+        value, device = send.args
+        assert device == "cuda:1" and made_on.get(value.name, "cuda:0") == "cuda:0", (value.name, device)
+        assert all(made_on[u.name] == "cuda:1" for u in send.users)
+        assert all(order.get(u, len(order)) > order.get(value, -1) for u in send.users)
+    # every reader on cuda:1 of a value made on cuda:0 reads it through a move
+    for node in gm.graph.nodes:
+        if made_on.get(node.name) == "cuda:1":
+            for value in node.all_input_nodes:
+                if value in sends:
+                    continue
+                if value.op != "get_attr" and made_on.get(value.name, "cuda:0") == "cuda:0":
+                    pytest.fail(f"{node.name} on cuda:1 reads {value.name} from cuda:0 unmoved")
+    for send in sends:
+        send.args = (send.args[0], "cpu")
+    gm.recompile()
+    with torch.no_grad():
+        assert torch.equal(gm(input_ids=IDS).logits, before)

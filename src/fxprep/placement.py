@@ -161,7 +161,8 @@ def _execution_device(device: Any, main: str) -> str:
 
 def move_between_devices(gm: fx.GraphModule, device_map: dict[str, Any]) -> int:
     """Where two consecutive stages of ``gm`` (:func:`fxprep.partition`) execute on different devices,
-    the later one's inputs are moved (:func:`send_to`) before their first use. Nothing changes when
+    the later one's inputs are moved (:func:`send_to`) before their first use, each value once per
+    device (rotary tables read by every layer are not copied again for each one). Nothing changes when
     the map has one execution device (CPU and disk execute on the main device)."""
     from .partition import partition
 
@@ -173,6 +174,7 @@ def move_between_devices(gm: fx.GraphModule, device_map: dict[str, Any]) -> int:
     by_name = {n.name: n for n in gm.graph.nodes}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     produced_on: dict[str, str] = {}
+    sent: dict[tuple[str, str], fx.Node] = {}  # (value, device) -> its move, which later stages read too
     moves = 0
     for stage in stages:
         place = main
@@ -189,11 +191,13 @@ def move_between_devices(gm: fx.GraphModule, device_map: dict[str, Any]) -> int:
             users = sorted((u for u in value.users if u.name in computing), key=order.__getitem__)
             if not users:
                 continue
-            with gm.graph.inserting_before(users[0]):
-                moved = gm.graph.call_function(send_to, (value, place))
+            moved = sent.get((name, place))
+            if moved is None:  # the first stage on this device to read it: moved once, before that use
+                with gm.graph.inserting_before(users[0]):
+                    moved = sent[(name, place)] = gm.graph.call_function(send_to, (value, place))
+                moves += 1
             for user in users:
                 user.replace_input_with(value, moved)
-            moves += 1
         for name in stage.outputs:
             produced_on[name] = place
     if moves:
