@@ -162,7 +162,9 @@ def _execution_device(device: Any, main: str) -> str:
 def move_between_devices(gm: fx.GraphModule, device_map: dict[str, Any]) -> int:
     """Where two consecutive stages of ``gm`` (:func:`fxprep.partition`) execute on different devices,
     the later one's inputs are moved (:func:`send_to`) before their first use, each value once per
-    device (rotary tables read by every layer are not copied again for each one). Nothing changes when
+    device (rotary tables read by every layer are not copied again for each one; a value a stage
+    changes in place is moved afresh after it). A stage changing a moved copy in place does not
+    change the original on its own device (not carried back). Nothing changes when
     the map has one execution device (CPU and disk execute on the main device)."""
     from .partition import partition
 
@@ -200,6 +202,9 @@ def move_between_devices(gm: fx.GraphModule, device_map: dict[str, Any]) -> int:
                 user.replace_input_with(value, moved)
         for name in stage.outputs:
             produced_on[name] = place
+            # changed in place here (a stage outputs an existing value only then): copies on other devices are stale
+            for key in [k for k in sent if k[0] == name and k[1] != place]:
+                del sent[key]
     if moves:
         gm.graph.lint()
         gm.recompile()
