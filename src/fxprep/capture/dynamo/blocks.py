@@ -380,6 +380,11 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def held_part(name: str, sites: list[Any]) -> Any:
+    """The first of ``sites`` (opaque parts) strictly inside the module at ``name``, or None."""
+    return next((site for site in sites if name and site.path.startswith(f"{name}.")), None)
+
+
 def groups_apart_from(model: nn.Module, policy: LeafPolicy, descend: set[int],
                      sites: list[Any]) -> list[list[tuple[str, nn.Module]]]:
     """:func:`find_groups` with no instance overlapping an opaque part (``sites``): an
@@ -392,15 +397,12 @@ def groups_apart_from(model: nn.Module, policy: LeafPolicy, descend: set[int],
     # opaque method is called by the outer capture as usual, unless from that method (then not at all)
     modules = [site.path for site in sites if site.is_module]
 
-    def holds(name: str) -> bool:
-        return any(p.startswith(f"{name}.") for p in paths if name)
-
     def within(name: str) -> bool:
         return name in paths or any(p == "" or name.startswith(f"{p}.") for p in modules)
 
     while True:
         groups = find_groups(model, policy, descend)
-        holding = {id(module) for group in groups for name, module in group if holds(name)}
+        holding = {id(module) for group in groups for name, module in group if held_part(name, sites) is not None}
         if not holding - descend:
             return [kept for kept in ([(n, m) for n, m in group if not within(n)] for group in groups) if kept]
         descend |= holding

@@ -57,6 +57,7 @@ from .blocks import (
     groups_apart_from,
     guard_differences,
     guard_key,
+    held_part,
     input_key,
     self_guards,
     shape_kind,
@@ -510,7 +511,7 @@ def _capture(job: ReuseJob, stubs: _Stubs, qualnames: dict[int, str]) -> tuple[f
     info = ReuseInfo()
     why, alone = structure_whys(model, policy, instances, qualnames)
     for name in alone:
-        held = next((site for site in (job.box.sites if job.box else []) if site.path.startswith(f"{name}.")), None)
+        held = held_part(name, job.box.sites if job.box else [])
         if held is not None:
             alone[name] = (f"it holds '{held.qualname}', which is called without tracing into it (excluded or "
                            f"opaque), so its inside is captured with the model around it")
