@@ -111,23 +111,32 @@ def summary(gm: fx.GraphModule) -> list[str]:
     return lines
 
 
-def failed_check(gm: fx.GraphModule, err: BaseException) -> InputMismatch | None:
-    """The :class:`InputMismatch` to raise for ``err`` when it is one of ``gm``'s decision checks
-    failing (matched by the check's own message, which the error repeats), else None."""
+def failed_node(gm: fx.GraphModule, err: BaseException) -> fx.Node | None:
+    """The check of ``gm`` that ``err`` is the failure of (matched by the check's own message,
+    which the error repeats), else None."""
     text = str(err)
     if "Runtime assertion failed" not in text:
         return None
     for node in gm.graph.nodes:
         msg = _message(node) if is_check(node) else None
         if msg and msg in text:
-            where = location(node) or "the model's code"
-            symbols = ", ".join(dict.fromkeys(_SYMBOL.findall(expression(node))))
-            return InputMismatch(
-                f"this input decides a value differently from the example the graph was captured with: at {where}, "
-                f"the capture took {symbols or 'a value'} from the example's data and the graph checks "
-                f"'{expression(node)}', which this input breaks. Prepare again with an example that decides it this "
-                f"way, or keep the module containing that code opaque (modules_to_exclude=[...]) so it runs eagerly "
-                f"for any input."
-            )
+            return node
     return None
+
+
+def failed_check(gm: fx.GraphModule, err: BaseException) -> InputMismatch | None:
+    """The :class:`InputMismatch` to raise for ``err`` when it is one of ``gm``'s decision checks
+    failing, else None."""
+    node = failed_node(gm, err)
+    if node is None:
+        return None
+    where = location(node) or "the model's code"
+    symbols = ", ".join(dict.fromkeys(_SYMBOL.findall(expression(node))))
+    return InputMismatch(
+        f"this input decides a value differently from the example the graph was captured with: at {where}, "
+        f"the capture took {symbols or 'a value'} from the example's data and the graph checks "
+        f"'{expression(node)}', which this input breaks. Prepare again with an example that decides it this "
+        f"way, or keep the module containing that code opaque (modules_to_exclude=[...]) so it runs eagerly "
+        f"for any input."
+    )
 

@@ -100,7 +100,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
     static or dynamic shapes; opaque parts are kept out of the blocks); ``request.block_pass(block_gm, first_instance)`` is then
     run once on each repeated block before it is stamped out (:func:`.reuse.capture_reusing`).
     ``real_values``: values read from data are decided from the example's, each decision checked in
-    the graph (:mod:`fxprep.decisions`; tracer "dynamo+values"; callers pass reuse=False). Never raises for a
+    the graph (:mod:`fxprep.decisions`; tracer "dynamo+values"; block reuse decides them per block). Never raises for a
     capture failure.
     """
     start = time.perf_counter()
@@ -132,10 +132,11 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
                 if request.reuse:
                     target.notes.extend(_reuse_notes(model, policy, state))
                 if request.reuse and state.current == "flag" and not state.fresh_kwargs:
-                    reused = capture_reusing(ReuseJob(target, call, guard, request.block_pass, spec, box))
+                    reused = capture_reusing(ReuseJob(target, call, guard, request.block_pass, spec, box, real_values))
                 if reused is not None:
                     gm, extra = reused
                 else:
+                    box.rewind()  # a reuse attempt's outer capture may have counted the opaque calls
                     result = dynamo_export(model, call, state.current, spec, real_values=real_values,
                                            fresh_kwargs=state.fresh_kwargs)
                     guard.reset()  # Dynamo left fake tensors in attributes forward() writes

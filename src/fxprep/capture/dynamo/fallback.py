@@ -115,9 +115,9 @@ def capture_dynamo_leaves(request: CaptureRequest, first_error: BaseException | 
     tracer = VALUES_TRACER if real_values else TRACER
     model, handled = request.model, request.handled
     records = {} if request.records is None else request.records
-    # block reuse keeps the opaque parts out of the blocks (blocks.groups_apart_from), but not values decided
-    # from data (each block would decide its own); the block pass belongs to the whole-model capture
-    request = request.replace(records=records, reuse=request.reuse and not real_values, block_pass=None)
+    # block reuse keeps the opaque parts out of the blocks (blocks.groups_apart_from), and each block decides
+    # its own values read from data (reuse.decided_otherwise); the block pass belongs to the whole-model capture
+    request = request.replace(records=records, block_pass=None)
     capture_call, _ = request.calls()
     sites: list[Site] = []
     found: list[tuple[Site, Issue, Site | None]] = []

@@ -62,7 +62,9 @@ def origin_stack(err: BaseException) -> list[tuple[str, str, int]]:
     is what must be opaque; the guard itself may fail much later, or with no user frame at all.
     Empty when unknown, or when the symbols came out of an opaque part (:mod:`.opaque`)."""
     cause: BaseException | None = err
-    while cause is not None and getattr(cause, "cond", None) is None:
+    seen: set[int] = set()
+    while cause is not None and getattr(cause, "cond", None) is None and id(cause) not in seen:
+        seen.add(id(cause))  # a chain may loop: an error re-raised while handling one raised from it
         cause = cause.__context__ or cause.__cause__
     cond = getattr(cause, "cond", None)
     output = getattr(err, "_torch_dynamo_tracer_output", None)  # private: feature-detected

@@ -256,6 +256,19 @@ class BlackBox:
         with patched(self.model, {c.site: c.shim() for c in calls}, classes=True):
             yield
 
+    def rewind(self) -> None:
+        """Count every site's calls from the first again: each Dynamo trace replays the recorded
+        calls in order, and one trace before this one (block reuse's outer capture, given up) may
+        have counted some."""
+        for call in self.calls.values():
+            call.count[0] = 0
+
+    def calls_in(self, gm: fx.GraphModule) -> list[Site]:
+        """The sites Dynamo's graph ``gm`` calls (nodes of their allow-in-graph functions)."""
+        found = [self.calls[n.target].site for n in gm.graph.nodes
+                 if n.op == "call_function" and n.target in self.calls]
+        return list(dict.fromkeys(found))
+
     def __bool__(self) -> bool:
         return bool(self.sites)
 

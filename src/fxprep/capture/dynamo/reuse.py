@@ -5,7 +5,7 @@ class with the same configuration; capture time grows with depth. Here, instead:
 
 1. The repeated blocks are found (:func:`.blocks.find_groups`): the outermost submodules that
    share their class and module tree with another one, owning everything under them.
-2. The model is captured once with those blocks as single calls (:class:`_Stubs`): for the length
+2. The model is captured once with those blocks as single calls (:class:`.stubs.Stubs`): for the length
    of the capture each instance gets a subclass of its own class that Dynamo treats like a
    ``torch.nn`` layer (one ``call_module`` node, never traced into). Dynamo still needs each
    call's output as a fake tensor; the subclass computes it by running the real ``forward`` on a
@@ -34,6 +34,13 @@ outer capture declares the model's dynamic dimensions, the stubs' fake outputs c
 sizes, and each block is captured with every dimension that is symbolic at its call declared
 dynamic (:func:`_block_spec`); shapes are compared with their symbolic sizes as "any"
 (:func:`.blocks.shape_kind`), since each capture names its symbols afresh.
+
+Where values read from data are decided from the example (``dynamo+values``, :mod:`.values`), each
+block's capture decides them from the inputs it receives, and its checks stay in every copy; the
+graph of a group's first member is run on each other member's recorded inputs, and a member whose
+inputs fail one of its checks is captured in a next round (:func:`decided_otherwise`). A block that
+calls a function made opaque gives reuse up: the function's recorded calls are numbered in the
+model's order, which a block captured alone cannot follow.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ... import decisions
 from ...inputs import ExampleInputs
 from ...runs import SEED, preserved_state
 from ..common import LeafPolicy
@@ -60,17 +68,15 @@ from .blocks import (
     held_part,
     input_key,
     self_guards,
-    shape_kind,
-    size_key,
     structure_whys,
 )
 from .export import AttributeGuard, dynamo_export
 from .opaque import BlackBox
 from .relift import ROUTE_META, LiftTarget, follow_input_device, relift
 from .stamp import Stamper, block_output_signature, converted_block, foreign_attributes, names_free
+from .stubs import OtherOutput, Stubs
 
 BlockPass = Callable[[fx.GraphModule, nn.Module], Any]  # (block graph, its first instance) -> rewritten in place
-STUB_MODULE = "torch.nn.fxprep_block"  # Dynamo calls a module whose class lives in torch.nn as one node
 REUSE_META = "fxprep_reuse"
 
 
@@ -110,162 +116,6 @@ class ReuseInfo:
 
 def _names(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:2])}, ... {names[-1]} ({len(names)})"
-
-
-class _Stubs:
-    """For the length of the outer capture, every reused instance has a subclass of its own class
-    that Dynamo calls as one ``call_module`` (see the module docstring), one subclass per block
-    signature. The user's objects are untouched but for their ``__class__``, put back on exit."""
-
-    def __init__(self, instances: dict[int, tuple[nn.Module, Any]], uncached: set[Any]):
-        self.instances = instances  # id -> (module, signature key)
-        self.uncached = uncached  # signature keys whose fake outputs are computed for every call
-        self.originals: dict[int, type] = {}
-        self.classes: dict[Any, type] = {}
-        self.cache: dict[Any, Any] = {}
-        self.unsupported: set[Any] = set()  # signature keys of blocks returning what one call cannot
-        self.returned: dict[int, set[Any]] = {}  # id(instance) -> what its calls returned (output_signature)
-
-    def __enter__(self) -> _Stubs:
-        try:
-            for mid, (module, key) in self.instances.items():
-                cls = type(module)
-                if key not in self.classes:
-                    self.classes[key] = self._stub(cls, key)
-                module.__class__ = self.classes[key]
-                self.originals[mid] = cls
-        except Exception:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for mid, cls in self.originals.items():
-            self.instances[mid][0].__class__ = cls
-        self.originals.clear()
-
-    def _stub(self, cls: type, key: Any) -> type:
-        stubs = self
-
-        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return stubs.fake_call(module, args, kwargs)
-
-        def deepcopy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
-            return module  # Dynamo copies a called layer to fake tensors; forward above needs none
-
-        def named_modules(module: nn.Module, memo: set[nn.Module] | None = None, prefix: str = "",
-                          remove_duplicate: bool = True) -> Any:
-            # The block alone: Dynamo walks the model's modules once per call it records and turns
-            # every parameter it finds into a fake tensor; a block's inside is not its business here.
-            if memo is None or module not in memo:
-                if memo is not None and remove_duplicate:
-                    memo.add(module)
-                yield prefix, module
-
-        return type(cls.__name__, (cls,), {"forward": forward, "__deepcopy__": deepcopy, "named_modules": named_modules,
-                                           "_fxprep_key": key, "_fxprep_original": cls, "__module__": STUB_MODULE,
-                                           "__qualname__": cls.__qualname__})
-
-    def fake_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The output of ``module(*args, **kwargs)`` on Dynamo's fake tensors. What it was is kept:
-        the block graph stamped at this call must return the same structure (the outer code may
-        have branched on it, e.g. on an output being None)."""
-        out = self._fake_call(module, args, kwargs)
-        self.returned.setdefault(id(module), set()).add(output_signature(out))
-        return out
-
-    def _fake_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        stub = type(module)
-        flat, _ = pytree.tree_flatten((args, kwargs))
-        key = (stub._fxprep_key, _fake_key(flat))  # type: ignore[attr-defined]
-        described = self.cache.get(key) if stub._fxprep_key not in self.uncached else None  # type: ignore[attr-defined]
-        if described is not None:
-            spec, leaves = described
-            return pytree.tree_unflatten([_make(leaf, flat) for leaf in leaves], spec)
-        import torch._guards
-        from torch._dynamo.utils import deepcopy_to_fake_tensor
-
-        fake_mode = torch._guards.detect_fake_mode(flat)
-        module.__class__ = stub._fxprep_original  # type: ignore[attr-defined]
-        try:
-            copy = deepcopy_to_fake_tensor(module, fake_mode)
-        finally:
-            module.__class__ = stub
-        out = copy(*args, **kwargs)
-        if not _one_call_output(out):
-            self.unsupported.add(stub._fxprep_key)  # type: ignore[attr-defined]
-            raise _Unsupported(f"{stub.__name__} returns {type(out).__name__}, which Dynamo cannot take from one call")
-        described = _describe(out, flat)
-        if described is not None:
-            self.cache[key] = described
-        return out
-
-
-class _OtherOutput(RuntimeError):
-    """A block instance returns another structure than the first one of its kind did, whose output
-    the outer capture repeated for it: the capture is retried computing every such output."""
-
-    def __init__(self, message: str, key: Any):
-        super().__init__(message)
-        self.key = key
-
-
-class _Unsupported(RuntimeError):
-    """A block's output is not something Dynamo accepts from a ``call_module`` (a dict, a
-    ``ModelOutput``): the capture is retried with that block's children as the blocks."""
-
-
-def output_signature(out: Any) -> Any:
-    """The structure of a block's output, its tensors' shapes and dtypes, and its other values."""
-    leaves, spec = pytree.tree_flatten(out)
-    return (str(spec), tuple(("t", shape_kind(x.shape), x.dtype) if isinstance(x, torch.Tensor) else freeze(x)
-                             for x in leaves))
-
-
-def _one_call_output(out: Any) -> bool:
-    """What Dynamo takes as the result of one ``call_module``: a tensor, or tuples / lists of
-    tensors, ``None`` and numbers (measured on torch 2.14: dicts and ``ModelOutput`` are refused)."""
-    if isinstance(out, torch.Tensor):
-        return True
-    if type(out) in (tuple, list):
-        return all(x is None or isinstance(x, (bool, int, float)) or _one_call_output(x) for x in out)
-    return False
-
-
-def _fake_key(flat: list[Any]) -> Any:
-    out = []
-    for leaf in flat:
-        if isinstance(leaf, torch.Tensor):
-            out.append((size_key(leaf.shape), size_key(leaf.stride()), leaf.dtype, leaf.device, leaf.requires_grad,
-                        next(i for i, x in enumerate(flat) if x is leaf)))
-        else:
-            out.append(freeze(leaf))
-    return tuple(out)
-
-
-def _describe(out: Any, inputs: list[Any]) -> tuple[Any, list[Any]] | None:
-    leaves, spec = pytree.tree_flatten(out)
-    described: list[Any] = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            alias = next((i for i, x in enumerate(inputs) if x is leaf), None)
-            described.append(("in", alias) if alias is not None else
-                             ("t", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device, leaf.requires_grad))
-        elif isinstance(leaf, (type(None), bool, int, float, str)):
-            described.append(("c", leaf))
-        else:
-            return None  # anything else is computed afresh for every instance
-    return spec, described
-
-
-def _make(leaf: Any, inputs: list[Any]) -> Any:
-    if leaf[0] == "in":
-        return inputs[leaf[1]]
-    if leaf[0] == "c":
-        return leaf[1]
-    _, shape, stride, dtype, device, grad = leaf
-    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    return t.requires_grad_(grad) if grad else t
 
 
 class _Recorded(BaseException):
@@ -361,6 +211,24 @@ def _block_spec(member: Member, call: ExampleInputs) -> dict[str, Any] | None:
     return dict(bound.arguments)
 
 
+def decided_otherwise(gm: fx.GraphModule, first: Member, member: Member, recorded: dict[tuple[int, int], Any]) -> str | None:
+    """Why the graph captured from ``first``, whose values read from data were decided from its
+    inputs, does not hold for ``member``: the check that fails on ``member``'s recorded inputs
+    (Qwen2.5-VL's vision blocks split by window in most layers and by image in the full-attention
+    ones), or None when it runs. The weights are ``first``'s; the checks follow the inputs."""
+    call = _block_call(member, recorded[(id(member.module), member.k)])
+    with preserved_state(first.module), torch.no_grad():
+        try:
+            gm(*call.args, **call.kwargs)
+        except Exception as err:  # noqa: BLE001 - any failure keeps the member apart
+            node = decisions.failed_node(gm, err)
+            if node is None:
+                return f"{type(err).__name__}: {_first_line(err)}"
+            where = decisions.location(node) or "the model's code"
+            return f"'{decisions.expression(node)}' fails, decided at {where}"
+    return None
+
+
 @dataclass
 class _Captured:
     members: list[Member]
@@ -382,23 +250,32 @@ class ReuseJob:
     dynamic_spec: dict[str, Any] | None = None
     # the parts Dynamo calls without tracing into (excluded or opaque modules): kept out of the blocks
     box: BlackBox | None = None
+    # values read from data are decided from the example's (:mod:`.values`), in the outer and every block capture
+    real_values: bool = False
 
 
-def _capture_group(group: list[Member], recorded: Any, job: ReuseJob,
+def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], job: ReuseJob,
                    why: dict[str, str]) -> tuple[_Captured, list[list[Member]]]:
     """Capture the first member; the others its guards hold for share the graph, the rest are
-    regrouped (by what the guarded attributes hold) for the next round, with the reason in ``why``."""
+    regrouped (by what the guarded attributes hold) for the next round, with the reason in ``why``.
+    ``recorded``: the inputs each call receives (every member's when values are decided, else the
+    first's)."""
     first = group[0]
     route = job.target.route
-    call = _block_call(first, recorded)
-    result = dynamo_export(first.module, call, route, _block_spec(first, call) if job.dynamic_spec is not None else None)
+    call = _block_call(first, recorded[(id(first.module), first.k)])
+    result = dynamo_export(first.module, call, route, _block_spec(first, call) if job.dynamic_spec is not None else None,
+                           real_values=job.real_values)
     job.guard.reset()
+    opaque = job.box.calls_in(result.graph_module) if job.box else []
+    if opaque:
+        # its recorded outputs are numbered in the model's call order, which a block alone cannot follow
+        raise RuntimeError(f"'{first.name}' calls '{opaque[0].qualname}', which is called without tracing into it")
     block = LiftTarget(first.module, job.target.policy, call, call, route)
-    gm, extra = relift(result.graph_module, block, device_literals=False)
+    gm, extra = relift(result.graph_module, block, device_literals=False, decided=job.real_values)
     notes = block.notes
     sources = self_guards(result.guards, first.module)
     foreign = foreign_attributes(gm, first.module)
-    same, rest = [first], []
+    same, rest, undecided = [first], [], []
     for member in group[1:]:
         if member.module is first.module:
             same.append(member)
@@ -407,6 +284,11 @@ def _capture_group(group: list[Member], recorded: Any, job: ReuseJob,
             why[member.name] = (f"the graph of '{first.name}' reads {', '.join(foreign[:3])}, which is not one of its "
                                 f"tensors and may be its own (a constant, a branch graph)")
             rest.append([member])
+            continue
+        decided = decided_otherwise(gm, first, member, recorded) if job.real_values else None
+        if decided is not None:
+            why[member.name] = f"its inputs decide values read from data otherwise than those of '{first.name}' ({decided})"
+            undecided.append(member)  # together: the next round captures the first and checks the others
             continue
         differ = guard_differences(sources, first.module, member.module)
         if differ:
@@ -423,6 +305,8 @@ def _capture_group(group: list[Member], recorded: Any, job: ReuseJob,
             same.append(member)
     if foreign:
         rest = [[m] for group_ in rest for m in group_]
+    if undecided:
+        rest.append(undecided)
     return _Captured(same, gm, extra, notes), rest
 
 
@@ -439,11 +323,6 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
     captured with the dimensions that are symbolic at its call dynamic too (:func:`_block_spec`)."""
     model, policy, guard, notes = job.target.model, job.target.policy, job.guard, job.target.notes
     sites = job.box.sites if job.box else []
-    if any(site.func is not None for site in sites):
-        notes.append("block reuse: off for this capture: a free function is called without tracing into it (an "
-                     "opaque part), and the blocks may call it too; every block was captured by the whole-model "
-                     "capture.")
-        return None
     descend: set[int] = set()
     uncached: set[Any] = set()
     for _ in range(4):  # a retry looks inside blocks whose output one call cannot return, or computes more
@@ -459,12 +338,16 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
                              f"tracing into them (excluded or opaque, e.g. '{sites[0].qualname}'); every block was "
                              f"captured by the whole-model capture.")
             return None
-        stubs = _Stubs(instances, uncached)
+        stubs = Stubs(instances, uncached)
+        around: Exception | None = None
         try:
             return _capture(job, stubs, qualnames)
+        except _AroundBlocks as failed:
+            guard.reset()
+            around = failed.error
         except Exception as err:  # noqa: BLE001 - reuse is an optimisation: the whole-model capture decides
             guard.reset()
-            if isinstance(err, _OtherOutput) and err.key not in uncached:
+            if isinstance(err, OtherOutput) and err.key not in uncached:
                 uncached.add(err.key)
                 continue
             if stubs.unsupported:
@@ -473,7 +356,18 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
             notes.append(f"block reuse did not apply ({type(err).__name__}: {_first_line(err)}); the whole model "
                          f"was captured instead.")
             return None
+        raise around  # outside the handler, so the error's own chain is left as Dynamo made it
     return None
+
+
+class _AroundBlocks(Exception):
+    """The outer capture failed in the model's own code, not in a block's stand-in: that failure
+    is the capture's (raised as it is from :func:`capture_reusing`), since the whole-model capture
+    would trace the same code and fail the same way, after tracing every block first."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 def _first_line(err: BaseException) -> str:
@@ -481,13 +375,21 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0][:200] if text else ""
 
 
-def _capture(job: ReuseJob, stubs: _Stubs, qualnames: dict[int, str]) -> tuple[fx.GraphModule, dict[str, str]]:
+def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx.GraphModule, dict[str, str]]:
     target, guard = job.target, job.guard
     model, policy, route, notes = target.model, target.policy, target.route, target.notes
     prepared_call = target.prepared_call
     instances = stubs.instances
+    if job.box:
+        job.box.rewind()
     with stubs:
-        result = dynamo_export(model, job.call, route, job.dynamic_spec)
+        try:
+            result = dynamo_export(model, job.call, route, job.dynamic_spec, real_values=job.real_values)
+        except Exception as err:
+            if stubs.involved(err):
+                raise
+            # the model's code around the blocks failed: the whole-model capture would fail there too
+            raise _AroundBlocks(err) from None
     guard.reset()
     # Leaves the user named inside a block are called from the block's graph, not the outer one:
     # the outer re-lifting must see the blocks as leaves then (it records the outermost leaves' calls).
@@ -496,7 +398,7 @@ def _capture(job: ReuseJob, stubs: _Stubs, qualnames: dict[int, str]) -> tuple[f
                               classes=policy.classes) if user_leaves else policy
     outer_target = LiftTarget(model, outer_policy, target.capture_call, prepared_call, route)
     outer_notes = outer_target.notes
-    outer, extra = relift(result.graph_module, outer_target, job.box, device_literals=False)
+    outer, extra = relift(result.graph_module, outer_target, job.box, device_literals=False, decided=job.real_values)
     by_name = {qualnames[mid]: module for mid, (module, _) in instances.items()}
     extra = {k: v for k, v in extra.items() if k not in by_name}
     groups: dict[Any, list[Member]] = {}
@@ -523,11 +425,12 @@ def _capture(job: ReuseJob, stubs: _Stubs, qualnames: dict[int, str]) -> tuple[f
     pending = list(groups.values())
     captured: list[_Captured] = []
     while pending:
-        recorded = _record_inputs(outer, model, prepared_call, [g[0] for g in pending])
+        wanted = [m for g in pending for m in g] if job.real_values else [g[0] for g in pending]
+        recorded = _record_inputs(outer, model, prepared_call, wanted)
         guard.reset()
         next_round: list[list[Member]] = []
         for group in pending:
-            done, rest = _capture_group(group, recorded[(id(group[0].module), group[0].k)], job, why)
+            done, rest = _capture_group(group, recorded, job, why)
             captured.append(done)
             next_round.extend(rest)
         pending = next_round
@@ -544,7 +447,7 @@ def _capture(job: ReuseJob, stubs: _Stubs, qualnames: dict[int, str]) -> tuple[f
         for member in done.members:
             returned = stubs.returned.get(id(member.module), set())
             if returned != {block_output_signature(done.gm)}:
-                raise _OtherOutput(f"the graph captured from '{first.name}' returns another structure than "
+                raise OtherOutput(f"the graph captured from '{first.name}' returns another structure than "
                                    f"'{member.name}' did in the outer capture", instances[id(member.module)][1])
             stamper.inline(member.node, block, first.module, member.name, member.module, made)
             for leaf, why in done.extra.items():

@@ -66,7 +66,7 @@ def foreign_attributes(block: fx.GraphModule, first: nn.Module) -> list[str]:
 
 
 def block_output_signature(block: fx.GraphModule) -> Any:
-    """:func:`.reuse.output_signature` of what ``block`` returns, from its example values."""
+    """:func:`.stubs.output_signature` of what ``block`` returns, from its example values."""
     output = next(n for n in reversed(block.graph.nodes) if n.op == "output")
     flat = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     values = [v.meta.get("example_value") if isinstance(v, fx.Node) else v for v in flat]

@@ -1,0 +1,179 @@
+"""Block reuse where values read from data are decided from the example (``dynamo+values``), and
+with free functions made opaque (issue 27: "block reuse also keeps working when a model has opaque
+parts outside the repeated blocks (the VLM above)").
+
+Each block's own capture decides its values from the inputs it really receives, and its checks
+(:mod:`fxprep.decisions`) stay in every copy stamped from it; an instance whose inputs decide
+otherwise is captured apart. The contract of :mod:`tests.test_reuse` holds: the graph is the
+whole-model capture's, node for node, with bit-equal outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+import fxprep
+from fxprep import decisions
+from tests import vlm_models
+from tests.test_reuse import _shape, _stamped, assert_reuse_exact, hf
+
+
+class _Gated(nn.Module):
+    """A branch on a value read from an input tensor: Dynamo stops there, and deciding it from the
+    example is what captures ``proj`` (the fallback would keep the whole block opaque)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        if int(lengths[0]) > 4:
+            y = y * 2
+        return x + y
+
+
+class _Alternating(nn.Module):
+    """Even blocks get ``a``, odd ones ``b``: same shapes, values that decide the branch apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Gated() for _ in range(4))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x, a if i % 2 == 0 else b)
+        return self.head(x)
+
+
+def test_blocks_deciding_values_from_data_are_reused_where_their_inputs_decide_alike() -> None:
+    torch.manual_seed(0)
+    model = _Alternating().eval()
+    example = (torch.randn(8, 8), torch.tensor([3, 5]), torch.tensor([6, 2]))
+    reuse = assert_reuse_exact(model, example)
+    # block 1's inputs break the check block 0's graph carries ('u0 <= 4'): captured apart, and
+    # block 3, deciding as block 1 does, is stamped from it
+    assert _stamped(reuse) == {"blocks.0": ["blocks.2"], "blocks.1": ["blocks.3"]}
+    assert "decide values read from data otherwise" in reuse["why"]["blocks.1"]
+    assert "int(lengths[0]) > 4" in reuse["why"]["blocks.1"]
+    gm = fxprep.prepare_model(model, example_inputs=example)
+    report = fxprep.get_report(gm)
+    assert report.tracer == "dynamo+values" and report.leaves == {}
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    assert {f"blocks.{i}.proj" for i in range(4)} <= called
+    other = (torch.randn(8, 8), torch.tensor([1, 7]), torch.tensor([5, 3]))  # decides as the example does
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*other), model(*other), rtol=0, atol=0)
+    with torch.no_grad(), pytest.raises(fxprep.InputMismatch, match="int\\(lengths\\[0\\]\\) > 4"):
+        gm(other[0], other[2], other[1])  # the even blocks' check now fails
+
+
+def _groups(x: torch.Tensor) -> torch.Tensor:
+    """Python Dynamo cannot trace (``itertools.groupby`` on a list): made opaque as a free function."""
+    runs = [key for key, _ in itertools.groupby((x[0] > 0).tolist())]
+    return x * len(runs)
+
+
+class _ScaledDecoder(nn.Module):
+    def __init__(self, decoder: nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.head = nn.Linear(decoder.config.hidden_size, 5)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(_groups(self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state))
+
+
+def test_a_free_function_made_opaque_outside_the_blocks_keeps_reuse() -> None:
+    lm, example = hf("llama", layers=3)
+    model = _ScaledDecoder(lm.model).eval()
+    example = {"input_ids": example["input_ids"]}
+    reuse = assert_reuse_exact(model, example)
+    assert _stamped(reuse) == {"decoder.layers.0": ["decoder.layers.1", "decoder.layers.2"]}
+    report = fxprep.get_report(fxprep.prepare_model(model, example_inputs=example, dynamic=False))
+    assert report.tracer == "dynamo+leaves" and list(report.leaves) == ["_groups"]
+
+
+class _GroupedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(_groups(x))
+
+
+class _CallsItEverywhere(nn.Module):
+    """The opaque function is met first at the root, and each layer calls it too: its recorded
+    calls are numbered in the model's order, which a layer captured alone cannot follow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_GroupedLayer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _groups(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_blocks_calling_a_function_made_opaque_are_captured_with_the_model() -> None:
+    torch.manual_seed(0)
+    model = _CallsItEverywhere().eval()
+    example = (torch.randn(2, 8),)
+    whole = fxprep.prepare_model(model, example_inputs=example, reuse_blocks=False, dynamic=False)
+    gm = fxprep.prepare_model(model, example_inputs=example, dynamic=False)
+    report = fxprep.get_report(gm)
+    assert report.verification.status == "passed" and report.reuse.get("captured", {}) == {}
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == \
+        [n.target for n in whole.graph.nodes if n.op == "call_module"]
+    other = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(other), model(other), rtol=0, atol=0)
+
+
+def _without_checks(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` without its decision checks and what only they read."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in [n for n in graph.nodes if decisions.is_check(n)]:
+        graph.erase_node(node)
+    copy = fx.GraphModule(gm, graph)
+    copy.graph.eliminate_dead_code()
+    return copy
+
+
+def test_qwen2_vl_deciding_values_reuses_its_vision_and_language_blocks() -> None:
+    """The VLM of issue 27 (tiny): its vision attention splits by ``cu_seqlens.tolist()``, so it is
+    captured deciding values; each vision block and each decoder layer is captured once.
+
+    The graph computes what the whole-model capture's does, node for node. Its checks of decided
+    values may be fewer outside the blocks: the whole-model capture also asserts, where the sizes
+    are read, relations Dynamo learnt inside the blocks (the patches adding up to the rows of
+    ``pixel_values``), which each block's own capture checks on its inputs instead. Both graphs
+    refuse an input that decides otherwise."""
+    torch.manual_seed(0)
+    model, inputs = vlm_models.qwen2_vl()
+    whole = fxprep.prepare_model(model, example_inputs=inputs, tracer="dynamo", reuse_blocks=False, dynamic=False)
+    reused = fxprep.prepare_model(model, example_inputs=inputs, tracer="dynamo", dynamic=False)
+    report = fxprep.get_report(reused)
+    assert report.tracer == "dynamo+values" and report.verification.status == "passed"
+    assert _stamped(report.reuse) == {"model.visual.blocks.0": ["model.visual.blocks.1"],
+                                      "model.language_model.layers.0": ["model.language_model.layers.1"]}
+    assert _shape(_without_checks(reused)) == _shape(_without_checks(whole))
+    assert list(reused.state_dict()) == list(whole.state_dict())
+    same = dict(inputs, pixel_values=torch.randn_like(inputs["pixel_values"]))  # decides as the example
+    # the images' order swapped: as many patches and tokens, other split sizes in the vision attention
+    other = dict(inputs, image_grid_thw=inputs["image_grid_thw"].flip(0))
+    with torch.no_grad():
+        for gm in (whole, reused):
+            torch.testing.assert_close(gm(**same)[0], model(**same, use_cache=False)[0], rtol=0, atol=0)
+            with pytest.raises(fxprep.InputMismatch):
+                gm(**other)
