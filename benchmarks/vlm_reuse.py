@@ -32,6 +32,8 @@ def build(name: str, depth: int) -> tuple[torch.nn.Module, dict[str, torch.Tenso
     config = model.config
     config.vision_config.depth = depth
     config.text_config.num_hidden_layers = depth
+    if getattr(config.text_config, "layer_types", None) is not None:
+        config.text_config.layer_types = [config.text_config.layer_types[0]] * depth
     if name == "qwen2_5_vl":
         config.vision_config.fullatt_block_indexes = list(range(depth - 1, depth))  # the last block full
     torch.manual_seed(0)
