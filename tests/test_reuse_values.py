@@ -177,3 +177,89 @@ def test_qwen2_vl_deciding_values_reuses_its_vision_and_language_blocks() -> Non
             torch.testing.assert_close(gm(**same)[0], model(**same, use_cache=False)[0], rtol=0, atol=0)
             with pytest.raises(fxprep.InputMismatch):
                 gm(**other)
+
+
+class _AddMask(nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x + mask
+
+
+class _MaskedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_AddMask() for _ in range(3))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.layers[0](x, mask)
+        x = self.layers[1](x, mask)
+        mask.mul_(2)  # changed in place before the last layer reads it
+        return self.layers[2](x, mask)
+
+
+def test_every_member_recorded_shares_one_copy_of_an_input_it_receives_unchanged() -> None:
+    """When values are decided, every member's inputs are recorded (to check its decisions): a
+    tensor several members receive unchanged is copied once, not once per layer (a mask of
+    seq x seq at real size), and one changed in place in between gets a copy of its own."""
+    from fxprep.capture.dynamo.reuse import Member, _record_inputs
+    from fxprep.inputs import ExampleInputs
+
+    class Leaves(fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return isinstance(m, _AddMask) or super().is_leaf_module(m, qualname)
+
+    model = _MaskedStack()
+    outer = fx.GraphModule(model, Leaves().trace(model))
+    calls = [n for n in outer.graph.nodes if n.op == "call_module"]
+    members = [Member(node, str(node.target), model.get_submodule(str(node.target)), 0) for node in calls]
+    mask = torch.randn(4, 4)
+    call = ExampleInputs((torch.randn(4, 4), mask), {})
+    shared = _record_inputs(outer, model, call, members, share=True)
+    masks = [shared[(id(m.module), 0)][0][1] for m in members]
+    assert masks[0] is masks[1] and masks[2] is not masks[1]
+    torch.testing.assert_close(masks[1], mask, rtol=0, atol=0)  # the caller's tensor is left alone
+    torch.testing.assert_close(masks[2], mask * 2, rtol=0, atol=0)
+    apart = _record_inputs(outer, model, call, members)
+    assert apart[(id(members[0].module), 0)][0][1] is not apart[(id(members[1].module), 0)][0][1]
+
+
+class _Trim(nn.Module):
+    """Returns as many rows as ``n`` says: its output's size is a value read from data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        k = int(n[0])
+        y = self.proj(x[:k])
+        if k > 4:
+            y = y * 2
+        return y
+
+
+class _Trims(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Trim() for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, n)
+        return self.head(x).sum(0)
+
+
+def test_a_block_sized_by_data_is_captured_with_the_model() -> None:
+    """The stand-in's fake run takes the example's value for the size (6 rows), the block's own
+    capture keeps it symbolic and checked: the two disagree, so reuse is given up and said why,
+    and the graph is the whole-model capture, right on another input that decides the same way."""
+    torch.manual_seed(0)
+    model = _Trims().eval()
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(8, 8), torch.tensor([6])))
+    report = fxprep.get_report(gm)
+    assert report.tracer == "dynamo+values" and report.verification.status == "passed"
+    assert report.reuse.get("captured", {}) == {}
+    assert any("block reuse did not apply" in note for note in report.notes)
+    other = (torch.randn(8, 8), torch.tensor([5]))
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*other), model(*other), rtol=0, atol=0)

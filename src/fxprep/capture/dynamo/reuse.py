@@ -128,10 +128,21 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
     return copy if copy.stride() == t.stride() else t.detach()
 
 
+def _own_copy(call: ExampleInputs) -> ExampleInputs:
+    """``call`` with its tensors copied as :func:`_keep` copies them (strides kept), grad as it was."""
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return _keep(t).requires_grad_(t.requires_grad)
+
+    args, kwargs = pytree.tree_map_only(torch.Tensor, copy, (call.args, call.kwargs))
+    return ExampleInputs(tuple(args), dict(kwargs))
+
+
 def _record_inputs(outer: fx.GraphModule, model: nn.Module, call: ExampleInputs,
-                   wanted: list[Member]) -> dict[tuple[int, int], Any]:
+                   wanted: list[Member], share: bool = False) -> dict[tuple[int, int], Any]:
     """The ``(args, kwargs)`` each wanted call really receives, from one run of the outer graph
-    (which calls the blocks as modules) that stops as soon as the last of them is seen.
+    (which calls the blocks as modules) that stops as soon as the last of them is seen. ``share``:
+    a tensor several calls receive unchanged is copied once (every member is recorded when values
+    are decided: one copy of the mask, not one per layer); their users then copy before running.
 
     Why the captured graph and not the model: code may take another path under Dynamo than
     eagerly (transformers builds an explicit attention mask when compiling, ``None`` eagerly), and
@@ -139,12 +150,24 @@ def _record_inputs(outer: fx.GraphModule, model: nn.Module, call: ExampleInputs,
     want = {(id(m.module), m.k) for m in wanted}
     counts: dict[int, int] = {}
     got: dict[tuple[int, int], Any] = {}
+    # one copy of a tensor several wanted calls receive unchanged (a mask, rotary tables: every
+    # layer's, when values are decided); the original is held so that its id is not reused
+    kept: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        seen = kept.get(id(t)) if share else None
+        if seen is not None and seen[1] == t._version:
+            return seen[2]
+        copy = _keep(t)
+        if share:
+            kept[id(t)] = (t, t._version, copy)
+        return copy
 
     def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         k = counts.get(id(module), 0)
         counts[id(module)] = k + 1
         if (id(module), k) in want:
-            got[(id(module), k)] = pytree.tree_map_only(torch.Tensor, _keep, (tuple(args), dict(kwargs)))
+            got[(id(module), k)] = pytree.tree_map_only(torch.Tensor, keep, (tuple(args), dict(kwargs)))
             if len(got) == len(want):
                 raise _Recorded
 
@@ -216,7 +239,7 @@ def decided_otherwise(gm: fx.GraphModule, first: Member, member: Member, recorde
     inputs, does not hold for ``member``: the check that fails on ``member``'s recorded inputs
     (Qwen2.5-VL's vision blocks split by window in most layers and by image in the full-attention
     ones), or None when it runs. The weights are ``first``'s; the checks follow the inputs."""
-    call = _block_call(member, recorded[(id(member.module), member.k)])
+    call = _own_copy(_block_call(member, recorded[(id(member.module), member.k)]))  # others share its tensors
     with preserved_state(first.module), torch.no_grad():
         try:
             gm(*call.args, **call.kwargs)
@@ -263,6 +286,8 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
     first = group[0]
     route = job.target.route
     call = _block_call(first, recorded[(id(first.module), first.k)])
+    if job.real_values:
+        call = _own_copy(call)  # its tensors may be shared with the other members' (_record_inputs)
     result = dynamo_export(first.module, call, route, _block_spec(first, call) if job.dynamic_spec is not None else None,
                            real_values=job.real_values)
     job.guard.reset()
@@ -426,7 +451,7 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
     captured: list[_Captured] = []
     while pending:
         wanted = [m for g in pending for m in g] if job.real_values else [g[0] for g in pending]
-        recorded = _record_inputs(outer, model, prepared_call, wanted)
+        recorded = _record_inputs(outer, model, prepared_call, wanted, share=job.real_values)
         guard.reset()
         next_round: list[list[Member]] = []
         for group in pending:
