@@ -156,6 +156,7 @@ class _Preparation:
     rewrite: Any = None
     result: CaptureResult | None = None
     dynamic: Any = None
+    elsewhere: tuple[shape_general.Elsewhere, str] | None = None  # a shape-general capture for the fallback
 
     @property
     def model(self) -> nn.Module:
@@ -268,13 +269,15 @@ def _capture(run: _Preparation) -> CaptureResult:
             result, attempts = _capture_general(run, tracers)
         else:
             result, attempts = cascade.capture(run.request, tracers)
-        run.dynamic = run.proposal.dynamic if run.proposal is not None else run.request.dynamic
         sites: list[Any] = []
         if result is None and opts.fallback == "leaf":  # Dynamo again with the failing parts opaque, then fx
             with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
                 handled = rewrite.learn if rewrite is not None else None
                 result, sites = cascade.capture_with_opaque_parts(run.request.replace(handled=handled), attempts,
                                                                   fx_too=opts.tracer != "dynamo")
+        if run.elsewhere is not None:
+            result, sites = _fallback_general(run, attempts, result, sites)
+        run.dynamic = run.proposal.dynamic if run.proposal is not None else run.request.dynamic
     report.issues.extend(issue for _, issue in sites)
     if result is not None and sites:
         report.note(notes.opaque_parts(len(sites), dynamo=result.tracer.startswith("dynamo")))
@@ -530,10 +533,26 @@ def _capture_general(run: _Preparation, tracers: list[str]) -> tuple[CaptureResu
         result, attempts, run.proposal = shape_general.capture(request.model, request.example, proposal, capture_at)
         return result, attempts
     except shape_general.NotShapeGeneral as err:
-        run.report.note(shape_general.not_kept_note(str(err)))
         run.proposal = None
         run.request = request.replace(dynamic=False)
-        return cascade.capture(run.request, tracers)
+        result, attempts = cascade.capture(run.request, tracers)
+        if result is None and err.elsewhere is not None:  # the static fallback, then maybe with the dimensions
+            run.elsewhere = (err.elsewhere, str(err))
+        else:
+            run.report.note(shape_general.not_kept_note(str(err)))
+        return result, attempts
+
+
+def _fallback_general(run: _Preparation, attempts: list[CaptureAttempt], result: CaptureResult | None,
+                      sites: list[Any]) -> tuple[CaptureResult | None, list[Any]]:
+    """The static fallback's capture, or the shape-general one :func:`shape_general.after_fallback` takes."""
+    assert run.elsewhere is not None
+    (elsewhere, why), run.elsewhere = run.elsewhere, None
+    general = run.request.replace(dynamic=None)
+    result, sites, kept = shape_general.after_fallback(general, elsewhere, why, attempts, result, sites, run.report)
+    if kept:
+        run.proposal, run.request = elsewhere.proposal, general
+    return result, sites
 
 
 def _verify_general(run: _Preparation, gm: fx.GraphModule) -> None:

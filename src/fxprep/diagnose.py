@@ -291,6 +291,14 @@ def shape_only(code: str) -> bool:
     return ok(condition) and found[0]
 
 
+def stopped_at_data_guard(err: BaseException) -> bool:
+    """Whether Dynamo stopped at a question about a value read from data (torch's
+    ``GuardOnDataDependentSymNode``, or its text re-raised by another error): the failure real
+    values can get past (:mod:`fxprep.capture.dynamo.values`), and the only outer-capture failure
+    block reuse takes as the model's own (:mod:`fxprep.capture.dynamo.reuse`)."""
+    return type(err).__name__ == "GuardOnDataDependentSymNode" or "data-dependent expression" in str(err)
+
+
 def categorise(err: BaseException, code: str | None) -> str:
     """The category of a tracer exception, from its type and message and the user's source line."""
     text = str(err)

@@ -4,8 +4,10 @@ dynamic, and proven so, unless the user said otherwise.
 :mod:`fxprep.capture.dynamo.autodims` says which dimensions those are and gives the example to
 capture on. This module runs that capture for ``prepare_model`` (:func:`capture`: Dynamo alone,
 block reuse kept; a dimension the model's code specialises is taken out, with why, and the capture
-retried); ``prepare_model`` checks the result on a second size (batch and sequence 3 larger than
-the example's) and reports it (:func:`notes`). Any failure is a :class:`NotShapeGeneral`:
+retried; where Dynamo stopped at a value read from data instead, :func:`fallback` captures again
+with the dimensions once the static fallback has decided those values with nothing opaque, as
+Llava's Pixtral tower needs); ``prepare_model`` checks the result on a second size (batch and
+sequence 3 larger than the example's) and reports it (:func:`notes`). Any failure is a :class:`NotShapeGeneral`:
 ``prepare_model`` then captures with static shapes as before (after a failed capture at once, after
 a failed verification by preparing again) and says why (:func:`not_kept_note`). The batch probe
 (:mod:`fxprep.batch`, one more whole-model Dynamo trace plus two verification runs) has nothing
@@ -24,18 +26,34 @@ from torch import nn
 
 from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims
+from .capture.dynamo.export import MUTATED_INPUT_DICT
+from .capture.fx import restored_attributes
+from .capture.request import CaptureRequest
 from .inputs import ExampleInputs
 from .report import Report
+from .runs import preserved_state
 
 Capture = Callable[[ExampleInputs, Any], tuple["CaptureResult | None", list[CaptureAttempt]]]
+
+
+@dataclasses.dataclass
+class Elsewhere:
+    """A shape-general capture that Dynamo could not make for a reason other than the dimensions (a
+    value read from data, an untraceable helper): the opaque-part fallback may still keep them
+    (:func:`fallback`). ``attempts``: that capture's, the fallback's starting point."""
+
+    proposal: autodims.Proposal
+    attempts: list[CaptureAttempt]
 
 
 class NotShapeGeneral(Exception):
     """The automatically declared dimensions did not hold (capture or verification): prepare with
     static shapes instead. Not an FxprepError: it never reaches the user. ``reference``: the
-    original's run on the example (output, state) when one was made, for the static attempt."""
+    original's run on the example (output, state) when one was made, for the static attempt.
+    ``elsewhere``: set when the capture failed for another reason than the dimensions."""
 
     reference: tuple[Any, Any] | None = None
+    elsewhere: Elsewhere | None = None
 
 
 @contextlib.contextmanager
@@ -68,14 +86,65 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
         new_ranges = {k: v for k, v in ranges.items() if current.ranges.get(k) != v}
         if not (set(found) - set(current.dropped)) and not new_ranges:
             first = str(err).strip().splitlines()[0][:200] if err is not None and str(err).strip() else "no capture"
-            raise NotShapeGeneral(f"Dynamo could not capture it with {current.describe()} dynamic "
-                                  f"({type(err).__name__ if err is not None else 'no error'}: {first})")
+            failure = NotShapeGeneral(f"Dynamo could not capture it with {current.describe()} dynamic "
+                                      f"({type(err).__name__ if err is not None else 'no error'}: {first})")
+            # (a forward writing into its **kwargs is traced from a fresh root, for static shapes only)
+            if err is not None and not found and not ranges and MUTATED_INPUT_DICT not in str(err):
+                failure.elsewhere = Elsewhere(current, attempts)
+            raise failure
         nxt = autodims.revised(current, found, ranges, model, example)
         if nxt is None:
             why = "; ".join(sorted(set(found.values())))
             raise NotShapeGeneral(f"every declared dimension is specialised by the model: {why}")
         current = nxt
     raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
+
+
+NOT_TRIED = ("the static capture made parts opaque (or did not decide values read from data), and an opaque "
+             "part's outputs follow the example's inputs only as far as its recorded sizes tell")
+
+
+def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[CaptureAttempt]
+             ) -> tuple[CaptureResult | None, str]:
+    """Dynamo deciding values read from data from the example (:mod:`fxprep.capture.dynamo.values`)
+    with ``elsewhere``'s dimensions declared, for a model the static fallback captured that way with
+    nothing opaque (a VLM reading its image sizes from tensors): the prompt's length then stays free.
+    Taken only with nothing opaque either (each opaque part would be a place the sizes could stop
+    following the inputs); a dimension the model's code specialises ends it at once
+    (``dims_must_hold``). Its attempt is appended to ``attempts``; the capture, or None and why."""
+    from .capture.dynamo import values
+
+    proposal = elsewhere.proposal
+    dims = request.replace(example=proposal.capture_example, dynamic=proposal.for_export(), dims_must_hold=True,
+                           records={})
+    with _quiet_guard_logs(), preserved_state(request.model), restored_attributes(request.model, []):
+        result, attempt, sites = values.capture_deciding_values(dims)
+    attempts.append(attempt)
+    if result is None:
+        first = str(attempt.exception).strip().splitlines()[0][:200] if attempt.exception is not None else "?"
+        return None, f"deciding values read from data with them declared failed too ({first})"
+    if sites:
+        return None, f"deciding values read from data with them declared made {sites[0][0].qualname} opaque"
+    result.notes.append(values.why_taken(None, []).replace("(that fallback failed)", "(that fallback failed; "
+                                                           "then captured again, the prompt's length declared dynamic)"))
+    return result, ""
+
+
+def after_fallback(request: CaptureRequest, elsewhere: Elsewhere, why: str, attempts: list[CaptureAttempt],
+                   result: CaptureResult | None, sites: list[Any], report: Report
+                   ) -> tuple[CaptureResult | None, list[Any], bool]:
+    """The static fallback's capture (``result``, ``sites``), or, where it decided values read from
+    data and left nothing opaque, the same capture with ``elsewhere``'s dimensions (:func:`fallback`)
+    when that holds (third value True); the report says which and why (``why``: the shape-general
+    capture's own failure)."""
+    if result is None or result.tracer != "dynamo+values" or sites:
+        report.note(not_kept_note(f"{why}; {NOT_TRIED}"))
+        return result, sites, False
+    dims, why_not = fallback(request, elsewhere, attempts)
+    if dims is None:
+        report.note(not_kept_note(f"{why}; {why_not}"))
+        return result, sites, False
+    return dims, [], True
 
 
 def not_kept_note(why: str) -> str:

@@ -43,7 +43,9 @@ class CaptureRequest:
     each such block. ``handled(err)``: asked first about each failure of the opaque-part fallback
     (``control_flow="rewrite"`` rewrote the failing ``if``: True means capture again). ``records``:
     the opaque parts' eager recordings shared by the captures of one fallback (None: each capture
-    records its own).
+    records its own). ``dims_must_hold``: a failure because ``dynamic`` declared a dimension the
+    model's code specialises ends the opaque-part fallback (making parts opaque cannot make it
+    dynamic; the shape-general capture then tries static shapes) instead of making a part opaque.
     """
 
     model: nn.Module
@@ -56,6 +58,7 @@ class CaptureRequest:
     block_pass: Callable[..., Any] | None = None
     handled: Callable[[BaseException], bool] | None = None
     records: dict[Any, Any] | None = field(default=None, compare=False)
+    dims_must_hold: bool = False
 
     def replace(self, **changes: Any) -> CaptureRequest:
         """A copy with ``changes`` (``dataclasses.replace``). A copy for another model, example or

@@ -9,7 +9,7 @@ its inputs (``input_ids``, ``attention_mask``, ``token_type_ids``, ``position_id
 for such a model, when the user says nothing about ``dynamic``, :func:`propose` declares
 dimension 0 of every input ``batch`` and dimension 1 of the token-level inputs ``seq`` (the
 decoder's ``decoder_seq``) and gives the example to capture on, grown where a size is below 2
-(Dynamo specialises sizes 0 and 1; the extra rows repeat the first ones, so ids and masks stay
+(Dynamo specialises sizes 0 and 1; extra rows and positions repeat existing ones, so ids and masks stay
 valid), and with batch and sequence sizes kept apart (equal sizes would share one symbol).
 ``prepare_model`` captures with them, verifies the result on the user's example and on a second
 size, and falls back to static shapes (saying why) when any of that fails.
@@ -18,9 +18,17 @@ Where a declared dimension turns out to be specialised by the model's code, Dyna
 constraint violation; :func:`specialised` reads which dimensions and why, so the capture is retried
 without them and the report and :class:`~fxprep.errors.InputMismatch` name them.
 
+A multimodal example (token inputs beside inputs this table does not know: ``pixel_values``,
+an image grid, image sizes) gets its sequence dimension alone: the prompt's length is free while
+the images stay as in the example, because how many rows of ``pixel_values`` belong to one sample
+(one image, several tiles, patches of several images) is each model's own layout, and the number
+of image tokens in ``input_ids`` must match the images. Its batch stays at the example's size, and
+the report and :class:`~fxprep.errors.InputMismatch` say why (:data:`MULTIMODAL_BATCH`).
+
 Not proposed (the model keeps static shapes and the batch probe, as before): models outside
-transformers, and any example with an input this table does not know (an image grid, a VLM's
-``pixel_values`` whose size follows the image tokens in ``input_ids``).
+transformers, an example with an input this table does not know and no token input, and a
+multimodal example whose other inputs have a dimension of the sequence's size (Mllama's
+``cross_attention_mask``: it would have to grow with the prompt).
 """
 
 from __future__ import annotations
@@ -39,11 +47,13 @@ from .shapes import positional_names, repeated_to
 _TOKENS = {0: "batch", 1: "seq"}
 TABLE: dict[str, dict[int, str]] = {
     "input_ids": _TOKENS, "attention_mask": _TOKENS, "token_type_ids": _TOKENS, "position_ids": _TOKENS,
-    "inputs_embeds": _TOKENS, "labels": _TOKENS, "special_tokens_mask": _TOKENS,
+    "inputs_embeds": _TOKENS, "labels": _TOKENS, "special_tokens_mask": _TOKENS, "mm_token_type_ids": _TOKENS,
     "decoder_input_ids": {0: "batch", 1: "decoder_seq"}, "decoder_attention_mask": {0: "batch", 1: "decoder_seq"},
     "decoder_inputs_embeds": {0: "batch", 1: "decoder_seq"},
 }
 _VISION_ONLY = {"pixel_values": {0: "batch"}, "pixel_mask": {0: "batch"}}  # only where no token input is given
+MULTIMODAL_BATCH = ("a multimodal example: the batch stays at the example's size, because how the other inputs "
+                    "({names}) are laid out per sample is the model's own; the sequence (the prompt's length) is free")
 
 
 @dataclass
@@ -94,30 +104,39 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
     table = dict(TABLE)
     if not any(name in TABLE for name in tensors):
         table.update(_VISION_ONLY)
+    others = sorted(name for name in tensors if name not in table)
+    if others and len(others) == len(tensors):
+        return None  # no input whose layout is known: static shapes, as before
     dynamic: dict[str, dict[int, str]] = {}
     sizes: dict[str, int] = {}
     for name, value in tensors.items():
-        dims = table.get(name)
-        if dims is None:
-            return None  # an input whose layout is not known: static shapes, as before
         chosen = {}
-        for d, sym in dims.items():
+        for d, sym in table.get(name, {}).items():
             if d >= value.dim() or (d == 1 and name.endswith("attention_mask") and value.dim() != 2):
                 continue
+            if others and sym == "batch":
+                continue  # multimodal: the batch stays (module docstring)
             if sizes.setdefault(sym, int(value.shape[d])) != int(value.shape[d]):
                 return None  # two inputs disagree on what should be one size
             chosen[d] = sym
         if chosen:
             dynamic[name] = chosen
-    if "batch" not in sizes:
+    if not dynamic or (not others and "batch" not in sizes):
         return None
-    return Proposal(dynamic, _grown(model, call, dynamic, sizes))
+    dropped: dict[tuple[str, int], str] = {}
+    if others:
+        seq_sizes = {size for sym, size in sizes.items() if sym != "batch"}
+        if any(int(n) in seq_sizes for name in others for n in tensors[name].shape):
+            return None  # another input may be sized by the sequence (module docstring)
+        why = MULTIMODAL_BATCH.format(names=", ".join(others))
+        dropped = {(name, 0): why for name in dynamic}
+    return Proposal(dynamic, _grown(model, call, dynamic, sizes), dropped)
 
 
 def _grown(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict[int, str]],
            sizes: dict[str, int]) -> ExampleInputs:
     """``call`` with each dynamic size below 2 grown to a size of at least 2 that no other dynamic
-    size has (rows repeat the first ones)."""
+    size has (:func:`~.shapes.repeated_to`)."""
     target: dict[str, int] = {}
     taken = set(sizes.values())
     for sym, size in sizes.items():
@@ -201,6 +220,13 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         ranges[sym] = (int(bounds["min"]) if "min" in bounds else None, int(bounds["max"]) if "max" in bounds else None,
                        f"the model's code requires {_readable(guards.get(sym, 'a range'))[:200]}")
     return found, ranges
+
+
+def specialises(err: BaseException) -> bool:
+    """Whether ``err`` is Dynamo saying a declared dimension is specialised or bounded by the model's
+    code (a constraint violation, which :func:`findings` reads)."""
+    text = str(err)
+    return "Constraints violated" in text or bool(_MARKED.search(text)) or bool(_NOT_ALL.search(text))
 
 
 def revised(proposal: Proposal, dims: dict[tuple[str, int], str], ranges: dict[str, tuple[int | None, int | None, str]],

@@ -56,6 +56,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ... import decisions
+from ...diagnose import stopped_at_data_guard
 from ...inputs import ExampleInputs
 from ...runs import SEED, preserved_state
 from ..common import LeafPolicy
@@ -385,14 +386,6 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
     return None
 
 
-def _read_from_data(err: BaseException) -> bool:
-    """Whether Dynamo stopped at a value read from data, the failure the fallback rounds meet.
-    Only those are taken as the capture's own: others may come from calling a stand-in (Gemma3n
-    passes its layers a dict Dynamo cannot hand to one ``call_module``: "Failed to convert
-    args/kwargs to proxy"), which the whole-model capture traces through."""
-    return type(err).__name__ == "GuardOnDataDependentSymNode" or "data-dependent expression" in str(err)
-
-
 class _AroundBlocks(Exception):
     """The outer capture failed in the model's own code, not in a block's stand-in: that failure
     is the capture's (raised as it is from :func:`capture_reusing`), since the whole-model capture
@@ -419,7 +412,9 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
         try:
             result = dynamo_export(model, job.call, route, job.dynamic_spec, real_values=job.real_values)
         except Exception as err:
-            if stubs.involved(err) or not _read_from_data(err):
+            # only a value read from data is the outer capture's own: other failures may come from calling
+            # a stand-in (Gemma3n passes its layers a dict Dynamo cannot hand to one call_module)
+            if stubs.involved(err) or not stopped_at_data_guard(err):
                 raise  # reuse is given up and the whole model captured, as before
             # the model's code around the blocks failed: the whole-model capture would fail there too
             raise _AroundBlocks(err) from None

@@ -124,15 +124,23 @@ def dynamic_dims(model: nn.Module, call: ExampleInputs, dynamic: Any) -> dict[st
 
 
 def repeated_to(value: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``value`` made ``size`` long in ``dim`` by repeating it whole and cutting the end: the extra
-    rows repeat the first ones, so token ids and masks stay valid."""
-    reps = math.ceil(size / max(value.shape[dim], 1))
-    return torch.cat([value] * reps, dim=dim).narrow(dim, 0, size)
+    """``value`` made ``size`` long in ``dim``, its values kept valid: in dimension 0 (a batch) by
+    repeating it whole (the extra rows repeat the first ones); in a later dimension (a sequence) by
+    repeating its last entry, since a sequence's start may be special where its end is plain text
+    (a VLM's prompt opens with its image tokens, whose number must match the images)."""
+    if dim == 0 or value.shape[dim] == 0:
+        reps = math.ceil(size / max(value.shape[dim], 1))
+        return torch.cat([value] * reps, dim=dim).narrow(dim, 0, size)
+    if size <= value.shape[dim]:
+        return value.narrow(dim, 0, size)
+    last = value.narrow(dim, value.shape[dim] - 1, 1)
+    return torch.cat([value, last.expand(*[size - value.shape[dim] if i == dim else -1
+                                           for i in range(value.dim())])], dim=dim)
 
 
 def grown_example(model: nn.Module, example: ExampleInputs, dynamic: Any, grow: int = 1) -> ExampleInputs:
-    """A second example whose dynamic dimensions are ``grow`` larger (the extra rows repeat the
-    first ones, so token ids and masks stay valid). Dimensions sharing a name grow together."""
+    """A second example whose dynamic dimensions are ``grow`` larger (:func:`repeated_to`, so token
+    ids and masks stay valid). Dimensions sharing a name grow together."""
     dims = dynamic_dims(model, example, dynamic)
 
     def grown(value: Any, spec: dict[int, str] | None) -> Any:

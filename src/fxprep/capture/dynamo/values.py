@@ -48,9 +48,9 @@ def decidable(err: BaseException, model: nn.Module) -> bool:
     """Whether Dynamo's failure ``err`` is a value read from data (a size from ``.item()`` or
     ``.tolist()``, a slice bound from a tensor, or a question about such a size: torch's
     ``GuardOnDataDependentSymNode``), which real values could get past."""
-    from ...diagnose import DATA_DEPENDENT_VALUE, diagnose
+    from ...diagnose import DATA_DEPENDENT_VALUE, diagnose, stopped_at_data_guard
 
-    if type(err).__name__ == "GuardOnDataDependentSymNode" or "data-dependent expression" in str(err):
+    if stopped_at_data_guard(err):
         return True
     return any(issue.category == DATA_DEPENDENT_VALUE for issue in diagnose(err, "dynamo", model))
 

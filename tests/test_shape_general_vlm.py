@@ -1,0 +1,112 @@
+"""Shape-general VLMs (issue 27, item 3): a vision-language model prepared on one image and prompt
+runs on prompts of other lengths with the same images, by default.
+
+The prompt's length is the dimension calibration data varies most (images are resized to the
+processor's size); how many rows of ``pixel_values`` belong to one sample is each model's own
+layout, so the batch stays at the example's size and a call at another batch is refused with why.
+Each model is compared with its eager self at a longer and a shorter prompt (text added or removed
+at the end, the image tokens untouched): Gemma3 (plain Dynamo), Llava with a Pixtral tower (sizes
+decided from the example's values, checked in the graph: captured again with the length declared)
+and PaliGemma (image tokens first, so a second size that repeated the prompt's first tokens would
+add image tokens). Qwen2-VL, whose rope index stays opaque, keeps static shapes and says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import fxprep
+from fxprep.capture.dynamo import autodims
+from fxprep.inputs import ExampleInputs
+
+from . import vlm_models, vlm_models_more
+
+TOKEN_LEVEL = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
+def _prompt(inputs: dict[str, Any], change: int, seed: int) -> dict[str, Any]:
+    """``inputs`` with ``change`` text tokens added at the end of the prompt (removed when negative):
+    new ids are plain text ids, the other token-level inputs repeat their last entry."""
+    out = dict(inputs)
+    for name in TOKEN_LEVEL:
+        if name not in inputs:
+            continue
+        value = inputs[name]
+        if change < 0:
+            out[name] = value[:, :change]
+        elif name == "input_ids":
+            text = torch.randint(3, 90, (value.shape[0], change), generator=torch.Generator().manual_seed(seed))
+            out[name] = torch.cat([value, text], dim=1)
+        else:
+            out[name] = torch.cat([value, value[:, -1:].expand(-1, change)], dim=1)
+    return out
+
+
+def _builder(name: str) -> Any:
+    return vlm_models.BUILDERS.get(name) or vlm_models_more.BUILDERS[name]
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("gemma3", torch.float32), ("gemma3", torch.bfloat16),
+                                             ("llava_pixtral", torch.float32), ("paligemma", torch.float32)])
+def test_a_vlm_prepared_on_one_prompt_runs_on_prompts_of_other_lengths(name: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model, inputs = _builder(name)()
+    model = model.to(dtype)
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    gm = fxprep.prepare_model(model, example_inputs=inputs)
+    report = fxprep.get_report(gm)
+    assert report.verification.status == "passed", report.verification
+    text = report.to_text()
+    assert "Shape-general: the dimensions input_ids dim 1 (seq)" in text, text
+    assert "input_ids dim 0 stays at the example's size: a multimodal example" in text
+    assert "pixel_values" in text
+    for change, seed in ((7, 1), (-1, 2)):
+        call = _prompt(inputs, change, seed)
+        with torch.no_grad():
+            eager = model(**call, use_cache=False).logits
+            prepared = gm(**call)[0]
+        assert prepared.shape == eager.shape == (1, inputs["input_ids"].shape[1] + change, eager.shape[-1])
+        if dtype == torch.float32:
+            torch.testing.assert_close(prepared, eager, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(prepared.float(), eager.float(), rtol=2e-2, atol=2e-2)
+    two = {k: torch.cat([v, v]) for k, v in inputs.items()}
+    with pytest.raises(fxprep.InputMismatch, match="dim 0: a multimodal example"):
+        gm(**two)
+
+
+def test_what_is_proposed_for_multimodal_examples() -> None:
+    model, inputs = _builder("qwen2_vl")()  # pixel_values: patches of two images; image_grid_thw: one row each
+    proposal = autodims.propose(model, ExampleInputs((), inputs))
+    assert proposal is not None
+    assert proposal.dynamic == {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}, "mm_token_type_ids": {1: "seq"}}
+    assert set(proposal.dropped) == {("input_ids", 0), ("attention_mask", 0), ("mm_token_type_ids", 0)}
+    assert "image_grid_thw, pixel_values" in proposal.dropped[("input_ids", 0)]
+    # Mllama's cross_attention_mask has the sequence's size: it would have to grow with the prompt
+    model, inputs = _builder("mllama")()
+    assert inputs["cross_attention_mask"].shape[1] == inputs["input_ids"].shape[1]
+    assert autodims.propose(model, ExampleInputs((), inputs)) is None
+    # images alone (no token input): their batch, as before
+    model, inputs = _builder("gemma3")()
+    proposal = autodims.propose(model.model.vision_tower, ExampleInputs((), {"pixel_values": inputs["pixel_values"]}))
+    assert proposal is not None and proposal.dynamic == {"pixel_values": {0: "batch"}} and not proposal.dropped
+
+
+def test_a_vlm_with_an_opaque_part_stays_static_and_says_why() -> None:
+    # Qwen2-VL: the rope index (itertools.groupby) is called without tracing into it; its outputs,
+    # positions as long as the prompt, are sized from what was recorded, and here the sequence ends
+    # up specialised: the static capture is kept, with no second capture paid for, and said so
+    torch.manual_seed(0)
+    model, inputs = _builder("qwen2_vl")()
+    gm = fxprep.prepare_model(model, example_inputs=inputs)
+    report = fxprep.get_report(gm)
+    assert report.verification.status == "passed" and report.tracer == "dynamo+values"
+    assert set(report.leaves) == {"model.get_rope_index"}  # no more opaque than the static capture
+    assert [a.tracer for a in report.attempts].count("dynamo+values") == 1
+    text = report.to_text()
+    assert "was tried and not kept" in text and "the static capture made parts opaque" in text
+    with pytest.raises(fxprep.InputMismatch):
+        gm(**_prompt(inputs, 3, 1))
