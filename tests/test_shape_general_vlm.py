@@ -17,9 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import fxprep
 from fxprep.capture.dynamo import autodims
+from fxprep.capture.dynamo.fallback import capture_dynamo_leaves
+from fxprep.capture.request import CaptureRequest
 from fxprep.inputs import ExampleInputs
 
 from . import vlm_models, vlm_models_more
@@ -110,3 +113,31 @@ def test_a_vlm_with_an_opaque_part_stays_static_and_says_why() -> None:
     assert "was tried and not kept" in text and "the static capture made parts opaque" in text
     with pytest.raises(fxprep.InputMismatch):
         gm(**_prompt(inputs, 3, 1))
+
+
+class _FixedHead(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], 8 * x.shape[-1])  # fixes the sequence at 8
+
+
+class _WithFixedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.head = _FixedHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.proj(x))
+
+
+def test_a_specialised_dimension_ends_the_fallback_that_must_keep_it() -> None:
+    # the shape-general values capture (dims_must_hold): a declared dimension the code fixes is read
+    # as such (autodims.specialises on Dynamo's real constraint violation) and nothing is made opaque
+    model = _WithFixedHead().eval()
+    request = CaptureRequest(model, example=ExampleInputs((torch.randn(2, 8, 4),), {}), dynamic={"x": {1: "seq"}},
+                             dims_must_hold=True)
+    result, attempt, sites = capture_dynamo_leaves(request, None)
+    assert result is None and sites == []
+    assert attempt.exception is not None and autodims.specialises(attempt.exception)
+    assert "specialized it to be a constant (8)" in str(attempt.exception)
+    assert not autodims.specialises(RuntimeError("Could not guard on data-dependent expression Eq(u0, 1)"))
