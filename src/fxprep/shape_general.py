@@ -7,11 +7,12 @@ block reuse kept; a dimension the model's code specialises is taken out, with wh
 retried; where Dynamo stopped at a value read from data instead, :func:`fallback` captures again
 with the dimensions once the static fallback has decided those values with nothing opaque, as
 Llava's Pixtral tower needs); ``prepare_model`` checks the result on a second size (batch and
-sequence 3 larger than the example's) and reports it (:func:`notes`). Any failure is a :class:`NotShapeGeneral`:
-``prepare_model`` then captures with static shapes as before (after a failed capture at once, after
-a failed verification by preparing again) and says why (:func:`not_kept_note`). The batch probe
-(:mod:`fxprep.batch`, one more whole-model Dynamo trace plus two verification runs) has nothing
-left to find where the batch dimension is declared and verified, so it does not run then.
+sequence 3 larger than the example's) and reports it (:func:`notes`). Any failure is a
+:class:`NotShapeGeneral`: ``prepare_model`` then captures with static shapes as before (after a
+failed capture at once, after a failed verification by preparing again) and says why
+(:func:`not_kept_note`). The batch probe (:mod:`fxprep.batch`, one more whole-model Dynamo trace
+plus two verification runs) has nothing left to find where the batch dimension is declared and
+verified, so it does not run then.
 """
 
 from __future__ import annotations
@@ -100,8 +101,11 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
     raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
 
 
-NOT_TRIED = ("the static capture made parts opaque (or did not decide values read from data), and an opaque "
-             "part's outputs follow the example's inputs only as far as its recorded sizes tell")
+NOT_TRIED = ("the static capture made parts opaque or did not decide values read from data; a second capture with "
+             "the dimensions declared is tried only after one that decided them with nothing opaque")
+TAKEN = ("Captured deciding values read from data from the example (tracer dynamo+values), a second time with the "
+         "prompt's length declared dynamic (the first capture, with static shapes, had nothing opaque): every "
+         "decision is checked in the graph at each call.")
 
 
 def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[CaptureAttempt]
@@ -125,8 +129,7 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
         return None, f"deciding values read from data with them declared failed too ({first})"
     if sites:
         return None, f"deciding values read from data with them declared made {sites[0][0].qualname} opaque"
-    result.notes.append(values.why_taken(None, []).replace("(that fallback failed)", "(that fallback failed; "
-                                                           "then captured again, the prompt's length declared dynamic)"))
+    result.notes.append(TAKEN)
     return result, ""
 
 
