@@ -99,9 +99,10 @@ def test_what_is_proposed_for_multimodal_examples() -> None:
 
 
 def test_a_vlm_with_an_opaque_part_stays_static_and_says_why() -> None:
-    # Qwen2-VL: the rope index (itertools.groupby) is called without tracing into it; its outputs,
-    # positions as long as the prompt, are sized from what was recorded, and here the sequence ends
-    # up specialised: the static capture is kept, with no second capture paid for, and said so
+    # Qwen2-VL: the static capture calls the rope index (itertools.groupby) without tracing into it,
+    # so no second capture with the length declared is paid for; the static one is kept, and said so.
+    # (Declared by hand with dynamic=, Dynamo finds the sequence specialised and the fallback ends
+    # with the vision attentions opaque: a worse graph than the static one.)
     torch.manual_seed(0)
     model, inputs = _builder("qwen2_vl")()
     gm = fxprep.prepare_model(model, example_inputs=inputs)
