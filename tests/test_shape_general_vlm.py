@@ -101,8 +101,8 @@ def test_what_is_proposed_for_multimodal_examples() -> None:
 def test_a_vlm_with_an_opaque_part_stays_static_and_says_why() -> None:
     # Qwen2-VL: the static capture calls the rope index (itertools.groupby) without tracing into it,
     # so no second capture with the length declared is paid for; the static one is kept, and said so.
-    # (Declared by hand with dynamic=, Dynamo finds the sequence specialised and the fallback ends
-    # with the vision attentions opaque: a worse graph than the static one.)
+    # (Run through the opaque-part fallback with the length declared, as a first version of this
+    # did, it ended with the vision attentions opaque: a worse graph than the static one.)
     torch.manual_seed(0)
     model, inputs = _builder("qwen2_vl")()
     gm = fxprep.prepare_model(model, example_inputs=inputs)
