@@ -152,7 +152,8 @@ def after_fallback(request: CaptureRequest, elsewhere: Elsewhere, why: str, atte
 
 def not_kept_note(why: str) -> str:
     """The report's note when the shape-general capture (or its verification) failed: ``why``."""
-    return (f"Shape-general capture (batch and sequence dynamic) was tried and not kept: {why}. "
+    return (f"Shape-general capture (the dimensions found from the input names declared dynamic) was tried and "
+            f"not kept: {why}. "
             f"Captured with static shapes instead.")
 
 
