@@ -6,9 +6,9 @@ processor's size); how many rows of ``pixel_values`` belong to one sample is eac
 layout, so the batch stays at the example's size and a call at another batch is refused with why.
 Each model is compared with its eager self at a longer and a shorter prompt (text added or removed
 at the end, the image tokens untouched): Gemma3 (plain Dynamo), Llava with a Pixtral tower (sizes
-decided from the example's values, checked in the graph: captured again with the length declared)
-and PaliGemma (image tokens first, so a second size that repeated the prompt's first tokens would
-add image tokens). Qwen2-VL, whose rope index stays opaque, keeps static shapes and says why.
+decided from the example's values, checked in the graph: captured again with the length declared),
+PaliGemma (image tokens first, so a second size that repeated the prompt's first tokens would add
+image tokens) and Mllama (its ``cross_attention_mask`` grows with the prompt). Qwen2-VL, whose rope index stays opaque, keeps static shapes and says why.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fxprep.inputs import ExampleInputs
 
 from . import vlm_models, vlm_models_more
 
-TOKEN_LEVEL = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+TOKEN_LEVEL = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "cross_attention_mask")
 
 
 def _prompt(inputs: dict[str, Any], change: int, seed: int) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def _prompt(inputs: dict[str, Any], change: int, seed: int) -> dict[str, Any]:
             text = torch.randint(3, 90, (value.shape[0], change), generator=torch.Generator().manual_seed(seed))
             out[name] = torch.cat([value, text], dim=1)
         else:
-            out[name] = torch.cat([value, value[:, -1:].expand(-1, change)], dim=1)
+            out[name] = torch.cat([value] + [value[:, -1:]] * change, dim=1)
     return out
 
 
@@ -53,7 +53,8 @@ def _builder(name: str) -> Any:
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("gemma3", torch.float32), ("gemma3", torch.bfloat16),
-                                             ("llava_pixtral", torch.float32), ("paligemma", torch.float32)])
+                                             ("llava_pixtral", torch.float32), ("paligemma", torch.float32),
+                                             ("mllama", torch.float32)])
 def test_a_vlm_prepared_on_one_prompt_runs_on_prompts_of_other_lengths(name: str, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     model, inputs = _builder(name)()
@@ -88,10 +89,15 @@ def test_what_is_proposed_for_multimodal_examples() -> None:
     assert proposal.dynamic == {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}, "mm_token_type_ids": {1: "seq"}}
     assert set(proposal.dropped) == {("input_ids", 0), ("attention_mask", 0), ("mm_token_type_ids", 0)}
     assert "image_grid_thw, pixel_values" in proposal.dropped[("input_ids", 0)]
-    # Mllama's cross_attention_mask has the sequence's size: it would have to grow with the prompt
+    # Mllama's cross_attention_mask (batch x tokens x images x tiles) grows with the prompt
     model, inputs = _builder("mllama")()
-    assert inputs["cross_attention_mask"].shape[1] == inputs["input_ids"].shape[1]
-    assert autodims.propose(model, ExampleInputs((), inputs)) is None
+    proposal = autodims.propose(model, ExampleInputs((), inputs))
+    assert proposal is not None and proposal.dynamic == {
+        "input_ids": {1: "seq"}, "attention_mask": {1: "seq"}, "cross_attention_mask": {1: "seq"}}
+    # an input of unknown layout with a dimension of the sequence's size would have to grow with it
+    model, inputs = _builder("gemma3")()
+    extra = {**inputs, "token_image_map": torch.zeros(1, inputs["input_ids"].shape[1], 2)}
+    assert autodims.propose(model, ExampleInputs((), extra)) is None
     # images alone (no token input): their batch, as before
     model, inputs = _builder("gemma3")()
     proposal = autodims.propose(model.model.vision_tower, ExampleInputs((), {"pixel_values": inputs["pixel_values"]}))

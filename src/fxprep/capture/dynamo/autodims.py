@@ -27,8 +27,8 @@ the report and :class:`~fxprep.errors.InputMismatch` say why (:data:`MULTIMODAL_
 
 Not proposed (the model keeps static shapes and the batch probe, as before): models outside
 transformers, an example with an input this table does not know and no token input, and a
-multimodal example whose other inputs have a dimension of the sequence's size (Mllama's
-``cross_attention_mask``: it would have to grow with the prompt).
+multimodal example whose other inputs have a dimension of the sequence's size (it would have to
+grow with the prompt; Mllama's ``cross_attention_mask`` is in the table, its layout known).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ TABLE: dict[str, dict[int, str]] = {
     "inputs_embeds": _TOKENS, "labels": _TOKENS, "special_tokens_mask": _TOKENS, "mm_token_type_ids": _TOKENS,
     "decoder_input_ids": {0: "batch", 1: "decoder_seq"}, "decoder_attention_mask": {0: "batch", 1: "decoder_seq"},
     "decoder_inputs_embeds": {0: "batch", 1: "decoder_seq"},
+    "cross_attention_mask": {0: "batch", 1: "seq"},  # Mllama: batch x tokens x images x tiles
 }
 _VISION_ONLY = {"pixel_values": {0: "batch"}, "pixel_mask": {0: "batch"}}  # only where no token input is given
 MULTIMODAL_BATCH = ("a multimodal example: the batch stays at the example's size, because how the other inputs "
@@ -111,8 +112,9 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
     sizes: dict[str, int] = {}
     for name, value in tensors.items():
         chosen = {}
-        for d, sym in table.get(name, {}).items():
-            if d >= value.dim() or (d == 1 and name.endswith("attention_mask") and value.dim() != 2):
+        dims = table.get(name, {})
+        for d, sym in dims.items():
+            if d >= value.dim() or (dims is _TOKENS and d == 1 and name.endswith("attention_mask") and value.dim() != 2):
                 continue
             if others and sym == "batch":
                 continue  # multimodal: the batch stays (module docstring)
