@@ -28,10 +28,16 @@ class ExampleInputs:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def fresh_copy(self) -> ExampleInputs:
+    def fresh_copy(self, *, keep_strides: bool = False) -> ExampleInputs:
         """A copy whose tensors are new objects, so a model that mutates its inputs cannot leak
-        that mutation into the next run we compare against."""
-        args, kwargs = pytree.tree_map_only(torch.Tensor, _clone, (self.args, self.kwargs))
+        that mutation into the next run we compare against. ``keep_strides``: a tensor a copy
+        cannot lay out as it is (an expanded mask) stays itself, detached (see :func:`same_layout`),
+        for code captured on these inputs, which may depend on their layout."""
+        def new(t: torch.Tensor) -> torch.Tensor:
+            out = same_layout(t) if keep_strides else t.detach().clone()
+            return out.requires_grad_(t.requires_grad)
+
+        args, kwargs = pytree.tree_map_only(torch.Tensor, new, (self.args, self.kwargs))
         return ExampleInputs(tuple(args), dict(kwargs))
 
     def requiring_grad(self) -> ExampleInputs:
@@ -51,10 +57,11 @@ class ExampleInputs:
         return ", ".join(parts)
 
 
-def _clone(t: torch.Tensor) -> torch.Tensor:
-    out = t.detach().clone()
-    out.requires_grad_(t.requires_grad)
-    return out
+def same_layout(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t`` with its strides, or ``t`` detached where no copy can have them
+    (an expanded tensor's zero strides): a graph captured with a layout may rely on it."""
+    copy = t.detach().clone()
+    return copy if copy.stride() == t.stride() else t.detach()
 
 
 def _mark_grad(t: torch.Tensor) -> torch.Tensor:

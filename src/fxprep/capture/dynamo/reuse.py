@@ -57,7 +57,7 @@ from torch.utils import _pytree as pytree
 
 from ... import decisions
 from ...diagnose import stopped_at_data_guard
-from ...inputs import ExampleInputs
+from ...inputs import ExampleInputs, same_layout
 from ...runs import SEED, preserved_state
 from ..common import LeafPolicy
 from .blocks import (
@@ -124,20 +124,6 @@ class _Recorded(BaseException):
     catches those must not swallow it)."""
 
 
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    copy = t.detach().clone()
-    return copy if copy.stride() == t.stride() else t.detach()
-
-
-def _own_copy(call: ExampleInputs) -> ExampleInputs:
-    """``call`` with its tensors copied as :func:`_keep` copies them (strides kept), grad as it was."""
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        return _keep(t).requires_grad_(t.requires_grad)
-
-    args, kwargs = pytree.tree_map_only(torch.Tensor, copy, (call.args, call.kwargs))
-    return ExampleInputs(tuple(args), dict(kwargs))
-
-
 def _record_inputs(outer: fx.GraphModule, model: nn.Module, call: ExampleInputs,
                    wanted: list[Member], share: bool = False) -> dict[tuple[int, int], Any]:
     """The ``(args, kwargs)`` each wanted call really receives, from one run of the outer graph
@@ -159,7 +145,7 @@ def _record_inputs(outer: fx.GraphModule, model: nn.Module, call: ExampleInputs,
         seen = kept.get(id(t)) if share else None
         if seen is not None and seen[1] == t._version:
             return seen[2]
-        copy = _keep(t)
+        copy = same_layout(t)
         if share:
             kept[id(t)] = (t, t._version, copy)
         return copy
@@ -240,7 +226,7 @@ def decided_otherwise(gm: fx.GraphModule, first: Member, member: Member, recorde
     inputs, does not hold for ``member``: the check that fails on ``member``'s recorded inputs
     (Qwen2.5-VL's vision blocks split by window in most layers and by image in the full-attention
     ones), or None when it runs. The weights are ``first``'s; the checks follow the inputs."""
-    call = _own_copy(_block_call(member, recorded[(id(member.module), member.k)]))  # others share its tensors
+    call = _block_call(member, recorded[(id(member.module), member.k)]).fresh_copy(keep_strides=True)  # shared
     with preserved_state(first.module), torch.no_grad():
         try:
             gm(*call.args, **call.kwargs)
@@ -288,7 +274,7 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
     route = job.target.route
     call = _block_call(first, recorded[(id(first.module), first.k)])
     if job.real_values:
-        call = _own_copy(call)  # its tensors may be shared with the other members' (_record_inputs)
+        call = call.fresh_copy(keep_strides=True)  # its tensors may be shared with the other members' (_record_inputs)
     result = dynamo_export(first.module, call, route, _block_spec(first, call) if job.dynamic_spec is not None else None,
                            real_values=job.real_values)
     job.guard.reset()
