@@ -18,13 +18,13 @@ import functools
 import time
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch import nn
 
 from .. import progress
 from ..diagnose import Issue, diagnose
 from ..inputs import ExampleInputs
+from ..paths import get_path, has_path, install
 from ..threads import GLOBAL_LOCK, confined
 from ..wrap import find_proxy
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
@@ -167,7 +167,7 @@ class HybridTracer(FxprepTracer):
         gm = fx.GraphModule(nn.Module(), fx.Graph(), class_name)
         by_target = {self.target_for(s): s for s in self.method_sites}
         for node in graph.nodes:
-            if node.op not in ("call_module", "get_attr") or _has_attr(gm, str(node.target)):
+            if node.op not in ("call_module", "get_attr") or has_path(gm, str(node.target)):
                 continue
             target = str(node.target)
             site = by_target.get(target)
@@ -176,8 +176,8 @@ class HybridTracer(FxprepTracer):
             elif site is not None:
                 value = OpaqueMethod(site.owner(self.model), site.method, site.qualname.rpartition(".")[0])
             else:
-                value = _resolve(self.model, target)
-            _install(gm, target, value)
+                value = get_path(self.model, target)
+            install(gm, target, value)
         gm.graph = graph
         return gm
 
@@ -198,43 +198,6 @@ class HybridTracer(FxprepTracer):
             patched.append((owner.__dict__, site.method, owner.__dict__.get(site.method, MISSING)))
             owner.__dict__[site.method] = call
         return patched
-
-
-def _has_attr(root: nn.Module, path: str) -> bool:
-    obj: Any = root
-    for atom in path.split("."):
-        if not hasattr(obj, atom):
-            return False
-        obj = getattr(obj, atom)
-    return True
-
-
-def _resolve(model: nn.Module, path: str) -> Any:
-    obj: Any = model
-    for atom in path.split("."):
-        obj = getattr(obj, atom)
-    return obj
-
-
-def _install(gm: nn.Module, path: str, value: Any) -> None:
-    """Put ``value`` at ``path`` in ``gm``, creating plain containers on the way (never touching
-    the user's modules), registering tensors as parameters or buffers like ``torch.fx`` does."""
-    *parents, leaf = path.split(".")
-    module = gm
-    for atom in parents:
-        child = module._modules.get(atom)
-        if child is None:
-            child = nn.Module()
-            module.add_module(atom, child)
-        module = child
-    if isinstance(value, nn.Module):
-        module.add_module(leaf, value)
-    elif isinstance(value, nn.Parameter):
-        module.register_parameter(leaf, value)
-    elif isinstance(value, torch.Tensor):
-        module.register_buffer(leaf, value)
-    else:
-        setattr(module, leaf, value)
 
 
 def capture_hybrid(request: CaptureRequest) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import nn
 
+from ..paths import has_path
 from ..report import Report
 
 # ``operator.iadd`` is recorded by Dynamo (and fxprep's fx tracer); a plain fx trace sees ``a + b``.
@@ -76,19 +77,6 @@ def _used_paths(gm: fx.GraphModule, added: set[str]) -> set[str]:
     return paths
 
 
-def _has(root: nn.Module, path: str) -> bool:
-    obj: object = root
-    for atom in path.split("."):
-        children = getattr(obj, "_modules", {})
-        if atom in children:
-            obj = children[atom]
-        elif hasattr(obj, atom):
-            obj = getattr(obj, atom)
-        else:
-            return False
-    return True
-
-
 def _move(gm: fx.GraphModule, old: str, new: str) -> None:
     parent_path, _, leaf = old.rpartition(".")
     parent = gm.get_submodule(parent_path)
@@ -101,7 +89,7 @@ def _drop_empty_containers(gm: fx.GraphModule, original: nn.Module, paths: set[s
     """Remove plain containers fxprep created that moving modules left empty (deepest first)."""
     originals = {id(m) for m in original.modules()}
     for path in sorted(paths, key=lambda p: -p.count(".")):
-        if not path or not _has(gm, path):
+        if not path or not has_path(gm, path):
             continue
         module = gm.get_submodule(path)
         if id(module) in originals or type(module) is not nn.Module:
@@ -137,7 +125,7 @@ def run(gm: fx.GraphModule, *, original: nn.Module, report: Report | None = None
         new = f"{new_parent}.{leaf_new}" if new_parent else leaf_new
         if new == old:
             continue
-        if _has(gm, new) or _has(original, new):
+        if has_path(gm, new) or has_path(original, new):
             if report is not None:
                 report.note(f"AIMET would name '{old}' '{new}', which is taken in the model; kept '{old}'.")
             continue

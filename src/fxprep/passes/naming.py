@@ -12,6 +12,8 @@ import re
 import torch.fx as fx
 from torch import nn
 
+from ..paths import has_path
+
 
 def scope_of(node: fx.Node) -> str:
     """Qualified name of the module whose forward produced ``node`` ('' for the root)."""
@@ -20,18 +22,6 @@ def scope_of(node: fx.Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return path if isinstance(path, str) else ""
-
-
-def _has_path(root: nn.Module, path: str) -> bool:
-    obj: object = root
-    for atom in path.split("."):
-        if isinstance(obj, nn.Module) and atom in obj._modules:
-            obj = obj._modules[atom]
-        elif hasattr(obj, atom):
-            obj = getattr(obj, atom)
-        else:
-            return False
-    return True
 
 
 _CLEAN = re.compile(r"[^0-9a-zA-Z_]+")
@@ -53,8 +43,8 @@ def fresh_name(gm: fx.GraphModule, original: nn.Module | None, scope: str, base:
         candidate = f"{prefix}{base}" if i == 0 else f"{prefix}{base}_{i}"
         if (
             candidate not in taken
-            and not _has_path(gm, candidate)
-            and (original is None or not _has_path(original, candidate))
+            and not has_path(gm, candidate)
+            and (original is None or not has_path(original, candidate))
         ):
             taken.add(candidate)
             return candidate

@@ -28,8 +28,9 @@ import torch.fx as fx
 from torch import nn
 
 from ...cond import cond
+from ...paths import get_path, has_path, install
 from ..common import LeafPolicy
-from .names import Frame, Stacks, default_leaf, frames_meta, get_path
+from .names import Frame, Stacks, default_leaf, frames_meta
 
 HOP = getattr(torch.ops.higher_order, "cond", None)
 
@@ -42,34 +43,6 @@ def _one_input(module: nn.Module) -> bool:
         return False
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(required) == 1
-
-
-def _install(holder: nn.Module, path: str, obj: Any) -> None:
-    """Put ``obj`` at ``path`` in ``holder``, creating plain containers; never inside a user module
-    (when the path runs through one that already holds ``obj``, nothing is needed)."""
-    *prefix, leaf = path.split(".")
-    container = holder
-    for i, atom in enumerate(prefix):
-        nxt = container._modules.get(atom)
-        if nxt is None:
-            nxt = nn.Module()
-            container.add_module(atom, nxt)
-        elif type(nxt) is not nn.Module:
-            try:
-                if get_path(nxt, ".".join(prefix[i + 1:] + [leaf])) is obj:
-                    return
-            except AttributeError:
-                pass
-            raise ValueError(f"cannot place {path!r} in a branch")
-        container = nxt
-    if isinstance(obj, nn.Module):
-        container.add_module(leaf, obj)
-    elif isinstance(obj, nn.Parameter):
-        container.register_parameter(leaf, obj)
-    elif isinstance(obj, torch.Tensor):
-        container.register_buffer(leaf, obj)
-    else:
-        setattr(container, leaf, obj)
 
 
 class _Branch:
@@ -128,7 +101,7 @@ class _Branch:
         ext_out[0].replace_all_uses_with(call, delete_user_cb=lambda u: u not in members)
         for n in reversed(nodes):
             self.graph.erase_node(n)
-        _install(self.holder, name, module)
+        install(self.holder, name, module)
 
     def localise_params(self) -> None:
         """Parameter operands → ``get_attr`` of the user's tensors; their placeholders go."""
@@ -140,13 +113,13 @@ class _Branch:
                     attr = self.graph.get_attr(qualname)
                 attr.meta = dict(ph.meta)
                 ph.replace_all_uses_with(attr)
-                _install(self.holder, qualname, get_path(self.model, qualname))
+                install(self.holder, qualname, get_path(self.model, qualname))
             self.graph.erase_node(ph)
 
     def finish(self) -> fx.GraphModule:
         for node in self.graph.nodes:  # nested branches and anything else the branch reads
-            if node.op == "get_attr" and not _has(self.holder, str(node.target)):
-                _install(self.holder, str(node.target), get_path(self.original, str(node.target)))
+            if node.op == "get_attr" and not has_path(self.holder, str(node.target)):
+                install(self.holder, str(node.target), get_path(self.original, str(node.target)))
             frames = self.stacks.of(node) if node.meta.get("nn_module_stack") else []
             if frames and not node.meta.get("fxprep_fx_stack"):
                 node.meta["nn_module_stack"] = {f.qualname if f.k == 0 else f"{f.qualname}@{f.k}": (f.qualname, f.cls)
@@ -154,14 +127,6 @@ class _Branch:
                 node.meta["fxprep_fx_stack"] = True
         self.graph.lint()
         return fx.GraphModule(self.holder, self.graph, type(self.original).__name__)
-
-
-def _has(root: nn.Module, path: str) -> bool:
-    try:
-        get_path(root, path)
-    except AttributeError:
-        return False
-    return True
 
 
 def _random_like(node: fx.Node) -> Any:

@@ -14,7 +14,8 @@ import operator
 import torch.fx as fx
 from torch import nn
 
-from .names import Group, Names, Stacks, frames_meta, get_path
+from ...paths import get_path
+from .names import Group, Names, Stacks, frames_meta
 
 
 def direct_call(group: Group, stacks: Stacks) -> fx.Node | None:

@@ -294,14 +294,6 @@ def inherited_torch_forward(cls: type) -> bool:
     )
 
 
-def get_path(root: Any, path: str) -> Any:
-    """``root.a.b.c`` for ``path`` 'a.b.c'."""
-    obj = root
-    for atom in path.split("."):
-        obj = getattr(obj, atom)
-    return obj
-
-
 @dataclass
 class Group:
     """The nodes of one leaf call: all nodes whose module stack reaches the same leaf frame key."""

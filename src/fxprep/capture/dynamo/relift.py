@@ -21,11 +21,12 @@ from torch.utils import _pytree as pytree
 
 from ...inputs import ExampleInputs
 from ...passes import dynamo_cleanup
+from ...paths import get_path
 from ..common import LeafPolicy, graph_module
 from ..sites import Site
 from .cond import relift_conds
 from .flag import module_method_calls
-from .names import Names, ReliftError, Stacks, get_path
+from .names import Names, ReliftError, Stacks
 from .opaque import BlackBox, drop_size_asserts, relift_opaque, with_opaque
 from .regroup import Regrouper
 from .shapes import positional_names

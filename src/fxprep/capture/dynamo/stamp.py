@@ -25,9 +25,10 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ...paths import get_path, has_path
 from ..common import graph_module
 from .blocks import call_inputs, freeze, shape_kind
-from .names import Names, get_path
+from .names import Names
 from .relift import _free_name, _Holder, _reorder_like
 
 
@@ -168,7 +169,7 @@ class Stamper:
              tensors: dict[int, str]) -> None:
         # the name the pass chose in the first instance must be free in this one too (on the whole
         # graph the pass would have chosen another)
-        if qual in self.added or _has_attribute(instance, target):
+        if qual in self.added or has_path(instance, target):
             raise StampError(f"'{qual}' is taken: a module made in the block cannot be placed there")
         self.added[qual] = module if instance is first else _instance_copy(module, instance, tensors)
 
@@ -265,7 +266,7 @@ def converted_block(block: fx.GraphModule, convert: Any,
 def names_free(made: dict[str, nn.Module], instances: list[nn.Module]) -> bool:
     """Whether every instance has nothing where the block's made modules go (the pass chose the
     names in the first instance; on the whole graph it would choose others where one is taken)."""
-    return not any(_has_attribute(instance, target) for instance in instances for target in made)
+    return not any(has_path(instance, target) for instance in instances for target in made)
 
 
 def _tensor_names(root: nn.Module) -> dict[int, str]:
@@ -300,19 +301,3 @@ def _instance_copy(module: nn.Module, instance: nn.Module, tensors: dict[int, st
     return new
 
 
-def _has_attribute(root: nn.Module, path: str) -> bool:
-    """Whether ``root`` has anything at ``path``; submodules are looked up in ``_modules`` (an
-    attribute miss on a module raises inside ``nn.Module.__getattr__``, slow in a loop over layers)."""
-    *steps, last = path.split(".")
-    obj: Any = root
-    for atom in steps:
-        if isinstance(obj, nn.Module) and atom in obj._modules:
-            obj = obj._modules[atom]
-        elif hasattr(obj, atom):
-            obj = getattr(obj, atom)
-        else:
-            return False
-    if isinstance(obj, nn.Module) and type(obj).__getattr__ is nn.Module.__getattr__:
-        return (last in obj._modules or last in obj._parameters or last in obj._buffers or last in obj.__dict__
-                or hasattr(type(obj), last))
-    return hasattr(obj, last)
