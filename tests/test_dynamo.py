@@ -821,3 +821,40 @@ def test_a_forward_writing_into_its_kwargs_then_binding_a_signature_is_captured(
     assert gm.get_submodule("lin") is model.lin
     assert "forward" not in vars(model)  # the root put in for the capture is gone
     torch.testing.assert_close(gm(x=x), model(x=x))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x)) + x
+
+
+class KwargsDefaultsStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+
+    @_with_defaults
+    def forward(self, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x * scale
+
+
+def test_a_forward_writing_into_its_kwargs_keeps_dynamic_dimensions_and_block_reuse() -> None:
+    # the root put in for the capture carries the forward's signature, to which Dynamo matches the
+    # dynamic-shapes spec by parameter name; the outer capture of block reuse is traced from it too
+    torch.manual_seed(0)
+    model = KwargsDefaultsStack().eval()
+    gm = fxprep.prepare_model(model, example_inputs={"x": torch.randn(2, 4)}, dynamic={"x": {0: "batch"}})
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo" and report.verification.status == "passed" and not report.leaves
+    assert {k: v for k, v in report.reuse["captured"].items() if v} == {"blocks.0": ["blocks.1", "blocks.2"]}
+    assert "forward" not in vars(model)
+    for batch in (1, 5):
+        y = torch.randn(batch, 4)
+        torch.testing.assert_close(gm(x=y), model(x=y))

@@ -451,6 +451,23 @@ def test_find_groups_takes_the_outermost_repeated_block() -> None:
     assert not any("encoder.block.0" in group or "encoder" in group for group in names)
 
 
+def test_a_block_with_hooks_of_its_own_is_looked_inside() -> None:
+    # Dynamo calls a module with hooks through its _call_impl (hooks, then forward), never as one node,
+    # so a stand-in for it would be traced into: its repeated children are the blocks. transformers
+    # installs output-capturing hooks on Pixtral's layers at the first call (Llava reads their outputs)
+    from . import vlm_models
+
+    model, inputs = vlm_models.llava_pixtral()
+    with torch.no_grad():
+        model(**inputs)
+    vision = "model.vision_tower.transformer.layers"
+    assert all(layer._forward_hooks for layer in model.get_submodule(vision))
+    names = [[n for n, _ in group] for group in blocks.find_groups(model, LeafPolicy())]
+    assert [f"{vision}.0.feed_forward", f"{vision}.1.feed_forward"] in names
+    assert ["model.language_model.layers.0", "model.language_model.layers.1"] in names  # no hooks there
+    assert not any(f"{vision}.{i}" in group for group in names for i in (0, 1))
+
+
 def test_reuse_can_be_switched_off_and_the_user_model_is_untouched() -> None:
     model = Stack(3, branch=False).eval()
     classes = [type(m) for m in model.modules()]

@@ -263,3 +263,45 @@ def test_a_block_sized_by_data_is_captured_with_the_model() -> None:
     other = (torch.randn(8, 8), torch.tensor([5]))
     with torch.no_grad():
         torch.testing.assert_close(gm(*other), model(*other), rtol=0, atol=0)
+
+
+class _Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x)).reshape(x.shape[0], 2, 4).flatten(1) + x
+
+
+class _RowsFromData(nn.Module):
+    """Blocks whose inputs have as many rows as ``n`` says (Pixtral's layers get as many patches as
+    the image sizes, read from a tensor, give)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Mixer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        k = int(n[0])
+        x = x[:k] if k > 1 else x[:2]  # a decision on the value: plain Dynamo stops here
+        for block in self.blocks:
+            x = block(x)
+        return x.sum(0)
+
+
+def test_blocks_fed_a_size_read_from_data_are_reused_and_follow_it() -> None:
+    # the size stays symbolic in the outer graph; the block is captured with that dimension dynamic,
+    # so its graph returns what its stand-in did there (captured static, it did not: reuse gave up)
+    torch.manual_seed(0)
+    model = _RowsFromData().eval()
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(8, 8), torch.tensor([6])))
+    report = fxprep.get_report(gm)
+    assert report.tracer == "dynamo+values" and report.verification.status == "passed"
+    assert _stamped(report.reuse) == {"blocks.0": ["blocks.1", "blocks.2"]}
+    assert not any("block reuse did not apply" in note for note in report.notes)
+    for rows in (3, 6, 8):  # the reshape in the block follows the rows
+        other = (torch.randn(8, 8), torch.tensor([rows]))
+        with torch.no_grad():
+            torch.testing.assert_close(gm(*other), model(*other), rtol=0, atol=0)

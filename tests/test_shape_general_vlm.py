@@ -6,8 +6,9 @@ processor's size); how many rows of ``pixel_values`` belong to one sample is eac
 layout, so the batch stays at the example's size and a call at another batch is refused with why.
 Each model is compared with its eager self at a longer and a shorter prompt (text added or removed
 at the end, the image tokens untouched): Gemma3 (plain Dynamo), Llava with a Pixtral tower (sizes
-decided from the example's values, checked in the graph: captured again with the length declared),
-PaliGemma (image tokens first, so a second size that repeated the prompt's first tokens would add
+decided from the example's values, checked in the graph: captured again with the length declared,
+its blocks reused), Mistral3 (the same tower; its forward writes into its ``**kwargs``, so it is
+traced from a root whose ``**kwargs`` is the trace's own, with the length declared too), PaliGemma (image tokens first, so a second size that repeated the prompt's first tokens would add
 image tokens) and Mllama (its ``cross_attention_mask`` grows with the prompt). Qwen2-VL, whose rope index stays opaque, keeps static shapes and says why.
 """
 
@@ -53,8 +54,8 @@ def _builder(name: str) -> Any:
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("gemma3", torch.float32), ("gemma3", torch.bfloat16),
-                                             ("llava_pixtral", torch.float32), ("paligemma", torch.float32),
-                                             ("mllama", torch.float32)])
+                                             ("llava_pixtral", torch.float32), ("mistral3", torch.float32),
+                                             ("paligemma", torch.float32), ("mllama", torch.float32)])
 def test_a_vlm_prepared_on_one_prompt_runs_on_prompts_of_other_lengths(name: str, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     model, inputs = _builder(name)()
@@ -67,6 +68,12 @@ def test_a_vlm_prepared_on_one_prompt_runs_on_prompts_of_other_lengths(name: str
     assert "Shape-general: the dimensions input_ids dim 1 (seq)" in text, text
     assert "input_ids dim 0 stays at the example's size: a multimodal example" in text
     assert "pixel_values" in text
+    assert "block reuse did not apply" not in text
+    if name in ("llava_pixtral", "mistral3"):  # captured deciding values; Pixtral's layers carry hooks
+        stamped = {k: v for k, v in report.reuse["captured"].items() if v}
+        assert stamped == {"model.vision_tower.transformer.layers.0.feed_forward":
+                           ["model.vision_tower.transformer.layers.1.feed_forward"],
+                           "model.language_model.layers.0": ["model.language_model.layers.1"]}
     for change, seed in ((7, 1), (-1, 2)):
         call = _prompt(inputs, change, seed)
         with torch.no_grad():

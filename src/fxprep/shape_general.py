@@ -27,7 +27,6 @@ from torch import nn
 
 from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims
-from .capture.dynamo.export import MUTATED_INPUT_DICT
 from .capture.fx import restored_attributes
 from .capture.request import CaptureRequest
 from .inputs import ExampleInputs
@@ -89,8 +88,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             first = str(err).strip().splitlines()[0][:200] if err is not None and str(err).strip() else "no capture"
             failure = NotShapeGeneral(f"Dynamo could not capture it with {current.describe()} dynamic "
                                       f"({type(err).__name__ if err is not None else 'no error'}: {first})")
-            # (a forward writing into its **kwargs is traced from a fresh root, for static shapes only)
-            if err is not None and not found and not ranges and MUTATED_INPUT_DICT not in str(err):
+            if err is not None and not found and not ranges:
                 failure.elsewhere = Elsewhere(current, attempts)
             raise failure
         nxt = autodims.revised(current, found, ranges, model, example)

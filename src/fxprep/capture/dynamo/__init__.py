@@ -131,8 +131,9 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
                 reused = None
                 if request.reuse:
                     target.notes.extend(_reuse_notes(model, policy, state))
-                if request.reuse and state.current == "flag" and not state.fresh_kwargs:
-                    reused = capture_reusing(ReuseJob(target, call, guard, request.block_pass, spec, box, real_values))
+                if request.reuse and state.current == "flag":
+                    reused = capture_reusing(ReuseJob(target, call, guard, request.block_pass, spec, box, real_values,
+                                                      state.fresh_kwargs))
                 if reused is not None:
                     gm, extra = reused
                 else:
@@ -144,7 +145,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
             notes.extend(target.notes)
             break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
-            if not state.relax(err, model, capture_call, spec is None, notes):
+            if not state.relax(err, model, capture_call, notes):
                 return _failure(err, start, tracer)
             progress.step(f"retrying after {type(err).__name__}")
     notes.extend(_capture_notes(request, gm, state.caches, guard.written, capture_call))
@@ -164,13 +165,12 @@ class _Relaxed:
     hooks_installed: bool = False
     fresh_kwargs: bool = False
 
-    def relax(self, err: BaseException, model: nn.Module, capture_call: ExampleInputs, static: bool,
-              notes: list[str]) -> bool:
+    def relax(self, err: BaseException, model: nn.Module, capture_call: ExampleInputs, notes: list[str]) -> bool:
         """Relax what ``err`` calls for; False when nothing is left (the capture failed)."""
         if not self.hooks_installed and huggingface.stopped_at_hook_installation(err):
             huggingface.install_hooks_by_running(model, capture_call)  # as the user's first call would
             self.hooks_installed = True
-        elif not self.fresh_kwargs and static and MUTATED_INPUT_DICT in str(err):
+        elif not self.fresh_kwargs and MUTATED_INPUT_DICT in str(err):
             self.fresh_kwargs = True  # trace from a root whose **kwargs is the trace's own (export.fresh_kwargs_root)
         elif self.grad_inputs and any(s in str(err) for s in _RETRY_WITHOUT_GRAD):
             self.grad_inputs = False  # capture the inputs as given instead
@@ -186,7 +186,7 @@ class _Relaxed:
 
 def _reuse_notes(model: nn.Module, policy: LeafPolicy, state: _Relaxed) -> list[str]:
     """Why block reuse is off for this capture, when it was asked for and cannot run."""
-    if state.current != "flag" and state.route == "auto" and not state.fresh_kwargs:
+    if state.current != "flag" and state.route == "auto":
         return reuse_unavailable_note(model, policy)
     return []
 

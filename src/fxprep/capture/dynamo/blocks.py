@@ -86,13 +86,23 @@ def _outermost(model: nn.Module, policy: LeafPolicy, counts: Counter[type],
                 continue
             seen.add(id(child))
             qual = f"{prefix}{name}"
-            if eligible_kind(child, model, policy) and counts[type(child)] >= 2 and id(child) not in descend:
+            if eligible_kind(child, model, policy) and counts[type(child)] >= 2 and id(child) not in descend \
+                    and not _hooked(child):
                 chosen.append((qual, child))
             elif not is_leaf(child, policy):
                 visit(f"{qual}.", child)
 
     visit("", model)
     return chosen
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks of its own (transformers' output-capturing hooks on Pixtral's
+    layers, a user's): Dynamo never calls such a module as one node, it traces its ``_call_impl``
+    (the hooks, then ``forward``), and would trace into a stand-in's code. Its repeated children
+    are the blocks instead, and the outer capture traces the hooks as the whole-model one does."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 def eligible_kind(module: nn.Module, model: nn.Module, policy: LeafPolicy) -> bool:

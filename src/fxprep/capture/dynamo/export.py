@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import types
 from collections.abc import Iterator
@@ -221,7 +222,7 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
     ``real_values``: values read from data (``.item()``, ``.tolist()``) become symbols, and
     questions about them are decided from the example's real values, each decision kept in the
     graph as a runtime check (:mod:`fxprep.decisions`). ``fresh_kwargs``: trace from
-    :func:`fresh_kwargs_root` (static shapes only).
+    :func:`fresh_kwargs_root`.
 
     Runs under :data:`fxprep.threads.GLOBAL_LOCK` (Dynamo's config and caches are process-wide),
     with the recompile limits lifted and the cache entries the call added dropped
@@ -242,7 +243,7 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
         patches["capture_scalar_outputs"] = True
         patches["capture_dynamic_output_shape_ops"] = True
     real = _real_value_propagation() if real_values else contextlib.nullcontext()
-    root = fresh_kwargs_root(model) if fresh_kwargs and dynamic_spec is None else contextlib.nullcontext()
+    root = fresh_kwargs_root(model) if fresh_kwargs else contextlib.nullcontext()
     with GLOBAL_LOCK, dynamo.config.patch(**patches), real, root, DynamoGlobalState(), DynamoCacheScope():
         result = dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
     heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.heap)
@@ -250,10 +251,6 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
 
 
 MUTATED_INPUT_DICT = "mapping proxy affected by dictionary mutation"
-
-
-def _forward_with_fresh_kwargs(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return type(self).forward(self, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -267,9 +264,14 @@ def fresh_kwargs_root(model: nn.Module) -> Iterator[None]:
     read ("mapping proxy affected by dictionary mutation"): ``inspect.Signature.bind`` in
     transformers' ``select_hidden_states`` (Mistral3's ``get_image_features``) then stops the
     capture. Made inside the trace, the dict's mutation is the trace's own. ``self`` is still the
-    root frame's first argument, so Dynamo's source names are those of a direct trace. Only for
-    static shapes: a dynamic-shapes spec is matched to the forward's own parameter names."""
-    model.forward = types.MethodType(_forward_with_fresh_kwargs, model)
+    root frame's first argument, so Dynamo's source names are those of a direct trace. The one-line
+    forward carries the class forward's signature, to which Dynamo matches a dynamic-shapes spec by
+    parameter name (``input_ids``, not ``args``)."""
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return type(self).forward(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(type(model).forward)  # type: ignore[attr-defined]
+    model.forward = types.MethodType(forward, model)
     try:
         yield
     finally:

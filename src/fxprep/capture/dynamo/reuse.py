@@ -200,8 +200,11 @@ def _block_spec(member: Member, call: ExampleInputs) -> dict[str, Any] | None:
     """Dynamo's ``dynamic_shapes`` for capturing ``member`` alone on ``call`` (its recorded inputs):
     every dimension that is symbolic where the outer graph calls it is ``Dim.DYNAMIC`` (relations
     between them, such as a mask's last size being the sequence length, Dynamo finds itself; a
-    dimension the block's code specialises fails the capture, and reuse falls back). None when the
-    outer capture had static shapes."""
+    dimension the block's code specialises fails the capture, and reuse falls back). None when
+    every size there is static. Not only under declared dimensions: where values read from data are
+    decided (:mod:`.values`), a size computed from them stays symbolic in the outer graph (the number
+    of Pixtral's patches, from the image sizes), and a block captured static on the example's size
+    would return another shape than its stand-in did there (reuse then gave up)."""
     from torch.export import Dim
 
     flat, _ = call_inputs(member.node)
@@ -262,6 +265,8 @@ class ReuseJob:
     box: BlackBox | None = None
     # values read from data are decided from the example's (:mod:`.values`), in the outer and every block capture
     real_values: bool = False
+    # the outer capture traced from a root whose ``**kwargs`` is the trace's own (:func:`.export.fresh_kwargs_root`)
+    fresh_kwargs: bool = False
 
 
 def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], job: ReuseJob,
@@ -275,8 +280,18 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
     call = _block_call(first, recorded[(id(first.module), first.k)])
     if job.real_values:
         call = call.fresh_copy(keep_strides=True)  # its tensors may be shared with the other members' (_record_inputs)
-    result = dynamo_export(first.module, call, route, _block_spec(first, call) if job.dynamic_spec is not None else None,
-                           real_values=job.real_values)
+    spec = _block_spec(first, call)
+    try:
+        result = dynamo_export(first.module, call, route, spec, real_values=job.real_values)
+    except Exception:
+        if spec is None or job.dynamic_spec is not None:
+            raise
+        # sizes from values read from data, no declared dimension: the block may fix them itself
+        # (Qwen2-VL's vision blocks split by cu_seqlens); captured static then, as before, and the
+        # stand-in's output in the outer graph says whether that graph holds there
+        job.guard.reset()
+        call = call.fresh_copy(keep_strides=True)  # new tensors: the first attempt marked these dynamic
+        result = dynamo_export(first.module, call, route, None, real_values=job.real_values)
     job.guard.reset()
     opaque = job.box.calls_in(result.graph_module) if job.box else []
     if opaque:
@@ -396,7 +411,8 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
         job.box.rewind()
     with stubs:
         try:
-            result = dynamo_export(model, job.call, route, job.dynamic_spec, real_values=job.real_values)
+            result = dynamo_export(model, job.call, route, job.dynamic_spec, real_values=job.real_values,
+                                   fresh_kwargs=job.fresh_kwargs)
         except Exception as err:
             # only a value read from data is the outer capture's own: other failures may come from calling
             # a stand-in (Gemma3n passes its layers a dict Dynamo cannot hand to one call_module)
