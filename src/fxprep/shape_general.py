@@ -17,16 +17,15 @@ verified, so it does not run then.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims
+from .capture.dynamo.export import quiet_guard_logs
 from .capture.fx import restored_attributes
 from .capture.request import CaptureRequest
 from .inputs import ExampleInputs
@@ -56,19 +55,6 @@ class NotShapeGeneral(Exception):
     elsewhere: Elsewhere | None = None
 
 
-@contextlib.contextmanager
-def _quiet_guard_logs() -> Iterator[None]:
-    """Dynamo logs a failed constraint at ERROR level (with its stack) before raising it; here that
-    failure is an expected finding, said in the report, not something for the user's terminal."""
-    logger = logging.getLogger("torch._guards")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposal,
             run: Capture) -> tuple[CaptureResult, list[CaptureAttempt], autodims.Proposal]:
     """``run(capture_example, dynamic)`` (Dynamo alone) with ``proposal``'s dimensions; each
@@ -77,7 +63,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
     for another reason."""
     current: autodims.Proposal | None = proposal
     while current is not None:
-        with _quiet_guard_logs():
+        with quiet_guard_logs():
             result, attempts = run(current.capture_example, current.for_export())
         if result is not None and result.tracer == "dynamo":
             return result, attempts, current
@@ -119,7 +105,7 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
     proposal = elsewhere.proposal
     dims = request.replace(example=proposal.capture_example, dynamic=proposal.for_export(), dims_must_hold=True,
                            records={})
-    with _quiet_guard_logs(), preserved_state(request.model), restored_attributes(request.model, []):
+    with quiet_guard_logs(), preserved_state(request.model), restored_attributes(request.model, []):
         result, attempt, sites = values.capture_deciding_values(dims)
     attempts.append(attempt)
     if result is None:

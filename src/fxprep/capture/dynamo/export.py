@@ -254,6 +254,20 @@ MUTATED_INPUT_DICT = "mapping proxy affected by dictionary mutation"
 
 
 @contextlib.contextmanager
+def quiet_guard_logs() -> Iterator[None]:
+    """Dynamo logs a failed constraint at ERROR level (with its stack) before raising it. Where that
+    failure is an expected finding (a declared dimension the code specialises, said in the report;
+    a block captured static after its dynamic attempt) it is not something for the user's terminal."""
+    logger = logging.getLogger("torch._guards")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
 def fresh_kwargs_root(model: nn.Module) -> Iterator[None]:
     """Dynamo traces ``model`` from a one-line forward that calls the class's own with the same
     arguments, so the ``**kwargs`` dict the model's forward receives is made inside the trace.

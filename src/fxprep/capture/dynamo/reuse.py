@@ -45,6 +45,7 @@ model's order, which a block captured alone cannot follow.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ from .blocks import (
     self_guards,
     structure_whys,
 )
-from .export import AttributeGuard, dynamo_export
+from .export import AttributeGuard, dynamo_export, quiet_guard_logs
 from .opaque import BlackBox
 from .relift import ROUTE_META, LiftTarget, follow_input_device, relift
 from .stamp import Stamper, block_output_signature, converted_block, foreign_attributes, names_free
@@ -281,10 +282,12 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
     if job.real_values:
         call = call.fresh_copy(keep_strides=True)  # its tensors may be shared with the other members' (_record_inputs)
     spec = _block_spec(first, call)
+    retried = spec is not None and job.dynamic_spec is None  # a failure below is then not the capture's
     try:
-        result = dynamo_export(first.module, call, route, spec, real_values=job.real_values)
+        with quiet_guard_logs() if retried else contextlib.nullcontext():
+            result = dynamo_export(first.module, call, route, spec, real_values=job.real_values)
     except Exception:
-        if spec is None or job.dynamic_spec is not None:
+        if not retried:
             raise
         # sizes from values read from data, no declared dimension: the block may fix them itself
         # (Qwen2-VL's vision blocks split by cu_seqlens); captured static then, as before, and the
