@@ -113,3 +113,21 @@ def with_batchnorm_statistics(model: torch.nn.Module, shape: tuple[int, ...]) ->
         for _ in range(3):
             model(torch.randn(4, *shape[1:], generator=gen))
     return model.eval()
+
+
+class ResidualBlock(nn.Module):
+    """Linear, LayerNorm and a residual: the smallest block that block reuse stamps out.
+    ``by_rows``: the result is reshaped by its rows before the residual, so a graph of it follows
+    (or, captured static, fixes) the number of rows it is given."""
+
+    def __init__(self, features: int, by_rows: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(features, features)
+        self.norm = nn.LayerNorm(features)
+        self.by_rows = by_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.lin(x))
+        if self.by_rows:
+            y = y.reshape(x.shape[0], 2, -1).flatten(1)
+        return y + x

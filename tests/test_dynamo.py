@@ -29,7 +29,7 @@ from fxprep.capture.request import CaptureRequest
 from fxprep.inputs import ExampleInputs
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
-from .helpers import STE
+from .helpers import STE, ResidualBlock
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -823,20 +823,10 @@ def test_a_forward_writing_into_its_kwargs_then_binding_a_signature_is_captured(
     torch.testing.assert_close(gm(x=x), model(x=x))
 
 
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.norm = nn.LayerNorm(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.lin(x)) + x
-
-
 class KwargsDefaultsStack(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.blocks = nn.ModuleList(ResidualBlock(4) for _ in range(3))
 
     @_with_defaults
     def forward(self, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 import fxprep
 from fxprep import decisions
 from tests import vlm_models
+from tests.helpers import ResidualBlock
 from tests.test_reuse import _shape, _stamped, assert_reuse_exact, hf
 
 
@@ -269,23 +270,13 @@ def test_a_block_sized_by_data_is_captured_with_the_model() -> None:
         torch.testing.assert_close(gm(*other), model(*other), rtol=0, atol=0)
 
 
-class _Mixer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-        self.norm = nn.LayerNorm(8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.proj(x)).reshape(x.shape[0], 2, 4).flatten(1) + x
-
-
 class _RowsFromData(nn.Module):
     """Blocks whose inputs have as many rows as ``n`` says (Pixtral's layers get as many patches as
     the image sizes, read from a tensor, give)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Mixer() for _ in range(3))
+        self.blocks = nn.ModuleList(ResidualBlock(8, by_rows=True) for _ in range(3))
 
     def forward(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         k = int(n[0])
