@@ -67,6 +67,11 @@ def _matches(node: fx.Node, t: TensorSpec) -> bool:
     return shape is not None and shape == t.shape and _fake_dtype(node) == t.dtype
 
 
+def _is_size(node: fx.Node) -> bool:
+    """Whether ``node`` holds a size (an ``int`` or a symbolic one), not a tensor."""
+    return isinstance(node.meta.get("example_value"), (int, torch.SymInt))
+
+
 class Regrouper:
     """Collapses leaf calls into ``call_module`` nodes of the user's modules (both routes).
 
@@ -180,13 +185,19 @@ class Regrouper:
             for rec, unit in self._pair(recs, units.get(mid, [])):
                 pairs[rec.seq] = (rec, unit)
         # Example values only for the nodes matching could need: what groups read and return, and
-        # same-shaped candidates for the inputs of calls that left no node.
+        # same-shaped candidates for the inputs of calls that left no node and for arguments a group
+        # never reads.
         wanted: set[fx.Node] = set(self.inputs_nodes())
         for g in groups:
             wanted.update(self._ext_inputs(g.nodes))
             wanted.update(self._ext_outputs(g.nodes))
         probes = [t for rec, unit in pairs.values() if unit is None
                   for t in pytree.tree_leaves((rec.args, rec.kwargs)) if isinstance(t, TensorSpec)]
+        for rec, unit in pairs.values():  # an argument no node of the group reads (a layer's position_ids)
+            if isinstance(unit, Group):
+                read = self._ext_inputs(unit.nodes)
+                probes.extend(t for t in pytree.tree_leaves((rec.args, rec.kwargs))
+                              if isinstance(t, TensorSpec) and not any(_matches(n, t) for n in read))
         if probes:
             wanted.update(n for n in self.graph.nodes if any(_matches(n, t) for t in probes))
         self._wanted = wanted
@@ -394,7 +405,9 @@ class Regrouper:
         args, kwargs = bound
         arg_nodes: set[fx.Node] = set()
         fx.node.map_arg((args, kwargs), arg_nodes.add)
-        missing = [n for n in ext_in if n not in arg_nodes]
+        # a size the trace read once outside and reuses inside (``size = hidden_states.shape``) is
+        # computed again by the module itself from its arguments when it is called
+        missing = [n for n in ext_in if n not in arg_nodes and not _is_size(n)]
         if missing:
             return self._give_up(rec, f"it reads values it is not given as arguments ({', '.join(m.name for m in missing)})")
         if any(self.order.get(n, -1.0) > self.order[last] for n in arg_nodes):

@@ -5,7 +5,8 @@ Dynamo calls a module whose class lives in ``torch.nn`` as one node and never tr
 gets a subclass of its own class living there; Dynamo still needs each call's output as a fake
 tensor, which the subclass computes by running the real ``forward`` on a fake copy of the first
 instance called with each kind of input, and repeats for the others, so the cost of the outer
-capture does not grow with depth.
+capture does not grow with depth. Called on real tensors (the outer graph run for example values,
+when a hooked layer's arguments are tied by value), a stand-in runs the block itself.
 """
 
 from __future__ import annotations
@@ -90,17 +91,24 @@ class Stubs:
         return out
 
     def _fake_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import torch._guards
+
         stub = type(module)
         flat, _ = pytree.tree_flatten((args, kwargs))
+        fake_mode = torch._guards.detect_fake_mode(flat)
+        if fake_mode is None:  # real tensors: the outer graph run for example values (regroup's ties)
+            module.__class__ = stub._fxprep_original  # type: ignore[attr-defined]
+            try:
+                return module(*args, **kwargs)
+            finally:
+                module.__class__ = stub
         key = (stub._fxprep_key, _fake_key(flat))  # type: ignore[attr-defined]
         described = self.cache.get(key) if stub._fxprep_key not in self.uncached else None  # type: ignore[attr-defined]
         if described is not None:
             spec, leaves = described
             return pytree.tree_unflatten([_make(leaf, flat) for leaf in leaves], spec)
-        import torch._guards
         from torch._dynamo.utils import deepcopy_to_fake_tensor
 
-        fake_mode = torch._guards.detect_fake_mode(flat)
         module.__class__ = stub._fxprep_original  # type: ignore[attr-defined]
         try:
             copy = deepcopy_to_fake_tensor(module, fake_mode)

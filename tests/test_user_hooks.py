@@ -1,0 +1,81 @@
+"""A user's own hooks on a model's layers (activation statistics, a scaling experiment): the hooked
+layer is one ``call_module`` of the user's module, its hooks run in the prepared module as they do
+eagerly, and the rest of the model keeps what a model without hooks gets (shape-general capture,
+block reuse for the layers without hooks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fxprep
+from tests.test_reuse import _stamped, hf
+
+
+def _scaled(module: nn.Module, args: Any, out: Any) -> Any:
+    return out * 2 if isinstance(out, torch.Tensor) else (out[0] * 2, *out[1:])
+
+
+def _halved(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return (args[0] * 0.5, *args[1:]), kwargs
+
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    return model.model.layers if hasattr(model, "model") else model.encoder.layer
+
+
+def _call_modules(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "bert"])
+def test_an_observing_hook_on_one_layer_keeps_reuse_and_shape_general(model_type: str) -> None:
+    # the layer is called with arguments it never reads in the graph (a decoder layer's position_ids):
+    # they are tied by value, the values coming from a run of the outer graph with the reused blocks in it
+    model, _ = hf(model_type, layers=4)
+    model.eval()
+    layers = _layers(model)
+    hooked = next(name for name, m in model.named_modules() if m is layers[1])
+    calls: list[tuple[int, ...]] = []
+    layers[1].register_forward_hook(lambda m, a, out: calls.append(tuple((out[0] if isinstance(out, tuple) else out).shape)))
+    example = {"input_ids": torch.randint(0, 99, (1, 8))}
+    gm = fxprep.prepare_model(model, example_inputs=example)
+    report = fxprep.get_report(gm)
+    assert hooked in _call_modules(gm)
+    assert not any(t.startswith(f"{hooked}.") for t in _call_modules(gm))
+    stamped = _stamped(report.reuse)
+    assert stamped and hooked not in stamped and not any(hooked in v for v in stamped.values())
+    assert any(n.startswith("Shape-general: the dimensions") for n in report.notes), report.notes
+    ids = torch.randint(0, 99, (3, 13))
+    calls.clear()
+    with torch.no_grad():
+        got = gm(input_ids=ids)[0]
+        assert calls == [(3, 13, model.config.hidden_size)]  # the hook ran, once, at the new size
+        want = model(input_ids=ids)[0]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hooks_that_change_a_layer_s_input_and_output_act_in_the_prepared_module(dtype: torch.dtype) -> None:
+    model, _ = hf("llama", layers=4)
+    model = model.eval().to(dtype)
+    layers = _layers(model)
+    for layer in layers:  # every layer hooked: no block left to reuse, each layer one call
+        layer.register_forward_hook(_scaled)
+    layers[2].register_forward_pre_hook(_halved, with_kwargs=True)
+    example = {"input_ids": torch.randint(0, 99, (2, 8))}
+    gm = fxprep.prepare_model(model, example_inputs=example)
+    assert all(f"model.layers.{i}" in _call_modules(gm) for i in range(4))
+    ids = torch.randint(0, 99, (1, 11))
+    with torch.no_grad():
+        got = gm(input_ids=ids).logits
+        want = model(input_ids=ids).logits
+        for layer in layers:
+            layer._forward_hooks.clear()
+            layer._forward_pre_hooks.clear()
+        without = model(input_ids=ids).logits
+    assert torch.equal(got, want)
+    assert not torch.equal(got, without)  # the hooks did change the result
