@@ -1,7 +1,8 @@
 """A user's own hooks on a model's layers (activation statistics, a scaling experiment): the hooked
 layer is one ``call_module`` of the user's module, its hooks run in the prepared module as they do
 eagerly, and the rest of the model keeps what a model without hooks gets (shape-general capture,
-block reuse for the layers without hooks)."""
+block reuse for the layers without hooks). Hooks on the model itself run around its forward, as
+fx and Dynamo see it: the prepared module runs them the same way."""
 
 from __future__ import annotations
 
@@ -79,3 +80,54 @@ def test_hooks_that_change_a_layer_s_input_and_output_act_in_the_prepared_module
         without = model(input_ids=ids).logits
     assert torch.equal(got, want)
     assert not torch.equal(got, without)  # the hooks did change the result
+
+
+# --- hooks on the model itself ----------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_s_own_hooks_run_around_the_prepared_graph(dtype: torch.dtype, tmp_path: Any) -> None:
+    # fx and Dynamo trace forward(): a hook on the model is in no graph. Left on during preparing, a
+    # hook changing the output made verification fail; now the prepared module runs the hooks itself
+    import torchvision
+
+    model = torchvision.models.resnet18(weights=None).eval().to(dtype)
+    seen: list[tuple[int, ...]] = []
+    observer = model.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)))
+    model.register_forward_hook(lambda m, args, out: out * 2 + 1)
+    x = torch.randn(1, 3, 64, 64, dtype=dtype)
+    gm = fxprep.prepare_model(model, example_inputs=x)
+    assert seen == []  # preparing ran the forward alone
+    assert any("The model's own hooks (1 pre-forward, 1 forward)" in n for n in fxprep.get_report(gm).notes)
+    y = torch.randn(2, 3, 64, 64, dtype=dtype)
+    with torch.no_grad():
+        got, want = gm(y), model(y)
+    assert torch.equal(got, want) and seen == [(2, 3, 64, 64)] * 2
+    observer.remove()  # the user's handle still works on the model; the prepared module keeps its copy
+    with torch.no_grad():
+        model(y)
+        gm(y)
+    assert seen == [(2, 3, 64, 64)] * 3
+    with pytest.raises(fxprep.SerializationError, match="hooks"):
+        fxprep.save(gm, tmp_path / "hooked")
+
+
+def test_a_keyword_pre_hook_on_a_transformers_model_no_longer_stops_the_capture() -> None:
+    # a pre-forward hook taking keyword arguments made Dynamo's whole-graph export fail
+    # ("whole graph export entails exactly one guard export"); fx cannot trace the decorated forward
+    model, _ = hf("llama", layers=3)
+    model.eval()
+
+    def no_mask(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return args, {**kwargs, "attention_mask": torch.ones_like(kwargs["attention_mask"])}
+
+    model.register_forward_pre_hook(no_mask, with_kwargs=True)
+    ids = torch.randint(0, 99, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :5] = 0  # a mask the hook replaces: ignoring the hook changes row 1
+    assert fxprep.check_traceability(model, example_inputs={"input_ids": ids, "attention_mask": mask}).traceable
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": ids, "attention_mask": mask})
+    assert fxprep.get_report(gm).tracer == "dynamo"
+    with torch.no_grad():
+        got = gm(input_ids=ids, attention_mask=mask).logits
+        want = model(input_ids=ids, attention_mask=mask).logits
+        masked = model.forward(input_ids=ids, attention_mask=mask).logits  # no hook
+    assert torch.equal(got, want) and not torch.equal(got, masked)

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import batch, decisions, guard, heap, notes, progress, shape_general
+from . import batch, decisions, guard, heap, notes, progress, root_hooks, shape_general
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 from .capture import cascade, dynamo_available, huggingface
 from .capture.common import CaptureAttempt, CaptureResult
@@ -113,16 +113,19 @@ def prepare_model(
     Options are keyword-only; see :class:`fxprep.options.PrepareOptions`.
     """
     title = str(options.get("name") or type(model).__name__)
-    with heap.frozen_heap(), progress.reporting(options.get("progress"), title), \
-            hooks_left_as_found(model), huggingface.output_capturing_hooks(model):
+    with heap.frozen_heap(), progress.reporting(options.get("progress"), title), hooks_left_as_found(model), \
+            huggingface.output_capturing_hooks(model), root_hooks.set_aside(model) as aside:
         user = _UserArguments(modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs)
         try:
-            return _prepare(model, user, options)
+            gm = _prepare(model, user, options)
         except shape_general.NotShapeGeneral as err:  # found dimensions did not hold: static shapes, as before
             why, reference = str(err), err.reference
+        else:
+            return root_hooks.carry(gm, aside, get_report(gm))
         # outside the except block: the first attempt's frames (its capture, its copy of the model
         # with copy=True) are freed before the second one starts; its reference run is reused
-        return _prepare(model, user, {**options, "dynamic": False}, not_general=why, reference=reference)
+        gm = _prepare(model, user, {**options, "dynamic": False}, not_general=why, reference=reference)
+        return root_hooks.carry(gm, aside, get_report(gm))
 
 
 class _UserArguments(NamedTuple):

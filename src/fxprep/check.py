@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import root_hooks
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 from .capture import cascade, huggingface
 from .capture.common import CaptureAttempt
@@ -207,7 +208,8 @@ def check_traceability(
     rewrite applies (``torch.where`` / ``torch.cond``) or why not.
     """
     # tracers patch process-wide state (fxprep.threads)
-    with GLOBAL_LOCK, hooks_left_as_found(model), huggingface.output_capturing_hooks(model):
+    with GLOBAL_LOCK, hooks_left_as_found(model), huggingface.output_capturing_hooks(model), \
+            root_hooks.set_aside(model):  # as prepare_model does: they run around the forward, not in it
         request = _request(model, example_inputs, modules_to_exclude, module_classes_to_exclude, concrete_args)
         return _check_traceability(request, draft_export, control_flow)
 
