@@ -131,3 +131,34 @@ def test_a_keyword_pre_hook_on_a_transformers_model_no_longer_stops_the_capture(
         want = model(input_ids=ids, attention_mask=mask).logits
         masked = model.forward(input_ids=ids, attention_mask=mask).logits  # no hook
     assert torch.equal(got, want) and not torch.equal(got, masked)
+
+
+def test_one_collector_closure_per_linear_keeps_the_layers_reused() -> None:
+    # Dynamo guards each leaf's hooks by identity: one closure per layer (make_hook(name)) kept every
+    # layer from being stamped out. Hooks running the same code are the same to the graph (each
+    # instance's own Linear is called, with its own hooks); a hook running other code is not
+    model, _ = hf("llama", layers=4)
+    model.eval()
+    counts: dict[str, int] = {}
+
+    def make_hook(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            counts[name] = counts.get(name, 0) + 1
+        return hook
+
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in name}
+    for name, linear in linears.items():
+        linear.register_forward_hook(make_hook(name))
+    model.model.layers[2].mlp.down_proj.register_forward_hook(lambda m, args, out: out * 0)  # other code
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(0, 99, (1, 8))})
+    report = fxprep.get_report(gm)
+    stamped = _stamped(report.reuse)
+    assert stamped == {"model.layers.0": ["model.layers.1", "model.layers.3"]}, report.reuse
+    assert "mlp.down_proj._forward_hooks" in report.reuse["why"]["model.layers.2"]  # said why
+    ids = torch.randint(0, 99, (2, 5))
+    counts.clear()
+    with torch.no_grad():
+        got = gm(input_ids=ids).logits
+        assert counts == dict.fromkeys(linears, 1)  # each Linear's own hook, once
+        want = model(input_ids=ids).logits
+    assert torch.equal(got, want)

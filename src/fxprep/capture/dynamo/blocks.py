@@ -17,7 +17,8 @@ three checks, from cheapest to strongest:
 * :func:`guard_differences`: the guards Dynamo installed while capturing the first instance,
   evaluated for the other one. Every attribute the block's ``forward`` read (``self.layer_idx`` in
   a branch, Gemma's ``sliding_window``, a MoE layer's ``is_sparse``) is guarded; where the other
-  instance's value fails the guard, its code path may differ and it is captured on its own.
+  instance's value fails the guard, its code path may differ and it is captured on its own. A
+  leaf's hooks are compared by the code they run, not by identity (:func:`leaf_hook_guards`).
 
 Also here: :func:`groups_apart_from`, the groups kept apart from the parts Dynamo calls without
 tracing into, and :func:`structure_whys`, why an instance with another module tree is not stamped.
@@ -299,6 +300,8 @@ def _same(a: Any, b: Any, kind: str, depth: int = 0) -> bool:
         return True
     if a is _MISSING or b is _MISSING:
         return False
+    if kind == LEAF_HOOKS:
+        return _hook_code(a) is not None and _hook_code(a) == _hook_code(b)
     if isinstance(a, nn.Module) or isinstance(b, nn.Module):
         return type(a) is type(b)  # its own contents are compared by the static signature and other guards
     if kind in ("TYPE_MATCH", "CLASS_MATCH"):
@@ -351,6 +354,34 @@ def self_guards(guards: Iterable[Any], block: nn.Module) -> list[tuple[str, str]
     return list(out)
 
 
+LEAF_HOOKS = "LEAF_HOOKS"  # the guard kind :func:`leaf_hook_guards` gives a leaf's hook dict
+_HOOK_DICT = re.compile(r"\._(?:forward|forward_pre|backward|backward_pre)_hooks(?:_with_kwargs|_always_called)?$")
+
+
+def leaf_hook_guards(guards: list[tuple[str, str]], block: nn.Module, policy: LeafPolicy) -> list[tuple[str, str]]:
+    """``guards`` with each guard on a leaf's hook dict (``mlp.down_proj._forward_hooks``) made a
+    :data:`LEAF_HOOKS` guard. Why: a leaf with hooks is one call of each instance's own module in
+    the stamped graph, which runs its own hooks; Dynamo guards them by identity, and an activation
+    collector registering one closure per layer (``make_hook(name)``) kept every layer from being
+    reused. Hooks running the same code, in the same number and order, are the same to the graph."""
+    out = []
+    for source, kind in guards:
+        found = _HOOK_DICT.search(source)
+        owner = _resolve(source[:found.start()], block) if found else None
+        if isinstance(owner, nn.Module) and owner is not block and is_leaf(owner, policy):
+            kind = LEAF_HOOKS
+        out.append((source, kind))
+    return list(dict.fromkeys(out))
+
+
+def _hook_code(hooks: Any) -> tuple[Any, ...] | None:
+    """What a leaf's hook dict runs: each hook's code (a function's ``__code__``, else its type)."""
+    if not isinstance(hooks, dict):
+        return None
+    return tuple(getattr(h, "__code__", None) or getattr(getattr(h, "__func__", None), "__code__", None) or type(h)
+                 for h in hooks.values())
+
+
 def guard_differences(guards: list[tuple[str, str]], first: nn.Module, other: nn.Module) -> list[str]:
     """The guarded sources (relative to the block) whose value on ``other`` fails ``first``'s guard."""
     found = []
@@ -367,7 +398,9 @@ def guard_key(guards: list[tuple[str, str]], block: nn.Module) -> tuple[Any, ...
     out = []
     for source, kind in guards:
         value = _resolve(source, block)
-        if isinstance(value, nn.Module) or kind in ("TYPE_MATCH", "CLASS_MATCH"):
+        if kind == LEAF_HOOKS:
+            out.append(("hooks", _hook_code(value)))
+        elif isinstance(value, nn.Module) or kind in ("TYPE_MATCH", "CLASS_MATCH"):
             out.append(("type", type(value)))
         elif kind == "SEQUENCE_LENGTH":
             out.append(("len", _len(value)))

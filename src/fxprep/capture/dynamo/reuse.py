@@ -69,6 +69,7 @@ from .blocks import (
     guard_key,
     held_part,
     input_key,
+    leaf_hook_guards,
     self_guards,
     structure_whys,
 )
@@ -303,7 +304,7 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
     block = LiftTarget(first.module, job.target.policy, call, call, route)
     gm, extra = relift(result.graph_module, block, device_literals=False, decided=job.real_values)
     notes = block.notes
-    sources = self_guards(result.guards, first.module)
+    sources = leaf_hook_guards(self_guards(result.guards, first.module), first.module, job.target.policy)
     foreign = foreign_attributes(gm, first.module)
     same, rest, undecided = [first], [], []
     for member in group[1:]:
@@ -483,8 +484,8 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
                 raise OtherOutput(f"the graph captured from '{first.name}' returns another structure than "
                                    f"'{member.name}' did in the outer capture", instances[id(member.module)][1])
             stamper.inline(member.node, block, first.module, member.name, member.module, made)
-            for leaf, why in done.extra.items():
-                extra[f"{member.name}.{leaf}"] = why
+            for leaf, kind in done.extra.items():  # (not ``why``: that is the dict of reasons above)
+                extra[f"{member.name}.{leaf}"] = kind
         info.captured[first.name] = [m.name for m in done.members[1:] if m.name != first.name]
         if first.name in why:
             info.why[first.name] = why[first.name]
