@@ -162,3 +162,32 @@ def test_one_collector_closure_per_linear_keeps_the_layers_reused() -> None:
         assert counts == dict.fromkeys(linears, 1)  # each Linear's own hook, once
         want = model(input_ids=ids).logits
     assert torch.equal(got, want)
+
+
+def test_a_global_module_hook_is_set_aside_while_preparing() -> None:
+    # register_module_forward_hook (a profiler's) made Dynamo's export fail like a keyword pre-hook
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model, _ = hf("llama", layers=3)
+    model.eval()
+    seen: list[type] = []
+    handle = register_module_forward_hook(lambda m, args, out: seen.append(type(m)))
+    try:
+        gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(0, 99, (1, 8))})
+        report = fxprep.get_report(gm)
+        assert report.tracer == "dynamo" and _stamped(report.reuse)
+        assert any(n.startswith("1 global module hook(s)") for n in report.notes)
+        assert seen == []  # set aside while preparing
+        ids = torch.randint(0, 99, (2, 5))
+        with torch.no_grad():
+            got = gm(input_ids=ids).logits
+            assert nn.Linear in seen  # back afterwards, for the prepared module's calls too
+            want = model(input_ids=ids).logits
+        assert torch.equal(got, want)
+        handle.remove()  # the user's handle still removes it
+        seen.clear()
+        with torch.no_grad():
+            model(input_ids=ids)
+        assert seen == []
+    finally:
+        handle.remove()

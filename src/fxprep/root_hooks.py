@@ -10,6 +10,11 @@ the output makes verification compare a hooked original with an unhooked graph. 
 prepared module: ``gm(x)`` then runs them as ``model(x)`` does. Backward hooks are carried the
 same way (they play no part in a forward capture and stay on the model). Hooks on submodules are
 the capture's business (:mod:`fxprep.capture.dynamo.regroup`).
+
+Global module hooks (``register_module_forward_hook``: a profiler's, a tracer's) stop Dynamo the
+same way; they are set aside too, process-wide, for the length of the preparation (fxprep's
+captures hold :data:`fxprep.threads.GLOBAL_LOCK`; another thread running a model meanwhile does not
+see them). They need no carrying: they apply to the prepared module's calls as to any module's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from .report import Report
 
 GM = TypeVar("GM", bound=nn.Module)
 
+_GLOBAL = ("_global_forward_hooks", "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called",
+           "_global_forward_pre_hooks")
 _SET_ASIDE = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
               "_forward_pre_hooks_with_kwargs")
 
@@ -36,6 +43,7 @@ class RootHooks:
 
     dicts: dict[str, Any] = field(default_factory=dict)  # forward-side hook dicts, by attribute name
     backward: list[tuple[str, Any]] = field(default_factory=list)  # ("full" / "pre" / "legacy", hook)
+    global_count: int = 0  # global module forward hooks set aside
 
     def count(self) -> int:
         return len(self.dicts.get("_forward_hooks", ())) + len(self.dicts.get("_forward_pre_hooks", ())) \
@@ -44,8 +52,35 @@ class RootHooks:
 
 @contextlib.contextmanager
 def set_aside(model: nn.Module) -> Iterator[RootHooks]:
-    """Within, ``model`` has no forward or pre-forward hooks of its own; on exit the very dicts it had
-    are back (a handle the user holds still removes its hook)."""
+    """Within, ``model`` has no forward or pre-forward hooks of its own and no global module forward
+    hook is registered; on exit the very dicts are back (a handle the user holds still removes its
+    hook)."""
+    with _globals_set_aside() as count, _own_set_aside(model) as found:
+        found.global_count = count
+        yield found
+
+
+@contextlib.contextmanager
+def _globals_set_aside() -> Iterator[int]:
+    from torch.nn.modules import module as torch_module
+
+    names = [n for n in _GLOBAL if isinstance(getattr(torch_module, n, None), dict)]
+    count = len(torch_module._global_forward_hooks) + len(torch_module._global_forward_pre_hooks)
+    if not count:
+        yield 0
+        return
+    saved = {n: getattr(torch_module, n) for n in names}
+    for name in names:
+        setattr(torch_module, name, collections.OrderedDict())
+    try:
+        yield count
+    finally:
+        for name, hooks in saved.items():
+            setattr(torch_module, name, hooks)
+
+
+@contextlib.contextmanager
+def _own_set_aside(model: nn.Module) -> Iterator[RootHooks]:
     found = RootHooks()
     if not isinstance(model, nn.Module) or not (model._forward_hooks or model._forward_pre_hooks
                                                 or model._backward_hooks or model._backward_pre_hooks):
@@ -67,6 +102,10 @@ def set_aside(model: nn.Module) -> Iterator[RootHooks]:
 
 def carry(gm: GM, hooks: RootHooks, report: Report) -> GM:
     """``gm`` with ``hooks`` registered as they were on the model, said in ``report``."""
+    if hooks.global_count:
+        report.note(f"{hooks.global_count} global module hook(s) (register_module_forward_hook) were set aside "
+                    f"while preparing (they stop Dynamo's capture); they apply to the prepared module's calls "
+                    f"as to any module's.")
     if not hooks.count():
         return gm
     pre, pre_kwargs = hooks.dicts["_forward_pre_hooks"], hooks.dicts["_forward_pre_hooks_with_kwargs"]
