@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -164,3 +165,21 @@ def test_patches_are_gone_and_confined() -> None:
     after = (torch.zeros, torch.autograd.Function.__dict__["apply"], nn.Module.__call__, nn.Module.__getattr__)
     assert after == before
     assert isinstance(seen["zeros"], torch.Tensor) and isinstance(seen["call"], torch.Tensor), seen
+
+
+def test_quieted_guard_logs_are_this_thread_s_only(caplog: pytest.LogCaptureFixture) -> None:
+    # fxprep quiets Dynamo's expected constraint errors while it captures; an unrelated thread's
+    # errors on the same logger must still be seen (the logger's level used to be raised instead)
+    import logging
+
+    from fxprep.capture.dynamo.export import quiet_guard_logs
+
+    logger = logging.getLogger("torch._guards")
+    with caplog.at_level(logging.DEBUG, logger="torch._guards"), quiet_guard_logs():
+        logger.error("mine")
+        other = threading.Thread(target=lambda: logger.error("theirs"))
+        other.start()
+        other.join()
+        logger.critical("mine, critical")
+    logger.error("mine, after")
+    assert [r.getMessage() for r in caplog.records] == ["theirs", "mine, critical", "mine, after"]

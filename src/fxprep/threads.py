@@ -21,6 +21,11 @@ Two rules make this safe (the concurrency model, also in ``docs/security.md``):
    :class:`ConfinedPatcher` while fxprep traces (:func:`confined_fx_patches`). An eager model in
    another thread runs torch's own code, unchanged, while fxprep traces.
 
+Logs fxprep quiets while it captures (Dynamo's expected constraint errors, real-value propagation
+warnings) are quieted for the capturing thread only (:func:`quiet_logs`). One exception to rule 2:
+global module hooks (``register_module_forward_hook``) are set aside process-wide while preparing
+(:mod:`fxprep.root_hooks`): the dicts ``nn.Module.__call__`` reads cannot be confined to a thread.
+
 This module depends on nothing of fxprep's, so every tracer can use it.
 """
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -104,3 +110,29 @@ def confined_fx_patches() -> Iterator[None]:
             yield
         finally:
             fx_trace._Patcher = before  # type: ignore[misc]
+
+
+class _OtherThreadsOnly(logging.Filter):
+    """Drops the records below ``level`` that the thread which made it logs."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+        self.owner = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.owner or record.levelno >= self.level
+
+
+@contextlib.contextmanager
+def quiet_logs(name: str, below: int) -> Iterator[None]:
+    """Within, records under ``below`` that this thread logs on logger ``name`` are dropped; other
+    threads' records, and the logger's level, are untouched (the logger-level alternative silenced
+    an unrelated thread's errors for the length of a capture)."""
+    logger = logging.getLogger(name)
+    quiet = _OtherThreadsOnly(below)
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)

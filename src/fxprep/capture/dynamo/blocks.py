@@ -382,12 +382,22 @@ def _hook_code(hooks: Any) -> tuple[Any, ...] | None:
                  for h in hooks.values())
 
 
+def _hook_names(hooks: Any) -> str:
+    if not isinstance(hooks, dict) or not hooks:
+        return "none"
+    return ", ".join(str(getattr(h, "__qualname__", type(h).__name__)) for h in hooks.values())
+
+
 def guard_differences(guards: list[tuple[str, str]], first: nn.Module, other: nn.Module) -> list[str]:
     """The guarded sources (relative to the block) whose value on ``other`` fails ``first``'s guard."""
     found = []
     for source, kind in guards:
         a, b = _resolve(source, first), _resolve(source, other)
-        if not _same(a, b, kind):
+        if _same(a, b, kind):
+            continue
+        if kind == LEAF_HOOKS:
+            found.append(f"{_relative(source)} (hooks running other code: {_hook_names(a)} vs {_hook_names(b)})")
+        else:
             found.append(f"{_relative(source)} ({kind}: {_short(a)} vs {_short(b)})")
     return found
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from ... import heap
 from ...inputs import ExampleInputs
-from ...threads import GLOBAL_LOCK
+from ...threads import GLOBAL_LOCK, quiet_logs
 
 ROUTES = ("auto", "flag", "regroup")
 FLAG = "install_free_tensors_for_export"
@@ -258,13 +258,8 @@ def quiet_guard_logs() -> Iterator[None]:
     """Dynamo logs a failed constraint at ERROR level (with its stack) before raising it. Where that
     failure is an expected finding (a declared dimension the code specialises, said in the report;
     a block captured static after its dynamic attempt) it is not something for the user's terminal."""
-    logger = logging.getLogger("torch._guards")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
+    with quiet_logs("torch._guards", below=logging.CRITICAL):
         yield
-    finally:
-        logger.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -303,12 +298,7 @@ def _real_value_propagation() -> Iterator[None]:
     if not hasattr(functorch_config, "fake_tensor_propagate_real_tensors"):
         yield
         return
-    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with functorch_config.patch(fake_tensor_propagate_real_tensors=True,
-                                    generate_fake_kernels_from_real_mismatches=True):
-            yield
-    finally:
-        logger.setLevel(level)
+    with quiet_logs("torch.fx.experimental.symbolic_shapes", below=logging.ERROR), \
+            functorch_config.patch(fake_tensor_propagate_real_tensors=True,
+                                   generate_fake_kernels_from_real_mismatches=True):
+        yield
