@@ -82,6 +82,10 @@ class Stubs:
         """The output of ``module(*args, **kwargs)`` on Dynamo's fake tensors. What it was is kept:
         the block graph stamped at this call must return the same structure (the outer code may
         have branched on it, e.g. on an output being None)."""
+        import torch._guards
+
+        if torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs))) is None:
+            return self._real_call(module, args, kwargs)  # not the outer capture's call: nothing recorded
         try:
             out = self._fake_call(module, args, kwargs)
         except BaseException:
@@ -90,18 +94,23 @@ class Stubs:
         self.returned.setdefault(id(module), set()).add(output_signature(out))
         return out
 
+    @staticmethod
+    def _real_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The block itself, on real tensors: the outer graph run for example values (regroup ties
+        a hooked layer's unread arguments by value)."""
+        stub = type(module)
+        module.__class__ = stub._fxprep_original  # type: ignore[attr-defined]
+        try:
+            return module(*args, **kwargs)
+        finally:
+            module.__class__ = stub
+
     def _fake_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         import torch._guards
 
         stub = type(module)
         flat, _ = pytree.tree_flatten((args, kwargs))
         fake_mode = torch._guards.detect_fake_mode(flat)
-        if fake_mode is None:  # real tensors: the outer graph run for example values (regroup's ties)
-            module.__class__ = stub._fxprep_original  # type: ignore[attr-defined]
-            try:
-                return module(*args, **kwargs)
-            finally:
-                module.__class__ = stub
         key = (stub._fxprep_key, _fake_key(flat))  # type: ignore[attr-defined]
         described = self.cache.get(key) if stub._fxprep_key not in self.uncached else None  # type: ignore[attr-defined]
         if described is not None:
