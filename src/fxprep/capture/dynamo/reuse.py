@@ -33,7 +33,10 @@ Under dynamic shapes (``dynamic=``, or the batch and sequence dimensions found a
 outer capture declares the model's dynamic dimensions, the stubs' fake outputs carry the symbolic
 sizes, and each block is captured with every dimension that is symbolic at its call declared
 dynamic (:func:`_block_spec`); shapes are compared with their symbolic sizes as "any"
-(:func:`.blocks.shape_kind`), since each capture names its symbols afresh.
+(:func:`.blocks.shape_kind`), since each capture names its symbols afresh. A stand-in's output is
+then tied to an input's symbolic sizes by a static run (:mod:`.tied`), and each tie is proven in the
+block's own graph, with the block's shape guards, before anything is stamped; a tie that does not
+hold redoes the outer capture with that block's output computed on the symbols.
 
 Where values read from data are decided from the example (``dynamo+values``, :mod:`.values`), each
 block's capture decides them from the inputs it receives, and its checks stay in every copy; the
@@ -78,6 +81,7 @@ from .opaque import BlackBox
 from .relift import ROUTE_META, LiftTarget, follow_input_device, relift
 from .stamp import Stamper, block_output_signature, converted_block, foreign_attributes, names_free
 from .stubs import OtherOutput, Stubs
+from .tied import disproof
 
 BlockPass = Callable[[fx.GraphModule, nn.Module], Any]  # (block graph, its first instance) -> rewritten in place
 REUSE_META = "fxprep_reuse"
@@ -369,7 +373,7 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
                              f"tracing into them (excluded or opaque, e.g. '{sites[0].qualname}'); every block was "
                              f"captured by the whole-model capture.")
             return None
-        stubs = Stubs(instances, uncached)
+        stubs = Stubs(instances, uncached, guess=job.dynamic_spec is not None and not job.real_values)
         around: Exception | None = None
         try:
             return _capture(job, stubs, qualnames)
@@ -468,6 +472,13 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
             captured.append(done)
             next_round.extend(rest)
         pending = next_round
+    for done in captured:  # before any stamping: that rewires the calls' inputs to nodes of the block graphs
+        for member in done.members:
+            for tie in stubs.ties.get(id(member.module), ()):
+                wrong = disproof(done.gm, member.node, tie)
+                if wrong is not None:  # the stand-in's guessed output: captured again with it computed
+                    raise OtherOutput(f"the output '{member.name}' was given in the outer capture does not hold: "
+                                      f"{wrong}", instances[id(member.module)][1])
     stamper = Stamper(outer, model)
     for done in captured:
         first = done.members[0]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import tied
 from .blocks import freeze, shape_kind, size_key
 
 STUB_MODULE = "torch.nn.fxprep_block"  # Dynamo calls a module whose class lives in torch.nn as one node
@@ -28,9 +29,12 @@ class Stubs:
     that Dynamo calls as one ``call_module`` (see the module docstring), one subclass per block
     signature. The user's objects are untouched but for their ``__class__``, put back on exit."""
 
-    def __init__(self, instances: dict[int, tuple[nn.Module, Any]], uncached: set[Any]):
+    def __init__(self, instances: dict[int, tuple[nn.Module, Any]], uncached: set[Any], *, guess: bool = False):
         self.instances = instances  # id -> (module, signature key)
         self.uncached = uncached  # signature keys whose fake outputs are computed for every call
+        self.guess = guess  # symbolic outputs tied to an input by a static run (:mod:`.tied`), proven later
+        self.ties: dict[int, set[tied.Tie]] = {}  # id(instance) -> the ties its guessed outputs were made with
+        self.guessed: set[Any] = set()  # cache keys whose description is a guess
         self.originals: dict[int, type] = {}
         self.classes: dict[Any, type] = {}
         self.cache: dict[Any, Any] = {}
@@ -109,12 +113,20 @@ class Stubs:
         import torch._guards
 
         stub = type(module)
-        flat, _ = pytree.tree_flatten((args, kwargs))
+        flat, in_spec = pytree.tree_flatten((args, kwargs))
         fake_mode = torch._guards.detect_fake_mode(flat)
         key = (stub._fxprep_key, _fake_key(flat))  # type: ignore[attr-defined]
-        described = self.cache.get(key) if stub._fxprep_key not in self.uncached else None  # type: ignore[attr-defined]
+        uncached = stub._fxprep_key in self.uncached  # type: ignore[attr-defined]
+        described = self.cache.get(key) if not uncached else None
+        if described is None and self.guess and not uncached and tied.symbolic(flat):
+            described = tied.guess(module, stub._fxprep_original, flat, in_spec)  # type: ignore[attr-defined]
+            if described is not None:
+                self.cache[key] = described
+                self.guessed.add(key)
         if described is not None:
             spec, leaves = described
+            if key in self.guessed:
+                self.ties.setdefault(id(module), set()).add(tied.tie_of(leaves))
             return pytree.tree_unflatten([_make(leaf, flat) for leaf in leaves], spec)
         from torch._dynamo.utils import deepcopy_to_fake_tensor
 
@@ -221,6 +233,8 @@ def _make(leaf: Any, inputs: list[Any]) -> Any:
         return inputs[leaf[1]]
     if leaf[0] == "c":
         return leaf[1]
+    if leaf[0] == "tie":
+        return tied.made(leaf, inputs)
     _, shape, stride, dtype, device, grad = leaf
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     return t.requires_grad_(grad) if grad else t
