@@ -28,13 +28,12 @@ from typing import Any, TypeVar
 from torch import nn
 
 from .report import Report
+from .runs import FORWARD_HOOK_DICTS
 
 GM = TypeVar("GM", bound=nn.Module)
 
 _GLOBAL = ("_global_forward_hooks", "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called",
            "_global_forward_pre_hooks")
-_SET_ASIDE = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-              "_forward_pre_hooks_with_kwargs")
 
 
 @dataclass
@@ -90,7 +89,7 @@ def _own_set_aside(model: nn.Module) -> Iterator[RootHooks]:
         found.backward.append(("pre", hook))
     for hook in model._backward_hooks.values():
         found.backward.append(("full" if model._is_full_backward_hook else "legacy", hook))
-    for name in _SET_ASIDE:
+    for name in FORWARD_HOOK_DICTS:
         found.dicts[name] = model.__dict__[name]
         model.__dict__[name] = collections.OrderedDict()
     try:

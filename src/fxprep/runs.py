@@ -258,8 +258,11 @@ def quiet_fx_errors() -> Iterator[None]:
             sys.stderr = before
 
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+# A module's forward-side hook dicts (the ``*_with_kwargs`` / ``*_always_called`` ones are keyed by the
+# same handles as the first two and say how each runs), then every other hook dict ``nn.Module`` keeps.
+FORWARD_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                      "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+_HOOK_DICTS = (*FORWARD_HOOK_DICTS, "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
                "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
