@@ -40,6 +40,17 @@ class _Fixed(nn.Module):
         return x.new_zeros(x.shape[0], 16, x.shape[2]) + self.lin(x).mean(1, keepdim=True)
 
 
+class _Doubling(nn.Module):
+    """Twice as many positions out as in: shaped like no input, so nothing is guessed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.lin(x), x], dim=1)
+
+
 class _Net(nn.Module):
     def __init__(self, block: type[nn.Module]) -> None:
         super().__init__()
@@ -79,6 +90,16 @@ def test_an_unproven_guess_is_not_kept(block: type[nn.Module], spied: dict[str, 
     gm = fxprep.prepare_model(net, example_inputs={"x": torch.randn(2, 16, 8)}, dynamic={"x": {1: "seq"}})
     assert any(g is not None for g in spied["guess"])  # the static run tied the output to the input
     for seq in (16, 24, 40):
+        x = torch.randn(2, seq, 8)
+        torch.testing.assert_close(gm(x), net(x))
+
+
+def test_an_output_shaped_like_no_input_is_computed_on_the_symbols(spied: dict[str, list]) -> None:
+    torch.manual_seed(0)
+    net = _Net(_Doubling).eval()
+    gm = fxprep.prepare_model(net, example_inputs={"x": torch.randn(2, 16, 8)}, dynamic={"x": {1: "seq"}})
+    assert spied["guess"] and all(g is None for g in spied["guess"])
+    for seq in (5, 16, 24):
         x = torch.randn(2, seq, 8)
         torch.testing.assert_close(gm(x), net(x))
 

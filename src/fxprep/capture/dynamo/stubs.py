@@ -35,6 +35,7 @@ class Stubs:
         self.guess = guess  # symbolic outputs tied to an input by a static run (:mod:`.tied`), proven later
         self.ties: dict[int, set[tied.Tie]] = {}  # id(instance) -> the ties its guessed outputs were made with
         self.guessed: set[Any] = set()  # cache keys whose description is a guess
+        self.refused: set[Any] = set()  # cache keys no guess was made for (not tried again)
         self.originals: dict[int, type] = {}
         self.classes: dict[Any, type] = {}
         self.cache: dict[Any, Any] = {}
@@ -118,11 +119,13 @@ class Stubs:
         key = (stub._fxprep_key, _fake_key(flat))  # type: ignore[attr-defined]
         uncached = stub._fxprep_key in self.uncached  # type: ignore[attr-defined]
         described = self.cache.get(key) if not uncached else None
-        if described is None and self.guess and not uncached and tied.symbolic(flat):
+        if described is None and self.guess and not uncached and key not in self.refused and tied.symbolic(flat):
             described = tied.guess(module, stub._fxprep_original, flat, in_spec)  # type: ignore[attr-defined]
             if described is not None:
                 self.cache[key] = described
                 self.guessed.add(key)
+            else:
+                self.refused.add(key)
         if described is not None:
             spec, leaves = described
             if key in self.guessed:
