@@ -191,3 +191,24 @@ def test_preparing_again_with_static_shapes_reuses_the_reference_run(monkeypatch
     assert len(runs) == 1
     with torch.no_grad():
         torch.testing.assert_close(gm(input_ids=ids), model(input_ids=ids))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "falcon"])
+def test_a_shape_general_graph_saves_and_loads(name: str, tmp_path: Any) -> None:
+    """Under dynamic shapes Dynamo writes ``torch.Size(...)`` (GPT-2 adds a tuple to a symbolic
+    shape) and ``aten.numpy_T`` (Falcon's ``.T``) into the graph; ``load`` must trust both, and the
+    loaded module must run at another size like the model."""
+    torch.manual_seed(0)
+    if name == "falcon":
+        model = transformers.FalconForCausalLM(transformers.FalconConfig(
+            vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=False,
+            bos_token_id=0, eos_token_id=0)).eval()
+    else:
+        model = _build(name, torch.float32)
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 8, 0)})
+    assert "Shape-general" in fxprep.get_report(gm).to_text()
+    fxprep.save(gm, tmp_path / "saved")
+    loaded = fxprep.load(tmp_path / "saved")
+    ids = _ids(3, 13, 1)
+    with torch.no_grad():
+        _assert_same(loaded(input_ids=ids), model(input_ids=ids), torch.float32)

@@ -56,6 +56,9 @@ _EXTRA_FUNCTIONS: dict[str, Any] = {
     "fxprep.cond.cond": cond.cond,
     # the check of a value decided from the example (dynamo+values)
     "fxprep.decisions.check_decision": decisions.check_decision,
+    # a shape built from symbolic sizes (GPT-2's ``input_shape + (hidden,)`` under dynamic shapes):
+    # a tuple of ints, named here because a class is never looked up in a namespace above
+    "torch.Size": torch.Size,
 }
 AUTOCAST_ENTER = torch.amp.autocast_mode._enter_autocast
 AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast

@@ -17,7 +17,8 @@ must load). Adding an entry is a review: say which family and why it holds.
 
 Families (what makes them safe):
 
-* ``python``: ``math``, ``operator`` (not its getter/caller factories) and pure builtins: values in, value out.
+* ``python``: ``math``, ``operator`` (not its getter/caller factories), pure builtins and ``torch.Size`` (a tuple
+  of ints): values in, value out.
 * ``graph_checks``: shape/value assertions, symbolic-int helpers, fxprep's ``cond`` and
   ``check_decision``; the autocast enter/exit pair only in balanced regions, checked on the graph
   (:func:`fxprep.io.trust.check_state_regions`), and the loaded module restores the state after every call.
@@ -55,7 +56,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         "builtins.abs", "builtins.all", "builtins.any", "builtins.bool", "builtins.divmod", "builtins.float",
         "builtins.getattr", "builtins.int", "builtins.isinstance", "builtins.len", "builtins.list", "builtins.max",
         "builtins.min", "builtins.pow", "builtins.range", "builtins.round", "builtins.slice", "builtins.sum",
-        "builtins.tuple", "math.acos", "math.acosh", "math.asin", "math.asinh", "math.atan", "math.atan2",
+        "builtins.tuple", "torch.Size", "math.acos", "math.acosh", "math.asin", "math.asinh", "math.atan", "math.atan2",
         "math.atanh", "math.cbrt", "math.ceil", "math.copysign", "math.cos", "math.cosh",
         "math.degrees", "math.dist", "math.erf", "math.erfc", "math.exp", "math.exp2", "math.expm1", "math.fabs",
         "math.floor", "math.fmod", "math.frexp", "math.fsum", "math.gamma", "math.gcd",
@@ -490,6 +491,7 @@ TORCHVISION_FUNCTIONS: tuple[str, ...] = (
 ATEN: tuple[str, ...] = (
     "_assert_scalar", "_assert_async", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "_local_scalar_dense",
     "sym_constrain_range", "sym_constrain_range_for_size", "_is_all_true", "_is_any_true",
+    "numpy_T",  # shape_view: ``x.T`` under Dynamo (all dimensions reversed), a view checked by torch
 )
 
 # Never allowed (raw memory, process state, I/O and code): the test checks none is reachable.
