@@ -5,7 +5,8 @@ Dynamo calls a module whose class lives in ``torch.nn`` as one node and never tr
 gets a subclass of its own class living there; Dynamo still needs each call's output as a fake
 tensor, which the subclass computes by running the real ``forward`` on a fake copy of the first
 instance called with each kind of input, and repeats for the others, so the cost of the outer
-capture does not grow with depth. Called on real tensors (the outer graph run for example values,
+capture does not grow with depth. Under dynamic shapes that output is first guessed from a static
+run and proven later by the block's own capture (:mod:`.tied`). Called on real tensors (the outer graph run for example values,
 when a hooked layer's arguments are tied by value), a stand-in runs the block itself.
 """
 
