@@ -104,12 +104,8 @@ class Stubs:
     def _real_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The block itself, on real tensors: the outer graph run for example values (regroup ties
         a hooked layer's unread arguments by value)."""
-        stub = type(module)
-        module.__class__ = stub._fxprep_original  # type: ignore[attr-defined]
-        try:
+        with _as_original(module):
             return module(*args, **kwargs)
-        finally:
-            module.__class__ = stub
 
     def _fake_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         import torch._guards
@@ -121,7 +117,7 @@ class Stubs:
         uncached = stub._fxprep_key in self.uncached  # type: ignore[attr-defined]
         described = self.cache.get(key) if not uncached else None
         if described is None and self.guess and not uncached and key not in self.refused and tied.symbolic(flat):
-            described = tied.guess(module, stub._fxprep_original, flat, in_spec)  # type: ignore[attr-defined]
+            described = tied.guess(lambda mode: _fake_copy(module, mode), flat, in_spec)
             if described is not None:
                 self.cache[key] = described
                 self.guessed.add(key)
@@ -132,13 +128,7 @@ class Stubs:
             if key in self.guessed:
                 self.ties.setdefault(id(module), set()).add(tied.tie_of(leaves))
             return pytree.tree_unflatten([_make(leaf, flat) for leaf in leaves], spec)
-        from torch._dynamo.utils import deepcopy_to_fake_tensor
-
-        module.__class__ = stub._fxprep_original  # type: ignore[attr-defined]
-        try:
-            copy = deepcopy_to_fake_tensor(module, fake_mode)
-        finally:
-            module.__class__ = stub
+        copy = _fake_copy(module, fake_mode)
         shape_env = getattr(fake_mode, "shape_env", None)
         # A block that reads values from data (``.tolist()``, with real values propagated) makes
         # unbacked sizes of its own; they stay inside the block, whose own capture decides them.
@@ -173,6 +163,25 @@ class Stubs:
                 return True
             cause = cause.__cause__ or cause.__context__
         return False
+
+
+@contextlib.contextmanager
+def _as_original(module: nn.Module) -> Any:
+    """Within, a stand-in instance is of its own class again (its real ``forward``)."""
+    stub = type(module)
+    module.__class__ = stub._fxprep_original  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        module.__class__ = stub
+
+
+def _fake_copy(module: nn.Module, fake_mode: Any) -> nn.Module:
+    """A copy of a stand-in's block, of its own class, with fake tensors of ``fake_mode``."""
+    from torch._dynamo.utils import deepcopy_to_fake_tensor
+
+    with _as_original(module):
+        return deepcopy_to_fake_tensor(module, fake_mode)
 
 
 class OtherOutput(RuntimeError):

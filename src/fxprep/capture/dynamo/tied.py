@@ -23,6 +23,7 @@ unbacked symbols only the symbolic run can make).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import sympy
@@ -41,13 +42,13 @@ def symbolic(flat: list[Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and any(type(s) is not int for s in x.shape) for x in flat)
 
 
-def guess(module: nn.Module, original: type, flat: list[Any], spec: Any) -> tuple[Any, list[Any]] | None:
-    """The block's output described from one run on static fake tensors at the hints of the
+def guess(copy_in: Callable[[Any], nn.Module], flat: list[Any], spec: Any) -> tuple[Any, list[Any]] | None:
+    """The block's output described from one run (of ``copy_in(fake_mode)``, the block copied to a
+    fake mode's tensors) on static fake tensors at the hints of the
     symbolic sizes in ``flat`` (the call's flattened ``(args, kwargs)``, ``spec`` their structure):
     ``(output spec, leaves)``, each leaf ``("in", i)`` (input ``i`` itself), ``("tie", i, dtype,
     device, requires_grad)`` (a fresh contiguous tensor shaped like input ``i``) or ``("c", value)``.
     None when any output is none of these or the run fails: the symbolic run decides then."""
-    from torch._dynamo.utils import deepcopy_to_fake_tensor
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     statics: list[Any] = []
@@ -69,12 +70,7 @@ def guess(module: nn.Module, original: type, flat: list[Any], spec: Any) -> tupl
     try:
         with unset_fake_temporarily():
             mode = FakeTensorMode()
-            stub = type(module)
-            module.__class__ = original
-            try:
-                copy = deepcopy_to_fake_tensor(module, mode)
-            finally:
-                module.__class__ = stub
+            copy = copy_in(mode)
             with mode:
                 inputs = [_static(s) for s in statics]
                 args, kwargs = pytree.tree_unflatten(inputs, spec)
