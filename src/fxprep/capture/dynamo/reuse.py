@@ -474,7 +474,7 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
         pending = next_round
     for done in captured:  # before any stamping: that rewires the calls' inputs to nodes of the block graphs
         for member in done.members:
-            for tie in stubs.ties.get(id(member.module), ()):
+            for tie in stubs.guesses.of(member.module):
                 wrong = disproof(done.gm, member.node, tie)
                 if wrong is not None:  # the stand-in's guessed output: captured again with it computed
                     raise OtherOutput(f"the output '{member.name}' was given in the outer capture does not hold: "

@@ -33,10 +33,7 @@ class Stubs:
     def __init__(self, instances: dict[int, tuple[nn.Module, Any]], uncached: set[Any], *, guess: bool = False):
         self.instances = instances  # id -> (module, signature key)
         self.uncached = uncached  # signature keys whose fake outputs are computed for every call
-        self.guess = guess  # symbolic outputs tied to an input by a static run (:mod:`.tied`), proven later
-        self.ties: dict[int, set[tied.Tie]] = {}  # id(instance) -> the ties its guessed outputs were made with
-        self.guessed: set[Any] = set()  # cache keys whose description is a guess
-        self.refused: set[Any] = set()  # cache keys no guess was made for (not tried again)
+        self.guesses = tied.Guesses(guess)  # symbolic outputs tied to an input by a static run, proven later
         self.originals: dict[int, type] = {}
         self.classes: dict[Any, type] = {}
         self.cache: dict[Any, Any] = {}
@@ -116,17 +113,13 @@ class Stubs:
         key = (stub._fxprep_key, _fake_key(flat))  # type: ignore[attr-defined]
         uncached = stub._fxprep_key in self.uncached  # type: ignore[attr-defined]
         described = self.cache.get(key) if not uncached else None
-        if described is None and self.guess and not uncached and key not in self.refused and tied.symbolic(flat):
-            described = tied.guess(lambda mode: _fake_copy(module, mode), flat, in_spec)
+        if described is None and not uncached:
+            described = self.guesses.describe(key, lambda mode: _fake_copy(module, mode), flat, in_spec)
             if described is not None:
                 self.cache[key] = described
-                self.guessed.add(key)
-            else:
-                self.refused.add(key)
         if described is not None:
             spec, leaves = described
-            if key in self.guessed:
-                self.ties.setdefault(id(module), set()).add(tied.tie_of(leaves))
+            self.guesses.given(key, module, leaves)
             return pytree.tree_unflatten([_make(leaf, flat) for leaf in leaves], spec)
         copy = _fake_copy(module, fake_mode)
         shape_env = getattr(fake_mode, "shape_env", None)

@@ -99,6 +99,38 @@ def guess(copy_in: Callable[[Any], nn.Module], flat: list[Any], spec: Any) -> tu
     return out_spec, described
 
 
+class Guesses:
+    """The guesses of one outer capture: which outputs were guessed (by cache key), which keys no
+    guess could be made for (not tried again), and, per block instance, the ties its outputs were
+    given with, each to be proven by :func:`disproof` at every call before anything is stamped."""
+
+    def __init__(self, on: bool):
+        self.on = on  # dynamic shapes, values not read from data: a guess may be tried
+        self.guessed: set[Any] = set()
+        self.refused: set[Any] = set()
+        self.ties: dict[int, set[Tie]] = {}  # id(instance) -> the ties its guessed outputs were made with
+
+    def describe(self, key: Any, copy_in: Callable[[Any], nn.Module], flat: list[Any],
+                 spec: Any) -> tuple[Any, list[Any]] | None:
+        """A guessed description of the output of the call keyed ``key`` (:func:`guess`), or None
+        where none is tried or it was refused."""
+        if not self.on or key in self.refused or not symbolic(flat):
+            return None
+        described = guess(copy_in, flat, spec)
+        (self.refused if described is None else self.guessed).add(key)
+        return described
+
+    def given(self, key: Any, instance: nn.Module, leaves: list[Any]) -> None:
+        """The description keyed ``key`` was given as ``instance``'s output: a guessed one's tie
+        is recorded for the proof."""
+        if key in self.guessed:
+            self.ties.setdefault(id(instance), set()).add(tie_of(leaves))
+
+    def of(self, instance: nn.Module) -> set[Tie]:
+        """The ties ``instance``'s outputs were given with (none when no output was guessed)."""
+        return self.ties.get(id(instance), set())
+
+
 def tie_of(described: list[Any]) -> Tie:
     """The (output leaf, input leaf) pairs of a guess's ``("tie", ...)`` leaves."""
     return tuple((k, leaf[1]) for k, leaf in enumerate(described) if leaf[0] == "tie")
