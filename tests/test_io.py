@@ -591,6 +591,13 @@ def test_trusting_a_library_trusts_its_custom_op_namespace():
     for name in ("torch.ops.other.op", "torch.ops.transformersx.op"):
         with pytest.raises(SerializationError, match="refusing to load"):
             policy.check_function(name)
-    with pytest.raises(SerializationError, match="refusing to load"):
+    with pytest.raises(SerializationError, match="refusing to load") as refused:
         io.TrustPolicy().check_function("torch.ops.transformers.grouped_mm_fallback")
+    # the way out named is the library, which works, never torch.ops (torch itself, every op)
+    assert "trusted_modules=['transformers']" in str(refused.value) and "'torch.ops'" not in str(refused.value)
+    import transformers.integrations.moe  # noqa: F401 - registers the op (importing a model does)
+
+    io.TrustPolicy(("transformers",)).function("torch.ops.transformers.grouped_mm_fallback")
+    with pytest.raises(SerializationError, match="No trusted_modules entry allows it"):
+        io.TrustPolicy(("transformers",)).function("torch.ops.aten.not_a_reviewed_op")
     io.TrustPolicy().check_function("torch.amp.autocast_mode._enter_autocast")  # disabled-autocast regions

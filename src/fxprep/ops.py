@@ -147,10 +147,24 @@ def method_call(name: str) -> _MethodCall:
     return _MethodCall(name)
 
 
+def op_name(fn: Any) -> str | None:
+    """``torch.ops.<ns>.<op>[.<overload>]`` for a dispatcher op (aten's or a library's custom op,
+    ``torch.ops.transformers.grouped_mm_fallback``), None for anything else. Its Python
+    ``__qualname__`` names the C++ binding's record type, not the op."""
+    if isinstance(fn, torch._ops.OpOverload):
+        return f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}"
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        return f"torch.ops.{fn._qualified_op_name.replace('::', '.')}"
+    return None
+
+
 def qualified_name(fn: Any) -> str:
     """An importable name for ``fn`` (used for display and by save/load)."""
     if isinstance(fn, _MethodCall):
         return f"Tensor.{fn.name}"
+    op = op_name(fn)
+    if op is not None:
+        return op
     autograd_fn = getattr(fn, "autograd_function", None)
     if autograd_fn is not None:
         return f"autograd:{autograd_fn.__module__}.{autograd_fn.__qualname__}"

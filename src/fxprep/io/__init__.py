@@ -40,7 +40,7 @@ from .decode import (
     finish_modules,
     report_from_dict,
 )
-from .encode import TreeWriter, graph_json, init_kwargs
+from .encode import TreeWriter, custom_op_modules, graph_json, init_kwargs
 from .format import (
     CHECKED_FILES,
     CODE,
@@ -149,6 +149,7 @@ def _save(
                 "inputs_text": getattr(report, "inputs", ""),
                 "devices": sorted({str(t.device) for t in writer.tensors.values()}),
                 "trusted_modules": list(policy.modules),
+                "op_modules": custom_op_modules(gm),
                 "report": report.to_dict() if report is not None and hasattr(report, "to_dict") else None,
                 "input_guard": guard.to_dict() if guard is not None else None,
                 "self_check": self_check,
@@ -195,6 +196,7 @@ def _load(
         raise SerializationError(f"{directory} is not a directory written by fxprep.save.")
     policy = TrustPolicy.of(trusted_modules)
     manifest = check_manifest(directory, check_integrity)
+    policy.import_op_modules(manifest.get("op_modules"))  # libraries that register their ops lazily
     graph_json = read_json(directory / GRAPH)
     tree = read_json(directory / MODULES)
     if not isinstance(graph_json, dict) or not isinstance(tree, dict):

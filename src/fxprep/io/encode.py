@@ -46,10 +46,8 @@ def function_name(fn: Any) -> str:
         name = canonical_name(caller_of)
         if name is not None and _defined_as(caller_of, name):
             return f"autograd:{name}"
-    elif isinstance(fn, torch._ops.OpOverload):
-        return f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}"
-    elif isinstance(fn, torch._ops.OpOverloadPacket):
-        return f"torch.ops.{fn._qualified_op_name.replace('::', '.')}"
+    elif ops.op_name(fn) is not None:
+        return ops.op_name(fn)  # type: ignore[return-value]
     else:
         name = default_function_name(fn)
         if name is not None:
@@ -61,6 +59,30 @@ def function_name(fn: Any) -> str:
         f"cannot save a call to {fn!r}: it has no importable name that leads back to it. "
         f"Define it at module level, or mark the calling module fxprep.opaque / modules_to_exclude."
     )
+
+
+def custom_op_modules(gm: fx.GraphModule) -> dict[str, str]:
+    """For each custom op (outside aten) that ``gm`` or one of its op modules calls, the Python
+    module that registered it, where torch records one (``torch.library.custom_op``): some
+    libraries register theirs only when that module is imported (transformers' MoE ops live in
+    ``transformers.integrations.moe``, which ``import transformers`` does not import), so a fresh
+    process loading the save imports it first (:meth:`.trust.TrustPolicy.import_op_modules`)."""
+    from torch._library import custom_ops
+
+    defs = getattr(custom_ops, "OPDEFS", {})
+    found: dict[str, str] = {}
+    for module in gm.modules():
+        fns = [n.target for n in module.graph.nodes if n.op == "call_function"] if isinstance(module, fx.GraphModule) else []
+        if isinstance(module, ops.BoundOp):
+            fns.append(module.fn)
+        for fn in fns:
+            packet = fn.overloadpacket if isinstance(fn, torch._ops.OpOverload) else fn
+            if not isinstance(packet, torch._ops.OpOverloadPacket) or packet._qualified_op_name.startswith("aten::"):
+                continue
+            source = getattr(getattr(defs.get(packet._qualified_op_name), "_init_fn", None), "__module__", None)
+            if isinstance(source, str):
+                found[packet._qualified_op_name] = source
+    return found
 
 
 def _defined_as(obj: Any, name: str) -> bool:

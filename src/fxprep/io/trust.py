@@ -221,9 +221,21 @@ class TrustPolicy:
         return obj
 
     @staticmethod
-    def _hint(name: str) -> str:
-        """Which trusted_modules entry would allow ``name``: its module, if already imported."""
+    def _hint(name: str, trusted: tuple[str, ...] = ()) -> str:
+        """Which trusted_modules entry would allow ``name``: its module, if already imported. A
+        custom op ``torch.ops.<ns>.<op>`` is allowed by trusting the library ``<ns>`` (that is how
+        :meth:`_op` looks it up), never by trusting ``torch.ops``, which is torch itself; an aten op
+        outside the reviewed list is allowed by no entry."""
         parts = name.split(".")
+        if name.startswith("torch.ops."):
+            namespace = parts[2] if len(parts) >= 4 else ""
+            if not namespace.isidentifier() or namespace in allowlist.OP_NAMESPACES:
+                return "No trusted_modules entry allows it: only the reviewed ops of that namespace are loaded."
+            if namespace in trusted:
+                return (f"The torch.ops.{namespace} namespace is trusted, but this process has no such op: "
+                        f"import the module of {namespace!r} that registers it before fxprep.load.")
+            return (f"It is a custom op of the torch.ops.{namespace} namespace: if you trust the library that "
+                    f"registers it, pass trusted_modules=[{namespace!r}] to fxprep.load.")
         module = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in sys.modules),
                       name.rpartition(".")[0])
         if not module:
@@ -266,6 +278,27 @@ class TrustPolicy:
             if len(parts) in (4, 5) and all(p.isidentifier() for p in parts) and parts[2] in self.modules:
                 return
         self.function(name)
+
+    def import_op_modules(self, recorded: Any) -> None:
+        """Import the modules a save recorded as registering its custom ops
+        (:func:`.encode.custom_op_modules`), each only where the op's namespace is a trusted library
+        and the module lies inside a trusted package: importing a trusted package's module is what
+        trusting it allows (docs/security.md). A module that fails to import is left: the op's
+        lookup then refuses, naming the op."""
+        if recorded is None:
+            return
+        if not isinstance(recorded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in recorded.items()):
+            raise SerializationError("refusing to load: malformed op_modules in the manifest.")
+        for op, module in recorded.items():
+            namespace = op.partition("::")[0]
+            if namespace in allowlist.OP_NAMESPACES or namespace not in self.modules:
+                continue
+            if not _valid_path(module) or self.package_of(module) is None or module in sys.modules:
+                continue
+            try:
+                importlib.import_module(module)
+            except Exception:  # noqa: BLE001 - the op's lookup refuses, naming it
+                pass
 
     def _op(self, name: str) -> Any:
         """``torch.ops.<ns>.<op>[.<overload>]``: an OpOverloadPacket / OpOverload of a trusted
@@ -334,7 +367,7 @@ class TrustPolicy:
         listed = f" (trusted: {list(self.modules)})" if self.modules else ""
         return SerializationError(
             f"refusing to load: the file asks for {what} {name[:200]!r}, which is not one fxprep trusts{listed}. "
-            f"{self._hint(name)}"
+            f"{self._hint(name, self.modules)}"
         )
 
 
