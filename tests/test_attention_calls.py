@@ -58,6 +58,7 @@ def _check(model: torch.nn.Module, inputs: dict) -> fxprep.PreparedModule:
     uses_sdpa = any(getattr(c, "_attn_implementation", None) == "sdpa" for c in _configs(model))
     assert bool(eager) == uses_sdpa, "an SDPA model made no attention call: the test would prove nothing"
     assert differences(eager, prepared) == []
+    assert gm.fxprep_report.verification.attention == ""  # fxprep's own recording agrees: nothing to name
     return gm
 
 
@@ -112,6 +113,9 @@ def test_all_ones_attention_mask_is_named() -> None:
     assert [c["mask"] for c in eager] == [None, None]
     assert all(c["mask"] is not None and not c["is_causal"] for c in prepared)
     assert any(VALUE_DEPENDENT in n for n in gm.fxprep_report.notes)
+    named = gm.fxprep_report.verification.attention  # and the verification's own recording shows it
+    assert "2 of 2 differ" in named and "eager attn_mask=None, is_causal=True" in named
+    assert named in gm.fxprep_report.notes
     # with padding, the same graph makes eager's calls
     padded = {"input_ids": ids, "attention_mask": _padded(ids)}
     assert differences(record(model, padded), record(gm, padded)) == []
@@ -151,3 +155,43 @@ def test_vlm_same_calls(builder, dtype: torch.dtype) -> None:
     """VLMs (zoo: 45-110 s each on the shared 2-core machine): vision tower and language model alike."""
     model, inputs = _vlm(builder, dtype, "none")
     _check(model, inputs)
+
+
+class _CausalUnlessCompiling(torch.nn.Module):
+    """A library that takes another attention path under a trace (as transformers' mask code
+    did): eager passes is_causal=True, a trace builds the mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        if torch.compiler.is_compiling():
+            n = x.shape[1]
+            mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_attention_called_otherwise_is_named_in_the_report() -> None:
+    """Where the capture cannot take eager's attention path, the report says so, from the attention
+    calls of verification's two runs (fxprep.attention_calls): a toy library that branches on
+    compiling, and BioGPT, which fills an all-ones padding mask itself when none is given (eager
+    reads its values and drops it)."""
+    torch.manual_seed(0)
+    toy = _CausalUnlessCompiling().eval()
+    gm = fxprep.prepare_model(toy, example_inputs={"x": torch.randn(2, 5, 16)})
+    named = gm.fxprep_report.verification.attention
+    assert gm.fxprep_report.verification.status == "passed"
+    assert "1 of 1 differ" in named and "eager attn_mask=None, is_causal=True" in named
+    assert "attn_mask=Tensor[5x5, bool], is_causal=False" in named and named in gm.fxprep_report.notes
+    config = tf.BioGptConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    biogpt = tf.BioGptForCausalLM(config).eval()
+    ids = _ids()
+    gm = fxprep.prepare_model(biogpt, example_inputs={"input_ids": ids})
+    eager, prepared = record(biogpt, {"input_ids": ids}), record(gm, {"input_ids": ids})
+    assert differences(eager, prepared)  # what the report must name (BioGPT's, not fxprep's)
+    assert "2 of 2 differ" in gm.fxprep_report.verification.attention

@@ -38,7 +38,7 @@ from .prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, set_preserved
 from .report import Report, Verification
 from .runs import hooks_left_as_found, preserved_state
 from .threads import GLOBAL_LOCK
-from .verify import run_original, verify
+from .verify import Reference, run_original, verify
 from .weights import remember_original
 
 
@@ -153,8 +153,7 @@ class _Preparation:
     start: float
     original_call: ExampleInputs | None = None
     prepared_call: ExampleInputs | None = None
-    reference: Any = None
-    reference_state: Any = None
+    reference: Reference | None = None
     proposal: autodims.Proposal | None = None
     rewrite: Any = None
     result: CaptureResult | None = None
@@ -174,7 +173,7 @@ class _Preparation:
 
 
 def _prepare(model: nn.Module, user: _UserArguments, options: dict[str, Any],
-             not_general: str | None = None, reference: tuple[Any, Any] | None = None) -> fx.GraphModule:
+             not_general: str | None = None, reference: Reference | None = None) -> fx.GraphModule:
     """The stages of ``prepare_model``, in order; each is a function of the preparation ``run``.
     ``reference``: the original's run on the example from an attempt that was not shape-general."""
     run = _start(model, user, options)
@@ -182,7 +181,7 @@ def _prepare(model: nn.Module, user: _UserArguments, options: dict[str, Any],
     try:
         return _stages(run, not_general)
     except shape_general.NotShapeGeneral as err:
-        err.reference = (run.reference, run.reference_state) if run.reference_state is not None else None
+        err.reference = run.reference
         raise
 
 
@@ -228,7 +227,7 @@ def _start(model: nn.Module, user: _UserArguments, options: dict[str, Any]) -> _
     return _Preparation(request, opts, report, absent, start)
 
 
-def _reference_run(run: _Preparation, reference: tuple[Any, Any] | None) -> None:
+def _reference_run(run: _Preparation, reference: Reference | None) -> None:
     """The original run on the example, as the user calls it (its output is what the prepared
     module is verified against); it doubles as the check that the inputs suit the model.
     ``reference``: that run, made already by the attempt before (:func:`prepare_model`)."""
@@ -238,10 +237,10 @@ def _reference_run(run: _Preparation, reference: tuple[Any, Any] | None) -> None
         return
     run.original_call, run.prepared_call = run.calls(example)
     if run.opts.verify and reference is not None:
-        run.reference, run.reference_state = reference
+        run.reference = reference
     elif run.opts.verify:
         progress.stage("reference run")
-        run.reference, run.reference_state = run_original(run.model, run.original_call)
+        run.reference = run_original(run.model, run.original_call)
 
 
 def _propose_shapes(run: _Preparation, not_general: str | None) -> None:
@@ -336,7 +335,7 @@ def _passes(run: _Preparation, gm: fx.GraphModule) -> None:
     if opts.share_parameters:
         state_dict.record_aliases(gm, model)  # after every pass that moves modules
     _match_modes(gm, model)
-    _restore_output_type(gm, run.reference)
+    _restore_output_type(gm, None if run.reference is None else run.reference.output)
     decisions.keep_locations(gm)
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
 
@@ -388,13 +387,9 @@ def _verify_call(run: _Preparation, gm: fx.GraphModule, calls: tuple[Any, Any], 
     names the input (None: the example, with the reference run reused); the state it leaves is noted."""
     opts = run.opts
     where_rewrite = run.rewrite is not None and run.rewrite.joins_with_where
-    if what is None:
-        checked = verify(run.model, gm, calls[0], reference=run.reference, reference_state=run.reference_state,
-                         prepared_example=calls[1], rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad",
-                         where_rewrite=where_rewrite, absent=run.absent)
-    else:
-        checked = verify(run.model, gm, calls[0], prepared_example=calls[1], what=what, rtol=opts.rtol,
-                         atol=opts.atol, grad=opts.verify == "grad", where_rewrite=where_rewrite, absent=run.absent)
+    checked = verify(run.model, gm, calls[0], reference=run.reference if what is None else None,
+                     prepared_example=calls[1], what=what or "the example inputs", rtol=opts.rtol, atol=opts.atol,
+                     grad=opts.verify == "grad", where_rewrite=where_rewrite, absent=run.absent)
     _note_state(run.report, checked)
     return checked
 
@@ -430,9 +425,12 @@ def _finish(run: _Preparation, gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _note_state(report: Report, verification: Verification) -> None:
-    """State the original's forward updates and the prepared module does not: said loudly."""
+    """State the original's forward updates and the prepared module does not: said loudly; and
+    attention called otherwise than eager does."""
     if verification.state_not_reproduced:
         report.note(notes.state_not_reproduced(verification.state_not_reproduced))
+    if verification.attention:
+        report.note(verification.attention)
 
 
 def register_with_toolkits() -> None:
@@ -454,7 +452,7 @@ def _control_flow(run: _Preparation) -> Any:
     extra = [e for e in (normalize_example_inputs(v) for v in run.opts.verify_inputs) if e is not None]
     request = run.request
     return ControlFlowRewrite(request.model, request.example, extra, request.concrete_args,
-                              None if run.absent else run.reference)
+                              None if run.absent or run.reference is None else run.reference.output)
 
 
 def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Module, Any]:

@@ -83,6 +83,8 @@ class Verification:
     label: str = ""  # what the inputs were, when fxprep built them (control_flow="rewrite")
     # buffers / scalar attributes a run of the original leaves other than a run of the prepared module
     state_not_reproduced: list[str] = field(default_factory=list)
+    # how the prepared module's attention calls differ from eager's (:mod:`fxprep.attention_calls`); "" when alike
+    attention: str = ""
 
 
 @dataclass

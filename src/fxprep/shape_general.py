@@ -48,10 +48,10 @@ class Elsewhere:
 class NotShapeGeneral(Exception):
     """The automatically declared dimensions did not hold (capture or verification): prepare with
     static shapes instead. Not an FxprepError: it never reaches the user. ``reference``: the
-    original's run on the example (output, state) when one was made, for the static attempt.
+    original's run on the example (:class:`fxprep.verify.Reference`) when one was made, for the static attempt.
     ``elsewhere``: set when the capture failed for another reason than the dimensions."""
 
-    reference: tuple[Any, Any] | None = None
+    reference: Any = None  # fxprep.verify.Reference
     elsewhere: Elsewhere | None = None
 
 

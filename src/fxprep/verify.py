@@ -21,12 +21,13 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
 from torch import nn
 
+from .attention_calls import Call, differences, recording
 from .errors import EquivalenceError, FxprepError, ModelError
 from .inputs import ExampleInputs
 from .locate_node import locate
@@ -77,15 +78,24 @@ def _key_order_differences(ref: Any, got: Any, path: str = "out") -> list[tuple[
     return found
 
 
-def run_original(model: nn.Module, example: ExampleInputs, what: str = "the example inputs") -> tuple[Any, dict[str, Any]]:
-    """The reference run of the user's model: its output, and the state it leaves behind
-    (:func:`fxprep.runs.observed_state`, restored afterwards). Its failure is the user's to fix,
-    said so plainly. A half-precision model runs with SDPA's math kernel (:func:`pinned_kernels`),
-    as :func:`verify` runs the prepared module, so one reference run serves capture and verification."""
+class Reference(NamedTuple):
+    """The original's run on an example, what the prepared module is verified against."""
+
+    output: Any
+    state: dict[str, Any]  # what the run left behind (:func:`fxprep.runs.observed_state`)
+    attention: list[Call]  # its attention calls (:mod:`fxprep.attention_calls`)
+
+
+def run_original(model: nn.Module, example: ExampleInputs, what: str = "the example inputs") -> Reference:
+    """The reference run of the user's model: its output, the state it leaves behind (restored
+    afterwards) and its attention calls. Its failure is the user's to fix, said so plainly. A
+    half-precision model runs with SDPA's math kernel (:func:`pinned_kernels`), as :func:`verify`
+    runs the prepared module, so one reference run serves capture and verification."""
+    attention: list[Call] = []
     try:
-        with pinned_kernels(low_precision_model(model)), preserved_state(model):
+        with pinned_kernels(low_precision_model(model)), preserved_state(model), recording(attention):
             out = run_model(model, example)
-            return out, observed_state(model)
+            return Reference(out, observed_state(model), attention)
     except Exception as err:
         raise ModelError(
             f"The model itself failed on {what} ({example.describe()}): "
@@ -307,8 +317,7 @@ def verify(
     prepared: fx.GraphModule,
     example: ExampleInputs,
     *,
-    reference: Any = None,
-    reference_state: dict[str, Any] | None = None,
+    reference: Reference | None = None,
     prepared_example: ExampleInputs | None = None,
     rtol: float | None = None,
     atol: float | None = None,
@@ -322,10 +331,11 @@ def verify(
     mismatch (naming the first diverging leaf), else return the measured :class:`Verification`.
 
     ``prepared_example`` is how the prepared module is called when it differs from the original's
-    call (``concrete_args`` removed some arguments, for instance). ``reference`` and
-    ``reference_state`` are what :func:`run_original` returned, when the original already ran (it
-    pins the attention kernel in half precision as this comparison does: a reference made otherwise
-    would not do).
+    call (``concrete_args`` removed some arguments, for instance). ``reference`` is what
+    :func:`run_original` returned, when the original already ran (it pins the attention kernel in
+    half precision as this comparison does: a reference made otherwise would not do). The prepared
+    run's attention calls are compared with the reference's, a difference said in the result's
+    ``attention`` (:mod:`fxprep.attention_calls`; it does not fail verification).
 
     State is compared too: the buffers and plain scalar attributes (counters, running averages) one
     run of the original leaves behind against those one run of the prepared module leaves behind;
@@ -339,19 +349,21 @@ def verify(
     prepared module (it was read only by the branch not taken, which ``torch.where`` computes too).
     """
     prepared_example = prepared_example or example
-    if reference is None or reference_state is None:
-        reference, reference_state = run_original(original, example, what)
-    low = low_precision_model(original) or low_precision(reference) is not None
-    got, prepared_state = _run_prepared(original, prepared, prepared_example, what, low)
+    if reference is None:
+        reference = run_original(original, example, what)
+    low = low_precision_model(original) or low_precision(reference.output) is not None
+    attention: list[Call] = []  # the prepared run's
+    got, prepared_state = _run_prepared(original, prepared, prepared_example, what, low, attention)
     if rtol is None or atol is None:
-        d_rtol, d_atol = default_tolerances(reference, graph_depth(prepared))
+        d_rtol, d_atol = default_tolerances(reference.output, graph_depth(prepared))
         rtol = d_rtol if rtol is None else rtol
         atol = d_atol if atol is None else atol
     accepted: list[str] | None = [] if where_rewrite else None
-    found = _compare(reference, got, rtol, atol, accepted, absent)
+    found = _compare(reference.output, got, rtol, atol, accepted, absent)
     count, worst, problem = found.count, found.worst, found.problem
     result = Verification("passed", max_abs_diff=worst, rtol=rtol, atol=atol, outputs_compared=count)
-    result.state_not_reproduced = state_differences(reference_state, prepared_state, rtol, atol)
+    result.attention = differences(reference.attention, attention) or ""
+    result.state_not_reproduced = state_differences(reference.state, prepared_state, rtol, atol)
     if problem is None and result.state_not_reproduced:
         problem = _second_call(original, prepared, example, prepared_example, rtol, atol, absent,
                                result.state_not_reproduced)
@@ -385,10 +397,11 @@ def verify(
 
 
 def _run_prepared(original: nn.Module, prepared: fx.GraphModule, prepared_example: ExampleInputs, what: str,
-                  low: bool) -> tuple[Any, dict[str, Any]]:
-    """One call of ``prepared`` (the attention kernel pinned in half precision) and the state it
-    leaves on the shared modules, which are then put back as they were: a failure is an fxprep bug."""
-    with preserved_state(original, prepared), pinned_kernels(low):
+                  low: bool, attention: list[Call]) -> tuple[Any, dict[str, Any]]:
+    """One call of ``prepared`` (the attention kernel pinned in half precision; its attention calls
+    appended to ``attention``) and the state it leaves on the shared modules, which are then put
+    back as they were: a failure is an fxprep bug."""
+    with preserved_state(original, prepared), pinned_kernels(low), recording(attention):
         try:
             got = run_model(prepared, prepared_example)
         except FxprepError:
