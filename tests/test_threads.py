@@ -183,3 +183,35 @@ def test_quieted_guard_logs_are_this_thread_s_only(caplog: pytest.LogCaptureFixt
         logger.critical("mine, critical")
     logger.error("mine, after")
     assert [r.getMessage() for r in caplog.records] == ["theirs", "mine, critical", "mine, after"]
+
+
+def test_check_traceability_quiets_draft_export_for_its_own_thread_only(caplog: pytest.LogCaptureFixture,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_traceability's draft_export run repeats in a banner what the report says; it is
+    quieted for the checking thread only. Before, the whole ``torch`` logger's level was raised for
+    the run, so another thread's torch warnings were lost meanwhile."""
+    import logging
+
+    class DataDependent(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 0:
+                return x * 2
+            return x[:1] + int(x.abs().sum().item())
+
+    real = torch.export.draft_export
+    theirs = logging.getLogger("torch.export._draft_export")
+
+    def draft_export(*args, **kwargs):
+        other = threading.Thread(target=lambda: theirs.warning("theirs"))  # while it runs
+        other.start()
+        other.join()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "draft_export", draft_export)
+    level = logging.getLogger("torch").level
+    with caplog.at_level(logging.DEBUG, logger="torch.export._draft_export"):
+        report = fxprep.check_traceability(DataDependent(), example_inputs=(torch.randn(3, 4),))
+    assert report.issues  # draft_export ran and found the data-dependent sites
+    messages = [r.getMessage() for r in caplog.records if r.name == "torch.export._draft_export"]
+    assert messages == ["theirs"]  # its banner (a warning on this thread) dropped, the other thread's kept
+    assert logging.getLogger("torch").level == level

@@ -37,7 +37,7 @@ from .diagnose import (
 from .inputs import normalize_example_inputs
 from .report import Report, RewrittenSite
 from .runs import hooks_left_as_found
-from .threads import GLOBAL_LOCK
+from .threads import GLOBAL_LOCK, quiet_logs
 
 # Tracers that capture the model whole (the hybrid leaf fallback is reported apart).
 WHOLE_MODEL_TRACERS = ("dynamo", "fx", "hf_fx")
@@ -137,16 +137,16 @@ class TraceReport:
 
 
 def _draft_export_issues(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Issue]:
-    """Every data-dependent site torch.export.draft_export finds, in one run."""
-    logger = logging.getLogger("torch")
-    level = logger.level
-    logger.setLevel(logging.ERROR)  # its own banner would repeat what the report says
+    """Every data-dependent site torch.export.draft_export finds, in one run. Its banner and its
+    real-tensor decisions would repeat what the report says: this thread's records below ERROR on
+    the two loggers that write them are dropped (other threads', and the loggers' levels, are
+    untouched: :func:`fxprep.threads.quiet_logs`)."""
     try:
-        ep = torch.export.draft_export(model, args, kwargs)
+        with quiet_logs("torch.export._draft_export", below=logging.ERROR), \
+                quiet_logs("torch.fx.experimental.symbolic_shapes", below=logging.ERROR):
+            ep = torch.export.draft_export(model, args, kwargs)
     except Exception:  # noqa: BLE001 - draft_export is a best-effort extra
         return []
-    finally:
-        logger.setLevel(level)
     report = getattr(ep, "_report", None)
     if report is None:
         return []
