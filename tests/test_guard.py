@@ -241,12 +241,66 @@ class BakedBatch(nn.Module):
 def test_the_batch_probe_prints_no_fx_traceback(capsys) -> None:
     """The probe's failing run at another batch is a finding for the report; fx's own print of the
     error (a traceback and the generated code) is not shown in the middle of a successful prepare."""
-    gm = fxprep.prepare_model(BakedBatch().eval(), example_inputs=torch.randn(3, 4), tracer="dynamo", progress=False)
+    gm = fxprep.prepare_model(BakedBatch().eval(), example_inputs=torch.randn(3, 4), tracer="dynamo", progress=False,
+                              dynamic=False)  # static shapes asked for: the graph found baked in is kept
     assert "specialised to batch 3" in gm.fxprep_report.to_text()
     err = capsys.readouterr().err
     assert "FX-traced" not in err and "Traceback" not in err
     with pytest.raises(fxprep.InputMismatch):
         gm(torch.randn(2, 4))
+
+
+def test_a_batch_baked_in_without_a_branch_is_captured_again_declared() -> None:
+    """The probe found the example's batch baked into the static graph (``reshape(x.shape[0], ...)``)
+    and no branch on it: prepared again with dimension 0 declared dynamic, verified at a second
+    batch, and kept. Before, every other batch size raised InputMismatch."""
+    model = BakedBatch().eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(1, 4), tracer="dynamo", progress=False)
+    for batch in (2, 5, 1):
+        x = torch.randn(batch, 4)
+        torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    text = gm.fxprep_report.to_text()
+    assert "captured again with it declared dynamic" in text and "x dim 0 (batch)" in text
+    with pytest.raises(fxprep.InputMismatch):  # other dimensions stay checked
+        gm(torch.randn(2, 5))
+
+
+def test_a_real_branch_on_the_batch_is_not_captured_again() -> None:
+    gm = fxprep.prepare_model(ShapeBranch().eval(), example_inputs=torch.randn(3, 4), tracer="dynamo", progress=False)
+    assert "captured again" not in gm.fxprep_report.to_text()
+    with pytest.raises(fxprep.InputMismatch):
+        gm(torch.randn(2, 4))
+
+
+def test_when_the_batch_general_capture_fails_the_static_graph_stands(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxprep import shape_general
+
+    def fails(*args, **kwargs):
+        raise shape_general.NotShapeGeneral("Dynamo refused the batch dimension (simulated)")
+
+    monkeypatch.setattr(shape_general, "capture", fails)
+    model = BakedBatch().eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(3, 4), tracer="dynamo", progress=False)
+    text = gm.fxprep_report.to_text()
+    assert "specialised to batch 3" in text and "not kept" in text and "simulated" in text
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(gm(x), model(x))
+    with pytest.raises(fxprep.InputMismatch):
+        gm(torch.randn(2, 4))
+
+
+def test_a_timm_vit_prepared_at_batch_one_runs_at_batch_four() -> None:
+    """timm's ViT expands its class token to the batch: the static graph bakes batch 1 in; the
+    prepared module now serves calibration batches of any size."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2).eval()
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(1, 3, 32, 32), progress=False)
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+    assert gm.fxprep_report.verification.status == "passed"
 
 
 def test_quiet_fx_errors_drops_only_fx_error_prints(capsys) -> None:

@@ -9,7 +9,6 @@ live in :mod:`fxprep.notes`.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import inspect
@@ -23,7 +22,13 @@ import torch.fx as fx
 from torch import nn
 
 from . import batch, decisions, guard, heap, notes, progress, root_hooks, shape_general
-from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
+from .arguments import (
+    check_concrete_args,
+    check_dynamic_inputs,
+    check_model,
+    defaults_as_concrete,
+    leaf_policy,
+)
 from .capture import cascade, dynamo_available, huggingface
 from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims, grown_example
@@ -33,7 +38,16 @@ from .capture.rewrite import branches
 from .errors import EquivalenceError, InputMismatch, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
-from .passes import aimet_modules, aimet_names, functional_to_module, owner_names, state_dict, unroll, values
+from .passes import (
+    aimet_modules,
+    aimet_names,
+    finish,
+    functional_to_module,
+    owner_names,
+    state_dict,
+    unroll,
+    values,
+)
 from .prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, set_preserved
 from .report import Report, Verification
 from .runs import hooks_left_as_found, preserved_state
@@ -55,42 +69,6 @@ def _block_conversion(model: nn.Module, opts: PrepareOptions) -> Any:
         functional_to_module.run(block, training=model.training, original=first, recompile=False)
 
     return convert
-
-
-def _restore_output_type(gm: fx.GraphModule, reference: Any) -> None:
-    """fx returns the dict literal it traced; a model returning an ``OrderedDict`` (torchvision
-    segmentation) must still return one, so the output is wrapped in the original's type."""
-    if type(reference) is not collections.OrderedDict:
-        return
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    value = output.args[0]
-    if isinstance(value, dict):  # fx stores it as its immutable_dict
-        value = dict(value)
-        with gm.graph.inserting_before(output):
-            wrapped = gm.graph.call_function(collections.OrderedDict, (value,))
-        wrapped.meta["fxprep_kind"] = "other"
-        output.args = (wrapped,)
-
-
-def _match_modes(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Give modules fxprep created the training flag of the scope they came from; the user's own
-    module objects are left exactly as they are (setting gm.train() would flip them)."""
-    originals = {id(m) for m in model.modules()}
-    scopes = dict(model.named_modules(remove_duplicate=False))
-    gm.training = model.training
-    for name, module in gm.named_modules():
-        if id(module) in originals or module is gm:
-            continue
-        scope = name
-        mode = model.training
-        while scope:
-            scope = scope.rpartition(".")[0]
-            if scope in scopes:
-                mode = scopes[scope].training
-                break
-        if "." not in name:
-            mode = model.training
-        module.training = mode
 
 
 def prepare_model(
@@ -117,15 +95,36 @@ def prepare_model(
             huggingface.output_capturing_hooks(model), root_hooks.set_aside(model) as aside:
         user = _UserArguments(modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs)
         try:
-            gm = _prepare(model, user, options)
+            gm, run = _prepare(model, user, options)
         except shape_general.NotShapeGeneral as err:  # found dimensions did not hold: static shapes, as before
             why, reference = str(err), err.reference
         else:
+            gm = _batch_general(model, user, options, gm, run) if run.batch_baked else gm
             return root_hooks.carry(gm, aside, get_report(gm))
         # outside the except block: the first attempt's frames (its capture, its copy of the model
         # with copy=True) are freed before the second one starts; its reference run is reused
-        gm = _prepare(model, user, {**options, "dynamic": False}, not_general=why, reference=reference)
+        gm, _ = _prepare(model, user, {**options, "dynamic": False}, not_general=why, reference=reference)
         return root_hooks.carry(gm, aside, get_report(gm))
+
+
+def _batch_general(model: nn.Module, user: _UserArguments, options: dict[str, Any], gm: fx.GraphModule,
+                   run: _Preparation) -> fx.GraphModule:
+    """A static graph the batch probe found specialised to the example's batch with no branch on it
+    (a ViT's ``cls_token.expand(B, -1, -1)``) prepared again with dimension 0 declared dynamic
+    (:func:`autodims.batch_proposal`), the reference run reused; kept when it verifies on the example
+    and on a second batch, else the static graph, which says why."""
+    proposal = autodims.batch_proposal(model, run.request.calls()[0])
+    if proposal is None or options.get("dynamic") is not None:
+        return gm
+    try:
+        general, _ = _prepare(model, user, options, reference=run.reference, proposal=proposal)
+    except Exception as err:  # noqa: BLE001 - the static graph stands; why the other did not is said
+        get_report(gm).note(f"Prepared again with dimension 0 of the inputs declared dynamic, not kept: "
+                            f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}")
+        return gm
+    get_report(general).note(f"The static-shape capture baked batch {proposal.describe()} at the example's size in: "
+                             f"captured again with it declared dynamic.")
+    return general
 
 
 class _UserArguments(NamedTuple):
@@ -159,6 +158,8 @@ class _Preparation:
     result: CaptureResult | None = None
     dynamic: Any = None
     elsewhere: tuple[shape_general.Elsewhere, str] | None = None  # a shape-general capture for the fallback
+    batch_baked: bool = False  # the batch probe found the example's batch baked into the static graph
+    static_fallback: bool = True  # a failed shape-general capture falls back to static shapes (else raises)
 
     @property
     def model(self) -> nn.Module:
@@ -172,14 +173,17 @@ class _Preparation:
         return original, split_calls(self.model, example, concrete)[1]
 
 
-def _prepare(model: nn.Module, user: _UserArguments, options: dict[str, Any],
-             not_general: str | None = None, reference: Reference | None = None) -> fx.GraphModule:
+def _prepare(model: nn.Module, user: _UserArguments, options: dict[str, Any], not_general: str | None = None,
+             reference: Reference | None = None, proposal: autodims.Proposal | None = None
+             ) -> tuple[fx.GraphModule, _Preparation]:
     """The stages of ``prepare_model``, in order; each is a function of the preparation ``run``.
-    ``reference``: the original's run on the example from an attempt that was not shape-general."""
+    ``reference``: the original's run on the example from an attempt before. ``proposal``: the
+    dimensions to capture with, and no static fallback (:func:`_batch_general`)."""
     run = _start(model, user, options)
+    run.proposal, run.static_fallback = proposal, proposal is None
     _reference_run(run, reference)
     try:
-        return _stages(run, not_general)
+        return _stages(run, not_general), run
     except shape_general.NotShapeGeneral as err:
         err.reference = run.reference
         raise
@@ -248,9 +252,9 @@ def _propose_shapes(run: _Preparation, not_general: str | None) -> None:
     transformers model's batch and sequence: :mod:`fxprep.shape_general`)."""
     opts, request = run.opts, run.request
     if opts.dynamic and request.example is not None:
-        _check_dynamic_inputs(request, opts.dynamic)
-    if opts.dynamic is None and request.example is not None and opts.tracer != "fx" and opts.control_flow is None \
-            and dynamo_available():
+        check_dynamic_inputs(request, opts.dynamic)
+    if run.proposal is None and opts.dynamic is None and request.example is not None and opts.tracer != "fx" \
+            and opts.control_flow is None and dynamo_available():
         run.proposal = autodims.propose(run.model, request.example)
     if not_general:
         run.report.note(shape_general.not_kept_note(not_general))
@@ -334,8 +338,8 @@ def _passes(run: _Preparation, gm: fx.GraphModule) -> None:
         owner_names.run(gm, original=model, report=report)
     if opts.share_parameters:
         state_dict.record_aliases(gm, model)  # after every pass that moves modules
-    _match_modes(gm, model)
-    _restore_output_type(gm, None if run.reference is None else run.reference.output)
+    finish.match_modes(gm, model)
+    finish.restore_output_type(gm, None if run.reference is None else run.reference.output)
     decisions.keep_locations(gm)
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
 
@@ -370,8 +374,8 @@ def _verification(run: _Preparation, gm: fx.GraphModule) -> None:
             verify(run.model, gm, original, prepared_example=prepared, rtol=opts.rtol, atol=opts.atol,
                    absent=run.absent, what=what)
 
-        batch.probe(run.model, gm, example, report, check=check,
-                    captured=lambda e: split_calls(run.model, e, concrete)[0])
+        run.batch_baked = batch.probe(run.model, gm, example, report, check=check,
+                                      captured=lambda e: split_calls(run.model, e, concrete)[0])
     if run.proposal is not None:
         _verify_general(run, gm)
     elif run.dynamic:
@@ -506,19 +510,6 @@ def _guard_inputs(run: _Preparation, gm: fx.GraphModule) -> None:
         report.note(notes.decided_values(decided))
 
 
-def _check_dynamic_inputs(request: CaptureRequest, dynamic: Any) -> None:
-    """``dynamic`` must name inputs and dimensions the example has, before minutes of capturing (a
-    wrong one would otherwise only make the Dynamo capture fail, and fx be used instead)."""
-    from .capture.dynamo import dynamic_shapes_spec
-
-    assert request.example is not None
-    try:
-        dynamic_shapes_spec(request.model, request.calls()[0], dynamic)
-    except ValueError as err:
-        raise InvalidInput(f"dynamic={dynamic!r} does not fit the example inputs ({request.example.describe()}): "
-                           f"{err}.") from err
-
-
 def _capture_general(run: _Preparation, tracers: list[str]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """The shape-general capture (:func:`shape_general.capture`: Dynamo alone, with the proposal's
     dimensions); when it fails, the static-shape capture as before, said in the report (the reference
@@ -534,6 +525,8 @@ def _capture_general(run: _Preparation, tracers: list[str]) -> tuple[CaptureResu
         result, attempts, run.proposal = shape_general.capture(request.model, request.example, proposal, capture_at)
         return result, attempts
     except shape_general.NotShapeGeneral as err:
+        if not run.static_fallback:
+            raise
         run.proposal = None
         run.request = request.replace(dynamic=False)
         result, attempts = cascade.capture(run.request, tracers)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .capture.common import LeafPolicy
+from .capture.request import CaptureRequest
 from .errors import InvalidInput
 from .inputs import ExampleInputs
 from .report import Report
@@ -107,3 +108,16 @@ def defaults_as_concrete(model: nn.Module, example: ExampleInputs | None, concre
     listed = ", ".join(f"{k}={v!r}" for k, v in extra.items())
     report.note(f"arguments not in example_inputs were captured with their defaults: {listed}.")
     return {**(concrete or {}), **extra}
+
+
+def check_dynamic_inputs(request: CaptureRequest, dynamic: Any) -> None:
+    """``dynamic`` must name inputs and dimensions the example has, before minutes of capturing (a
+    wrong one would otherwise only make the Dynamo capture fail, and fx be used instead)."""
+    from .capture.dynamo import dynamic_shapes_spec
+
+    assert request.example is not None
+    try:
+        dynamic_shapes_spec(request.model, request.calls()[0], dynamic)
+    except ValueError as err:
+        raise InvalidInput(f"dynamic={dynamic!r} does not fit the example inputs ({request.example.describe()}): "
+                           f"{err}.") from err

@@ -107,17 +107,19 @@ def _branches(model: nn.Module, example: ExampleInputs, batch: int,
 
 
 def probe(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, report: Report, *,
-          check: Callable[[ExampleInputs, str], Any], captured: Callable[[ExampleInputs], ExampleInputs]) -> None:
+          check: Callable[[ExampleInputs, str], Any], captured: Callable[[ExampleInputs], ExampleInputs]) -> bool:
     """Probe the batch dimension of ``gm``'s static-shape capture (see the module docstring).
 
     ``check(example, what)`` verifies ``gm`` against ``model`` on an example as prepare_model does
     (its calls, tolerances and absent outputs), raising where they differ; ``captured(example)``
     splits an example as prepare_model does for the capture (with the arguments it adds, such as
-    ``use_cache=False``). ``gm``'s input spec loses its batch dimension when the probe frees it."""
+    ``use_cache=False``). ``gm``'s input spec loses its batch dimension when the probe frees it.
+    True when the graph baked the example's batch in (another batch failed) although Dynamo, traced
+    with a symbolic batch, found no branch on it: worth capturing again with the batch declared."""
     spec = gm.__dict__[INPUT_SPEC]
     batch = example_batch(example)
     if batch is None:
-        return
+        return False
     branches, unlisted = _branches(model, example, batch, captured)
     named = (", from Dynamo's guards (traced with a symbolic batch): " + "; ".join(b.describe() for b in branches)
              if branches else "")
@@ -135,14 +137,14 @@ def probe(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, report: 
                 f"a size Dynamo baked in){named}. Calls at another batch size raise InputMismatch; prepare with "
                 f"dynamic='batch' if the model supports it."
             )
-            return
+            return not branches and unlisted is None
     if branches:
         report.note(
             f"The graph is specialised to batch {batch}: it matched the original at batch {' and '.join(map(str, sizes))}, but "
             f"the model's code branches on the batch size{named}. Calls at another batch size raise InputMismatch; "
             f"prepare with dynamic='batch' if the model supports it."
         )
-        return
+        return False
     _free_batch(spec, batch)
     seen = ("and Dynamo's guards, traced with a symbolic batch, show no branch on it" if unlisted is None else
             f"(a branch on the batch size that neither size reaches would not be seen: Dynamo could not trace the model "
@@ -151,3 +153,4 @@ def probe(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, report: 
         f"Batch size: the prepared module matched the original at batch {' and '.join(map(str, sizes))} as well as "
         f"{batch}, {seen}, so dimension 0 of the inputs is not checked (other dimensions are)."
     )
+    return False

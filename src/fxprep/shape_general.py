@@ -147,9 +147,9 @@ def notes(report: Report, proposal: autodims.Proposal, second: str | None) -> No
     checked = (f"the prepared module matched the original on the example and on {second}" if second is not None else
                "verification was off (verify=False), so this rests on Dynamo's capture alone")
     report.note(
-        f"Shape-general: the dimensions {proposal.describe()} were found from the model's input names (transformers "
-        f"layout) and declared dynamic to Dynamo; {checked}, so calls at any size of them are accepted (no batch "
-        f"probe needed). Pass dynamic=False for a static-shape capture.")
+        f"Shape-general: the dimensions {proposal.describe()} were found from {proposal.source} and declared "
+        f"dynamic to Dynamo; {checked}, so calls at any size of them are accepted (no batch probe needed). Pass "
+        f"dynamic=False for a static-shape capture.")
     for (name, dim), why in sorted(proposal.dropped.items()):
         report.note(f"Shape-general: {name} dim {dim} stays at the example's size: {why}.")
     for sym, (low, high, why) in sorted(proposal.ranges.items()):

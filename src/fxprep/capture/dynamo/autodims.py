@@ -66,6 +66,7 @@ class Proposal:
     capture_example: ExampleInputs
     dropped: dict[tuple[str, int], str] = field(default_factory=dict)
     ranges: dict[str, tuple[int | None, int | None, str]] = field(default_factory=dict)  # symbol -> min, max, why
+    source: str = "the model's input names (transformers layout)"  # how the dimensions were found, for the report
 
     def describe(self) -> str:
         parts = [f"{name} dim {d} ({sym})" for name, dims in self.dynamic.items() for d, sym in sorted(dims.items())]
@@ -133,6 +134,23 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
         why = MULTIMODAL_BATCH.format(names=", ".join(others))
         dropped = {(name, 0): why for name in dynamic}
     return Proposal(dynamic, _grown(model, call, dynamic, sizes), dropped)
+
+
+BAKED_BATCH = ("dimension 0 of the inputs, after the static capture baked the example's batch into the graph "
+               "(the batch probe)")
+
+
+def batch_proposal(model: nn.Module, call: ExampleInputs) -> Proposal | None:
+    """Dimension 0 of every input tensor of the example's batch size, as ``batch``: for a model
+    outside transformers whose static-shape graph the batch probe found specialised to the
+    example's batch with no branch on it (a ViT's ``cls_token.expand(B, -1, -1)``), captured again
+    with it declared (on an example grown to batch 2 where it is 1). None without such an input."""
+    inputs = {k: v for k, v in _named_inputs(model, call).items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+    if not inputs:
+        return None
+    batch = int(next(iter(inputs.values())).shape[0])
+    dynamic = {name: {0: "batch"} for name, value in inputs.items() if int(value.shape[0]) == batch}
+    return Proposal(dynamic, _grown(model, call, dynamic, {"batch": batch}), source=BAKED_BATCH)
 
 
 def _grown(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict[int, str]],
