@@ -371,3 +371,29 @@ def test_fx_path_keeps_ordereddict_output():
     gm = fxprep.prepare_model(model, tracer="fx", example_inputs=x)
     assert type(gm(x)) is collections.OrderedDict
     assert gm.fxprep_report.verification.status == "passed"
+
+
+class _ReturnsModelOutput(nn.Module):
+    """A model whose output is a transformers ModelOutput with None fields, traced by torch.fx."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        return BaseModelOutput(last_hidden_state=self.lin(x), hidden_states=None, attentions=None)
+
+
+def test_a_model_output_traced_by_fx_comes_back_as_the_model_returns_it() -> None:
+    """fx builds the ModelOutput from proxies and returns the dict it traced, None fields included;
+    eager's ModelOutput drops them from its keys (MRA, captured by fx, failed verification so)."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    model = _ReturnsModelOutput().eval()
+    x = torch.randn(2, 4)
+    gm = fxprep.prepare_model(model, example_inputs=(x,), tracer="fx")
+    out = gm(x)
+    assert type(out) is BaseModelOutput and list(out.keys()) == ["last_hidden_state"]
+    torch.testing.assert_close(out.last_hidden_state, model(x).last_hidden_state)

@@ -122,8 +122,9 @@ def _batch_general(model: nn.Module, user: _UserArguments, options: dict[str, An
         get_report(gm).note(f"Prepared again with dimension 0 of the inputs declared dynamic, not kept: "
                             f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}")
         return gm
-    get_report(general).note(f"The static-shape capture baked batch {proposal.describe()} at the example's size in: "
-                             f"captured again with it declared dynamic.")
+    before = [n for n in get_report(gm).notes if n.startswith("Shape-general capture")]  # why the first try was static
+    get_report(general).note(f"The static-shape capture baked the example's batch into the graph ({proposal.describe()}): "
+                             f"captured again with it declared dynamic." + "".join(f" Before that: {n}" for n in before))
     return general
 
 

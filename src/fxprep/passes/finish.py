@@ -15,15 +15,26 @@ from torch import nn
 
 def restore_output_type(gm: fx.GraphModule, reference: Any) -> None:
     """fx returns the dict literal it traced; a model returning an ``OrderedDict`` (torchvision
-    segmentation) must still return one, so the output is wrapped in the original's type."""
-    if type(reference) is not collections.OrderedDict:
+    segmentation) or a transformers ``ModelOutput`` (a model torch.fx traced, its output built from
+    proxies) must still return one, so the output is wrapped in the original's type. A
+    ``ModelOutput`` built from keywords drops its None fields from its keys, as the model's did (MRA
+    returned ``logits`` alone eagerly and a dict with ``hidden_states: None`` prepared). Not where the
+    graph's calling convention rebuilds the output already (a Dynamo capture's pytree ``out_spec``)."""
+    cls = type(reference)
+    model_output = any(c.__name__ == "ModelOutput" and c.__module__.startswith("transformers.") for c in cls.__mro__)
+    if cls is not collections.OrderedDict and not model_output:
+        return
+    if getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None) is not None:
         return
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     value = output.args[0]
-    if isinstance(value, dict):  # fx stores it as its immutable_dict
+    if isinstance(value, dict) and type(value) is not cls:  # fx stores a dict as its immutable_dict
         value = dict(value)
         with gm.graph.inserting_before(output):
-            wrapped = gm.graph.call_function(collections.OrderedDict, (value,))
+            if model_output:
+                wrapped = gm.graph.call_function(cls, (), value)
+            else:
+                wrapped = gm.graph.call_function(collections.OrderedDict, (value,))
         wrapped.meta["fxprep_kind"] = "other"
         output.args = (wrapped,)
 
