@@ -116,6 +116,11 @@ def _batch_general(model: nn.Module, user: _UserArguments, options: dict[str, An
     proposal = autodims.batch_proposal(model, run.request.calls()[0])
     if proposal is None or options.get("dynamic") is not None:
         return gm
+    captured = get_report(gm).reuse.get("captured", {})
+    stamped, off = sum(len(v) for v in captured.values()), ""
+    if stamped < len(captured):  # reuse stamped fewer blocks than it captured: under dynamic shapes each
+        options = {**options, "reuse_blocks": False}  # capture costs more, and reuse cost Swin 5x
+        off = f" Block reuse was off for it: the static capture stamped {stamped} block(s) for {len(captured)} captured."
     try:
         general, _ = _prepare(model, user, options, reference=run.reference, proposal=proposal)
     except Exception as err:  # noqa: BLE001 - the static graph stands; why the other did not is said
@@ -124,7 +129,7 @@ def _batch_general(model: nn.Module, user: _UserArguments, options: dict[str, An
         return gm
     before = [n for n in get_report(gm).notes if n.startswith("Shape-general capture")]  # why the first try was static
     get_report(general).note(f"The static-shape capture baked the example's batch into the graph ({proposal.describe()}): "
-                             f"captured again with it declared dynamic." + "".join(f" Before that: {n}" for n in before))
+                             f"captured again with it declared dynamic.{off}" + "".join(f" Before that: {n}" for n in before))
     return general
 
 
