@@ -35,6 +35,7 @@ from .capture.dynamo import autodims, grown_example
 from .capture.fx import mode_notes, trace_failure
 from .capture.request import CaptureRequest
 from .capture.rewrite import branches
+from .diagnose import first_line
 from .errors import EquivalenceError, InputMismatch, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
@@ -125,7 +126,7 @@ def _batch_general(model: nn.Module, user: _UserArguments, options: dict[str, An
         general, _ = _prepare(model, user, options, reference=run.reference, proposal=proposal)
     except Exception as err:  # noqa: BLE001 - the static graph stands; why the other did not is said
         get_report(gm).note(f"Prepared again with dimension 0 of the inputs declared dynamic, not kept: "
-                            f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}")
+                            f"{type(err).__name__}: {first_line(err)}")
         return gm
     before = [n for n in get_report(gm).notes if n.startswith("Shape-general capture")]  # why the first try was static
     get_report(general).note(f"The static-shape capture baked the example's batch into the graph ({proposal.describe()}): "
@@ -564,7 +565,7 @@ def _verify_general(run: _Preparation, gm: fx.GraphModule) -> None:
     try:
         result = _verify_second_size(run, gm, second)
     except Exception as err:  # noqa: BLE001 - any failure at another size: the dims did not hold
-        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        first = first_line(err)
         raise shape_general.NotShapeGeneral(f"at {_second_size(second)}: {type(err).__name__}: {first}") from err
     shape_general.notes(run.report, proposal, f"{second.describe()} (max |diff| {result.max_abs_diff:.3g})")
 

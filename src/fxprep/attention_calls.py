@@ -93,11 +93,8 @@ class _Recorder(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def recording(calls: list[Call] | None) -> Iterator[None]:
-    """Within, every attention call is appended to ``calls`` (nothing is recorded when None)."""
-    if calls is None:
-        yield
-        return
+def recording(calls: list[Call]) -> Iterator[None]:
+    """Within, every attention call is appended to ``calls``."""
     with _Recorder(calls):
         yield
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .capture.dynamo.branches import Branch, batch_branches
+from .diagnose import first_line
 from .guard import InputSpec
 from .inputs import ExampleInputs
 from .prepared import INPUT_SPEC
@@ -102,7 +103,7 @@ def _branches(model: nn.Module, example: ExampleInputs, batch: int,
     try:
         found = batch_branches(model, captured(with_batch(example, batch, traced)), traced)
     except Exception as err:  # noqa: BLE001 - a model Dynamo cannot trace with a symbolic batch: say so
-        return [], f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+        return [], f"{type(err).__name__}: {first_line(err)}"
     return [b for b in found if b.restricts()], None
 
 

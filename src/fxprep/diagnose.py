@@ -149,6 +149,13 @@ def _first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of ``err``'s message, at most ``limit`` characters ("" for an empty message):
+    what a report note or a retry's reason quotes of a failure."""
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else ""
+
+
 def describe_exception(err: BaseException) -> str:
     """``Type: first line (file:line)`` for reports and attempt lists."""
     frame = user_frame(err)

@@ -28,6 +28,7 @@ from .capture.dynamo import autodims
 from .capture.dynamo.export import quiet_guard_logs
 from .capture.fx import restored_attributes
 from .capture.request import CaptureRequest
+from .diagnose import first_line
 from .inputs import ExampleInputs
 from .report import Report
 from .runs import preserved_state
@@ -71,7 +72,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
         found, ranges = autodims.findings(err, current) if err is not None else ({}, {})
         new_ranges = {k: v for k, v in ranges.items() if current.ranges.get(k) != v}
         if not (set(found) - set(current.dropped)) and not new_ranges:
-            first = str(err).strip().splitlines()[0][:200] if err is not None and str(err).strip() else "no capture"
+            first = (first_line(err) if err is not None else "") or "no capture"
             failure = NotShapeGeneral(f"Dynamo could not capture it with {current.describe()} dynamic "
                                       f"({type(err).__name__ if err is not None else 'no error'}: {first})")
             if err is not None and not found and not ranges:
@@ -109,7 +110,7 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
         result, attempt, sites = values.capture_deciding_values(dims)
     attempts.append(attempt)
     if result is None:
-        first = str(attempt.exception).strip().splitlines()[0][:200] if attempt.exception is not None else "?"
+        first = first_line(attempt.exception) if attempt.exception is not None else "?"
         return None, f"deciding values read from data with them declared failed too ({first})"
     if sites:
         return None, f"deciding values read from data with them declared made {sites[0][0].qualname} opaque"

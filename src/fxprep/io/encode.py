@@ -46,8 +46,8 @@ def function_name(fn: Any) -> str:
         name = canonical_name(caller_of)
         if name is not None and _defined_as(caller_of, name):
             return f"autograd:{name}"
-    elif ops.op_name(fn) is not None:
-        return ops.op_name(fn)  # type: ignore[return-value]
+    elif (op := ops.op_name(fn)) is not None:
+        return op
     else:
         name = default_function_name(fn)
         if name is not None:

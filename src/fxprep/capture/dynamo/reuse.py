@@ -60,7 +60,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ... import decisions
-from ...diagnose import stopped_at_data_guard
+from ...diagnose import first_line, stopped_at_data_guard
 from ...inputs import ExampleInputs, same_layout
 from ...runs import SEED, preserved_state
 from ..common import LeafPolicy
@@ -242,7 +242,7 @@ def decided_otherwise(gm: fx.GraphModule, first: Member, member: Member, recorde
         except Exception as err:  # noqa: BLE001 - any failure keeps the member apart
             node = decisions.failed_node(gm, err)
             if node is None:
-                return f"{type(err).__name__}: {_first_line(err)}"
+                return f"{type(err).__name__}: {first_line(err)}"
             where = decisions.location(node) or "the model's code"
             return f"'{decisions.expression(node)}' fails, decided at {where}"
     return None
@@ -388,7 +388,7 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
             if stubs.unsupported:
                 descend.update(mid for mid, (_, key) in instances.items() if key in stubs.unsupported)
                 continue
-            notes.append(f"block reuse did not apply ({type(err).__name__}: {_first_line(err)}); the whole model "
+            notes.append(f"block reuse did not apply ({type(err).__name__}: {first_line(err)}); the whole model "
                          f"was captured instead.")
             return None
         raise around  # outside the handler, so the error's own chain is left as Dynamo made it
@@ -403,11 +403,6 @@ class _AroundBlocks(Exception):
     def __init__(self, error: Exception):
         super().__init__(str(error))
         self.error = error
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:200] if text else ""
 
 
 def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx.GraphModule, dict[str, str]]:
