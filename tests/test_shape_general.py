@@ -104,11 +104,70 @@ def test_without_attention_mask_and_input_given_positionally() -> None:
 
 
 def test_learned_position_table_bounds_the_sequence_and_the_report_says_why() -> None:
-    model = _build("bert", torch.float32)  # 64 learned positions: Dynamo requires seq <= 64
+    """64 learned positions: Dynamo bounds seq to <= 64 when it slices the position table (a kernel's
+    shape logic, no branch of the model); the report says so, and past it the graph fails where eager
+    fails."""
+    model = _build("bert", torch.float32)
     gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 8, 0)})
     text = fxprep.get_report(gm).to_text()
-    assert "'seq' is dynamic <= 64" in text and "input_ids.shape[1] <= 64" in text
+    assert "Dynamo bounded 'seq' to <= 64 while capturing" in text and "input_ids.shape[1] <= 64" in text
     ids = _ids(4, 64, 3)
+    with torch.no_grad():
+        _assert_same(gm(input_ids=ids), model(input_ids=ids), torch.float32)
+        with pytest.raises(RuntimeError):
+            model(input_ids=_ids(1, 65, 3))
+        with pytest.raises(RuntimeError):
+            gm(input_ids=_ids(1, 65, 3))
+
+
+class ShortOnly(transformers.LlamaForCausalLM):
+    """A Python test of the length that the second size (8 + 3 tokens) does not cross: Dynamo bounds
+    the length to <= 12 and the graph holds the short branch only."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        logits = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+        return logits * 2 if input_ids.shape[1] <= 12 else logits  # THE LENGTH BRANCH
+
+
+def test_a_branch_of_the_model_on_the_length_is_a_limit_every_call_is_checked_against() -> None:
+    """Before, the graph (verified at 8 and 11 tokens) took 13 tokens and silently returned the
+    doubled logits; now a call past the branch raises InputMismatch naming the line, and the limit
+    survives the spec's round trip as data (what save and load keep)."""
+    torch.manual_seed(0)
+    model = ShortOnly(transformers.LlamaConfig(**TINY)).eval()
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 8, 0)})
+    text = fxprep.get_report(gm).to_text()
+    assert "'seq' is dynamic <= 12: the model's code branches on it" in text and "THE LENGTH BRANCH" in text
+    for batch, seq in ((3, 12), (2, 2)):
+        ids = _ids(batch, seq, 1)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids), model(input_ids=ids, use_cache=False))
+    with pytest.raises(fxprep.InputMismatch, match=r"input_ids: dim 1 is 13, the graph holds for <= 12 only"):
+        gm(input_ids=_ids(2, 13, 1))
+    from fxprep.guard import InputSpec, check
+    from fxprep.prepared import INPUT_SPEC
+
+    spec = InputSpec.from_dict(gm.__dict__[INPUT_SPEC].to_dict())
+    with pytest.raises(fxprep.InputMismatch, match="THE LENGTH BRANCH"):
+        check(gm, spec, (), {"input_ids": _ids(1, 40, 1)})
+    broken = spec.to_dict()
+    broken["params"]["input_ids"]["range"] = {"1": [None, "12", "why"]}
+    with pytest.raises(ValueError, match="malformed"):
+        InputSpec.from_dict(broken)
+
+
+def test_a_bound_from_a_convolution_is_not_a_limit() -> None:
+    """SqueezeBERT's convolutions: Dynamo bounds a symbolic batch to <= 15 (the convolution backend's
+    choice in torch's fake kernel reads it); no branch of the model does, so batch 20 runs."""
+    torch.manual_seed(0)
+    model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(
+        vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        embedding_size=32, max_position_embeddings=64, q_groups=1, k_groups=1, v_groups=1, post_attention_groups=1,
+        intermediate_groups=1, output_groups=1)).eval()
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 8, 0)})
+    text = fxprep.get_report(gm).to_text()
+    assert "Dynamo bounded 'batch' to <= 15 while capturing" in text and "the model's code requires" not in text
+    ids = _ids(20, 7, 2)
     with torch.no_grad():
         _assert_same(gm(input_ids=ids), model(input_ids=ids), torch.float32)
 

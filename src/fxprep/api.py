@@ -506,7 +506,8 @@ def _guard_inputs(run: _Preparation, gm: fx.GraphModule) -> None:
                 value = given.get(name)
                 rank = value.dim() if isinstance(value, torch.Tensor) else 0
                 dims[name] = {d % rank for d in spec} if rank else set()
-        spec = guard.record(gm, call.args, call.kwargs, tracer, dims, shape_general.specialised_reasons(run.proposal))
+        spec = guard.record(gm, call.args, call.kwargs, tracer, dims, shape_general.specialised_reasons(run.proposal),
+                            shape_general.limits_by_input(run.proposal))
         if spec is not None:
             set_preserved(gm, INPUT_SPEC, spec)
             if tracer == "dynamo" and any(n.get("kind") == "tensor" and None not in (n.get("shape") or [None])
@@ -529,7 +530,8 @@ def _capture_general(run: _Preparation, tracers: list[str]) -> tuple[CaptureResu
         return cascade.capture(request.replace(example=call, dynamic=dims), ["dynamo"])
 
     try:
-        result, attempts, run.proposal = shape_general.capture(request.model, request.example, proposal, capture_at)
+        result, attempts, found = shape_general.capture(request.model, request.example, proposal, capture_at)
+        run.proposal = shape_general.limits(request.model, found, request.replace(example=found.capture_example).calls()[0])
         return result, attempts
     except shape_general.NotShapeGeneral as err:
         if not run.static_fallback:

@@ -115,6 +115,12 @@ def _check_node(node: Any, depth: int) -> None:
         if why is not None and not (isinstance(why, dict) and all(
                 isinstance(k, str) and isinstance(v, str) and len(v) <= 1000 for k, v in why.items())):
             raise ValueError("malformed input spec")
+        limits = node.get("range")
+        if limits is not None and not (isinstance(limits, dict) and all(
+                isinstance(k, str) and k.isdigit() and len(k) <= 3 and isinstance(v, list) and len(v) == 3
+                and all(b is None or type(b) is int for b in v[:2]) and isinstance(v[2], str) and len(v[2]) <= 1000
+                for k, v in limits.items())):
+            raise ValueError("malformed input spec")
     elif kind == "seq":
         if not isinstance(node.get("items"), list) or node.get("type") not in ("list", "tuple"):
             raise ValueError("malformed input spec")
@@ -129,7 +135,8 @@ def _check_node(node: Any, depth: int) -> None:
         raise ValueError("malformed input spec")
 
 
-def _describe(value: Any, tracer: str, dynamic: set[int] | None, why: dict[int, str] | None = None) -> dict[str, Any]:
+def _describe(value: Any, tracer: str, dynamic: set[int] | None, why: dict[int, str] | None = None,
+              limits: dict[int, tuple[int | None, int | None, str]] | None = None) -> dict[str, Any]:
     if value is None:
         return {"kind": "none"}
     if isinstance(value, torch.Tensor):
@@ -140,6 +147,8 @@ def _describe(value: Any, tracer: str, dynamic: set[int] | None, why: dict[int, 
         node = {"kind": "tensor", "shape": shape, "example": example}
         if why:  # dimensions found specialised by the model's code, with the reason
             node["why"] = {str(d): str(w) for d, w in why.items()}
+        if limits:  # dynamic dimensions a branch of the model's code bounds: [min, max, why]
+            node["range"] = {str(d): [lo, hi, str(w)] for d, (lo, hi, w) in limits.items()}
         return node
     if isinstance(value, (list, tuple)):
         return {"kind": "seq", "type": "list" if isinstance(value, list) else "tuple",
@@ -152,13 +161,16 @@ def _describe(value: Any, tracer: str, dynamic: set[int] | None, why: dict[int, 
 
 
 def record(gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tracer: str,
-           dynamic_dims: dict[str, set[int]], why: dict[str, dict[int, str]] | None = None) -> InputSpec | None:
+           dynamic_dims: dict[str, set[int]], why: dict[str, dict[int, str]] | None = None,
+           limits: dict[str, dict[int, tuple[int | None, int | None, str]]] | None = None) -> InputSpec | None:
     """The spec of ``gm`` captured (by ``tracer``) for the call ``gm(*args, **kwargs)``.
 
     ``dynamic_dims``: {argument name: dimensions left dynamic} (``dynamic=...``). Arguments of the
     generated forward that the call leaves to their defaults are fixed values (``concrete_args``):
     recorded as such. ``why``: {argument name: {dim: reason}} for dimensions found specialised
-    (:mod:`fxprep.shape_general`), said when a call differs there. None when the forward's signature cannot be read or bound."""
+    (:mod:`fxprep.shape_general`), said when a call differs there. ``limits``: {argument name: {dim: (min,
+    max, why)}} for dynamic dimensions a branch of the model's code bounds (the graph holds one way of
+    it), checked at each call. None when the forward's signature cannot be read or bound."""
     try:
         signature = inspect.signature(gm.forward)
         bound = signature.bind(*args, **kwargs)
@@ -169,7 +181,8 @@ def record(gm: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], t
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             return None  # cannot say which values the graph was captured for
         if name in bound.arguments:
-            params[name] = _describe(bound.arguments[name], tracer, dynamic_dims.get(name), (why or {}).get(name))
+            params[name] = _describe(bound.arguments[name], tracer, dynamic_dims.get(name), (why or {}).get(name),
+                                     (limits or {}).get(name))
         elif p.default is None:
             params[name] = {"kind": "none"}
         elif type(p.default) in SCALARS:
@@ -293,6 +306,13 @@ def _match(node: dict[str, Any], value: Any, path: str, problems: list[str]) -> 
                     if s is not None and s != int(v) and str(d) in reasons]
             problems.append(f"{path}: shape {shown} at capture ({'; '.join(said) if said else 'Dynamo specialised it'}), "
                             f"got {'x'.join(str(int(v)) for v in value.shape) or 'scalar'}")
+            return
+        for d, (low, high, why) in (node.get("range") or {}).items():
+            size = int(value.shape[int(d)]) if int(d) < value.dim() else None
+            if size is not None and ((low is not None and size < low) or (high is not None and size > high)):
+                bounds = " and ".join(x for x in (f">= {low}" if low is not None else "",
+                                                   f"<= {high}" if high is not None else "") if x)
+                problems.append(f"{path}: dim {d} is {size}, the graph holds for {bounds} only ({why})")
     elif kind == "seq":
         items = node["items"]
         if not isinstance(value, (list, tuple)):

@@ -25,8 +25,10 @@ from torch import nn
 
 from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims
+from .capture.dynamo.branches import size_branches
 from .capture.dynamo.export import quiet_guard_logs
 from .capture.fx import restored_attributes
+from .capture.huggingface import capture_context
 from .capture.request import CaptureRequest
 from .diagnose import first_line
 from .inputs import ExampleInputs
@@ -84,6 +86,38 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             raise NotShapeGeneral(f"every declared dimension is specialised by the model: {why}")
         current = nxt
     raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
+
+
+def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -> autodims.Proposal:
+    """``proposal`` (captured on ``call``: its capture example as Dynamo was called with it, concrete
+    arguments included) with its ``limits``: of the ranges Dynamo bounded the declared dimensions to, those
+    a branch of the model's code sets (a trace with the dimensions maybe-dynamic, where each decision
+    on them is a guard with the line that made it: :func:`~.capture.dynamo.branches.size_branches`),
+    which the prepared module must refuse to leave: past a sliding window, say, the graph would
+    compute the other branch's attention without a word. A range no branch sets came from a kernel's
+    shape logic during the trace (a convolution's backend choice reads the batch size: ``batch <=
+    15``); the graph has no such limit. Where the trace fails, every range counts as a limit. No
+    trace for the batch retry's proposal: the batch probe found no branch on the batch already."""
+    if not proposal.ranges or proposal.source == autodims.BAKED_BATCH:
+        return proposal
+    try:
+        lengths = any(d != 0 for dims in proposal.dynamic.values() for d in dims)
+        with quiet_guard_logs(), preserved_state(model), capture_context(model, None, call, dynamic_length=lengths):
+            found = size_branches(model, call, proposal.dynamic)
+    except Exception as err:  # noqa: BLE001 - cannot tell: every range is kept as a limit
+        why = f"kept as a limit: whether the model's code branches there could not be checked ({first_line(err)})"
+        return dataclasses.replace(proposal, limits={k: (lo, hi, f"{w}; {why}") for k, (lo, hi, w) in proposal.ranges.items()})
+    inputs = autodims.named_inputs(model, proposal.capture_example)
+    sizes = {sym: int(inputs[name].shape[d]) for name, dims in proposal.dynamic.items() for d, sym in dims.items()}
+    kept: dict[str, tuple[int | None, int | None, str]] = {}
+    for sym, (low, high, _) in proposal.ranges.items():
+        outside = ([high + 1, 2 * high + 1] if high is not None else []) + ([low - 1] if low is not None and low > 2 else [])
+        for branch in found:
+            if sym in {str(x) for x in branch.expr.free_symbols} and any(
+                    not branch.holds_with({**sizes, sym: n}) for n in outside):
+                kept[sym] = (low, high, f"the model's code branches on it: {branch.describe()}")
+                break
+    return dataclasses.replace(proposal, limits=kept)
 
 
 NOT_TRIED = ("the static capture made parts opaque or did not decide values read from data; a second capture with "
@@ -147,15 +181,39 @@ def notes(report: Report, proposal: autodims.Proposal, second: str | None) -> No
     when verification was off)."""
     checked = (f"the prepared module matched the original on the example and on {second}" if second is not None else
                "verification was off (verify=False), so this rests on Dynamo's capture alone")
+    within = " within the limits below" if proposal.limits else ""
     report.note(
         f"Shape-general: the dimensions {proposal.describe()} were found from {proposal.source} and declared "
-        f"dynamic to Dynamo; {checked}, so calls at any size of them are accepted (no batch probe needed). Pass "
-        f"dynamic=False for a static-shape capture.")
+        f"dynamic to Dynamo; {checked}, so calls at any size of them{within} are accepted (no batch probe needed). "
+        f"Pass dynamic=False for a static-shape capture.")
     for (name, dim), why in sorted(proposal.dropped.items()):
         report.note(f"Shape-general: {name} dim {dim} stays at the example's size: {why}.")
     for sym, (low, high, why) in sorted(proposal.ranges.items()):
-        shown = " and ".join(x for x in (f">= {low}" if low is not None else "", f"<= {high}" if high is not None else "") if x)
-        report.note(f"Shape-general: '{sym}' is dynamic {shown}: {why}.")
+        shown = _bounds(low, high)
+        if sym in proposal.limits:
+            report.note(f"Shape-general: '{sym}' is dynamic {shown}: {proposal.limits[sym][2]}; a call outside it "
+                        f"raises InputMismatch (the graph holds one way of the branch).")
+        else:
+            guard = why.replace("the model's code requires ", "its guard: ")
+            report.note(f"Shape-general: Dynamo bounded '{sym}' to {shown} while capturing ({guard}), a bound from a "
+                        f"kernel's shape logic, not a branch of the model's code: the graph has no such limit and "
+                        f"calls outside it are accepted.")
+
+
+def _bounds(low: int | None, high: int | None) -> str:
+    return " and ".join(x for x in (f">= {low}" if low is not None else "", f"<= {high}" if high is not None else "") if x)
+
+
+def limits_by_input(proposal: autodims.Proposal | None) -> dict[str, dict[int, tuple[int | None, int | None, str]]]:
+    """``{input: {dim: (min, max, why)}}`` of the limits the prepared module checks (:func:`limits`)."""
+    out: dict[str, dict[int, tuple[int | None, int | None, str]]] = {}
+    if proposal is None:
+        return out
+    for name, dims in proposal.dynamic.items():
+        for d, sym in dims.items():
+            if sym in proposal.limits:
+                out.setdefault(name, {})[d] = proposal.limits[sym]
+    return out
 
 
 def specialised_reasons(proposal: autodims.Proposal | None) -> dict[str, dict[int, str]]:

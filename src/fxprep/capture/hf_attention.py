@@ -29,7 +29,14 @@ What is patched, for the capturing thread only and for the length of a capture
   not read on the host) that the positions the model computed hold no sequence start after the
   first token;
 * ``sdpa_attention.is_torchdynamo_compiling`` -> ``False``: a one-token query with grouped KV heads
-  is packed (``pack_gqa``) as in eager rather than expanded with ``repeat_kv``.
+  is packed (``pack_gqa``) as in eager rather than expanded with ``repeat_kv``;
+* ``masking_utils._ignore_causal_mask_sdpa`` / ``_ignore_bidirectional_mask_sdpa`` for a layer
+  with a local window (sliding-window or chunked attention) when the sequence length is dynamic
+  (a capture with it declared dynamic) -> ``False``: eager skips the mask only while the sequence is shorter
+  than the window, a decision on the length, not on the input structure. Taken the eager way, it
+  became a bound Dynamo put on the length (a graph right only below the window, and the calls
+  above it computed full causal attention where eager masks the window). The graph builds the
+  windowed mask at every length instead (:data:`WINDOWED` says so in the report).
 
 Each replacement gives eager code (and any other thread) exactly what transformers' own function gives it (outside a trace
 both answer ``False``), so runs fxprep makes during the capture are unchanged too.
@@ -38,6 +45,7 @@ both answer ``False``), so runs fxprep makes during the capture are unchanged to
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -52,6 +60,14 @@ VALUE_DEPENDENT = (
     "captured with an attention_mask always builds and passes the 4D mask (same result, exact in "
     "float32; another kernel on CUDA). Leave attention_mask out of the example inputs when your "
     "batches have no padding to keep eager's kernel."
+)
+
+WINDOWED = (
+    "transformers skips the attention mask in eager for a sliding-window or chunked attention layer only while the "
+    "sequence is shorter than its window ({windows} tokens here): a decision on the length. With the length dynamic, "
+    "the graph builds the windowed mask at every length (same result, exact in float32; on CUDA another kernel "
+    "than eager below the window), so that it is also right above the window. Prepare with dynamic=False for "
+    "eager's kernel at the example's length only."
 )
 
 PACKED_CHECK = (
@@ -71,12 +87,42 @@ def _on_thread(owner: int) -> Callable[[], bool]:
     return torch._dynamo.assume_constant_result(here)
 
 
-def _patches(owner: int, positions_given: bool) -> list[tuple[Any, str, Callable[..., Any]]]:
+def _windowed(original: Callable[..., bool], here: Callable[[], bool], windows: list[int]) -> Callable[..., bool]:
+    """``original`` (a ``_ignore_*_mask_sdpa``) answering ``False`` under this thread's capture when
+    its layer has a local window (the caller patches it only for a capture with the sequence length
+    dynamic: a symbolic size looks like an ``int`` to code Dynamo traces); each such window is noted
+    in ``windows`` (by a function Dynamo calls while tracing, :func:`_on_thread`'s way)."""
+    names = tuple(inspect.signature(original).parameters)
+
+    def note(window: int) -> bool:
+        if window not in windows:
+            windows.append(window)
+        return True
+
+    noted = torch._dynamo.assume_constant_result(note)
+
+    def ignore_mask(*args: Any, **kwargs: Any) -> bool:
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        window = bound.get("local_attention_size")
+        if window is not None and here() and torch.compiler.is_compiling():
+            return not noted(int(window))
+        return original(*args, **kwargs)
+
+    return ignore_mask
+
+
+def _patches(owner: int, positions_given: bool, windows: list[int] | None
+             ) -> list[tuple[Any, str, Callable[..., Any]]]:
     """``(module, name, replacement)`` for the transformers modules that are already imported; each
     replacement gives another thread transformers' own answer."""
     here = _on_thread(owner)
     found: list[tuple[Any, str, Callable[..., Any]]] = []
     masking = sys.modules.get("transformers.masking_utils")
+    for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
+        original = getattr(masking, name, None) if masking is not None else None
+        if original is not None and windows is not None:
+            found.append((masking, name, _windowed(original, here, windows)))
     packed = getattr(masking, "find_packed_sequence_indices", None) if masking is not None else None
     if packed is not None and not positions_given:
 
@@ -116,14 +162,15 @@ def _patches(owner: int, positions_given: bool) -> list[tuple[Any, str, Callable
 
 
 @contextlib.contextmanager
-def eager_attention_paths(positions_given: bool = True) -> Iterator[None]:
+def eager_attention_paths(positions_given: bool = True, windows: list[int] | None = None) -> Iterator[None]:
     """For the length of a capture on this thread: transformers' mask and attention code takes the
     branch eager takes wherever that depends only on the input structure (module docstring).
     ``positions_given``: the example passes ``position_ids`` (then their values are the user's data
-    and packed-sequence detection stays as traced)."""
+    and packed-sequence detection stays as traced). ``windows``: given for a capture with the sequence
+    length dynamic, filled with the local windows whose mask the graph builds at every length."""
     done: list[tuple[Any, str, Any]] = []
     try:
-        for module, name, new in _patches(threading.get_ident(), positions_given):
+        for module, name, new in _patches(threading.get_ident(), positions_given, windows):
             done.append((module, name, module.__dict__[name]))
             module.__dict__[name] = new
         yield

@@ -121,12 +121,14 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
         box = black_box(model, policy, opaque or [], capture_call, request.records)
     except Exception as err:  # noqa: BLE001 - an opaque part the eager run cannot record
         return _failure(err, start, tracer)
+    # a dimension other than the batch declared dynamic: transformers' length-dependent mask choices stay general
+    lengths = isinstance(request.dynamic, dict) and any(d != 0 for dims in request.dynamic.values() for d in dims)
     state = _Relaxed(route, default_route() if route == "auto" else route, tensor_caches(model))
     while True:  # each failure below relaxes one thing and tries again, or gives up
         guard = AttributeGuard(model, state.caches)
         target = LiftTarget(model, policy, capture_call, prepared_call, state.current, [])
         try:
-            with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, target.notes, capture_call), guard:
+            with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, target.notes, capture_call, lengths), guard:
                 call = capture_call.requiring_grad() if state.grad_inputs else capture_call
                 reused = None
                 if request.reuse:

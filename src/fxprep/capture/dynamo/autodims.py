@@ -34,14 +34,14 @@ grow with the prompt; Mllama's ``cross_attention_mask`` is in the table, its lay
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...inputs import ExampleInputs
-from .shapes import positional_names, repeated_to
+from .shapes import SIZE_SOURCE, positional_names, repeated_to
 
 # input name -> {dimension: symbol}; every other dimension of that input stays static
 _TOKENS = {0: "batch", 1: "seq"}
@@ -67,6 +67,9 @@ class Proposal:
     dropped: dict[tuple[str, int], str] = field(default_factory=dict)
     ranges: dict[str, tuple[int | None, int | None, str]] = field(default_factory=dict)  # symbol -> min, max, why
     source: str = "the model's input names (transformers layout)"  # how the dimensions were found, for the report
+    # the ranges a branch of the model's code sets (symbol -> min, max, where): the prepared module checks
+    # them; any other range is a bound Dynamo's trace took from a kernel's shape logic (shape_general.limits)
+    limits: dict[str, tuple[int | None, int | None, str]] = field(default_factory=dict)
 
     def describe(self) -> str:
         parts = [f"{name} dim {d} ({sym})" for name, dims in self.dynamic.items() for d, sym in sorted(dims.items())]
@@ -89,7 +92,7 @@ def is_transformers_model(model: nn.Module) -> bool:
     return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
 
 
-def _named_inputs(model: nn.Module, call: ExampleInputs) -> dict[str, Any]:
+def named_inputs(model: nn.Module, call: ExampleInputs) -> dict[str, Any]:
     return {**dict(zip(positional_names(model, len(call.args)), call.args)), **call.kwargs}
 
 
@@ -99,7 +102,7 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
     is not one this module knows (see the module docstring)."""
     if not is_transformers_model(model):
         return None
-    inputs = _named_inputs(model, call)
+    inputs = named_inputs(model, call)
     tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     if not tensors:
         return None
@@ -145,7 +148,7 @@ def batch_proposal(model: nn.Module, call: ExampleInputs) -> Proposal | None:
     outside transformers whose static-shape graph the batch probe found specialised to the
     example's batch with no branch on it (a ViT's ``cls_token.expand(B, -1, -1)``), captured again
     with it declared (on an example grown to batch 2 where it is 1). None without such an input."""
-    inputs = {k: v for k, v in _named_inputs(model, call).items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+    inputs = {k: v for k, v in named_inputs(model, call).items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
     if not inputs:
         return None
     batch = int(next(iter(inputs.values())).shape[0])
@@ -189,12 +192,10 @@ _RANGE_FIX = re.compile(r"^\s*(\w+) = Dim\('\w+'((?:, (?:min|max)=-?\d+)*)\)\s*$
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
-_SIZE_SOURCE = re.compile(r"L(?:\['kwargs'\])?\['(\w+)'\]\.size\(\)\[(\d+)\]")
-
 
 def _readable(guard: str) -> str:
     """Dynamo's guard text with its sources as the user writes them: ``input_ids.shape[1]``."""
-    text = _SIZE_SOURCE.sub(lambda m: f"{m.group(1)}.shape[{m.group(2)}]", guard)
+    text = SIZE_SOURCE.sub(lambda m: f"{m.group(1)}.shape[{m.group(2)}]", guard)
     # export's own lower bound for a size it traced symbolically, not something the model asks for
     return re.sub(r"^2 <= (\S+) and ", "", text)
 
@@ -259,7 +260,7 @@ def revised(proposal: Proposal, dims: dict[tuple[str, int], str], ranges: dict[s
     if not dynamic:
         return None
     sizes: dict[str, int] = {}
-    inputs = _named_inputs(model, call)
+    inputs = named_inputs(model, call)
     for name, ds in dynamic.items():
         for d, sym in ds.items():
             sizes[sym] = int(inputs[name].shape[d])
@@ -270,4 +271,5 @@ def revised(proposal: Proposal, dims: dict[tuple[str, int], str], ranges: dict[s
                 if sym == proposal.dynamic.get(n, {}).get(d):
                     dropped.setdefault((other, od), why)
     bounded = {**proposal.ranges, **{k: v for k, v in ranges.items() if k not in symbols}}
-    return Proposal(dynamic, _grown(model, call, dynamic, sizes), dropped, bounded)
+    return replace(proposal, dynamic=dynamic, capture_example=_grown(model, call, dynamic, sizes), dropped=dropped,
+                   ranges=bounded, limits={})

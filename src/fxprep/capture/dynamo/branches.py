@@ -1,4 +1,4 @@
-"""Which branches of the model depend on the batch size, read from Dynamo's own guards.
+"""Which branches of the model depend on the batch size (or another size), read from Dynamo's own guards.
 
 A static-shape capture bakes the example's sizes in: a branch on ``x.shape[0]`` (``if len(x) > 7``,
 ``for i in range(x.shape[0])``) is taken the way the example takes it, and nothing in the graph says
@@ -13,6 +13,11 @@ the guards a kernel's shape check adds (broadcasting, conv sizes) are not branch
 Sizes 0 and 1 are special to Dynamo (it never makes them symbolic), so an example of batch 1 is
 traced at batch 2; a branch that tells batch 1 from the rest (``if x.size(0) == 1``) is the probe's
 to find.
+
+:func:`size_branches` does the same for the dimensions a shape-general capture declared: where
+Dynamo bounded one (``seq <= 7``), it tells a branch of the model's code (a limit the prepared
+module must keep) from a bound a kernel's shape logic put on the trace (a convolution's backend
+choice reads the batch size: ``batch <= 15``), which the graph does not have.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch.utils import _pytree as pytree
 from ...inputs import ExampleInputs
 from ...runs import preserved_state
 from .export import default_route, dynamo_export
+from .shapes import SIZE_SOURCE, positional_names
 
 # Dynamo evaluating a Python-level comparison (``if``, ``range``, ``len``) on a symbolic size.
 _DYNAMO_FRAMES = ("/torch/_dynamo/", "\\torch\\_dynamo\\")
@@ -48,6 +54,10 @@ class Branch:
         """Whether the branch goes the same way at batch ``size`` as at the traced one."""
         value = self.expr.subs({s: size for s in self.expr.free_symbols})
         return bool(value)
+
+    def holds_with(self, sizes: dict[str, int]) -> bool:
+        """Whether the branch goes the same way at ``sizes`` ({symbol: size}, every symbol it names)."""
+        return bool(self.expr.subs({s: sizes[str(s)] for s in self.expr.free_symbols}))
 
     def restricts(self) -> bool:
         """Whether some batch size from 2 to 65536 would take the branch the other way (a guard such
@@ -90,6 +100,28 @@ def _shape_env(gm: torch.fx.GraphModule) -> Any:
     return None
 
 
+def _decisions(env: Any, owner: dict[str, str]) -> list[Branch]:
+    """The guards of ``env`` that Dynamo made evaluating Python code (:data:`_DYNAMO_FRAMES`) over
+    the symbols ``owner`` maps ({Dynamo's symbol: the name to say}) and no other: each a
+    :class:`Branch`, its condition and expression in the names said."""
+    import sympy
+
+    found: list[Branch] = []
+    seen: set[tuple[str, str]] = set()
+    for guard in env.guards:
+        symbols = {str(s) for s in guard.expr.free_symbols}
+        framework = str(getattr(guard.sloc, "framework_loc", ""))
+        if not symbols or not symbols <= owner.keys() or not any(f in framework for f in _DYNAMO_FRAMES):
+            continue
+        expr = guard.expr.subs({s: sympy.Symbol(owner[str(s)])
+                                for s in guard.expr.free_symbols})
+        condition, where = str(expr), str(guard.sloc.maybe_user_loc or "").strip() or "(unknown line)"
+        if (condition, where) not in seen:
+            seen.add((condition, where))
+            found.append(Branch(_readable(condition), where, expr))
+    return found
+
+
 def batch_branches(model: nn.Module, call: ExampleInputs, batch: int) -> list[Branch]:
     """The branches of ``model`` on dimension 0 of the inputs of size ``batch`` (``batch >= 2``), from
     a Dynamo trace of ``call`` with that dimension symbolic. Raises whatever Dynamo raises when it
@@ -99,20 +131,39 @@ def batch_branches(model: nn.Module, call: ExampleInputs, batch: int) -> list[Br
     env = _shape_env(gm)
     if env is None:
         return []
-    batch_symbols = {str(s) for s, sources in getattr(env, "var_to_sources", {}).items()
+    batch_symbols = {str(s): "batch" for s, sources in getattr(env, "var_to_sources", {}).items()
                      if any(getattr(src, "idx", None) == 0 and "SIZE" in str(getattr(src, "prop", "")) for src in sources)}
-    found: list[Branch] = []
-    seen: set[tuple[str, str]] = set()
-    for guard in env.guards:
-        symbols = {str(s) for s in guard.expr.free_symbols}
-        framework = str(getattr(guard.sloc, "framework_loc", ""))
-        if not symbols or not symbols <= batch_symbols or not any(f in framework for f in _DYNAMO_FRAMES):
-            continue
-        condition = str(guard.expr)
-        for s in symbols:
-            condition = condition.replace(s, "batch")
-        where = str(guard.sloc.maybe_user_loc or "").strip() or "(unknown line)"
-        if (condition, where) not in seen:
-            seen.add((condition, where))
-            found.append(Branch(_readable(condition), where, guard.expr))
-    return found
+    return _decisions(env, batch_symbols)
+
+
+def size_branches(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict[int, str]]) -> list[Branch]:
+    """The branches of ``model``'s code on the dimensions ``dynamic`` names (``{input: {dim: symbol}}``,
+    the form :class:`~.autodims.Proposal` keeps), over those symbols, from a Dynamo trace of ``call``
+    with them marked maybe-dynamic: Dynamo then records each decision as a guard instead of stopping
+    at a constraint it was told to keep (``call``'s sizes below 2 must have been grown already).
+    Raises whatever Dynamo raises when it cannot trace the model that way."""
+    names = positional_names(model, len(call.args))
+
+    def mark(name: str, value: Any) -> Any:
+        dims = dynamic.get(name)
+        if not dims or not isinstance(value, torch.Tensor):
+            return value
+        view = value.detach()  # the mark is an attribute of the tensor object: the user's stays unmarked
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(view, d)
+        return view
+
+    marked = ExampleInputs(tuple(mark(n, a) for n, a in zip(names, call.args)),
+                           {k: mark(k, v) for k, v in call.kwargs.items()})
+    with preserved_state(model):
+        gm, _ = dynamo_export(model, marked, default_route(), None)
+    env = _shape_env(gm)
+    if env is None:
+        return []
+    owner: dict[str, str] = {}
+    for symbol, sources in getattr(env, "var_to_sources", {}).items():
+        for src in sources:
+            found = SIZE_SOURCE.search(src.name() if callable(src.name) else str(src.name))
+            if found is not None and int(found[2]) in dynamic.get(found[1], {}):
+                owner[str(symbol)] = dynamic[found[1]][int(found[2])]
+    return _decisions(env, owner)

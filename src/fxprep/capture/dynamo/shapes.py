@@ -18,6 +18,10 @@ from torch import nn
 
 from ...inputs import ExampleInputs
 
+# Dynamo's name for a size of a named input: ``L['input_ids'].size()[1]`` (``L['kwargs']['input_ids']...``
+# where the input came through ``**kwargs``): groups (input name, dimension)
+SIZE_SOURCE = re.compile(r"L(?:\['kwargs'\])?\['(\w+)'\]\.size\(\)\[(\d+)\]")
+
 
 def positional_names(model: nn.Module, count: int) -> list[str]:
     """Names for the first ``count`` positional arguments of ``model.forward`` (valid identifiers)."""
