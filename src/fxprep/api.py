@@ -49,7 +49,7 @@ from .passes import (
     unroll,
     values,
 )
-from .prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, set_preserved
+from .prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, get_report, set_preserved
 from .report import Report, Verification
 from .runs import hooks_left_as_found, preserved_state
 from .threads import GLOBAL_LOCK
@@ -260,9 +260,10 @@ def _propose_shapes(run: _Preparation, not_general: str | None) -> None:
     opts, request = run.opts, run.request
     if opts.dynamic and request.example is not None:
         check_dynamic_inputs(request, opts.dynamic)
-    if run.proposal is None and opts.dynamic is None and request.example is not None and opts.tracer != "fx" \
+    if run.proposal is None and opts.dynamic is not False and request.example is not None and opts.tracer != "fx" \
             and opts.control_flow is None and dynamo_available():
-        run.proposal = autodims.propose(run.model, request.example)
+        run.proposal = (autodims.propose(run.model, request.example) if opts.dynamic is None
+                        else autodims.declared(run.model, request.example, opts.dynamic))
     if not_general:
         run.report.note(shape_general.not_kept_note(not_general))
 
@@ -367,7 +368,7 @@ def _verification(run: _Preparation, gm: fx.GraphModule) -> None:
     try:
         report.verification = _verify_call(run, gm, (run.original_call, run.prepared_call), None)
     except (EquivalenceError, InputMismatch) as err:
-        if run.proposal is None:
+        if run.proposal is None or run.proposal.explicit:
             raise
         raise shape_general.NotShapeGeneral(f"the graph captured at {run.proposal.capture_example.describe()} "
                                             f"did not match on the example: {str(err).splitlines()[0][:200]}") from err
@@ -532,8 +533,14 @@ def _capture_general(run: _Preparation, tracers: list[str]) -> tuple[CaptureResu
     try:
         result, attempts, found = shape_general.capture(request.model, request.example, proposal, capture_at)
         run.proposal = shape_general.limits(request.model, found, request.replace(example=found.capture_example).calls()[0])
+        if run.proposal.explicit and run.proposal.limits:  # the tracers as asked: an opaque part takes both ways
+            raise shape_general.NotShapeGeneral("a branch of the model's code bounds them")
         return result, attempts
     except shape_general.NotShapeGeneral as err:
+        if proposal.explicit:  # the user's dimensions: the tracers as asked, as before (Dynamo not twice)
+            run.proposal, done = None, err.elsewhere.attempts if err.elsewhere is not None else []
+            result, attempts = cascade.capture(request, [t for t in tracers if t != "dynamo"] if done else tracers)
+            return result, done + attempts
         if not run.static_fallback:
             raise
         run.proposal = None
@@ -567,8 +574,12 @@ def _verify_general(run: _Preparation, gm: fx.GraphModule) -> None:
     try:
         result = _verify_second_size(run, gm, second)
     except Exception as err:  # noqa: BLE001 - any failure at another size: the dims did not hold
+        if proposal.explicit:
+            raise
         first = first_line(err)
         raise shape_general.NotShapeGeneral(f"at {_second_size(second)}: {type(err).__name__}: {first}") from err
+    if proposal.explicit:  # the user's own dimensions: the note as for any declared ones
+        run.report.note(f"verified on {_second_size(second)}: max |diff| = {result.max_abs_diff:.3g}")
     shape_general.notes(run.report, proposal, f"{second.describe()} (max |diff| {result.max_abs_diff:.3g})")
 
 
@@ -577,9 +588,8 @@ def _second_size(second: ExampleInputs) -> str:
 
 
 def _verify_second_size(run: _Preparation, gm: fx.GraphModule, second: ExampleInputs) -> Verification:
-    """The prepared module checked against the original on ``second`` (the example grown in its
-    dynamic dimensions: :func:`fxprep.capture.dynamo.grown_example`); raises EquivalenceError where
-    they differ."""
+    """The prepared module checked against the original on ``second`` (the example grown in its dynamic
+    dimensions: :func:`fxprep.capture.dynamo.grown_example`); raises EquivalenceError where they differ."""
     label = _second_size(second)
     progress.step(label)
     original_call, prepared_call = run.calls(second)
@@ -588,11 +598,3 @@ def _verify_second_size(run: _Preparation, gm: fx.GraphModule, second: ExampleIn
                     rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", absent=run.absent)
     _note_state(run.report, result)
     return result
-
-
-def get_report(gm: nn.Module) -> Report:
-    """The :class:`Report` of a module returned by :func:`prepare_model`."""
-    report = getattr(gm, REPORT, None)
-    if not isinstance(report, Report):
-        raise InvalidInput("this module was not produced by fxprep.prepare_model (it has no fxprep report).")
-    return report

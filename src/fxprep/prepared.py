@@ -32,6 +32,8 @@ from torch.fx.graph import PythonCode
 from fxprep.forward_code import HELPER, child, fast_source
 
 from . import decisions, guard
+from .errors import InvalidInput
+from .report import Report
 
 REPORT = "fxprep_report"
 INPUT_SPEC = "fxprep_input_spec"  # a guard.InputSpec: what each call is checked against
@@ -196,3 +198,11 @@ def _rebuild(state: dict[str, Any], graph: tuple[list[tuple[Any, ...]], Any]) ->
     gm.__dict__.update(state)
     gm.graph = _unpickled_graph(*graph)  # sets the owning module and regenerates forward
     return gm
+
+
+def get_report(gm: nn.Module) -> Report:
+    """The :class:`Report` of a module returned by :func:`fxprep.prepare_model`."""
+    report = getattr(gm, REPORT, None)
+    if not isinstance(report, Report):
+        raise InvalidInput("this module was not produced by fxprep.prepare_model (it has no fxprep report).")
+    return report

@@ -72,6 +72,8 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             return result, attempts, current
         err = next((a.exception for a in reversed(attempts) if a.exception is not None), None)
         found, ranges = autodims.findings(err, current) if err is not None else ({}, {})
+        if current.explicit and found:  # the user declared them: not dropped behind their back
+            raise NotShapeGeneral("; ".join(sorted(set(found.values()))))
         new_ranges = {k: v for k, v in ranges.items() if current.ranges.get(k) != v}
         if not (set(found) - set(current.dropped)) and not new_ranges:
             first = (first_line(err) if err is not None else "") or "no capture"
@@ -182,10 +184,11 @@ def notes(report: Report, proposal: autodims.Proposal, second: str | None) -> No
     checked = (f"the prepared module matched the original on the example and on {second}" if second is not None else
                "verification was off (verify=False), so this rests on Dynamo's capture alone")
     within = " within the limits below" if proposal.limits else ""
-    report.note(
-        f"Shape-general: the dimensions {proposal.describe()} were found from {proposal.source} and declared "
-        f"dynamic to Dynamo; {checked}, so calls at any size of them{within} are accepted (no batch probe needed). "
-        f"Pass dynamic=False for a static-shape capture.")
+    if not proposal.explicit:  # the user's own dimensions were not found: the caller words their check
+        report.note(
+            f"Shape-general: the dimensions {proposal.describe()} were found from {proposal.source} and declared "
+            f"dynamic to Dynamo; {checked}, so calls at any size of them{within} are accepted (no batch probe "
+            f"needed). Pass dynamic=False for a static-shape capture.")
     for (name, dim), why in sorted(proposal.dropped.items()):
         report.note(f"Shape-general: {name} dim {dim} stays at the example's size: {why}.")
     for sym, (low, high, why) in sorted(proposal.ranges.items()):

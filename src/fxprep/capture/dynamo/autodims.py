@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ...inputs import ExampleInputs
-from .shapes import SIZE_SOURCE, positional_names, repeated_to
+from .shapes import SIZE_SOURCE, dynamic_dims, positional_names, repeated_to
 
 # input name -> {dimension: symbol}; every other dimension of that input stays static
 _TOKENS = {0: "batch", 1: "seq"}
@@ -70,6 +70,7 @@ class Proposal:
     # the ranges a branch of the model's code sets (symbol -> min, max, where): the prepared module checks
     # them; any other range is a bound Dynamo's trace took from a kernel's shape logic (shape_general.limits)
     limits: dict[str, tuple[int | None, int | None, str]] = field(default_factory=dict)
+    explicit: bool = False  # the user's own dynamic= (:func:`declared`): never dropped, never static instead
 
     def describe(self) -> str:
         parts = [f"{name} dim {d} ({sym})" for name, dims in self.dynamic.items() for d, sym in sorted(dims.items())]
@@ -137,6 +138,27 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
         why = MULTIMODAL_BATCH.format(names=", ".join(others))
         dropped = {(name, 0): why for name in dynamic}
     return Proposal(dynamic, _grown(model, call, dynamic, sizes), dropped)
+
+
+DECLARED = "your dynamic= option"
+
+
+def declared(model: nn.Module, call: ExampleInputs, dynamic: Any) -> Proposal | None:
+    """The user's ``dynamic=`` as a proposal, so that a bound Dynamo puts on a declared dimension is
+    read, kept as a limit where a branch of the model sets it, and captured with, as for the found
+    ones (before, a convolution's bound on the batch failed Dynamo for every CNN given
+    ``dynamic="batch"``, and fx took over). Sizes below 2 are grown as :func:`propose` does. Only
+    for dimensions named by strings (``"batch"``, ``{input: {dim: "name"}}``); None for
+    ``torch.export.Dim`` objects, whose own ranges stand, or when ``dynamic`` names no tensor."""
+    if not (dynamic == "batch" or isinstance(dynamic, dict) and all(
+            isinstance(dims, dict) and all(isinstance(n, str) for n in dims.values()) for dims in dynamic.values())):
+        return None
+    dims = dynamic_dims(model, call, dynamic)
+    if not dims:
+        return None
+    inputs = named_inputs(model, call)
+    sizes = {sym: int(inputs[name].shape[d]) for name, ds in dims.items() for d, sym in ds.items()}
+    return Proposal(dims, _grown(model, call, dims, sizes), source=DECLARED, explicit=True)
 
 
 BAKED_BATCH = ("dimension 0 of the inputs, after the static capture baked the example's batch into the graph "
