@@ -156,14 +156,16 @@ def test_a_branch_of_the_model_on_the_length_is_a_limit_every_call_is_checked_ag
         InputSpec.from_dict(broken)
 
 
+SQUEEZEBERT = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  embedding_size=32, max_position_embeddings=64, q_groups=1, k_groups=1, v_groups=1,
+                  post_attention_groups=1, intermediate_groups=1, output_groups=1)
+
+
 def test_a_bound_from_a_convolution_is_not_a_limit() -> None:
     """SqueezeBERT's convolutions: Dynamo bounds a symbolic batch to <= 15 (the convolution backend's
     choice in torch's fake kernel reads it); no branch of the model does, so batch 20 runs."""
     torch.manual_seed(0)
-    model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(
-        vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        embedding_size=32, max_position_embeddings=64, q_groups=1, k_groups=1, v_groups=1, post_attention_groups=1,
-        intermediate_groups=1, output_groups=1)).eval()
+    model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(**SQUEEZEBERT)).eval()
     gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 8, 0)})
     text = fxprep.get_report(gm).to_text()
     assert "Dynamo bounded 'batch' to <= 15 while capturing" in text and "the model's code requires" not in text
@@ -288,4 +290,5 @@ def test_dynamic_batch_on_a_cnn_is_captured_by_dynamo() -> None:
     x = torch.randn(20, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(gm(x), model(x))
+
 

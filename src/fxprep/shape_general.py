@@ -25,7 +25,7 @@ from torch import nn
 
 from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims
-from .capture.dynamo.branches import size_branches
+from .capture.dynamo.branches import SIZES, size_branches
 from .capture.dynamo.export import quiet_guard_logs
 from .capture.fx import restored_attributes
 from .capture.huggingface import capture_context
@@ -113,7 +113,10 @@ def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -
     sizes = {sym: int(inputs[name].shape[d]) for name, dims in proposal.dynamic.items() for d, sym in dims.items()}
     kept: dict[str, tuple[int | None, int | None, str]] = {}
     for sym, (low, high, _) in proposal.ranges.items():
-        outside = ([high + 1, 2 * high + 1] if high is not None else []) + ([low - 1] if low is not None and low > 2 else [])
+        # sizes past the range: a branch that goes the other way at any of them is a limit. Not seen: a branch
+        # past a kernel's bound (Dynamo decides it from the range that bound left, without a guard)
+        outside = [n for n in (*SIZES, (high or 0) + 1, (low or 3) - 1)
+                   if n >= 2 and ((high is not None and n > high) or (low is not None and n < low))]
         for branch in found:
             if sym in {str(x) for x in branch.expr.free_symbols} and any(
                     not branch.holds_with({**sizes, sym: n}) for n in outside):

@@ -38,7 +38,7 @@ from .shapes import SIZE_SOURCE, positional_names
 # Dynamo evaluating a Python-level comparison (``if``, ``range``, ``len``) on a symbolic size.
 _DYNAMO_FRAMES = ("/torch/_dynamo/", "\\torch\\_dynamo\\")
 # Batch sizes a branch is checked at: every small one, then powers of two (and one less).
-_SIZES = sorted(set(range(2, 65)) | {2**k for k in range(7, 17)} | {2**k - 1 for k in range(7, 17)})
+SIZES = sorted(set(range(2, 65)) | {2**k for k in range(7, 17)} | {2**k - 1 for k in range(7, 17)})
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Branch:
     def restricts(self) -> bool:
         """Whether some batch size from 2 to 65536 would take the branch the other way (a guard such
         as ``batch < 2**63`` restricts nothing a user will meet)."""
-        return not all(self.holds_at(n) for n in _SIZES)
+        return not all(self.holds_at(n) for n in SIZES)
 
     def describe(self) -> str:
         return f"`{self.where}` (the way it goes for {self.condition} only)"
