@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 
 import fxprep
-from fxprep.capture.hf_attention import VALUE_DEPENDENT, WINDOWED
+from fxprep.capture.hf_attention import VALUE_DEPENDENT, WINDOW_LIMIT, WINDOWED
 
 from . import vlm_models
 from .attention_calls import differences, record
@@ -29,8 +29,8 @@ def _build(name: str, dtype: torch.dtype) -> torch.nn.Module:
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL))
     elif name == "qwen2":
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL))
-    elif name == "mistral":  # no window (Mistral v0.3); a windowed one: test_a_sliding_window_...
-        model = tf.MistralForCausalLM(tf.MistralConfig(**SMALL, sliding_window=None))
+    elif name == "mistral":  # a window past the examples' 12 tokens: eager's calls, the length limited to it
+        model = tf.MistralForCausalLM(tf.MistralConfig(**SMALL, sliding_window=64))
     elif name == "gemma2":  # transformers runs Gemma2 with its eager attention (no SDPA support)
         model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**SMALL, head_dim=16, sliding_window=8))
     elif name == "bert":
@@ -121,17 +121,34 @@ def test_all_ones_attention_mask_is_named() -> None:
     assert differences(record(model, padded), record(gm, padded)) == []
 
 
-def test_a_sliding_window_is_masked_at_every_length_when_the_length_is_dynamic() -> None:
-    """Eager skips the mask of a sliding-window layer only below the window: a decision on the length.
-    Taken eagerly under a dynamic length, it bounded the length and the graph computed full causal
-    attention past the window (max |diff| 0.1 at 20 tokens, window 8). The graph masks the window at
-    every length: exact everywhere, the calls eager's above the window, and below it the difference
-    (the mask) named in the report; dynamic=False keeps eager's calls at the example's length."""
+def _windowed() -> torch.nn.Module:
     torch.manual_seed(0)
-    model = tf.MistralForCausalLM(tf.MistralConfig(**SMALL, sliding_window=8)).eval()
+    return tf.MistralForCausalLM(tf.MistralConfig(**SMALL, sliding_window=8)).eval()
+
+
+def test_a_sliding_window_past_a_short_example_is_a_limit_not_a_silent_difference() -> None:
+    """Eager skips the mask of a sliding-window layer only below the window: a decision on the length.
+    Taken eagerly under a dynamic length, the graph computed full causal attention past the window
+    without a word (max |diff| 0.1 at 20 tokens, window 8). An example shorter than the window keeps
+    eager's calls, and a call past it is refused, saying how to prepare for longer ones."""
+    model = _windowed()
     gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 6)})
-    notes = gm.fxprep_report.notes
-    assert any(WINDOWED.split("{")[0] in n and "(8 tokens here)" in n for n in notes), notes
+    assert any(WINDOW_LIMIT.split("{")[0] in n and "at least 8 tokens" in n for n in gm.fxprep_report.notes)
+    for batch, seq in ((2, 6), (3, 2), (2, 7)):
+        ids = _ids(batch, seq)
+        eager, prepared = record(model, {"input_ids": ids, "use_cache": False}), record(gm, {"input_ids": ids})
+        assert [c["mask"] for c in eager] == [None, None] and differences(eager, prepared) == []
+    with pytest.raises(fxprep.InputMismatch, match="local_attention_size"):
+        gm(input_ids=_ids(2, 20))
+
+
+def test_an_example_as_long_as_the_window_masks_it_at_every_length() -> None:
+    """An example at least as long as the window: the graph builds the windowed mask at every length,
+    exact on both sides of the window; eager's calls above it, and below it the difference (the
+    mask) named in the report. dynamic=False keeps eager's calls at the example's length."""
+    model = _windowed()
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 10)})
+    assert any(WINDOWED.split("{")[0] in n and "(8 tokens here)" in n for n in gm.fxprep_report.notes)
     for batch, seq in ((2, 5), (3, 8), (2, 9), (2, 20), (1, 33)):
         ids = _ids(batch, seq)
         with torch.no_grad():
@@ -142,7 +159,6 @@ def test_a_sliding_window_is_masked_at_every_length_when_the_length_is_dynamic()
             assert differences(eager, prepared) == []
         else:
             assert [c["mask"] for c in eager] == [None, None] and all(c["mask"] is not None for c in prepared)
-    assert "eager attn_mask=None, is_causal=True" in gm.fxprep_report.verification.attention
     static = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 6)}, dynamic=False)
     ids = _ids(1, 6)
     assert differences(record(model, {"input_ids": ids, "use_cache": False}), record(static, {"input_ids": ids})) == []

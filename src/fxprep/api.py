@@ -570,7 +570,7 @@ def _verify_general(run: _Preparation, gm: fx.GraphModule) -> None:
     lets calls at other sizes through; a failure means static shapes (:class:`shape_general.NotShapeGeneral`)."""
     proposal, example = run.proposal, run.request.example
     assert proposal is not None and example is not None
-    second = grown_example(run.model, example, proposal.dynamic, grow=3)
+    second = grown_example(run.model, example, proposal.dynamic, grow=shape_general.second_grow(run.model, proposal, example))
     try:
         result = _verify_second_size(run, gm, second)
     except Exception as err:  # noqa: BLE001 - any failure at another size: the dims did not hold

@@ -21,12 +21,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims
 from .capture.dynamo.branches import SIZES, size_branches
 from .capture.dynamo.export import quiet_guard_logs
+from .capture.dynamo.shapes import shortest_length
 from .capture.fx import restored_attributes
 from .capture.huggingface import capture_context
 from .capture.request import CaptureRequest
@@ -103,8 +105,8 @@ def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -
     if not proposal.ranges or proposal.source == autodims.BAKED_BATCH:
         return proposal
     try:
-        lengths = any(d != 0 for dims in proposal.dynamic.values() for d in dims)
-        with quiet_guard_logs(), preserved_state(model), capture_context(model, None, call, dynamic_length=lengths):
+        length = shortest_length(model, call, proposal.dynamic)
+        with quiet_guard_logs(), preserved_state(model), capture_context(model, None, call, dynamic_length=length):
             found = size_branches(model, call, proposal.dynamic)
     except Exception as err:  # noqa: BLE001 - cannot tell: every range is kept as a limit
         why = f"kept as a limit: whether the model's code branches there could not be checked ({first_line(err)})"
@@ -204,6 +206,19 @@ def notes(report: Report, proposal: autodims.Proposal, second: str | None) -> No
             report.note(f"Shape-general: Dynamo bounded '{sym}' to {shown} while capturing ({guard}), a bound from a "
                         f"kernel's shape logic, not a branch of the model's code: the graph has no such limit and "
                         f"calls outside it are accepted.")
+
+
+def second_grow(model: nn.Module, proposal: autodims.Proposal, example: ExampleInputs) -> int:
+    """How much larger the second size makes the example's dynamic dimensions: 3, less where a limit
+    comes first (a window 2 tokens past the example's length), so that the check is made where the
+    graph holds; at least 1 (an example at its limit already: the check fails and static shapes follow)."""
+    inputs, grow = autodims.named_inputs(model, example), 3
+    for name, dims in proposal.dynamic.items():
+        for d, sym in dims.items():
+            high = proposal.limits.get(sym, (None, None, ""))[1]
+            if high is not None and isinstance(inputs.get(name), torch.Tensor):
+                grow = min(grow, high - int(inputs[name].shape[d]))
+    return max(grow, 1)
 
 
 def _bounds(low: int | None, high: int | None) -> str:

@@ -31,12 +31,15 @@ What is patched, for the capturing thread only and for the length of a capture
 * ``sdpa_attention.is_torchdynamo_compiling`` -> ``False``: a one-token query with grouped KV heads
   is packed (``pack_gqa``) as in eager rather than expanded with ``repeat_kv``;
 * ``masking_utils._ignore_causal_mask_sdpa`` / ``_ignore_bidirectional_mask_sdpa`` for a layer
-  with a local window (sliding-window or chunked attention) when the sequence length is dynamic
-  (a capture with it declared dynamic) -> ``False``: eager skips the mask only while the sequence is shorter
-  than the window, a decision on the length, not on the input structure. Taken the eager way, it
-  became a bound Dynamo put on the length (a graph right only below the window, and the calls
-  above it computed full causal attention where eager masks the window). The graph builds the
-  windowed mask at every length instead (:data:`WINDOWED` says so in the report).
+  with a local window (sliding-window or chunked attention) when the sequence length is dynamic:
+  eager skips the mask only while the sequence is shorter than the window, a decision on the
+  length, not on the input structure, so no graph can follow eager on both sides. Taken the eager
+  way as it was, it became a bound Dynamo put on the length, and a call past the window computed
+  full causal attention where eager masks the window, without a word. Now the example decides: an
+  example shorter than the window keeps eager's calls (no mask), and the graph holds below the
+  window only, a limit the prepared module checks (:data:`WINDOW_LIMIT`); an example at least as
+  long as the window gets the windowed mask at every length, right on both sides (another kernel
+  than eager below the window: :data:`WINDOWED`).
 
 Each replacement gives eager code (and any other thread) exactly what transformers' own function gives it (outside a trace
 both answer ``False``), so runs fxprep makes during the capture are unchanged too.
@@ -64,10 +67,17 @@ VALUE_DEPENDENT = (
 
 WINDOWED = (
     "transformers skips the attention mask in eager for a sliding-window or chunked attention layer only while the "
-    "sequence is shorter than its window ({windows} tokens here): a decision on the length. With the length dynamic, "
-    "the graph builds the windowed mask at every length (same result, exact in float32; on CUDA another kernel "
-    "than eager below the window), so that it is also right above the window. Prepare with dynamic=False for "
-    "eager's kernel at the example's length only."
+    "sequence is shorter than its window ({windows} tokens here): a decision on the length. The example is at least "
+    "that long, so the graph builds the windowed mask at every length: right on both sides of the window (same "
+    "result, exact in float32; below the window another kernel than eager on CUDA)."
+)
+
+WINDOW_LIMIT = (
+    "transformers skips the attention mask in eager for a sliding-window or chunked attention layer only while the "
+    "sequence is shorter than its window ({windows} tokens here): a decision on the length. The example is shorter, "
+    "so the graph calls attention as eager does there and holds for sequences shorter than the window only (a longer "
+    "call raises InputMismatch). Prepare with an example of at least {longest} tokens for a graph that builds the "
+    "windowed mask at every length."
 )
 
 PACKED_CHECK = (
@@ -87,16 +97,19 @@ def _on_thread(owner: int) -> Callable[[], bool]:
     return torch._dynamo.assume_constant_result(here)
 
 
-def _windowed(original: Callable[..., bool], here: Callable[[], bool], windows: list[int]) -> Callable[..., bool]:
-    """``original`` (a ``_ignore_*_mask_sdpa``) answering ``False`` under this thread's capture when
-    its layer has a local window (the caller patches it only for a capture with the sequence length
-    dynamic: a symbolic size looks like an ``int`` to code Dynamo traces); each such window is noted
-    in ``windows`` (by a function Dynamo calls while tracing, :func:`_on_thread`'s way)."""
+def _windowed(original: Callable[..., bool], here: Callable[[], bool], length: int,
+              windows: list[tuple[int, bool]]) -> Callable[..., bool]:
+    """``original`` (a ``_ignore_*_mask_sdpa``) under this thread's capture with the sequence length
+    dynamic (``length``: the example's; a symbolic size looks like an ``int`` to code Dynamo traces,
+    so the caller says): for a layer with a local window, eager's own decision where the example is
+    shorter than the window (Dynamo then bounds the length), else ``False`` (the mask, at every
+    length). Each window is noted in ``windows`` with whether it is masked (by a function Dynamo
+    calls while tracing, :func:`_on_thread`'s way)."""
     names = tuple(inspect.signature(original).parameters)
 
-    def note(window: int) -> bool:
-        if window not in windows:
-            windows.append(window)
+    def note(window: int, masked: bool) -> bool:
+        if (window, masked) not in windows:
+            windows.append((window, masked))
         return True
 
     noted = torch._dynamo.assume_constant_result(note)
@@ -106,13 +119,16 @@ def _windowed(original: Callable[..., bool], here: Callable[[], bool], windows: 
         bound.update(kwargs)
         window = bound.get("local_attention_size")
         if window is not None and here() and torch.compiler.is_compiling():
-            return not noted(int(window))
+            masked = length >= int(window)
+            noted(int(window), masked)
+            if masked:
+                return False
         return original(*args, **kwargs)
 
     return ignore_mask
 
 
-def _patches(owner: int, positions_given: bool, windows: list[int] | None
+def _patches(owner: int, positions_given: bool, length: int | None, windows: list[tuple[int, bool]]
              ) -> list[tuple[Any, str, Callable[..., Any]]]:
     """``(module, name, replacement)`` for the transformers modules that are already imported; each
     replacement gives another thread transformers' own answer."""
@@ -121,8 +137,8 @@ def _patches(owner: int, positions_given: bool, windows: list[int] | None
     masking = sys.modules.get("transformers.masking_utils")
     for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
         original = getattr(masking, name, None) if masking is not None else None
-        if original is not None and windows is not None:
-            found.append((masking, name, _windowed(original, here, windows)))
+        if original is not None and length is not None:
+            found.append((masking, name, _windowed(original, here, length, windows)))
     packed = getattr(masking, "find_packed_sequence_indices", None) if masking is not None else None
     if packed is not None and not positions_given:
 
@@ -162,15 +178,18 @@ def _patches(owner: int, positions_given: bool, windows: list[int] | None
 
 
 @contextlib.contextmanager
-def eager_attention_paths(positions_given: bool = True, windows: list[int] | None = None) -> Iterator[None]:
+def eager_attention_paths(positions_given: bool = True, length: int | None = None,
+                          windows: list[tuple[int, bool]] | None = None) -> Iterator[None]:
     """For the length of a capture on this thread: transformers' mask and attention code takes the
     branch eager takes wherever that depends only on the input structure (module docstring).
     ``positions_given``: the example passes ``position_ids`` (then their values are the user's data
-    and packed-sequence detection stays as traced). ``windows``: given for a capture with the sequence
-    length dynamic, filled with the local windows whose mask the graph builds at every length."""
+    and packed-sequence detection stays as traced). ``length``: the example's sequence length where
+    it is declared dynamic (None: static); ``windows`` is then filled with each local window met
+    and whether the graph masks it at every length."""
     done: list[tuple[Any, str, Any]] = []
     try:
-        for module, name, new in _patches(threading.get_ident(), positions_given, windows):
+        for module, name, new in _patches(threading.get_ident(), positions_given, length,
+                                          [] if windows is None else windows):
             done.append((module, name, module.__dict__[name]))
             module.__dict__[name] = new
         yield

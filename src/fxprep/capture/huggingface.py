@@ -18,7 +18,7 @@ from torch import nn
 
 from ..inputs import ExampleInputs
 from .common import CaptureAttempt, CaptureResult
-from .hf_attention import VALUE_DEPENDENT, WINDOWED, eager_attention_paths
+from .hf_attention import VALUE_DEPENDENT, WINDOW_LIMIT, WINDOWED, eager_attention_paths
 
 CAPTURE_ATTENTION = ("eager", "sdpa")
 
@@ -116,13 +116,13 @@ def _configs(model: nn.Module) -> list[Any]:
 
 @contextlib.contextmanager
 def capture_context(model: nn.Module, notes: list[str] | None = None,
-                    example: ExampleInputs | None = None, dynamic_length: bool = False) -> Iterator[None]:
+                    example: ExampleInputs | None = None, dynamic_length: int | None = None) -> Iterator[None]:
     """During capture: attention implementations Dynamo cannot capture (flash, flex, paged) are
     switched to ``sdpa``, and transformers' output-capturing hooks are marked installed
     (:func:`_hooks_flagged`); both are put back afterwards. transformers' mask and attention code
-    takes eager's branch where that is static for ``example``'s structure (:mod:`.hf_attention`; with
-    ``dynamic_length``, a dimension other than the batch declared dynamic, a local attention window
-    is masked at every length). Also for a model that wraps
+    takes eager's branch where that is static for ``example``'s structure (:mod:`.hf_attention`;
+    ``dynamic_length``: the example's sequence length where one is declared dynamic, which decides a
+    local attention window's mask). Also for a model that wraps
     transformers models (:func:`hf_submodels`); a no-op for other models."""
     submodels = hf_submodels(model)
     if not submodels:
@@ -147,11 +147,13 @@ def capture_context(model: nn.Module, notes: list[str] | None = None,
         if masked and notes is not None and any(getattr(c, "_attn_implementation", None) == "sdpa"
                                                 for c in configs.values()):
             notes.append(VALUE_DEPENDENT)
-        windows: list[int] = []
-        with eager_attention_paths(positions_given=given, windows=windows if dynamic_length else None):
+        windows: list[tuple[int, bool]] = []
+        with eager_attention_paths(positions_given=given, length=dynamic_length, windows=windows):
             yield
-        if windows and notes is not None:
-            notes.append(WINDOWED.format(windows=", ".join(str(w) for w in sorted(windows))))
+        for masked, text in ((True, WINDOWED), (False, WINDOW_LIMIT)):
+            met = sorted({w for w, m in windows if m is masked})
+            if met and notes is not None:
+                notes.append(text.format(windows=", ".join(map(str, met)), longest=met[-1]))
     finally:
         for config, impl in changed:
             config._attn_implementation = impl

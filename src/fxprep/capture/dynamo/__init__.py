@@ -58,7 +58,7 @@ from .names import resolve_source
 from .opaque import black_box
 from .relift import ROUTE_META, LiftTarget, relift, unreferenced_parameters
 from .reuse import REUSE_META, ReuseJob, capture_reusing
-from .shapes import dynamic_dims, dynamic_shapes_spec, grown_example
+from .shapes import dynamic_dims, dynamic_shapes_spec, grown_example, shortest_length
 
 
 def _failure(err: BaseException, start: float, tracer: str = "dynamo") -> tuple[None, CaptureAttempt]:
@@ -121,8 +121,8 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
         box = black_box(model, policy, opaque or [], capture_call, request.records)
     except Exception as err:  # noqa: BLE001 - an opaque part the eager run cannot record
         return _failure(err, start, tracer)
-    # a dimension other than the batch declared dynamic: transformers' length-dependent mask choices stay general
-    lengths = isinstance(request.dynamic, dict) and any(d != 0 for dims in request.dynamic.values() for d in dims)
+    # a dimension other than the batch declared dynamic: transformers' length-dependent mask choices (hf_attention)
+    lengths = shortest_length(model, capture_call, request.dynamic)
     state = _Relaxed(route, default_route() if route == "auto" else route, tensor_caches(model))
     while True:  # each failure below relaxes one thing and tries again, or gives up
         guard = AttributeGuard(model, state.caches)

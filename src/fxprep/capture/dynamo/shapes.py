@@ -48,6 +48,15 @@ def _tensor_inputs(model: nn.Module, call: ExampleInputs) -> dict[str, Any]:
     return {**dict(zip(names, call.args)), **call.kwargs}
 
 
+def shortest_length(model: nn.Module, call: ExampleInputs, dynamic: Any) -> int | None:
+    """The smallest size in ``call`` of a dimension ``dynamic`` declares other than the batch (a
+    sequence length), or None when it declares none."""
+    inputs = _tensor_inputs(model, call)
+    sizes = [int(inputs[name].shape[d]) for name, dims in dynamic_dims(model, call, dynamic).items()
+             for d in dims if d % max(inputs[name].dim(), 1) != 0] if dynamic else []
+    return min(sizes) if sizes else None
+
+
 def dynamic_shapes_spec(model: nn.Module, call: ExampleInputs, dynamic: Any) -> dict[str, Any] | None:
     """``dynamic`` (``"batch"``, or ``{arg: {dim: name}}``) as a ``dynamic_shapes`` dict for export.
 
