@@ -278,12 +278,12 @@ def test_a_shape_general_graph_saves_and_loads(name: str, tmp_path: Any) -> None
 def test_dynamic_batch_on_a_cnn_is_captured_by_dynamo() -> None:
     """``dynamic="batch"`` on a CNN: Dynamo bounds the batch to <= 15 (the convolution backend's
     choice) and used to fail, fx taking over; the bound is now read like a found one: Dynamo's graph,
-    every batch accepted."""
+    every batch accepted. A batch-1 example is captured at batch 2 (it used to be refused)."""
     import torchvision
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10).eval()
-    gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 3, 32, 32), dynamic="batch")
+    gm = fxprep.prepare_model(model, example_inputs=torch.randn(1, 3, 32, 32), dynamic="batch")  # grown to 2
     report = fxprep.get_report(gm)
     assert report.tracer == "dynamo" and all(a.ok for a in report.attempts), report.attempts
     assert "Dynamo bounded 'batch' to <= 15" in report.to_text() and "verified on a second input size" in report.to_text()

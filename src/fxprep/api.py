@@ -239,9 +239,8 @@ def _start(model: nn.Module, user: _UserArguments, options: dict[str, Any]) -> _
 
 
 def _reference_run(run: _Preparation, reference: Reference | None) -> None:
-    """The original run on the example, as the user calls it (its output is what the prepared
-    module is verified against); it doubles as the check that the inputs suit the model.
-    ``reference``: that run, made already by the attempt before (:func:`prepare_model`)."""
+    """The original run on the example, as the user calls it (what the prepared module is verified against,
+    and the check that the inputs suit the model). ``reference``: that run, made by the attempt before."""
     example = run.request.example
     run.original_call = run.prepared_call = example
     if example is None:
@@ -255,15 +254,16 @@ def _reference_run(run: _Preparation, reference: Reference | None) -> None:
 
 
 def _propose_shapes(run: _Preparation, not_general: str | None) -> None:
-    """Check ``dynamic=`` against the example; without it, propose the shape-general dimensions (a
-    transformers model's batch and sequence: :mod:`fxprep.shape_general`)."""
+    """Without ``dynamic=``, propose the shape-general dimensions (a transformers model's batch and
+    sequence: :mod:`fxprep.shape_general`); with it, check it against the example (grown where a size is below 2)."""
     opts, request = run.opts, run.request
-    if opts.dynamic and request.example is not None:
-        check_dynamic_inputs(request, opts.dynamic)
     if run.proposal is None and opts.dynamic is not False and request.example is not None and opts.tracer != "fx" \
             and opts.control_flow is None and dynamo_available():
         run.proposal = (autodims.propose(run.model, request.example) if opts.dynamic is None
                         else autodims.declared(run.model, request.example, opts.dynamic))
+    if opts.dynamic and request.example is not None:
+        grown = run.proposal.capture_example if run.proposal is not None and run.proposal.explicit else None
+        check_dynamic_inputs(request if grown is None else request.replace(example=grown), opts.dynamic)
     if not_general:
         run.report.note(shape_general.not_kept_note(not_general))
 

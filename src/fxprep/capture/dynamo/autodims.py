@@ -153,10 +153,10 @@ def declared(model: nn.Module, call: ExampleInputs, dynamic: Any) -> Proposal | 
     if not (dynamic == "batch" or isinstance(dynamic, dict) and all(
             isinstance(dims, dict) and all(isinstance(n, str) for n in dims.values()) for dims in dynamic.values())):
         return None
-    dims = dynamic_dims(model, call, dynamic)
-    if not dims:
-        return None
-    inputs = named_inputs(model, call)
+    dims, inputs = dynamic_dims(model, call, dynamic), named_inputs(model, call)
+    if not dims or any(not isinstance(inputs.get(n), torch.Tensor) or not all(0 <= d < inputs[n].dim() for d in ds)
+                       for n, ds in dims.items()):
+        return None  # nothing declared, or a dimension the example lacks: the input check says so
     sizes = {sym: int(inputs[name].shape[d]) for name, ds in dims.items() for d, sym in ds.items()}
     return Proposal(dims, _grown(model, call, dims, sizes), source=DECLARED, explicit=True)
 
