@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ...inputs import ExampleInputs
-from .shapes import SIZE_SOURCE, dynamic_dims, positional_names, repeated_to
+from .shapes import SIZE_SOURCE, dynamic_dims, named_inputs, positional_names, repeated_to
 
 # input name -> {dimension: symbol}; every other dimension of that input stays static
 _TOKENS = {0: "batch", 1: "seq"}
@@ -91,10 +91,6 @@ class Proposal:
 
 def is_transformers_model(model: nn.Module) -> bool:
     return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
-
-
-def named_inputs(model: nn.Module, call: ExampleInputs) -> dict[str, Any]:
-    return {**dict(zip(positional_names(model, len(call.args)), call.args)), **call.kwargs}
 
 
 def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:

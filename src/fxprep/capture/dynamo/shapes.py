@@ -43,7 +43,8 @@ def positional_names(model: nn.Module, count: int) -> list[str]:
     return names
 
 
-def _tensor_inputs(model: nn.Module, call: ExampleInputs) -> dict[str, Any]:
+def named_inputs(model: nn.Module, call: ExampleInputs) -> dict[str, Any]:
+    """``call``'s arguments by name: positional ones named after ``model.forward``'s parameters."""
     names = positional_names(model, len(call.args))
     return {**dict(zip(names, call.args)), **call.kwargs}
 
@@ -51,7 +52,7 @@ def _tensor_inputs(model: nn.Module, call: ExampleInputs) -> dict[str, Any]:
 def shortest_length(model: nn.Module, call: ExampleInputs, dynamic: Any) -> int | None:
     """The smallest size in ``call`` of a dimension ``dynamic`` declares other than the batch (a
     sequence length), or None when it declares none."""
-    inputs = _tensor_inputs(model, call)
+    inputs = named_inputs(model, call)
     sizes = [int(inputs[name].shape[d]) for name, dims in dynamic_dims(model, call, dynamic).items()
              for d in dims if d % max(inputs[name].dim(), 1) != 0] if dynamic else []
     return min(sizes) if sizes else None
@@ -75,7 +76,7 @@ def dynamic_shapes_spec(model: nn.Module, call: ExampleInputs, dynamic: Any) -> 
             dims[name] = Dim(re.sub(r"\W", "_", name) or "d")
         return dims[name]
 
-    inputs = _tensor_inputs(model, call)
+    inputs = named_inputs(model, call)
     spec: dict[str, Any] = {}
     for name, value in inputs.items():
         if dynamic == "batch":
@@ -124,7 +125,7 @@ def _nested_var_keyword(model: nn.Module, spec: dict[str, Any]) -> dict[str, Any
 def dynamic_dims(model: nn.Module, call: ExampleInputs, dynamic: Any) -> dict[str, dict[int, str]]:
     """``{input name: {dim: symbol name}}`` of the dimensions ``dynamic`` makes dynamic."""
     out: dict[str, dict[int, str]] = {}
-    inputs = _tensor_inputs(model, call)
+    inputs = named_inputs(model, call)
     for name, value in inputs.items():
         if not isinstance(value, torch.Tensor):
             continue
