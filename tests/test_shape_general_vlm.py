@@ -1,15 +1,17 @@
 """Shape-general VLMs (issue 27, item 3): a vision-language model prepared on one image and prompt
-runs on prompts of other lengths with the same images, by default.
+runs on prompts of other lengths, and where each sample has its own row of every input, on other
+batch sizes, by default.
 
 The prompt's length is the dimension calibration data varies most (images are resized to the
-processor's size); how many rows of ``pixel_values`` belong to one sample is each model's own
-layout, so the batch stays at the example's size and a call at another batch is refused with why.
-Each model is compared with its eager self at a longer and a shorter prompt (text added or removed
-at the end, the image tokens untouched): Gemma3 (plain Dynamo), Llava with a Pixtral tower (sizes
-decided from the example's values, checked in the graph: captured again with the length declared,
-its blocks reused), Mistral3 (the same tower; its forward writes into its ``**kwargs``, so it is
-traced from a root whose ``**kwargs`` is the trace's own, with the length declared too), PaliGemma (image tokens first, so a second size that repeated the prompt's first tokens would add
-image tokens) and Mllama (its ``cross_attention_mask`` grows with the prompt). Qwen2-VL, whose rope index stays opaque, keeps static shapes and says why.
+processor's size). Where every input other than the tokens has one row per sample (one image per
+prompt: Gemma3, PaliGemma, Mllama, Llama 4), the batch is declared with them; transformers' check
+that the image tokens match the features builds its message before the check, and formatting the
+symbolic size would specialise the batch, so the capture builds that message lazily
+(:mod:`fxprep.capture.hf_checks`). Each model is compared with its eager self at a longer and a
+shorter prompt (text added or removed at the end, the image tokens untouched) and, where the batch
+is free, on a batch of other samples (other text, other images). Llava with a Pixtral tower and
+Mistral3 decide each image's size from data (``.tolist()``), one set of values per image: their batch
+stays, and says why. Qwen2-VL, whose rope index stays opaque, keeps static shapes and says why.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 import fxprep
+from fxprep.capture import hf_checks
 from fxprep.capture.dynamo import autodims
 from fxprep.capture.dynamo.fallback import capture_dynamo_leaves
 from fxprep.capture.request import CaptureRequest
@@ -49,8 +52,24 @@ def _prompt(inputs: dict[str, Any], change: int, seed: int) -> dict[str, Any]:
     return out
 
 
+def _samples(inputs: dict[str, Any], n: int, seed: int) -> dict[str, Any]:
+    """A batch of ``n`` samples laid out like the example's one: each row's text ids and image drawn
+    anew (the image and special tokens where they were), every other input repeated."""
+    g = torch.Generator().manual_seed(seed)
+    out = {name: torch.cat([value] * n) for name, value in inputs.items()}
+    ids = out["input_ids"]
+    text = ids < 90  # the builders' text ids; image and special tokens are 100 and above
+    out["input_ids"] = torch.where(text, torch.randint(3, 90, ids.shape, generator=g), ids)
+    pixels = out["pixel_values"]
+    out["pixel_values"] = torch.randn(pixels.shape, generator=g).to(pixels.dtype)
+    return out
+
+
 def _builder(name: str) -> Any:
     return vlm_models.BUILDERS.get(name) or vlm_models_more.BUILDERS[name]
+
+
+BATCH_FREE = ("gemma3", "paligemma", "mllama")  # one image per prompt, nothing decided from an image's data
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("gemma3", torch.float32), ("gemma3", torch.bfloat16),
@@ -65,28 +84,51 @@ def test_a_vlm_prepared_on_one_prompt_runs_on_prompts_of_other_lengths(name: str
     report = fxprep.get_report(gm)
     assert report.verification.status == "passed", report.verification
     text = report.to_text()
-    assert "Shape-general: the dimensions input_ids dim 1 (seq)" in text, text
-    assert "input_ids dim 0 stays at the example's size: a multimodal example" in text
-    assert "pixel_values" in text
+    batch_free = name in BATCH_FREE
+    found = "input_ids dim 0 (batch), input_ids dim 1 (seq)" if batch_free else "input_ids dim 1 (seq)"
+    assert f"Shape-general: the dimensions {found}" in text, text
+    assert ("pixel_values dim 0 (batch)" in text) is batch_free
+    assert ("input_ids dim 0 stays at the example's size" in text) is not batch_free
     assert "block reuse did not apply" not in text
     if name in ("llava_pixtral", "mistral3"):  # captured deciding values; Pixtral's layers carry hooks
+        assert "the values decided from the example are one set per image" in text
         stamped = {k: v for k, v in report.reuse["captured"].items() if v}
         assert stamped == {"model.vision_tower.transformer.layers.0.feed_forward":
                            ["model.vision_tower.transformer.layers.1.feed_forward"],
                            "model.language_model.layers.0": ["model.language_model.layers.1"]}
-    for change, seed in ((7, 1), (-1, 2)):
-        call = _prompt(inputs, change, seed)
+    calls = [_prompt(inputs, 7, 1), _prompt(inputs, -1, 2)]
+    if batch_free:
+        calls += [_samples(inputs, 3, 3), _prompt(_samples(inputs, 2, 4), 5, 5)]
+    for call in calls:
         with torch.no_grad():
             eager = model(**call, use_cache=False).logits
             prepared = gm(**call)[0]
-        assert prepared.shape == eager.shape == (1, inputs["input_ids"].shape[1] + change, eager.shape[-1])
+        assert prepared.shape == eager.shape == (*call["input_ids"].shape, eager.shape[-1])
         if dtype == torch.float32:
             torch.testing.assert_close(prepared, eager, rtol=1e-5, atol=1e-5)
         else:
             torch.testing.assert_close(prepared.float(), eager.float(), rtol=2e-2, atol=2e-2)
-    two = {k: torch.cat([v, v]) for k, v in inputs.items()}
-    with pytest.raises(fxprep.InputMismatch, match="dim 0: a multimodal example"):
-        gm(**two)
+    if not batch_free:
+        two = {k: torch.cat([v, v]) for k, v in inputs.items()}
+        with pytest.raises(fxprep.InputMismatch, match="dim 0: declared dynamic with the other inputs"):
+            gm(**two)
+
+
+def test_the_check_message_is_built_lazily_during_capture_and_still_said_when_it_fails() -> None:
+    # Gemma3's get_placeholder_mask formats the feature count into its message before checking:
+    # under capture a copy builds it only on failure; the model's own method is back afterwards
+    model, inputs = _builder("gemma3")()
+    inner = model.model
+    ids = inputs["input_ids"]
+    embeds = inner.get_input_embeddings()(ids)
+    wrong = torch.zeros(1, 8, embeds.shape[-1])  # 8 features for 4 image tokens
+    with hf_checks.lazy_check_messages(model):
+        copy = inner.__dict__["get_placeholder_mask"]
+        assert copy.__func__ is not type(inner).get_placeholder_mask
+        assert copy(ids, inputs_embeds=embeds, image_features=torch.zeros(1, 4, embeds.shape[-1])).sum() == 4
+        with pytest.raises(ValueError, match="tokens: 4, features: 8"):
+            copy(ids, inputs_embeds=embeds, image_features=wrong)
+    assert "get_placeholder_mask" not in inner.__dict__
 
 
 def test_what_is_proposed_for_multimodal_examples() -> None:
@@ -99,8 +141,22 @@ def test_what_is_proposed_for_multimodal_examples() -> None:
     # Mllama's cross_attention_mask (batch x tokens x images x tiles) grows with the prompt
     model, inputs = _builder("mllama")()
     proposal = autodims.propose(model, ExampleInputs((), inputs))
-    assert proposal is not None and proposal.dynamic == {
+    assert proposal is not None and proposal.narrower is not None and proposal.narrower.dynamic == {
         "input_ids": {1: "seq"}, "attention_mask": {1: "seq"}, "cross_attention_mask": {1: "seq"}}
+    assert proposal.dynamic["cross_attention_mask"] == {0: "batch", 1: "seq"}
+    # one image per prompt: the batch is declared with the image, the length alone kept to fall back on
+    model, inputs = _builder("gemma3")()
+    proposal = autodims.propose(model, ExampleInputs((), inputs))
+    assert proposal is not None and not proposal.dropped
+    assert proposal.dynamic["pixel_values"] == {0: "batch"} and proposal.dynamic["input_ids"] == {0: "batch", 1: "seq"}
+    assert proposal.capture_example.kwargs["pixel_values"].shape[0] == 2  # grown past Dynamo's 0/1 specialisation
+    assert proposal.narrower is not None and proposal.narrower.dynamic == {
+        "input_ids": {1: "seq"}, "attention_mask": {1: "seq"}, "token_type_ids": {1: "seq"}}
+    # two tiles of one prompt's image (Aya Vision): not one row per sample, the batch stays
+    model, inputs = _builder("aya_vision")()
+    proposal = autodims.propose(model, ExampleInputs((), inputs))
+    assert proposal is not None and proposal.narrower is None and "pixel_values" not in proposal.dynamic
+    assert ("input_ids", 0) in proposal.dropped
     # an input of unknown layout with a dimension of the sequence's size would have to grow with it
     model, inputs = _builder("gemma3")()
     extra = {**inputs, "token_image_map": torch.zeros(1, inputs["input_ids"].shape[1], 2)}

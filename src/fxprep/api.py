@@ -2,7 +2,7 @@
 
 This module only orchestrates; every step lives in its own module and can be used alone.
 :func:`_prepare` reads as its stages (reference run, capture, passes, input guard, verification,
-report), each a function of one :class:`_Preparation`: the :class:`~fxprep.capture.request.CaptureRequest`
+report), each a function of one :class:`Preparation`: the :class:`~fxprep.capture.request.CaptureRequest`
 made once by :func:`_start`, and what the stages learn on the way. The report's longer note texts
 live in :mod:`fxprep.notes`.
 """
@@ -14,14 +14,13 @@ import copy
 import inspect
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from . import batch, decisions, guard, heap, notes, progress, root_hooks, shape_general
+from . import decisions, guard, heap, notes, progress, root_hooks, shape_general
 from .arguments import (
     check_concrete_args,
     check_dynamic_inputs,
@@ -31,12 +30,12 @@ from .arguments import (
 )
 from .capture import cascade, dynamo_available, huggingface
 from .capture.common import CaptureAttempt, CaptureResult
-from .capture.dynamo import autodims, grown_example
+from .capture.dynamo import autodims
 from .capture.fx import mode_notes, trace_failure
 from .capture.request import CaptureRequest
 from .capture.rewrite import branches
 from .diagnose import first_line
-from .errors import EquivalenceError, InputMismatch, InvalidInput
+from .errors import InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .options import PrepareOptions
 from .passes import (
@@ -49,11 +48,13 @@ from .passes import (
     unroll,
     values,
 )
+from .preparation import Preparation, UserArguments
 from .prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, get_report, set_preserved
-from .report import Report, Verification
+from .report import Report
 from .runs import hooks_left_as_found, preserved_state
 from .threads import GLOBAL_LOCK
-from .verify import Reference, run_original, verify
+from .verification_stage import verification
+from .verify import Reference, run_original
 from .weights import remember_original
 
 
@@ -94,22 +95,29 @@ def prepare_model(
     title = str(options.get("name") or type(model).__name__)
     with heap.frozen_heap(), progress.reporting(options.get("progress"), title), hooks_left_as_found(model), \
             huggingface.output_capturing_hooks(model), root_hooks.set_aside(model) as aside:
-        user = _UserArguments(modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs)
+        user = UserArguments(modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs)
         try:
             gm, run = _prepare(model, user, options)
         except shape_general.NotShapeGeneral as err:  # found dimensions did not hold: static shapes, as before
-            why, reference = str(err), err.reference
+            why, reference, narrower = str(err), err.reference, err.narrower
         else:
             gm = _batch_general(model, user, options, gm, run) if run.batch_baked else gm
             return root_hooks.carry(gm, aside, get_report(gm))
+        if narrower is not None:  # a multimodal example's batch did not hold: its prompt length alone
+            try:
+                gm, _ = _prepare(model, user, options, reference=reference,
+                                 proposal=autodims.batch_not_held(narrower, why), static_fallback=True)
+                return root_hooks.carry(gm, aside, get_report(gm))
+            except shape_general.NotShapeGeneral as err:
+                why, reference = f"{why}; with the prompt's length alone: {err}", err.reference
         # outside the except block: the first attempt's frames (its capture, its copy of the model
         # with copy=True) are freed before the second one starts; its reference run is reused
         gm, _ = _prepare(model, user, {**options, "dynamic": False}, not_general=why, reference=reference)
         return root_hooks.carry(gm, aside, get_report(gm))
 
 
-def _batch_general(model: nn.Module, user: _UserArguments, options: dict[str, Any], gm: fx.GraphModule,
-                   run: _Preparation) -> fx.GraphModule:
+def _batch_general(model: nn.Module, user: UserArguments, options: dict[str, Any], gm: fx.GraphModule,
+                   run: Preparation) -> fx.GraphModule:
     """A static graph the batch probe found specialised to the example's batch with no branch on it
     (a ViT's ``cls_token.expand(B, -1, -1)``) prepared again with dimension 0 declared dynamic
     (:func:`autodims.batch_proposal`), the reference run reused; kept when it verifies on the example
@@ -134,69 +142,24 @@ def _batch_general(model: nn.Module, user: _UserArguments, options: dict[str, An
     return general
 
 
-class _UserArguments(NamedTuple):
-    """``prepare_model``'s positional arguments and its example, as the user gave them."""
-
-    modules_to_exclude: Any
-    module_classes_to_exclude: Any
-    concrete_args: Any
-    example_inputs: Any
-
-
-@dataclass
-class _Preparation:
-    """One ``prepare_model`` call, as its stages fill it in (:func:`_prepare`).
-
-    ``request`` is the capture request, created once (:func:`_start`); the other fields are what the
-    stages learn: the calls of the original and of the prepared module on the example, the
-    reference run's output and state, the shape-general proposal, the control-flow rewrite session,
-    the capture and whether it has dynamic shapes."""
-
-    request: CaptureRequest
-    opts: PrepareOptions
-    report: Report
-    absent: dict[str, str]  # outputs fxprep turned off for the capture (past_key_values)
-    start: float
-    original_call: ExampleInputs | None = None
-    prepared_call: ExampleInputs | None = None
-    reference: Reference | None = None
-    proposal: autodims.Proposal | None = None
-    rewrite: Any = None
-    result: CaptureResult | None = None
-    dynamic: Any = None
-    elsewhere: tuple[shape_general.Elsewhere, str] | None = None  # a shape-general capture for the fallback
-    batch_baked: bool = False  # the batch probe found the example's batch baked into the static graph
-    static_fallback: bool = True  # a failed shape-general capture falls back to static shapes (else raises)
-
-    @property
-    def model(self) -> nn.Module:
-        return self.request.model
-
-    def calls(self, example: ExampleInputs) -> tuple[ExampleInputs, ExampleInputs]:
-        """``(original call, prepared call)`` of ``example``: the original is called as the user calls
-        it (``use_cache`` as given, or its default), the prepared module as it was captured."""
-        concrete = self.request.concrete_args
-        original = split_calls(self.model, example, huggingface.without_added(concrete, self.absent))[0]
-        return original, split_calls(self.model, example, concrete)[1]
-
-
-def _prepare(model: nn.Module, user: _UserArguments, options: dict[str, Any], not_general: str | None = None,
-             reference: Reference | None = None, proposal: autodims.Proposal | None = None
-             ) -> tuple[fx.GraphModule, _Preparation]:
+def _prepare(model: nn.Module, user: UserArguments, options: dict[str, Any], not_general: str | None = None,
+             reference: Reference | None = None, proposal: autodims.Proposal | None = None,
+             static_fallback: bool | None = None) -> tuple[fx.GraphModule, Preparation]:
     """The stages of ``prepare_model``, in order; each is a function of the preparation ``run``.
     ``reference``: the original's run on the example from an attempt before. ``proposal``: the
-    dimensions to capture with, and no static fallback (:func:`_batch_general`)."""
+    dimensions to capture with, and by default no static fallback (:func:`_batch_general`)."""
     run = _start(model, user, options)
-    run.proposal, run.static_fallback = proposal, proposal is None
+    run.proposal = proposal
+    run.static_fallback = proposal is None if static_fallback is None else static_fallback
     _reference_run(run, reference)
     try:
         return _stages(run, not_general), run
     except shape_general.NotShapeGeneral as err:
-        err.reference = run.reference
+        err.reference, err.narrower = run.reference, run.proposal.narrower if run.proposal is not None else None
         raise
 
 
-def _stages(run: _Preparation, not_general: str | None) -> fx.GraphModule:
+def _stages(run: Preparation, not_general: str | None) -> fx.GraphModule:
     """What follows the reference run, in order (see :func:`_prepare`)."""
     _propose_shapes(run, not_general)
     t1 = time.perf_counter()
@@ -207,11 +170,11 @@ def _stages(run: _Preparation, not_general: str | None) -> fx.GraphModule:
     _passes(run, gm)
     _guard_inputs(run, gm)
     run.report.timings["passes"] = time.perf_counter() - t2
-    _verification(run, gm)
+    verification(run, gm)
     return _finish(run, gm)
 
 
-def _start(model: nn.Module, user: _UserArguments, options: dict[str, Any]) -> _Preparation:
+def _start(model: nn.Module, user: UserArguments, options: dict[str, Any]) -> Preparation:
     """Check the arguments and make the capture request: the model (a deep copy with ``copy=True``),
     its leaf policy, the example, the concrete arguments (transformers' own added) and the options."""
     start = time.perf_counter()
@@ -235,10 +198,10 @@ def _start(model: nn.Module, user: _UserArguments, options: dict[str, Any]) -> _
         # block reuse stays off while control-flow sites are rewritten (their methods are bound to
         # single instances for the capture)
         reuse=opts.reuse_blocks and opts.control_flow is None, block_pass=_block_conversion(model, opts))
-    return _Preparation(request, opts, report, absent, start)
+    return Preparation(request, opts, report, absent, start)
 
 
-def _reference_run(run: _Preparation, reference: Reference | None) -> None:
+def _reference_run(run: Preparation, reference: Reference | None) -> None:
     """The original run on the example, as the user calls it (what the prepared module is verified against,
     and the check that the inputs suit the model). ``reference``: that run, made by the attempt before."""
     example = run.request.example
@@ -253,7 +216,7 @@ def _reference_run(run: _Preparation, reference: Reference | None) -> None:
         run.reference = run_original(run.model, run.original_call)
 
 
-def _propose_shapes(run: _Preparation, not_general: str | None) -> None:
+def _propose_shapes(run: Preparation, not_general: str | None) -> None:
     """Without ``dynamic=``, propose the shape-general dimensions (a transformers model's batch and
     sequence: :mod:`fxprep.shape_general`); with it, check it against the example (grown where a size is below 2)."""
     opts, request = run.opts, run.request
@@ -268,7 +231,7 @@ def _propose_shapes(run: _Preparation, not_general: str | None) -> None:
         run.report.note(shape_general.not_kept_note(not_general))
 
 
-def _capture(run: _Preparation) -> CaptureResult:
+def _capture(run: Preparation) -> CaptureResult:
     """The capture: the tracers in order (with the control-flow rewrite, or shape-general first),
     then the opaque-leaf fallback; raises the located failure when nothing captures the model."""
     opts, report = run.opts, run.report
@@ -306,7 +269,7 @@ def _capture(run: _Preparation) -> CaptureResult:
     return result
 
 
-def _captured_module(run: _Preparation) -> fx.GraphModule:
+def _captured_module(run: Preparation) -> fx.GraphModule:
     """The captured graph as the prepared module, and what the capture says in the report."""
     result, report, example = run.result, run.report, run.request.example
     assert result is not None
@@ -325,7 +288,7 @@ def _captured_module(run: _Preparation) -> fx.GraphModule:
     return gm
 
 
-def _passes(run: _Preparation, gm: fx.GraphModule) -> None:
+def _passes(run: Preparation, gm: fx.GraphModule) -> None:
     """The passes, in place, in their order; the module is recompiled once at the end."""
     model, opts, report = run.model, run.opts, run.report
     progress.stage("passes")
@@ -352,77 +315,7 @@ def _passes(run: _Preparation, gm: fx.GraphModule) -> None:
     gm.recompile()  # once, after every pass (generating the code is a large part of the cost)
 
 
-def _verification(run: _Preparation, gm: fx.GraphModule) -> None:
-    """The prepared module checked against the original: on the example (then other batch sizes,
-    for a static Dynamo capture), on a second size (dynamic shapes), on each extra input."""
-    opts, report, example, result = run.opts, run.report, run.request.example, run.result
-    assert result is not None
-    if example is None or not opts.verify:
-        detail = "no example_inputs given" if example is None else "verify=False"
-        report.verification = Verification("skipped", detail=detail)
-        if example is not None and run.proposal is not None:
-            shape_general.notes(report, run.proposal, None)
-        return
-    t3 = time.perf_counter()
-    progress.stage("verification")
-    try:
-        report.verification = _verify_call(run, gm, (run.original_call, run.prepared_call), None)
-    except (EquivalenceError, InputMismatch) as err:
-        if run.proposal is None or run.proposal.explicit:
-            raise
-        raise shape_general.NotShapeGeneral(f"the graph captured at {run.proposal.capture_example.describe()} "
-                                            f"did not match on the example: {str(err).splitlines()[0][:200]}") from err
-    spec = gm.__dict__.get(INPUT_SPEC)
-    if spec is not None and result.tracer.split("+")[0] == "dynamo" and not run.dynamic:
-        progress.step("other batch sizes")
-        concrete = run.request.concrete_args
-
-        def check(other: ExampleInputs, what: str) -> None:
-            original, prepared = run.calls(other)
-            verify(run.model, gm, original, prepared_example=prepared, rtol=opts.rtol, atol=opts.atol,
-                   absent=run.absent, what=what)
-
-        run.batch_baked = batch.probe(run.model, gm, example, report, check=check,
-                                      captured=lambda e: split_calls(run.model, e, concrete)[0])
-    if run.proposal is not None:
-        _verify_general(run, gm)
-    elif run.dynamic:
-        second = grown_example(run.model, example, run.dynamic)
-        checked = _verify_second_size(run, gm, second)
-        report.note(f"verified on {_second_size(second)}: max |diff| = {checked.max_abs_diff:.3g}")
-    _verify_extra_inputs(run, gm)
-    report.timings["verify"] = time.perf_counter() - t3
-
-
-def _verify_call(run: _Preparation, gm: fx.GraphModule, calls: tuple[Any, Any], what: str | None) -> Verification:
-    """``gm`` checked against the original on ``calls`` (original call, prepared call); ``what``
-    names the input (None: the example, with the reference run reused); the state it leaves is noted."""
-    opts = run.opts
-    where_rewrite = run.rewrite is not None and run.rewrite.joins_with_where
-    checked = verify(run.model, gm, calls[0], reference=run.reference if what is None else None,
-                     prepared_example=calls[1], what=what or "the example inputs", rtol=opts.rtol, atol=opts.atol,
-                     grad=opts.verify == "grad", where_rewrite=where_rewrite, absent=run.absent)
-    _note_state(run.report, checked)
-    return checked
-
-
-def _verify_extra_inputs(run: _Preparation, gm: fx.GraphModule) -> None:
-    """``verify_inputs=[...]``, then the inputs the control-flow rewrite built to run each branch."""
-    constructed = run.rewrite.coverage() if run.rewrite is not None else []
-    for i, (label, extra) in enumerate([(None, e) for e in run.opts.verify_inputs] + constructed):
-        what = label or f"verify_inputs[{i}]"
-        progress.step(what)
-        extra_example = normalize_example_inputs(extra)
-        assert extra_example is not None
-        try:
-            checked = _verify_call(run, gm, run.calls(extra_example), what)
-        except InputMismatch as err:  # the graph cannot serve this input: a verification failure
-            raise EquivalenceError(f"{what}: the prepared module refuses it, {err}") from err
-        checked.label = label or ""
-        run.report.extra_verifications.append(checked)
-
-
-def _finish(run: _Preparation, gm: fx.GraphModule) -> fx.GraphModule:
+def _finish(run: Preparation, gm: fx.GraphModule) -> fx.GraphModule:
     """The report completed and attached, the original remembered (for ``load_weights`` and
     ``verify_prepared``), fxprep's module classes registered with the toolkits imported."""
     report, result = run.report, run.result
@@ -436,15 +329,6 @@ def _finish(run: _Preparation, gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _note_state(report: Report, verification: Verification) -> None:
-    """State the original's forward updates and the prepared module does not: said loudly; and
-    attention called otherwise than eager does."""
-    if verification.state_not_reproduced:
-        report.note(notes.state_not_reproduced(verification.state_not_reproduced))
-    if verification.attention:
-        report.note(verification.attention)
-
-
 def register_with_toolkits() -> None:
     """Register fxprep's module classes with the quantization toolkits already imported, so the
     prepared module goes straight into them (AIMET QuantSim: :mod:`fxprep.compat.aimet_quantsim`).
@@ -455,7 +339,7 @@ def register_with_toolkits() -> None:
         register()
 
 
-def _control_flow(run: _Preparation) -> Any:
+def _control_flow(run: Preparation) -> Any:
     """The control-flow rewrite session when ``control_flow="rewrite"``, else None."""
     if run.opts.control_flow != "rewrite":
         return None
@@ -481,7 +365,7 @@ def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Mod
     return clone, modules_to_exclude
 
 
-def _guard_inputs(run: _Preparation, gm: fx.GraphModule) -> None:
+def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
     """Record the inputs ``gm`` was captured for, and the values it took from the model's attributes
     and globals; each call is checked against them (fxprep.guard), and so is each value the graph
     decided from data (fxprep.decisions)."""
@@ -519,7 +403,7 @@ def _guard_inputs(run: _Preparation, gm: fx.GraphModule) -> None:
         report.note(notes.decided_values(decided))
 
 
-def _capture_general(run: _Preparation, tracers: list[str]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+def _capture_general(run: Preparation, tracers: list[str]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """The shape-general capture (:func:`shape_general.capture`: Dynamo alone, with the proposal's
     dimensions); when it fails, the static-shape capture as before, said in the report (the reference
     run is kept). ``run.proposal`` becomes the proposal kept (None when static) and ``run.request``
@@ -553,7 +437,7 @@ def _capture_general(run: _Preparation, tracers: list[str]) -> tuple[CaptureResu
         return result, attempts
 
 
-def _fallback_general(run: _Preparation, attempts: list[CaptureAttempt], result: CaptureResult | None,
+def _fallback_general(run: Preparation, attempts: list[CaptureAttempt], result: CaptureResult | None,
                       sites: list[Any]) -> tuple[CaptureResult | None, list[Any]]:
     """The static fallback's capture, or the shape-general one :func:`shape_general.after_fallback` takes."""
     assert run.elsewhere is not None
@@ -563,38 +447,3 @@ def _fallback_general(run: _Preparation, attempts: list[CaptureAttempt], result:
     if kept:
         run.proposal, run.request = elsewhere.proposal, general
     return result, sites
-
-
-def _verify_general(run: _Preparation, gm: fx.GraphModule) -> None:
-    """A shape-general capture checked on a second size (batch and sequence 3 larger): the proof that
-    lets calls at other sizes through; a failure means static shapes (:class:`shape_general.NotShapeGeneral`)."""
-    proposal, example = run.proposal, run.request.example
-    assert proposal is not None and example is not None
-    second = grown_example(run.model, example, proposal.dynamic, grow=shape_general.second_grow(run.model, proposal, example))
-    try:
-        result = _verify_second_size(run, gm, second)
-    except Exception as err:  # noqa: BLE001 - any failure at another size: the dims did not hold
-        if proposal.explicit:
-            raise
-        first = first_line(err)
-        raise shape_general.NotShapeGeneral(f"at {_second_size(second)}: {type(err).__name__}: {first}") from err
-    if proposal.explicit:  # the user's own dimensions: the note as for any declared ones
-        run.report.note(f"verified on {_second_size(second)}: max |diff| = {result.max_abs_diff:.3g}")
-    shape_general.notes(run.report, proposal, f"{second.describe()} (max |diff| {result.max_abs_diff:.3g})")
-
-
-def _second_size(second: ExampleInputs) -> str:
-    return f"a second input size ({second.describe()})"
-
-
-def _verify_second_size(run: _Preparation, gm: fx.GraphModule, second: ExampleInputs) -> Verification:
-    """The prepared module checked against the original on ``second`` (the example grown in its dynamic
-    dimensions: :func:`fxprep.capture.dynamo.grown_example`); raises EquivalenceError where they differ."""
-    label = _second_size(second)
-    progress.step(label)
-    original_call, prepared_call = run.calls(second)
-    opts = run.opts
-    result = verify(run.model, gm, original_call, prepared_example=prepared_call, what=label,
-                    rtol=opts.rtol, atol=opts.atol, grad=opts.verify == "grad", absent=run.absent)
-    _note_state(run.report, result)
-    return result

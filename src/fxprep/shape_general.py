@@ -58,6 +58,7 @@ class NotShapeGeneral(Exception):
 
     reference: Any = None  # fxprep.verify.Reference
     elsewhere: Elsewhere | None = None
+    narrower: autodims.Proposal | None = None  # the proposal to try before static shapes (a VLM's length alone)
 
 
 def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposal,
@@ -82,7 +83,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             failure = NotShapeGeneral(f"Dynamo could not capture it with {current.describe()} dynamic "
                                       f"({type(err).__name__ if err is not None else 'no error'}: {first})")
             if err is not None and not found and not ranges:
-                failure.elsewhere = Elsewhere(current, attempts)
+                failure.elsewhere = Elsewhere(_without_batch(current, first), attempts)
             raise failure
         nxt = autodims.revised(current, found, ranges, model, example)
         if nxt is None:
@@ -90,6 +91,17 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             raise NotShapeGeneral(f"every declared dimension is specialised by the model: {why}")
         current = nxt
     raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
+
+
+def _without_batch(proposal: autodims.Proposal, stopped: str) -> autodims.Proposal:
+    """For the fallback that decides values read from data from the example (:func:`fallback`): a
+    multimodal proposal without its batch (its :attr:`~.autodims.Proposal.narrower`), because those
+    values (each image's size, its number of tiles) are one set per image: decided for the example's
+    images, they cannot follow a batch of other images."""
+    if proposal.narrower is None:
+        return proposal
+    return autodims.batch_not_held(proposal.narrower, f"Dynamo stopped at a value read from data ({stopped[:120]}), and "
+                                   "the values decided from the example are one set per image")
 
 
 def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -> autodims.Proposal:

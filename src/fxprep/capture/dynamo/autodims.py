@@ -19,11 +19,16 @@ constraint violation; :func:`specialised` reads which dimensions and why, so the
 without them and the report and :class:`~fxprep.errors.InputMismatch` name them.
 
 A multimodal example (token inputs beside inputs this table does not know: ``pixel_values``,
-an image grid, image sizes) gets its sequence dimension alone: the prompt's length is free while
-the images stay as in the example, because how many rows of ``pixel_values`` belong to one sample
-(one image, several tiles, patches of several images) is each model's own layout, and the number
-of image tokens in ``input_ids`` must match the images. Its batch stays at the example's size, and
-the report and :class:`~fxprep.errors.InputMismatch` say why (:data:`MULTIMODAL_BATCH`).
+an image grid, image sizes) gets its batch only where every such input has one row per sample (its
+dimension 0 is the prompts' batch: one image per prompt, as Gemma3, PaliGemma, Mllama and Llama 4
+take them): those rows are declared ``batch`` too, and the example grown by repeating whole
+samples. Where that batch does not hold (the model's code specialises it, a value is read from each
+image's data, or the second size fails), the prompt's length alone is tried (:attr:`Proposal.narrower`)
+before static shapes. Elsewhere (patches of every image in one tensor, several tiles of one
+prompt's image) how many rows belong to one sample is each model's own layout, and the number of
+image tokens in ``input_ids`` must match the images: the length alone is declared, the batch stays at
+the example's size, and the report and :class:`~fxprep.errors.InputMismatch` say why
+(:data:`MULTIMODAL_BATCH`).
 
 Not proposed (the model keeps static shapes and the batch probe, as before): models outside
 transformers, an example with an input this table does not know and no token input, and a
@@ -71,6 +76,8 @@ class Proposal:
     # them; any other range is a bound Dynamo's trace took from a kernel's shape logic (shape_general.limits)
     limits: dict[str, tuple[int | None, int | None, str]] = field(default_factory=dict)
     explicit: bool = False  # the user's own dynamic= (:func:`declared`): never dropped, never static instead
+    # a multimodal example's batch declared with its images: the length alone, tried where that does not hold
+    narrower: Proposal | None = None
 
     def describe(self) -> str:
         parts = [f"{name} dim {d} ({sym})" for name, dims in self.dynamic.items() for d, sym in sorted(dims.items())]
@@ -111,14 +118,17 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
         return None  # no input whose layout is known: static shapes, as before
     dynamic: dict[str, dict[int, str]] = {}
     sizes: dict[str, int] = {}
+    per_sample = others and _per_sample(tensors, others)
     for name, value in tensors.items():
         chosen = {}
         dims = table.get(name, {})
+        if per_sample and name in others:
+            dims = {0: "batch"}
         for d, sym in dims.items():
             if d >= value.dim() or (dims is _TOKENS and d == 1 and name.endswith("attention_mask") and value.dim() != 2):
                 continue
-            if others and sym == "batch":
-                continue  # multimodal: the batch stays (module docstring)
+            if others and not per_sample and sym == "batch":
+                continue  # multimodal, not one row per sample: the batch stays (module docstring)
             if sizes.setdefault(sym, int(value.shape[d])) != int(value.shape[d]):
                 return None  # two inputs disagree on what should be one size
             chosen[d] = sym
@@ -132,8 +142,33 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
         if any(int(n) in seq_sizes for name in others for n in tensors[name].shape):
             return None  # another input may be sized by the sequence (module docstring)
         why = MULTIMODAL_BATCH.format(names=", ".join(others))
-        dropped = {(name, 0): why for name in dynamic}
+        if not per_sample:
+            dropped = {(name, 0): why for name in dynamic}
+        else:  # the batch too, and the length alone where it does not hold (:func:`narrower`)
+            length = {n: {d: s for d, s in ds.items() if s != "batch"} for n, ds in dynamic.items() if n not in others}
+            length = {n: ds for n, ds in length.items() if ds}
+            dropped_batch = {(name, 0): why for name in length}
+            fallback = Proposal(length, _grown(model, call, length, {k: v for k, v in sizes.items() if k != "batch"}),
+                                dropped_batch) if length else None
+            return Proposal(dynamic, _grown(model, call, dynamic, sizes), narrower=fallback)
     return Proposal(dynamic, _grown(model, call, dynamic, sizes), dropped)
+
+
+def batch_not_held(narrower: Proposal, why: str) -> Proposal:
+    """``narrower`` (a multimodal example's length alone) saying why the batch stays: declared with
+    the images, it did not hold (``why``: the capture's or the second size's failure)."""
+    text = f"declared dynamic with the other inputs (one row per sample), the batch did not hold: {why}"
+    return replace(narrower, dropped={key: text for key in narrower.dropped})
+
+
+def _per_sample(tensors: dict[str, torch.Tensor], others: list[str]) -> bool:
+    """Whether every input of a layout this module does not know (``pixel_values``, image sizes,
+    aspect ratios) has one row per sample: its dimension 0 is the batch of the token inputs (a
+    Gemma3 or Llava example: one image per prompt). Then the batch is declared for them too, the
+    example grown by repeating whole samples. Patches of every image in one tensor (Qwen2-VL), or
+    several tiles of one prompt's image (Aya Vision) have another size there: the batch stays."""
+    batch = {int(v.shape[0]) for name, v in tensors.items() if name in TABLE and v.dim() >= 1}
+    return len(batch) == 1 and all(tensors[name].dim() >= 1 and int(tensors[name].shape[0]) in batch for name in others)
 
 
 DECLARED = "your dynamic= option"
@@ -289,5 +324,6 @@ def revised(proposal: Proposal, dims: dict[tuple[str, int], str], ranges: dict[s
                 if sym == proposal.dynamic.get(n, {}).get(d):
                     dropped.setdefault((other, od), why)
     bounded = {**proposal.ranges, **{k: v for k, v in ranges.items() if k not in symbols}}
+    narrower = proposal.narrower if "batch" in sizes else None  # the batch gone: nothing narrower to try
     return replace(proposal, dynamic=dynamic, capture_example=_grown(model, call, dynamic, sizes), dropped=dropped,
-                   ranges=bounded, limits={})
+                   ranges=bounded, limits={}, narrower=narrower)
