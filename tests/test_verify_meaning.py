@@ -178,3 +178,29 @@ def test_check_traceability_agrees_with_prepare_model_on_llama(with_inputs: bool
     tracer = fxprep.get_report(gm).tracer
     assert check.traceable, check.to_text()
     assert tracer in [a.tracer for a in check.attempts if a.ok], (tracer, check.to_text())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_output_larger_than_one_comparison_chunk_is_compared_to_its_last_element(dtype: torch.dtype) -> None:
+    # outputs are compared a chunk at a time (bounded memory for a VLM's logits): a difference, a NaN
+    # or an infinity only in the last chunk, at the last element, is still found
+    from fxprep.verify import _CHUNK, _compare
+
+    ref = torch.randn(3, _CHUNK + 5, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert _compare((ref,), (ref.clone(),), 0.0, 0.0).problem is None
+    off = ref.clone()
+    off[-1, -1] += 1
+    found = _compare((ref,), (off,), 1e-3, 1e-3)
+    assert found.problem is not None and found.worst == pytest.approx(1.0, abs=0.01)
+    nan = ref.clone()
+    nan[-1, -1] = float("nan")
+    assert "NaN at different positions (0 vs 1 NaNs)" in (_compare((ref,), (nan,), 1.0, 1.0).problem or "")
+    inf_a, inf_b = ref.clone(), ref.clone()
+    inf_a[-1, -1], inf_b[-1, -1] = float("inf"), float("-inf")
+    assert "infinities differ" in (_compare((inf_a,), (inf_b,), 1.0, 1.0).problem or "")
+    whole = ref[:, ::2]  # not contiguous
+    assert _compare((whole,), (whole.clone(),), 0.0, 0.0).worst == 0.0
+    ints = torch.arange(3 * (_CHUNK + 5)).reshape(3, -1)
+    other = ints.clone()
+    other[-1, -1] += 7
+    assert _compare((ints,), (other,), 0.0, 0.0).worst == 7.0
