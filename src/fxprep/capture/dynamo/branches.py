@@ -23,6 +23,7 @@ choice reads the batch size: ``batch <= 15``), which the graph does not have.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,17 +69,20 @@ class Branch:
         return f"`{self.where}` (the way it goes for {self.condition} only)"
 
 
+def _maybe_dynamic(t: torch.Tensor, dims: Iterable[int]) -> torch.Tensor:
+    """A ``detach()`` view of ``t`` with ``dims`` marked maybe-dynamic: the mark is an attribute on
+    the tensor object, so the user's tensors stay unmarked."""
+    view = t.detach()
+    for d in dims:
+        torch._dynamo.maybe_mark_dynamic(view, d)
+    return view
+
+
 def _marked(call: ExampleInputs, batch: int) -> ExampleInputs:
-    """``call`` with dimension 0 of every tensor of size ``batch`` marked maybe-dynamic, on
-    ``detach()`` views (the mark is an attribute on the tensor object: the user's tensors stay
-    unmarked)."""
+    """``call`` with dimension 0 of every tensor of size ``batch`` marked maybe-dynamic."""
 
     def mark(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0 or t.shape[0] != batch:
-            return t
-        view = t.detach()
-        torch._dynamo.maybe_mark_dynamic(view, 0)
-        return view
+        return t if t.dim() == 0 or t.shape[0] != batch else _maybe_dynamic(t, (0,))
 
     args, kwargs = pytree.tree_map_only(torch.Tensor, mark, (call.args, call.kwargs))
     return ExampleInputs(tuple(args), dict(kwargs))
@@ -146,12 +150,7 @@ def size_branches(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict
 
     def mark(name: str, value: Any) -> Any:
         dims = dynamic.get(name)
-        if not dims or not isinstance(value, torch.Tensor):
-            return value
-        view = value.detach()  # the mark is an attribute of the tensor object: the user's stays unmarked
-        for d in dims:
-            torch._dynamo.maybe_mark_dynamic(view, d)
-        return view
+        return _maybe_dynamic(value, dims) if dims and isinstance(value, torch.Tensor) else value
 
     marked = ExampleInputs(tuple(mark(n, a) for n, a in zip(names, call.args)),
                            {k: mark(k, v) for k, v in call.kwargs.items()})
