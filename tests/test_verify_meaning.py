@@ -184,7 +184,8 @@ def test_check_traceability_agrees_with_prepare_model_on_llama(with_inputs: bool
 def test_an_output_larger_than_one_comparison_chunk_is_compared_to_its_last_element(dtype: torch.dtype) -> None:
     # outputs are compared a chunk at a time (bounded memory for a VLM's logits): a difference, a NaN
     # or an infinity only in the last chunk, at the last element, is still found
-    from fxprep.verify import _CHUNK, _compare
+    from fxprep.compare import _CHUNK
+    from fxprep.compare import compare as _compare
 
     ref = torch.randn(3, _CHUNK + 5, generator=torch.Generator().manual_seed(0)).to(dtype)
     assert _compare((ref,), (ref.clone(),), 0.0, 0.0).problem is None

@@ -94,7 +94,7 @@ def assert_prepared(model: nn.Module, gm: torch.fx.GraphModule, example: Any, sa
     # save -> load -> the same outputs (no pickle; the model libraries are trusted explicitly)
     import tempfile
 
-    from fxprep.verify import flatten_output
+    from fxprep.compare import flatten_output
 
     with tempfile.TemporaryDirectory() as tmp:
         if save_error is not None:  # a known limitation of save(): it must say so clearly, not crash

@@ -35,9 +35,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .compare import flatten_output, tensor_diff
 from .errors import ExportError, FxprepError, FxprepWarning, InputMismatch, InvalidInput
 from .inputs import ExampleInputs, normalize_example_inputs
-from .verify import _tensor_diff, flatten_output
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -132,7 +132,7 @@ def _compare(expected: list[torch.Tensor], got: list[torch.Tensor], rtol: float,
     for i, (a, b) in enumerate(zip(expected, got)):
         if tuple(a.shape) != tuple(b.shape):
             raise ExportError(f"{what} output {i} has shape {tuple(b.shape)}, the prepared module's {tuple(a.shape)}.")
-        diff, problem = _tensor_diff(a.detach().cpu(), b.detach().cpu().to(a.dtype), rtol, atol)
+        diff, problem = tensor_diff(a.detach().cpu(), b.detach().cpu().to(a.dtype), rtol, atol)
         worst = max(worst, diff)
         if problem is not None:
             raise ExportError(
