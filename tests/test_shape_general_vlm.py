@@ -11,7 +11,8 @@ symbolic size would specialise the batch, so the capture builds that message laz
 shorter prompt (text added or removed at the end, the image tokens untouched) and, where the batch
 is free, on a batch of other samples (other text, other images). Llava with a Pixtral tower and
 Mistral3 decide each image's size from data (``.tolist()``), one set of values per image: their batch
-stays, and says why. Qwen2-VL, whose rope index stays opaque, keeps static shapes and says why.
+stays, and says why; so does Llava 1.5 (a CLIP tower), whose image features become a Python list of
+one entry per sample (``list(image_features)``). Qwen2-VL, whose rope index stays opaque, keeps static shapes and says why.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ BATCH_FREE = ("gemma3", "paligemma", "mllama")  # one image per prompt, nothing 
 
 @pytest.mark.parametrize(("name", "dtype"), [("gemma3", torch.float32), ("gemma3", torch.bfloat16),
                                              ("llava_pixtral", torch.float32), ("mistral3", torch.float32),
-                                             ("paligemma", torch.float32), ("mllama", torch.float32)])
+                                             ("paligemma", torch.float32), ("mllama", torch.float32),
+                                             ("llava_clip", torch.float32)])
 def test_a_vlm_prepared_on_one_prompt_runs_on_prompts_of_other_lengths(name: str, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     model, inputs = _builder(name)()
@@ -108,9 +110,11 @@ def test_a_vlm_prepared_on_one_prompt_runs_on_prompts_of_other_lengths(name: str
             torch.testing.assert_close(prepared, eager, rtol=1e-5, atol=1e-5)
         else:
             torch.testing.assert_close(prepared.float(), eager.float(), rtol=2e-2, atol=2e-2)
-    if not batch_free:
+    if not batch_free:  # the batch was tried with the images and did not hold: why, and where
         two = {k: torch.cat([v, v]) for k, v in inputs.items()}
-        with pytest.raises(fxprep.InputMismatch, match="dim 0: declared dynamic with the other inputs"):
+        why = ("the model's code specialises 'batch' to 2 at .*modeling_llava.py:\\d+ in get_image_features"
+               if name == "llava_clip" else "declared dynamic with the other inputs .* one set per image")
+        with pytest.raises(fxprep.InputMismatch, match=f"pixel_values: shape .* \\(dim 0: {why}"):
             gm(**two)
 
 
@@ -152,6 +156,8 @@ def test_what_is_proposed_for_multimodal_examples() -> None:
     assert proposal.capture_example.kwargs["pixel_values"].shape[0] == 2  # grown past Dynamo's 0/1 specialisation
     assert proposal.narrower is not None and proposal.narrower.dynamic == {
         "input_ids": {1: "seq"}, "attention_mask": {1: "seq"}, "token_type_ids": {1: "seq"}}
+    assert set(proposal.narrower.dropped) == {(n, 0) for n in ("input_ids", "attention_mask", "token_type_ids",
+                                                                "pixel_values")}
     # two tiles of one prompt's image (Aya Vision): not one row per sample, the batch stays
     model, inputs = _builder("aya_vision")()
     proposal = autodims.propose(model, ExampleInputs((), inputs))

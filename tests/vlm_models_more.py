@@ -235,5 +235,18 @@ def lfm2_vl():
                    "spatial_shapes": spatial_shapes, "pixel_attention_mask": pixel_attention_mask}
 
 
+def llava_clip():
+    """Llava 1.5's layout: a CLIP tower, one 32 px image (4x4 patches, the CLS token dropped: 16 tokens)."""
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 image_size=32, patch_size=8, projection_dim=32)
+    cfg = tf.LlavaConfig(vision_config=vision.to_dict(), text_config=tf.LlamaConfig(**text_common()).to_dict(),
+                         image_token_index=IMG, vision_feature_layer=-2, vision_feature_select_strategy="default",
+                         image_seq_length=16)
+    model = tf.LlavaForConditionalGeneration(cfg).eval()
+    ids = _ids(3, 16, 3)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                   "pixel_values": torch.randn(1, 3, 32, 32, generator=_g(1))}
+
+
 BUILDERS = {f.__name__: f for f in (qwen3_vl, qwen3_vl_moe, glm4v, internvl, paligemma, smolvlm, aya_vision, llava_next,
-                                    llava_onevision, qwen3_5, gemma3n, lfm2_vl)}
+                                    llava_onevision, qwen3_5, gemma3n, lfm2_vl, llava_clip)}

@@ -147,7 +147,7 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
         else:  # the batch too, and the length alone where it does not hold (:func:`narrower`)
             length = {n: {d: s for d, s in ds.items() if s != "batch"} for n, ds in dynamic.items() if n not in others}
             length = {n: ds for n, ds in length.items() if ds}
-            dropped_batch = {(name, 0): why for name in length}
+            dropped_batch = {(name, 0): why for name in dynamic}  # the images' rows too: one reason for all
             fallback = Proposal(length, _grown(model, call, length, {k: v for k, v in sizes.items() if k != "batch"}),
                                 dropped_batch) if length else None
             return Proposal(dynamic, _grown(model, call, dynamic, sizes), narrower=fallback)
