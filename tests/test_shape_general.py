@@ -292,3 +292,28 @@ def test_dynamic_batch_on_a_cnn_is_captured_by_dynamo() -> None:
         torch.testing.assert_close(gm(x), model(x))
 
 
+
+
+def test_a_size_whose_guards_solve_to_one_value_is_dropped_the_others_stay_free() -> None:
+    # Pegasus-X pads the sequence to its block size and branches on `seq % block_size`: export says
+    # "solving the guards generated for seq ... resulted in a specialized value of 8", not Dynamo's
+    # "you marked seq as dynamic" wording. Read as a specialisation, the sequence alone stays static;
+    # the batch and the decoder's length stay free (before, the whole capture fell back to static
+    # shapes and only the batch was recovered)
+    from fxprep.cli.specs import tiny_config
+
+    config = tiny_config("pegasus_x")
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSeq2SeqLM.from_config(config).eval()
+    g = torch.Generator().manual_seed(0)
+    example = {"input_ids": torch.randint(3, 99, (1, 8), generator=g), "decoder_input_ids": torch.randint(3, 99, (1, 4), generator=g)}
+    gm = fxprep.prepare_model(model, example_inputs=example)
+    text = fxprep.get_report(gm).to_text()
+    assert "decoder_input_ids dim 1 (decoder_seq)" in text and "input_ids dim 0 (batch)" in text
+    assert "input_ids dim 1 stays at the example's size: the model's code specialises 'seq' to 8" in text
+    later = {"input_ids": torch.randint(3, 99, (3, 8), generator=g), "decoder_input_ids": torch.randint(3, 99, (3, 6), generator=g)}
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**later)[0], model(**later, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(fxprep.InputMismatch, match="specialises 'seq' to 8"):
+        gm(input_ids=torch.randint(3, 99, (1, 13), generator=g), decoder_input_ids=example["decoder_input_ids"])

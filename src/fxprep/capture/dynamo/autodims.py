@@ -241,6 +241,8 @@ def _grown(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict[int, s
 
 _MARKED = re.compile(r"You marked (\w+) as dynamic but your code specialized it to be a constant \((-?\d+)\)")
 _NOT_ALL = re.compile(r"Not all values of (\w+) = .*? satisfy the generated guard (.*)")
+# export's other wording: the guards on a symbol solved to one value ("Suggested fixes: decoder_seq = 4")
+_SOLVED = re.compile(r"solving the guards generated for (\w+) = .*? resulted in a specialized value of (-?\d+)")
 _RANGE_FIX = re.compile(r"^\s*(\w+) = Dim\('\w+'((?:, (?:min|max)=-?\d+)*)\)\s*$", re.M)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
@@ -251,6 +253,11 @@ def _readable(guard: str) -> str:
     text = SIZE_SOURCE.sub(lambda m: f"{m.group(1)}.shape[{m.group(2)}]", guard)
     # export's own lower bound for a size it traced symbolically, not something the model asks for
     return re.sub(r"^2 <= (\S+) and ", "", text)
+
+
+def _unlinked(guard: str) -> str:
+    """A guard as Dynamo writes it, cut where its next message runs on without a line break."""
+    return re.split(r"(?<=\d)(?=[A-Z][a-z])", guard, maxsplit=1)[0].rstrip(".")
 
 
 def _where(section: str) -> str:
@@ -284,6 +291,14 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         for key in symbols[sym]:
             found[key] = why
     guards = {m.group(1): m.group(2).strip() for m in _NOT_ALL.finditer(text)}
+    for m in _SOLVED.finditer(text):
+        sym, value = m.group(1), m.group(2)
+        if sym in symbols and not any(key in found for key in symbols[sym]):
+            first = next((g.group(2).strip() for g in _NOT_ALL.finditer(text) if g.group(1) == sym), "")
+            why = f"the model's code specialises '{sym}' to {value}" + (
+                f" (its guards solve to it: {_readable(_unlinked(first))[:160]})" if first else "")
+            for key in symbols[sym]:
+                found[key] = why
     ranges: dict[str, tuple[int | None, int | None, str]] = {}
     fixes = text.split("Suggested fixes", 1)[1] if "Suggested fixes" in text else ""
     for m in _RANGE_FIX.finditer(fixes):
