@@ -290,11 +290,15 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         why = f"the model's code specialises '{sym}' to {value}{_where(section)}"
         for key in symbols[sym]:
             found[key] = why
-    guards = {m.group(1): m.group(2).strip() for m in _NOT_ALL.finditer(text)}
+    all_guards = [(m.group(1), m.group(2).strip()) for m in _NOT_ALL.finditer(text)]
+    guards = dict(all_guards)  # a symbol's last guard: its range, where export bounds it
+    first_guards: dict[str, str] = {}
+    for sym, guard in all_guards:
+        first_guards.setdefault(sym, guard)
     for m in _SOLVED.finditer(text):
         sym, value = m.group(1), m.group(2)
         if sym in symbols and not any(key in found for key in symbols[sym]):
-            first = next((g.group(2).strip() for g in _NOT_ALL.finditer(text) if g.group(1) == sym), "")
+            first = first_guards.get(sym, "")
             why = f"the model's code specialises '{sym}' to {value}" + (
                 f" (its guards solve to it: {_readable(_unlinked(first))[:160]})" if first else "")
             for key in symbols[sym]:
