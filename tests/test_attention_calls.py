@@ -220,8 +220,7 @@ class _CausalUnlessCompiling(torch.nn.Module):
 def test_attention_called_otherwise_is_named_in_the_report() -> None:
     """Where the capture cannot take eager's attention path, the report says so, from the attention
     calls of verification's two runs (fxprep.attention_calls): a toy library that branches on
-    compiling, and BioGPT, which fills an all-ones padding mask itself when none is given (eager
-    reads its values and drops it)."""
+    compiling."""
     torch.manual_seed(0)
     toy = _CausalUnlessCompiling().eval()
     gm = fxprep.prepare_model(toy, example_inputs={"x": torch.randn(2, 5, 16)})
@@ -229,12 +228,95 @@ def test_attention_called_otherwise_is_named_in_the_report() -> None:
     assert gm.fxprep_report.verification.status == "passed"
     assert "1 of 1 differ" in named and "eager attn_mask=None, is_causal=True" in named
     assert "attn_mask=Tensor[5x5, bool], is_causal=False" in named and named in gm.fxprep_report.notes
+
+
+def _biogpt(dtype: torch.dtype) -> torch.nn.Module:
     config = tf.BioGptConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, max_position_embeddings=64)
-    config._attn_implementation = "sdpa"
-    biogpt = tf.BioGptForCausalLM(config).eval()
-    ids = _ids()
-    gm = fxprep.prepare_model(biogpt, example_inputs={"input_ids": ids})
-    eager, prepared = record(biogpt, {"input_ids": ids}), record(gm, {"input_ids": ids})
-    assert differences(eager, prepared)  # what the report must name (BioGPT's, not fxprep's)
-    assert "2 of 2 differ" in gm.fxprep_report.verification.attention
+                             num_attention_heads=4, max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return tf.BioGptForCausalLM(config).to(dtype).eval()
+
+
+def _pix2struct_text(dtype: torch.dtype) -> torch.nn.Module:
+    config = tf.Pix2StructTextConfig(vocab_size=128, hidden_size=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+                                     attn_implementation="sdpa")
+    config.initializer_range = 0.02  # read by its weight init, missing from the text config alone
+    torch.manual_seed(0)
+    return tf.Pix2StructTextModel(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("build", [_biogpt, _pix2struct_text], ids=["biogpt", "pix2struct_text"])
+def test_a_padding_mask_the_model_fills_with_ones_is_skipped_as_eager_skips_it(build, dtype) -> None:
+    """BioGPT and Pix2Struct fill an all-ones padding mask themselves when none is given; eager reads
+    it, finds no padding and calls SDPA without one. The graph does too (the mask builder gets none,
+    fxprep.capture.hf_unpadded), at the example's size and at others, exactly; a padding mask the
+    user gives is still applied."""
+    model = build(dtype)
+    forward = type(model.base_model if hasattr(model, "base_model") else model).forward
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 8)})
+    assert gm.fxprep_report.verification.status == "passed" and not gm.fxprep_report.verification.attention
+    for ids in (_ids(1, 8), _ids(3, 13)):
+        eager, prepared = record(model, {"input_ids": ids}), record(gm, {"input_ids": ids})
+        assert eager and differences(eager, prepared) == []
+        with torch.no_grad():
+            assert torch.equal(_first(gm(input_ids=ids)), _first(model(input_ids=ids)))
+    # the class keeps its own method, and no copy is left on the instances
+    assert type(model.base_model if hasattr(model, "base_model") else model).forward is forward
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    # a mask the user gives is the user's data: applied as given (a materialised mask, as eager's)
+    ids = _ids(2, 12)
+    inputs = {"input_ids": ids, "attention_mask": _padded(ids)}
+    gm = fxprep.prepare_model(model, example_inputs=inputs)
+    eager, prepared = record(model, inputs), record(gm, inputs)
+    assert differences(eager, prepared) == [] and any(c["mask"] is not None for c in prepared)
+    with torch.no_grad():
+        assert torch.equal(_first(gm(**inputs)), _first(model(**inputs)))
+
+
+def _first(output) -> torch.Tensor:
+    """The logits (or last hidden state) of a model's or a prepared module's output."""
+    return output[0] if isinstance(output, (tuple, list)) else next(iter(output.values()))
+
+
+def test_the_ones_mask_is_dropped_only_where_the_builder_makes_the_same_mask_without_it() -> None:
+    """fxprep.capture.hf_unpadded: the source rewrite applies only where the mask's one assignment
+    is the ``torch.ones`` of an ``if mask is None``, and the builder is given none only where that
+    is the same mask (2D, as long as the keys, no cache, no positions to look for packing in)."""
+    import ast
+
+    from transformers import masking_utils
+
+    from fxprep.capture import hf_unpadded
+
+    namespace = {"create_causal_mask": masking_utils.create_causal_mask, "torch": torch}
+    filled = ast.parse("def f(x, attention_mask=None):\n    if attention_mask is None:\n"
+                       "        attention_mask = torch.ones(2, 3)\n"
+                       "    return create_causal_mask(config=1, inputs_embeds=x, attention_mask=attention_mask)\n").body[0]
+    assert hf_unpadded.rewrite(filled, namespace) == {hf_unpadded.HELPER: hf_unpadded.unpadded}
+    text = ast.unparse(filled)
+    assert "_fxprep_unpadded(create_causal_mask, _fxprep_ones_attention_mask)(" in text
+    assert text.index("_fxprep_ones_attention_mask = False") < text.index("if attention_mask is None")
+    reassigned = ast.parse(ast.unparse(ast.parse("def f(x, attention_mask=None):\n    if attention_mask is None:\n"
+                                                 "        attention_mask = torch.ones(2, 3)\n"
+                                                 "    attention_mask = attention_mask.view(-1, 3)\n"
+                                                 "    return create_causal_mask(1, x, attention_mask)\n"))).body[0]
+    assert hf_unpadded.rewrite(reassigned, namespace) is None
+    another = ast.parse("def f(x, attention_mask=None):\n    if attention_mask is None:\n"
+                        "        attention_mask = torch.ones(2, 3)\n"
+                        "    return create_causal_mask(1, x, attention_mask)\n").body[0]
+    assert hf_unpadded.rewrite(another, {"create_causal_mask": lambda *a: None, "torch": torch}) is None
+
+    seen: list = []
+
+    def builder(config, inputs_embeds, attention_mask, cache=None, position_ids=None):
+        seen.append(attention_mask)
+
+    embeds, ones = torch.zeros(2, 5, 8), torch.ones(2, 5)
+    hf_unpadded.unpadded(builder, True)(1, embeds, ones)
+    hf_unpadded.unpadded(builder, False)(1, embeds, ones)
+    hf_unpadded.unpadded(builder, True)(1, embeds, ones, position_ids=torch.arange(5)[None])
+    hf_unpadded.unpadded(builder, True)(1, embeds, torch.ones(2, 7))  # longer than the keys
+    hf_unpadded.unpadded(builder, True)(1, embeds, ones, cache=object())
+    hf_unpadded.unpadded(builder, True)(config=1, inputs_embeds=embeds, attention_mask=torch.ones(2, 1, 5, 5))
+    assert seen[0] is None and all(isinstance(m, torch.Tensor) for m in seen[1:])

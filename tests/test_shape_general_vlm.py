@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import fxprep
-from fxprep.capture import hf_checks
+from fxprep.capture import hf_source
 from fxprep.capture.dynamo import autodims
 from fxprep.capture.dynamo.fallback import capture_dynamo_leaves
 from fxprep.capture.request import CaptureRequest
@@ -126,7 +126,7 @@ def test_the_check_message_is_built_lazily_during_capture_and_still_said_when_it
     ids = inputs["input_ids"]
     embeds = inner.get_input_embeddings()(ids)
     wrong = torch.zeros(1, 8, embeds.shape[-1])  # 8 features for 4 image tokens
-    with hf_checks.lazy_check_messages(model):
+    with hf_source.rewritten_methods(model):
         copy = inner.__dict__["get_placeholder_mask"]
         assert copy.__func__ is not type(inner).get_placeholder_mask
         assert copy(ids, inputs_embeds=embeds, image_features=torch.zeros(1, 4, embeds.shape[-1])).sum() == 4

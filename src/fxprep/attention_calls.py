@@ -4,9 +4,9 @@ Why: which kernel ``F.scaled_dot_product_attention`` runs is decided by its argu
 result. A graph that passes a materialised causal mask where eager passes ``attn_mask=None,
 is_causal=True`` computes the same values (verification passes), yet on CUDA it cannot use the
 flash kernel: another rounding in bf16, and slower at long sequences. fxprep makes the capture
-take eager's path where that is static (:mod:`fxprep.capture.hf_attention`); where a model builds
-its mask from values the capture cannot follow (BioGPT fills an all-ones padding mask itself and
-transformers reads its values to drop it), only a comparison of the two runs shows it. The
+take eager's path where that is static (:mod:`fxprep.capture.hf_attention`, and
+:mod:`fxprep.capture.hf_unpadded` for a padding mask a model fills with ones itself); where a model
+builds its mask from values the capture cannot follow, only a comparison of the two runs shows it. The
 reference run and the prepared run of verification each record their calls (a
 ``TorchFunctionMode``, which sees every torch function call of the run), and a difference is
 named in the report.

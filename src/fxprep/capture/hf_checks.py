@@ -10,28 +10,22 @@ specialised by a message that is never shown, and the graph refuses every other 
 
 ``torch_compilable_check`` also takes its message as a callable, built only when the check fails.
 During capture each method of the model's transformers classes that passes an f-string runs a copy
-whose message is ``lambda: f"..."`` (:mod:`.rewrite.source` compiles it: the method's globals,
-closure kept, installed on the instances only for the ``with`` block); nothing else in the method
-changes, so the check itself is traced as before. A decorated method (a few models' ``forward``),
-or one whose source cannot be read or recompiled, keeps its original code.
+(:mod:`.hf_source`, decorated ``forward`` methods included) whose message is ``lambda: f"..."``;
+nothing else in the method changes, so the check itself is traced as before.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
-import inspect
 import types
-from collections.abc import Iterator
 from typing import Any
 
-from torch import nn
-
-from .rewrite.source import Method, SourceUnavailable, bound, compile_function, parse
-
 _CHECK = "torch_compilable_check"
-_COMPILED: dict[int, tuple[Any, Any]] = {}  # id(class attribute) -> (the attribute, its lazy copy or None)
-_CALLING: dict[type, list[tuple[str, types.FunctionType]]] = {}  # a class -> its methods that call the check
+
+
+def wanted(code: types.CodeType) -> bool:
+    """Whether a function's code calls the check (a cheap test before its source is parsed)."""
+    return _CHECK in code.co_names
 
 
 class _LazyMessage(ast.NodeTransformer):
@@ -58,57 +52,9 @@ class _LazyMessage(ast.NodeTransformer):
         return ast.copy_location(ast.Lambda(args=empty, body=message), message)
 
 
-def _methods(model: nn.Module) -> list[Method]:
-    """The undecorated methods of ``model``'s transformers classes that call the check, each with
-    the modules whose class resolves the name to it (a subclass overriding it does not run it)."""
-    by_type: dict[type, list[nn.Module]] = {}
-    for module in model.modules():
-        by_type.setdefault(type(module), []).append(module)
-    found: dict[tuple[type, str], Method] = {}
-    for kind, modules in by_type.items():
-        for cls in kind.__mro__:
-            for name, fn in _calling(cls):
-                method = found.setdefault((cls, name), Method(cls, name, fn, fn, fn.__code__.co_filename, 0, 0))
-                if inspect.getattr_static(kind, name, None) is fn:
-                    method.instances.extend(modules)
-    return [m for m in found.values() if m.instances]
-
-
-def _calling(cls: type) -> list[tuple[str, types.FunctionType]]:
-    """``(name, function)`` of the plain functions ``cls`` itself defines that call the check, for a
-    transformers class. A decorated method (a model's ``forward`` under ``can_return_tuple`` and
-    the like) is left as it is: its decorators would have to be applied again to a copy."""
-    if cls not in _CALLING:
-        _CALLING[cls] = [] if not cls.__module__.startswith("transformers.") else [
-            (name, attr) for name, attr in vars(cls).items()
-            if isinstance(attr, types.FunctionType) and not hasattr(attr, "__wrapped__")
-            and _CHECK in attr.__code__.co_names]
-    return _CALLING[cls]
-
-
-def _lazy_copy(method: Method) -> Any:
-    """``method`` compiled with its messages lazy, or None (no f-string message, or its source
-    cannot be recompiled). Compiled once per class attribute."""
-    cached = _COMPILED.get(id(method.attr))
-    if cached is not None and cached[0] is method.attr:
-        return cached[1]
-    copy = None
-    try:
-        tree = parse(method)
-        change = _LazyMessage()
-        change.visit(tree)
-        if change.changed:
-            copy = compile_function(method, tree, {})
-    except (SourceUnavailable, SyntaxError, ValueError, TypeError):
-        copy = None
-    _COMPILED[id(method.attr)] = (method.attr, copy)
-    return copy
-
-
-@contextlib.contextmanager
-def lazy_check_messages(model: nn.Module) -> Iterator[None]:
-    """For the ``with`` block, the model's transformers methods that build a check's message before
-    the check run copies that build it only when the check fails (module docstring)."""
-    replacements = [(m, copy) for m in _methods(model) if (copy := _lazy_copy(m)) is not None]
-    with bound(replacements):
-        yield
+def rewrite(tree: ast.FunctionDef, namespace: dict[str, Any]) -> dict[str, Any] | None:
+    """Make every f-string message of the check in ``tree`` lazy, in place; ``{}`` (no helpers)
+    when one was, None when there was none."""
+    change = _LazyMessage()
+    change.visit(tree)
+    return {} if change.changed else None

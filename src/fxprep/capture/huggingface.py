@@ -19,7 +19,7 @@ from torch import nn
 from ..inputs import ExampleInputs
 from .common import CaptureAttempt, CaptureResult
 from .hf_attention import VALUE_DEPENDENT, WINDOW_LIMIT, WINDOWED, eager_attention_paths
-from .hf_checks import lazy_check_messages
+from .hf_source import rewritten_methods
 
 CAPTURE_ATTENTION = ("eager", "sdpa")
 
@@ -123,8 +123,10 @@ def capture_context(model: nn.Module, notes: list[str] | None = None,
     (:func:`_hooks_flagged`); both are put back afterwards. transformers' mask and attention code
     takes eager's branch where that is static for ``example``'s structure (:mod:`.hf_attention`;
     ``dynamic_length``: the example's sequence length where one is declared dynamic, which decides a
-    local attention window's mask). A check's message built before the check is built lazily
-    (:mod:`.hf_checks`: formatting a symbolic size would specialise it). Also for a model that wraps
+    local attention window's mask). Methods whose source takes another path under a trace for a
+    reason plain from the source run a rewritten copy (:mod:`.hf_source`: a check's message built
+    lazily, a padding mask the model fills with ones itself given to the mask builder as none).
+    Also for a model that wraps
     transformers models (:func:`hf_submodels`); a no-op for other models."""
     submodels = hf_submodels(model)
     if not submodels:
@@ -151,7 +153,7 @@ def capture_context(model: nn.Module, notes: list[str] | None = None,
             notes.append(VALUE_DEPENDENT)
         windows: list[tuple[int, bool]] = []
         with eager_attention_paths(positions_given=given, length=dynamic_length, windows=windows), \
-                lazy_check_messages(model):
+                rewritten_methods(model):
             yield
         for masked, text in ((True, WINDOWED), (False, WINDOW_LIMIT)):
             met = sorted({w for w, m in windows if m is masked})
