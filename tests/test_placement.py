@@ -10,7 +10,9 @@ such a map is checked without them.
 
 from __future__ import annotations
 
+import gc
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,7 @@ def test_device_map_outputs_equal_from_pretrained(llama_dir: Path, want: torch.T
 
 
 def test_auto_map_from_max_memory_keeps_blocks_whole(llama_dir: Path, want: torch.Tensor) -> None:
+    folders = set(Path(tempfile.gettempdir()).glob("fxprep-offload-*"))
     gm = _meta_prepared()
     fxprep.load_weights(gm, llama_dir, device_map="auto", max_memory={"cpu": 60_000})
     placed = gm.hf_device_map
@@ -91,6 +94,12 @@ def test_auto_map_from_max_memory_keeps_blocks_whole(llama_dir: Path, want: torc
     assert not any(k.startswith("model.layers.") and k.count(".") > 2 for k in placed)  # no layer split
     with torch.no_grad():
         assert torch.equal(gm(input_ids=IDS).logits, want)
+    # no offload_dir given: fxprep's own folder (the offload index) goes with the module
+    made = set(Path(tempfile.gettempdir()).glob("fxprep-offload-*")) - folders
+    assert len(made) == 1 and (next(iter(made)) / "index.json").exists()
+    del gm
+    gc.collect()
+    assert not next(iter(made)).exists()
 
 
 def test_a_state_dict_goes_to_the_offload_folder(llama_dir: Path, want: torch.Tensor, tmp_path: Path) -> None:

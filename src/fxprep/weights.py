@@ -467,7 +467,9 @@ def _load_by_map(gm: fx.GraphModule, source: Any, device_map: Any, dtype: torch.
     """:func:`load_weights` with a device map: each tensor straight to its module's device; those
     mapped to ``disk`` are not loaded but named in accelerate's offload index (the checkpoint's own
     safetensors files, or written to ``offload_dir``), then accelerate's ``dispatch_model``."""
+    import shutil
     import tempfile
+    import weakref
 
     from accelerate.utils import offload_weight, save_offload_index
 
@@ -483,7 +485,12 @@ def _load_by_map(gm: fx.GraphModule, source: Any, device_map: Any, dtype: torch.
     where = {key: placement.device_of(slot.paths + slot.names, device_map) for key, slot in plan.slot_of.items()}
     disk = {key for key, device in where.items() if device == "disk"}
     on_disk = "disk" in device_map.values()
-    folder = str(offload_dir) if offload_dir is not None else (tempfile.mkdtemp(prefix="fxprep-offload-") if on_disk else None)
+    folder = str(offload_dir) if offload_dir is not None else None
+    if folder is None and on_disk:
+        # fxprep's own folder lives as long as the module whose hooks read it (weights written there
+        # from a .bin checkpoint are as large as those weights): removed when the module is collected
+        folder = tempfile.mkdtemp(prefix="fxprep-offload-")
+        weakref.finalize(gm, shutil.rmtree, folder, True)
     roots = [gm] if original is None else [gm, original]
     _, new = _fill_missing(slots, plan, checkpoint, original, roots, main)
     index: dict[str, Any] = {}
