@@ -317,3 +317,23 @@ def test_a_size_whose_guards_solve_to_one_value_is_dropped_the_others_stay_free(
         torch.testing.assert_close(gm(**later)[0], model(**later, use_cache=False).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(fxprep.InputMismatch, match="specialises 'seq' to 8"):
         gm(input_ids=torch.randint(3, 99, (1, 13), generator=g), decoder_input_ids=example["decoder_input_ids"])
+
+
+def test_a_guard_that_leaves_out_the_end_of_a_range_moves_that_end_the_dimension_stays_free() -> None:
+    # GPT-1 slices its position table (64 here) to the length: Dynamo guards `seq <= 64` and, where
+    # the slice would be the whole table, `seq != 64`, with no fix suggested for the second. Read as
+    # the range's end moved in by one, batch and length stay free (before: the length static at 8)
+    from fxprep.cli.specs import tiny_config
+
+    config = tiny_config("openai-gpt")
+    torch.manual_seed(0)
+    model = transformers.OpenAIGPTLMHeadModel(config).eval()
+    assert config.n_positions == 64
+    g = torch.Generator().manual_seed(0)
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(3, 99, (1, 8), generator=g)})
+    text = fxprep.get_report(gm).to_text()
+    assert "input_ids dim 0 (batch), input_ids dim 1 (seq)" in text and "input_ids.shape[1] != 64" in text
+    for batch, length in ((3, 13), (2, 64), (1, 2)):  # the table's whole length too: the graph's slice holds there
+        ids = torch.randint(3, 99, (batch, length), generator=g)
+        with torch.no_grad():
+            assert torch.equal(gm(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -244,6 +244,7 @@ _NOT_ALL = re.compile(r"Not all values of (\w+) = .*? satisfy the generated guar
 # export's other wording: the guards on a symbol solved to one value ("Suggested fixes: decoder_seq = 4")
 _SOLVED = re.compile(r"solving the guards generated for (\w+) = .*? resulted in a specialized value of (-?\d+)")
 _RANGE_FIX = re.compile(r"^\s*(\w+) = Dim\('\w+'((?:, (?:min|max)=-?\d+)*)\)\s*$", re.M)
+_EXCLUDED = re.compile(r"^\S+\.size\(\)\[\d+\] != (-?\d+)$")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
@@ -312,7 +313,27 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         bounds = dict(re.findall(r"(min|max)=(-?\d+)", m.group(2)))
         ranges[sym] = (int(bounds["min"]) if "min" in bounds else None, int(bounds["max"]) if "max" in bounds else None,
                        f"the model's code requires {_readable(guards.get(sym, 'a range'))[:200]}")
+    for sym, guard in all_guards:
+        _exclude_end(sym, _unlinked(guard), ranges, proposal, symbols)
     return found, ranges
+
+
+def _exclude_end(sym: str, guard: str, ranges: dict[str, tuple[int | None, int | None, str]],
+                 proposal: Proposal, symbols: dict[str, Any]) -> None:
+    """A guard ``size != N`` where ``N`` ends the symbol's range (GPT-1 slices its 64-position table
+    to the length: ``seq <= 64``, and ``seq != 64`` where the slice would be the whole table) moves
+    that end in by one; export suggests no fix for it, so without this the declared length was given
+    up for the example's. A value inside the range cannot be left out of a ``Dim``: left as it is."""
+    m = _EXCLUDED.match(guard.strip())
+    if m is None or sym not in symbols:
+        return
+    value = int(m.group(1))
+    low, high, why = ranges.get(sym) or proposal.ranges.get(sym) or (None, None, "")
+    said = f"the model's code requires {_readable(guard)[:120]}"
+    if high == value:
+        ranges[sym] = (low, value - 1, f"{why}; {said}" if why else said)
+    elif low == value:
+        ranges[sym] = (value + 1, high, f"{why}; {said}" if why else said)
 
 
 def specialises(err: BaseException) -> bool:
