@@ -337,3 +337,42 @@ def test_a_guard_that_leaves_out_the_end_of_a_range_moves_that_end_the_dimension
         ids = torch.randint(3, 99, (batch, length), generator=g)
         with torch.no_grad():
             assert torch.equal(gm(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_the_sizes_a_guard_holds_for_are_read_from_its_text() -> None:
+    from fxprep.capture.dynamo.guard_range import interval
+
+    src = "L['kwargs']['input_ids'].size()[1]"
+    mpt = f"{src} == (2048 + ((-1)*torch.sym_max(0, 2048 + ((-1)*{src}))))."
+    assert interval([mpt], src, 8) == (2, 2048)
+    assert interval([mpt, f"(2048 + ((-1)*torch.sym_max(0, 2048 + ((-1)*{src})))) != 2048"], src, 8) == (2, 2047)
+    assert interval([f"({src} % 64) == 8"], src, 8) is None  # 8 alone around the example: a specialisation
+    assert interval([f"({src} // 64) != 1"], src, 8) == (2, 63)  # and 128 on: the interval around the example
+    assert interval([f"{src} >= 5 and {src} <= 40"], src, 8) == (5, 40)
+    assert interval([f"{src} >= 5"], src, 8) == (5, None)
+    assert interval([f"{src} <= 40"], src, 50) is None  # the example's own size fails
+    assert interval([f"L['kwargs']['attention_mask'].size()[1] <= {src}"], src, 8) is None  # another size
+    assert interval([f"__import__('os').system('true') or {src} > 1"], src, 8) is None  # only arithmetic is read
+
+
+def test_a_range_export_suggests_no_fix_for_is_read_off_its_guards_and_checked() -> None:
+    # MPT slices its ALiBi table (2048 here) to the length through sym_max: export's guard says
+    # `seq <= 2048` without a suggested Dim, and the length was static at the example's; now it is
+    # free below the table's length, checked by the prepared module (a limit, not a silent bound)
+    from fxprep.cli.specs import tiny_config
+
+    config = tiny_config("mpt")
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = transformers.MptForCausalLM(config).eval()
+    assert config.max_seq_len == 2048
+    g = torch.Generator().manual_seed(0)
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(3, 99, (1, 8), generator=g)})
+    text = fxprep.get_report(gm).to_text()
+    assert "'seq' is dynamic <= 2047: the guards Dynamo put on it hold for 2..2047" in text
+    for batch, length in ((3, 13), (2, 100)):
+        ids = torch.randint(3, 99, (batch, length), generator=g)
+        with torch.no_grad():
+            assert torch.equal(gm(input_ids=ids).logits, model(input_ids=ids).logits)
+    with pytest.raises(fxprep.InputMismatch, match="2047"):
+        gm(input_ids=torch.randint(3, 99, (1, 2049), generator=g))

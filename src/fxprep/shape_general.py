@@ -125,8 +125,11 @@ def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -
         return dataclasses.replace(proposal, limits={k: (lo, hi, f"{w}; {why}") for k, (lo, hi, w) in proposal.ranges.items()})
     inputs = autodims.named_inputs(model, proposal.capture_example)
     sizes = {sym: int(inputs[name].shape[d]) for name, dims in proposal.dynamic.items() for d, sym in dims.items()}
-    kept: dict[str, tuple[int | None, int | None, str]] = {}
+    # a range read off the guards themselves is where the graph holds, whatever set it
+    kept = {sym: r for sym, r in proposal.ranges.items() if r[2].startswith(autodims.GUARDS_HOLD)}
     for sym, (low, high, _) in proposal.ranges.items():
+        if sym in kept:
+            continue
         # sizes past the range: a branch that goes the other way at any of them is a limit. Not seen: a branch
         # past a kernel's bound (Dynamo decides it from the range that bound left, without a guard)
         outside = [n for n in (*SIZES, (high or 0) + 1, (low or 3) - 1)

@@ -244,6 +244,7 @@ _NOT_ALL = re.compile(r"Not all values of (\w+) = .*? satisfy the generated guar
 # export's other wording: the guards on a symbol solved to one value ("Suggested fixes: decoder_seq = 4")
 _SOLVED = re.compile(r"solving the guards generated for (\w+) = .*? resulted in a specialized value of (-?\d+)")
 _RANGE_FIX = re.compile(r"^\s*(\w+) = Dim\('\w+'((?:, (?:min|max)=-?\d+)*)\)\s*$", re.M)
+_NOT_ALL_SOURCE = re.compile(r"Not all values of (\w+) = (\S+) in the specified range.*? satisfy the generated guard (.*)")
 _EXCLUDED = re.compile(r"^\S+\.size\(\)\[\d+\] != (-?\d+)$")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
@@ -315,7 +316,42 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
                        f"the model's code requires {_readable(guards.get(sym, 'a range'))[:200]}")
     for sym, guard in all_guards:
         _exclude_end(sym, _unlinked(guard), ranges, proposal, symbols)
+    specialised = {proposal.dynamic[n][d] for n, d in found if d in proposal.dynamic.get(n, {})}
+    for sym in {sym for sym, _ in all_guards} - specialised - set(ranges):
+        held = _guards_hold(sym, text, proposal, symbols)
+        if held is not None:
+            ranges[sym] = held
     return found, ranges
+
+
+# Why a range came from evaluating Dynamo's guards (guard_range): always a limit the prepared module checks
+GUARDS_HOLD = "the guards Dynamo put on it hold for"
+
+
+def _guards_hold(sym: str, text: str, proposal: Proposal, symbols: dict[str, Any]
+                 ) -> tuple[int | None, int | None, str] | None:
+    """The range around the example's size where every guard export printed for ``sym`` holds,
+    evaluated from the guards' text (:mod:`.guard_range`: export suggests no ``Dim`` for a guard
+    written with ``sym_max`` or ``%``); None where they cannot be read or give no interval."""
+    from .guard_range import interval
+
+    if sym not in symbols:
+        return None
+    sources = {m.group(2) for m in _NOT_ALL_SOURCE.finditer(text) if m.group(1) == sym}
+    guards = [_unlinked(m.group(3)) for m in _NOT_ALL_SOURCE.finditer(text) if m.group(1) == sym]
+    value = next((proposal.capture_example.kwargs.get(n) for n, _ in symbols[sym]
+                  if isinstance(proposal.capture_example.kwargs.get(n), torch.Tensor)), None)
+    d = next((d for n, d in symbols[sym] if isinstance(proposal.capture_example.kwargs.get(n), torch.Tensor)), 0)
+    if len(sources) != 1 or value is None or d >= value.dim():
+        return None
+    held = interval(guards, sources.pop(), int(value.shape[d]))
+    if held is None:
+        return None
+    low, high, _ = proposal.ranges.get(sym) or (None, None, "")
+    low = max(held[0], low or 0)
+    high = held[1] if high is None else (high if held[1] is None else min(high, held[1]))
+    shown = _readable(guards[0])[:160]
+    return (low if low > 2 else None, high, f"{GUARDS_HOLD} {low}..{high if high is not None else ''} ({shown})")
 
 
 def _exclude_end(sym: str, guard: str, ranges: dict[str, tuple[int | None, int | None, str]],

@@ -1,0 +1,142 @@
+"""The sizes for which Dynamo's guards on one dimension hold, read from the guards' text.
+
+Why: when a declared dimension does not satisfy a guard the model's code put on it, export says so
+("Not all values of seq = L['input_ids'].size()[1] in the specified range satisfy the generated
+guard ...") and usually suggests a ``Dim`` range. For a guard written through ``sym_max``, ``%`` or
+``//`` it suggests nothing (MPT slices its ALiBi table to the length: ``seq == 2048 - max(0, 2048 -
+seq)``, i.e. ``seq <= 2048``), and the dimension was given up for the example's size. Each such
+guard is an integer expression in that one size; evaluated at integer sizes it tells the interval
+around the example's size where every guard holds, and a graph captured for that interval is right
+inside it: that is what Dynamo's guards mean.
+
+Only the arithmetic Dynamo writes is evaluated (integers, ``+ - * // %``, comparisons, ``and`` /
+``or`` / ``not``, ``torch.sym_max`` / ``sym_min``), from the parsed expression, never with ``eval``;
+a guard naming another size, or anything else, gives no interval. The interval is searched
+outwards from the example's size (doubling, then bisecting to the first size that fails) and then
+checked at spread sizes inside it; where a check fails (the sizes that hold are not one interval)
+there is no interval either.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from collections.abc import Callable
+
+_SIZE = "__size__"
+_LIMIT = 1 << 31  # past this a size is no size a model is called with
+_BINARY: dict[type, Callable[[int, int], int]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+}
+_COMPARE: dict[type, Callable[[int, int], bool]] = {
+    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+    ast.Gt: operator.gt, ast.GtE: operator.ge,
+}
+_CALLS = {"sym_max": max, "sym_min": min, "Max": max, "Min": min}
+
+
+class _Unknown(Exception):
+    """The guard holds something this module does not evaluate."""
+
+
+def _value(node: ast.AST, size: int) -> int | bool:
+    if isinstance(node, ast.Expression):
+        return _value(node.body, size)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, bool)):
+        return node.value
+    if isinstance(node, ast.Name) and node.id == _SIZE:
+        return size
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _value(node.left, size), _value(node.right, size)
+        if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and right == 0:
+            raise _Unknown("division by zero")
+        return _BINARY[type(node.op)](int(left), int(right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -int(_value(node.operand, size))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return not _value(node.operand, size)
+    if isinstance(node, ast.BoolOp):
+        values = [bool(_value(v, size)) for v in node.values]
+        return all(values) if isinstance(node.op, ast.And) else any(values)
+    if isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
+        left = _value(node.left, size)
+        for op, comparator in zip(node.ops, node.comparators):
+            right = _value(comparator, size)
+            if not _COMPARE[type(op)](int(left), int(right)):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.Call) and not node.keywords and node.args:
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        owner = node.func.value if isinstance(node.func, ast.Attribute) else None
+        if name in _CALLS and (owner is None or (isinstance(owner, ast.Name) and owner.id == "torch")):
+            return _CALLS[name](*(int(_value(a, size)) for a in node.args))
+    raise _Unknown(ast.dump(node)[:80])
+
+
+def parse(guard: str, source: str) -> ast.Expression | None:
+    """``guard`` (Dynamo's text) as an expression in the one size ``source`` names; None when it
+    does not parse or names anything else."""
+    text = guard.strip().rstrip(".").replace(source, _SIZE)
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return None
+    try:
+        _value(tree, 2)
+    except (_Unknown, TypeError, ValueError):
+        return None
+    return tree
+
+
+def _holds(guards: list[ast.Expression], size: int) -> bool:
+    try:
+        return all(bool(_value(g, size)) for g in guards)
+    except (_Unknown, TypeError, ValueError):
+        return False
+
+
+def _edge(guards: list[ast.Expression], start: int, step: int, stop: int) -> int:
+    """The last size from ``start`` (which holds) towards ``stop`` that holds before the first that
+    does not: doubling the distance, then bisecting."""
+    good, distance = start, 1
+    while True:
+        probe = start + step * distance
+        if (step > 0 and probe > stop) or (step < 0 and probe < stop):
+            probe = stop
+        if not _holds(guards, probe):
+            bad = probe
+            break
+        good = probe
+        if probe == stop:
+            return stop
+        distance *= 2
+    while abs(bad - good) > 1:
+        middle = (good + bad) // 2
+        if _holds(guards, middle):
+            good = middle
+        else:
+            bad = middle
+    return good
+
+
+def interval(guards: list[str], source: str, size: int, lowest: int = 2) -> tuple[int, int | None] | None:
+    """``(low, high)``: the sizes around ``size`` (the example's) for which every guard holds
+    (``high`` None: no end below 2**31); None when a guard cannot be read, the example's size
+    itself fails, it alone holds (a specialisation, not a range), or the sizes that hold are not
+    one interval at the points checked."""
+    parsed = [parse(g, source) for g in guards]
+    if not parsed or any(p is None for p in parsed):
+        return None
+    trees = [p for p in parsed if p is not None]
+    if not _holds(trees, size):
+        return None
+    low = _edge(trees, size, -1, lowest) if size > lowest else size
+    high = _edge(trees, size, 1, _LIMIT)
+    if low == high:
+        return None
+    spread = {low, high, size, *(low + (high - low) * k // 64 for k in range(65))}
+    if not all(_holds(trees, s) for s in spread):
+        return None
+    return low, (None if high >= _LIMIT else high)
