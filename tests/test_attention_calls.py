@@ -307,6 +307,23 @@ def test_the_ones_mask_is_dropped_only_where_the_builder_makes_the_same_mask_wit
                         "    return create_causal_mask(1, x, attention_mask)\n").body[0]
     assert hf_unpadded.rewrite(another, {"create_causal_mask": lambda *a: None, "torch": torch}) is None
 
+    # `and not is_torchdynamo_compiling()` (transformers' own) is cut where the branch computes sizes only
+    from transformers.utils import is_torchdynamo_compiling
+
+    guarded = ("def f(x, seq, attention_mask=None):\n    if attention_mask is None and not is_torchdynamo_compiling():\n"
+               "        n = seq + 0\n        attention_mask = torch.ones(2, n)\n"
+               "    return attention_mask[:, None]\n")
+    tree = ast.parse(guarded).body[0]
+    assert hf_unpadded.rewrite(tree, {**namespace, "is_torchdynamo_compiling": is_torchdynamo_compiling}) == {}
+    assert "if attention_mask is None:" in ast.unparse(tree)
+    tree = ast.parse(guarded).body[0]  # another function of that name: left as it is
+    assert hf_unpadded.rewrite(tree, {**namespace, "is_torchdynamo_compiling": lambda: False}) is None
+    tree = ast.parse(guarded).body[0].body[0]  # type: ignore[attr-defined]
+    tree.body.insert(0, ast.parse("print(attention_mask)").body[0])  # more than sizes in the branch
+    function = ast.parse(guarded).body[0]
+    function.body[0] = tree  # type: ignore[attr-defined]
+    assert hf_unpadded.rewrite(function, {**namespace, "is_torchdynamo_compiling": is_torchdynamo_compiling}) is None
+
     seen: list = []
 
     def builder(config, inputs_embeds, attention_mask, cache=None, position_ids=None):
@@ -320,3 +337,27 @@ def test_the_ones_mask_is_dropped_only_where_the_builder_makes_the_same_mask_wit
     hf_unpadded.unpadded(builder, True)(1, embeds, ones, cache=object())
     hf_unpadded.unpadded(builder, True)(config=1, inputs_embeds=embeds, attention_mask=torch.ones(2, 1, 5, 5))
     assert seen[0] is None and all(isinstance(m, torch.Tensor) for m in seen[1:])
+
+
+def test_a_mask_eager_fills_with_ones_but_a_trace_leaves_as_none_is_filled_as_in_eager() -> None:
+    """LongT5 fills its encoder's padding mask with ones only ``if attention_mask is None and not
+    is_torchdynamo_compiling()``, then indexes it: under a trace it indexes None and Dynamo fails
+    (before, the encoder was made opaque and every size static). The branch computes only sizes
+    and the ones, so the capture takes it as eager does: one Dynamo graph, exact, the batch and the
+    decoder's length free (the encoder's length stays: its local attention pads it to blocks)."""
+    from fxprep.cli.specs import tiny_config
+
+    config = tiny_config("longt5")
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = tf.LongT5ForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(0)
+    example = {"input_ids": torch.randint(3, 99, (1, 8), generator=g), "decoder_input_ids": torch.randint(3, 99, (1, 4), generator=g)}
+    gm = fxprep.prepare_model(model, example_inputs=example)
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo" and report.verification.status == "passed"
+    later = {"input_ids": torch.randint(3, 99, (3, 8), generator=g), "decoder_input_ids": torch.randint(3, 99, (3, 6), generator=g)}
+    eager, prepared = record(model, later), record(gm, later)
+    assert differences(eager, prepared) == []
+    with torch.no_grad():
+        assert torch.equal(_first(gm(**later)), model(**later).logits)

@@ -27,6 +27,12 @@ are a cumulative sum of it), the mask is the ones tensor as before.
 The copy is made only where the name is assigned once in the method (that ``torch.ones``), so the
 flag cannot outlive the mask it is about; and only for calls to transformers' own builders, checked
 by identity in the method's namespace.
+
+Sixteen encoder-decoder models fill the mask only ``if attention_mask is None and not
+is_torchdynamo_compiling()``. Under a trace the mask stays None, and T5-style encoders (LongT5,
+Switch Transformers) then index it and fail, so Dynamo gave up on the whole model and its encoder
+was made opaque, with static shapes. Where that branch computes nothing but sizes and the ones, the
+copy drops the ``is_torchdynamo_compiling()`` clause: the capture takes eager's branch.
 """
 
 from __future__ import annotations
@@ -49,12 +55,48 @@ _FLAG = "_fxprep_ones_"
 
 def wanted(code: types.CodeType) -> bool:
     """Whether a function's code may hold the pattern (a cheap test before its source is parsed)."""
-    return "ones" in code.co_names and any(name in code.co_names for name in _BUILDERS)
+    return "ones" in code.co_names and (any(name in code.co_names for name in _BUILDERS)
+                                        or _COMPILING in code.co_names)
 
 
-def _ones_filled(tree: ast.FunctionDef) -> dict[str, ast.If]:
+_COMPILING = "is_torchdynamo_compiling"
+
+
+def _compiling_clause(test: ast.expr, namespace: dict[str, Any]) -> ast.expr | None:
+    """For ``X is None and not is_torchdynamo_compiling()`` (transformers' own function, by
+    identity), the ``X is None`` part; None for any other test."""
+    utils = sys.modules.get("transformers.utils")
+    if not (isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and len(test.values) == 2):
+        return None
+    first, second = test.values
+    if (isinstance(second, ast.UnaryOp) and isinstance(second.op, ast.Not) and isinstance(second.operand, ast.Call)
+            and isinstance(second.operand.func, ast.Name) and second.operand.func.id == _COMPILING
+            and not second.operand.args and utils is not None
+            and namespace.get(_COMPILING) is getattr(utils, _COMPILING, object())):
+        return first
+    return None
+
+
+def _sizes_only(statements: list[ast.stmt], name: str) -> bool:
+    """Whether a branch only computes sizes (names, constants, arithmetic) and ``name``'s ones."""
+    for statement in statements:
+        if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                and isinstance(statement.targets[0], ast.Name)):
+            return False
+        if statement.targets[0].id == name:
+            continue
+        if not all(isinstance(n, (ast.Name, ast.Constant, ast.BinOp, ast.operator, ast.expr_context))
+                   for n in ast.walk(statement.value)):
+            return False
+    return True
+
+
+def _ones_filled(tree: ast.FunctionDef, namespace: dict[str, Any]) -> dict[str, ast.If]:
     """``name -> the if`` for each ``if name is None: name = torch.ones(...)`` in the function
-    where that assignment is the name's only one."""
+    where that assignment is the name's only one. ``if name is None and not
+    is_torchdynamo_compiling()`` counts when the branch computes nothing but sizes and the ones
+    (its test is then cut to ``name is None``: Switch Transformers' and LongT5's encoders index the
+    mask they leave as None under a trace, and fail)."""
     stores: dict[str, int] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
@@ -63,7 +105,7 @@ def _ones_filled(tree: ast.FunctionDef) -> dict[str, ast.If]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.If):
             continue
-        test = node.test
+        test = _compiling_clause(node.test, namespace) or node.test
         if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and len(test.ops) == 1
                 and isinstance(test.ops[0], ast.Is) and isinstance(test.comparators[0], ast.Constant)
                 and test.comparators[0].value is None):
@@ -74,6 +116,10 @@ def _ones_filled(tree: ast.FunctionDef) -> dict[str, ast.If]:
                     and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id == name
                     and isinstance(statement.value, ast.Call) and ast.unparse(statement.value.func) == "torch.ones"
                     and stores.get(name) == 1):
+                if test is not node.test:
+                    if not _sizes_only(node.body, name):
+                        break
+                    node.test = test
                 found[name] = node
     return found
 
@@ -97,9 +143,14 @@ def _mask_argument(call: ast.Call) -> ast.expr | None:
 def rewrite(tree: ast.FunctionDef, namespace: dict[str, Any]) -> dict[str, Any] | None:
     """Rewrite ``tree`` in place (module docstring); the helpers its copy needs, or None when
     nothing in it matched."""
-    filled = _ones_filled(tree)
+    tests = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            tests[id(node)] = node.test
+    filled = _ones_filled(tree, namespace)
     if not filled:
         return None
+    cut = any(tests[id(branch)] is not branch.test for branch in filled.values())
     flagged: set[str] = set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or _builder_name(node, namespace) is None:
@@ -110,7 +161,8 @@ def rewrite(tree: ast.FunctionDef, namespace: dict[str, Any]) -> dict[str, Any] 
             node.func = ast.Call(func=ast.Name(id=HELPER, ctx=ast.Load()), args=[node.func, flag], keywords=[])
             flagged.add(mask.id)
     if not flagged:
-        return None
+        ast.fix_missing_locations(tree)
+        return {} if cut else None
     for name in sorted(flagged):
         branch = filled[name]
         branch.body.append(ast.Assign(targets=[ast.Name(id=_FLAG + name, ctx=ast.Store())], value=ast.Constant(True)))
