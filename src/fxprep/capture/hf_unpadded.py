@@ -91,17 +91,17 @@ def _sizes_only(statements: list[ast.stmt], name: str) -> bool:
     return True
 
 
-def _ones_filled(tree: ast.FunctionDef, namespace: dict[str, Any]) -> dict[str, ast.If]:
-    """``name -> the if`` for each ``if name is None: name = torch.ones(...)`` in the function
-    where that assignment is the name's only one. ``if name is None and not
-    is_torchdynamo_compiling()`` counts when the branch computes nothing but sizes and the ones
-    (its test is then cut to ``name is None``: Switch Transformers' and LongT5's encoders index the
-    mask they leave as None under a trace, and fail)."""
+def _ones_filled(tree: ast.FunctionDef, namespace: dict[str, Any]) -> dict[str, tuple[ast.If, ast.expr]]:
+    """``name -> (the if, its test without the compiling clause)`` for each ``if name is None:
+    name = torch.ones(...)`` in the function where that assignment is the name's only one. ``if name
+    is None and not is_torchdynamo_compiling()`` counts when the branch computes nothing but sizes
+    and the ones (the caller cuts its test to ``name is None``: Switch Transformers' and LongT5's
+    encoders index the mask they leave as None under a trace, and fail)."""
     stores: dict[str, int] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             stores[node.id] = stores.get(node.id, 0) + 1
-    found: dict[str, ast.If] = {}
+    found: dict[str, tuple[ast.If, ast.expr]] = {}
     for node in ast.walk(tree):
         if not isinstance(node, ast.If):
             continue
@@ -116,11 +116,9 @@ def _ones_filled(tree: ast.FunctionDef, namespace: dict[str, Any]) -> dict[str, 
                     and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id == name
                     and isinstance(statement.value, ast.Call) and ast.unparse(statement.value.func) == "torch.ones"
                     and stores.get(name) == 1):
-                if test is not node.test:
-                    if not _sizes_only(node.body, name):
-                        break
-                    node.test = test
-                found[name] = node
+                if test is node.test or _sizes_only(node.body, name):
+                    found[name] = (node, test)
+                break
     return found
 
 
@@ -143,14 +141,14 @@ def _mask_argument(call: ast.Call) -> ast.expr | None:
 def rewrite(tree: ast.FunctionDef, namespace: dict[str, Any]) -> dict[str, Any] | None:
     """Rewrite ``tree`` in place (module docstring); the helpers its copy needs, or None when
     nothing in it matched."""
-    tests = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If):
-            tests[id(node)] = node.test
-    filled = _ones_filled(tree, namespace)
-    if not filled:
+    found = _ones_filled(tree, namespace)
+    if not found:
         return None
-    cut = any(tests[id(branch)] is not branch.test for branch in filled.values())
+    cut = False
+    for branch, test in found.values():
+        cut = cut or test is not branch.test
+        branch.test = test
+    filled = {name: branch for name, (branch, _) in found.items()}
     flagged: set[str] = set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or _builder_name(node, namespace) is None:
