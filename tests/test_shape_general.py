@@ -319,18 +319,25 @@ def test_a_size_whose_guards_solve_to_one_value_is_dropped_the_others_stay_free(
         gm(input_ids=torch.randint(3, 99, (1, 13), generator=g), decoder_input_ids=example["decoder_input_ids"])
 
 
+def _tiny_causal_lm(model_type: str, cls: type) -> tuple[Any, Any, torch.Generator]:
+    """``cls`` built from the CLI's tiny config of ``model_type`` (no cache), prepared by default on
+    1x8 ids; with the generator the test draws further ids from."""
+    from fxprep.cli.specs import tiny_config
+
+    config = tiny_config(model_type)
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    g = torch.Generator().manual_seed(0)
+    return model, fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(3, 99, (1, 8), generator=g)}), g
+
+
 def test_a_guard_that_leaves_out_the_end_of_a_range_moves_that_end_the_dimension_stays_free() -> None:
     # GPT-1 slices its position table (64 here) to the length: Dynamo guards `seq <= 64` and, where
     # the slice would be the whole table, `seq != 64`, with no fix suggested for the second. Read as
     # the range's end moved in by one, batch and length stay free (before: the length static at 8)
-    from fxprep.cli.specs import tiny_config
-
-    config = tiny_config("openai-gpt")
-    torch.manual_seed(0)
-    model = transformers.OpenAIGPTLMHeadModel(config).eval()
-    assert config.n_positions == 64
-    g = torch.Generator().manual_seed(0)
-    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(3, 99, (1, 8), generator=g)})
+    model, gm, g = _tiny_causal_lm("openai-gpt", transformers.OpenAIGPTLMHeadModel)
+    assert model.config.n_positions == 64
     text = fxprep.get_report(gm).to_text()
     assert "input_ids dim 0 (batch), input_ids dim 1 (seq)" in text and "input_ids.shape[1] != 64" in text
     for batch, length in ((3, 13), (2, 64), (1, 2)):  # the table's whole length too: the graph's slice holds there
@@ -359,15 +366,8 @@ def test_a_range_export_suggests_no_fix_for_is_read_off_its_guards_and_checked()
     # MPT slices its ALiBi table (2048 here) to the length through sym_max: export's guard says
     # `seq <= 2048` without a suggested Dim, and the length was static at the example's; now it is
     # free below the table's length, checked by the prepared module (a limit, not a silent bound)
-    from fxprep.cli.specs import tiny_config
-
-    config = tiny_config("mpt")
-    config.use_cache = False
-    torch.manual_seed(0)
-    model = transformers.MptForCausalLM(config).eval()
-    assert config.max_seq_len == 2048
-    g = torch.Generator().manual_seed(0)
-    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(3, 99, (1, 8), generator=g)})
+    model, gm, g = _tiny_causal_lm("mpt", transformers.MptForCausalLM)
+    assert model.config.max_seq_len == 2048
     text = fxprep.get_report(gm).to_text()
     assert "'seq' is dynamic <= 2047: the guards Dynamo put on it hold for 2..2047" in text
     for batch, length in ((3, 13), (2, 100)):

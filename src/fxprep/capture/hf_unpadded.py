@@ -51,15 +51,13 @@ _BUILDERS = ("create_causal_mask", "create_bidirectional_mask", "create_sliding_
              "create_recurrent_attention_mask")
 HELPER = "_fxprep_unpadded"
 _FLAG = "_fxprep_ones_"
+_COMPILING = "is_torchdynamo_compiling"
 
 
 def wanted(code: types.CodeType) -> bool:
     """Whether a function's code may hold the pattern (a cheap test before its source is parsed)."""
     return "ones" in code.co_names and (any(name in code.co_names for name in _BUILDERS)
                                         or _COMPILING in code.co_names)
-
-
-_COMPILING = "is_torchdynamo_compiling"
 
 
 def _compiling_clause(test: ast.expr, namespace: dict[str, Any]) -> ast.expr | None:
@@ -122,13 +120,11 @@ def _ones_filled(tree: ast.FunctionDef, namespace: dict[str, Any]) -> dict[str, 
     return found
 
 
-def _builder_name(call: ast.Call, namespace: dict[str, Any]) -> str | None:
-    """The builder ``call`` calls, when its name resolves in ``namespace`` to transformers' own."""
+def _calls_builder(call: ast.Call, namespace: dict[str, Any]) -> bool:
+    """Whether ``call`` calls a mask builder whose name resolves in ``namespace`` to transformers' own."""
     masking = sys.modules.get("transformers.masking_utils")
     name = call.func.id if isinstance(call.func, ast.Name) else None
-    if masking is None or name not in _BUILDERS:
-        return None
-    return name if namespace.get(name) is getattr(masking, name, object()) else None
+    return masking is not None and name in _BUILDERS and namespace.get(name) is getattr(masking, name, object())
 
 
 def _mask_argument(call: ast.Call) -> ast.expr | None:
@@ -151,7 +147,7 @@ def rewrite(tree: ast.FunctionDef, namespace: dict[str, Any]) -> dict[str, Any] 
     filled = {name: branch for name, (branch, _) in found.items()}
     flagged: set[str] = set()
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call) or _builder_name(node, namespace) is None:
+        if not isinstance(node, ast.Call) or not _calls_builder(node, namespace):
             continue
         mask = _mask_argument(node)
         if isinstance(mask, ast.Name) and mask.id in filled:

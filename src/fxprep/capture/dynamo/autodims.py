@@ -240,11 +240,10 @@ def _grown(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict[int, s
 
 
 _MARKED = re.compile(r"You marked (\w+) as dynamic but your code specialized it to be a constant \((-?\d+)\)")
-_NOT_ALL = re.compile(r"Not all values of (\w+) = .*? satisfy the generated guard (.*)")
+_NOT_ALL = re.compile(r"Not all values of (\w+) = (\S+).*? satisfy the generated guard (.*)")  # symbol, source, guard
 # export's other wording: the guards on a symbol solved to one value ("Suggested fixes: decoder_seq = 4")
 _SOLVED = re.compile(r"solving the guards generated for (\w+) = .*? resulted in a specialized value of (-?\d+)")
 _RANGE_FIX = re.compile(r"^\s*(\w+) = Dim\('\w+'((?:, (?:min|max)=-?\d+)*)\)\s*$", re.M)
-_NOT_ALL_SOURCE = re.compile(r"Not all values of (\w+) = (\S+) in the specified range.*? satisfy the generated guard (.*)")
 _EXCLUDED = re.compile(r"^\S+\.size\(\)\[\d+\] != (-?\d+)$")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
@@ -292,7 +291,8 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         why = f"the model's code specialises '{sym}' to {value}{_where(section)}"
         for key in symbols[sym]:
             found[key] = why
-    all_guards = [(m.group(1), m.group(2).strip()) for m in _NOT_ALL.finditer(text)]
+    sourced = [(m.group(1), m.group(2), m.group(3).strip()) for m in _NOT_ALL.finditer(text)]
+    all_guards = [(sym, guard) for sym, _, guard in sourced]
     guards = dict(all_guards)  # a symbol's last guard: its range, where export bounds it
     first_guards: dict[str, str] = {}
     for sym, guard in all_guards:
@@ -318,7 +318,7 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         _exclude_end(sym, _unlinked(guard), ranges, proposal, symbols)
     specialised = {proposal.dynamic[n][d] for n, d in found if d in proposal.dynamic.get(n, {})}
     for sym in {sym for sym, _ in all_guards} - specialised - set(ranges):
-        held = _guards_hold(sym, text, proposal, symbols)
+        held = _guards_hold(sym, [(src, g) for s, src, g in sourced if s == sym], proposal, symbols)
         if held is not None:
             ranges[sym] = held
     return found, ranges
@@ -328,23 +328,22 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
 GUARDS_HOLD = "the guards Dynamo put on it hold for"
 
 
-def _guards_hold(sym: str, text: str, proposal: Proposal, symbols: dict[str, Any]
+def _guards_hold(sym: str, printed: list[tuple[str, str]], proposal: Proposal, symbols: dict[str, Any]
                  ) -> tuple[int | None, int | None, str] | None:
-    """The range around the example's size where every guard export printed for ``sym`` holds,
-    evaluated from the guards' text (:mod:`.guard_range`: export suggests no ``Dim`` for a guard
-    written with ``sym_max`` or ``%``); None where they cannot be read or give no interval."""
+    """The range around the example's size where every guard export printed for ``sym`` (``(its
+    source, the guard)`` each) holds, evaluated from the guards' text (:mod:`.guard_range`: export
+    suggests no ``Dim`` for a guard written with ``sym_max`` or ``%``); None where they cannot be
+    read or give no interval."""
     from .guard_range import interval
 
-    if sym not in symbols:
+    sources = {source for source, _ in printed}
+    guards = [_unlinked(guard) for _, guard in printed]
+    kwargs = proposal.capture_example.kwargs
+    size = next((int(kwargs[n].shape[d]) for n, d in symbols.get(sym, [])
+                 if isinstance(kwargs.get(n), torch.Tensor) and d < kwargs[n].dim()), None)
+    if len(sources) != 1 or size is None:
         return None
-    sources = {m.group(2) for m in _NOT_ALL_SOURCE.finditer(text) if m.group(1) == sym}
-    guards = [_unlinked(m.group(3)) for m in _NOT_ALL_SOURCE.finditer(text) if m.group(1) == sym]
-    value = next((proposal.capture_example.kwargs.get(n) for n, _ in symbols[sym]
-                  if isinstance(proposal.capture_example.kwargs.get(n), torch.Tensor)), None)
-    d = next((d for n, d in symbols[sym] if isinstance(proposal.capture_example.kwargs.get(n), torch.Tensor)), 0)
-    if len(sources) != 1 or value is None or d >= value.dim():
-        return None
-    held = interval(guards, sources.pop(), int(value.shape[d]))
+    held = interval(guards, sources.pop(), size)
     if held is None:
         return None
     low, high, _ = proposal.ranges.get(sym) or (None, None, "")
