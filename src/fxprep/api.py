@@ -221,7 +221,7 @@ def _propose_shapes(run: Preparation, not_general: str | None) -> None:
     sequence: :mod:`fxprep.shape_general`); with it, check it against the example (grown where a size is below 2)."""
     opts, request = run.opts, run.request
     if run.proposal is None and opts.dynamic is not False and request.example is not None and opts.tracer != "fx" \
-            and opts.control_flow is None and dynamo_available():
+            and (opts.control_flow is None or opts.dynamic is None) and dynamo_available():
         run.proposal = (autodims.propose(run.model, request.example) if opts.dynamic is None
                         else autodims.declared(run.model, request.example, opts.dynamic))
     if opts.dynamic and request.example is not None:
@@ -241,7 +241,10 @@ def _capture(run: Preparation) -> CaptureResult:
     with GLOBAL_LOCK:  # capture patches process-wide state: one thing at a time (fxprep.threads)
         run.rewrite = rewrite = _control_flow(run)
         if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
-            result, attempts = rewrite.capture(lambda: cascade.capture(run.request, tracers))
+            static = run.request if run.proposal is None else run.request.replace(dynamic=False)
+            result, attempts = rewrite.capture(lambda: cascade.capture(static, tracers))
+            if run.proposal is not None:
+                result, attempts = _general_after_rewrite(run, rewrite, tracers, result, attempts)
         elif run.proposal is not None:  # proposed only with an example
             result, attempts = _capture_general(run, tracers)
         else:
@@ -435,6 +438,32 @@ def _capture_general(run: Preparation, tracers: list[str]) -> tuple[CaptureResul
         else:
             run.report.note(shape_general.not_kept_note(str(err)))
         return result, attempts
+
+
+def _general_after_rewrite(run: Preparation, rewrite: Any, tracers: list[str], result: CaptureResult | None,
+                           attempts: list[CaptureAttempt]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+    """``control_flow="rewrite"`` with the shape-general proposal. The sites are found and rewritten
+    on static shapes (each round is a capture, and a failure's cause is plainest there); the model
+    with the plan found is then captured once more with the proposal's dimensions
+    (:func:`_capture_general`), kept when Dynamo captures it whole. Otherwise the static capture
+    stands and the report says why, or, without a static fallback, :class:`NotShapeGeneral` is raised."""
+    fallback, run.static_fallback = run.static_fallback, False
+    try:
+        if result is None or result.tracer != "dynamo":
+            raise shape_general.NotShapeGeneral(
+                "with the control-flow rewrite, Dynamo did not capture the model as one graph on static shapes "
+                f"({result.tracer if result is not None else 'no capture'}), so its dimensions were not declared")
+        with rewrite.bound():
+            general, more = _capture_general(run, tracers)
+        return general, attempts + more
+    except shape_general.NotShapeGeneral as err:
+        if not fallback:
+            raise
+        run.proposal = None
+        run.report.note(shape_general.not_kept_note(str(err)))
+        return result, attempts
+    finally:
+        run.static_fallback = fallback
 
 
 def _fallback_general(run: Preparation, attempts: list[CaptureAttempt], result: CaptureResult | None,

@@ -80,6 +80,34 @@ def _methods(model: nn.Module) -> list[Method]:
     return [m for m in found.values() if m.instances]
 
 
+def _changed(method: Method, tree: ast.FunctionDef) -> dict[str, Any] | None:
+    """Make in ``tree`` (``method``'s parsed def) every change that applies; the helpers the copy
+    needs, or None when none applies (or the method is not transformers' own)."""
+    if not method.cls.__module__.startswith("transformers."):
+        return None
+    helpers: dict[str, Any] = {}
+    changed = False
+    for change in CHANGES:
+        if change.wanted(method.raw.__code__):
+            added = change.rewrite(tree, method.raw.__globals__)
+            if added is not None:
+                helpers.update(added)
+                changed = True
+    return helpers if changed else None
+
+
+def source_tree(method: Method) -> tuple[ast.FunctionDef, dict[str, Any]]:
+    """``method``'s def as :func:`.rewrite.source.parse` reads it, with every change that applies
+    made, and the helpers those changes need (none for a method no change applies to).
+
+    For the control-flow rewrite (:mod:`.rewrite.session`): its copy of a method replaces the one
+    :func:`rewritten_methods` would install on the same instances, so it must start from the changed
+    source, not the file's; otherwise the changes here are lost wherever a data-dependent ``if`` is
+    rewritten in the same method. Raises :class:`SourceUnavailable` as ``parse`` does."""
+    tree = parse(method)
+    return tree, _changed(method, tree) or {}
+
+
 def rewritten(method: Method) -> Any:
     """``method`` compiled with every change that applies, or None (none applies, or its source
     cannot be recompiled). Compiled once per class attribute."""
@@ -89,15 +117,8 @@ def rewritten(method: Method) -> Any:
     copy = None
     try:
         tree = parse(method)
-        helpers: dict[str, Any] = {}
-        changed = False
-        for change in CHANGES:
-            if change.wanted(method.raw.__code__):
-                added = change.rewrite(tree, method.raw.__globals__)
-                if added is not None:
-                    helpers.update(added)
-                    changed = True
-        if changed:
+        helpers = _changed(method, tree)
+        if helpers is not None:
             mangle(tree, method.cls.__name__)
             copy = compile_function(method, tree, helpers)
     except (SourceUnavailable, SyntaxError, ValueError, TypeError):
@@ -110,6 +131,13 @@ def rewritten(method: Method) -> Any:
 def rewritten_methods(model: nn.Module) -> Iterator[None]:
     """For the ``with`` block, the model's transformers methods that some change applies to run
     their rewritten copies (module docstring)."""
-    replacements = [(m, copy) for m in _methods(model) if (copy := rewritten(m)) is not None]
+    replacements = []
+    for method in _methods(model):
+        copy = rewritten(method)
+        if copy is not None:
+            # an instance that already has its own entry keeps it: the user's attribute, or the
+            # control-flow rewrite's copy, made from the changed source (:func:`source_tree`)
+            method.instances = [i for i in method.instances if method.name not in i.__dict__]
+            replacements.append((method, copy))
     with bound(replacements):
         yield

@@ -32,6 +32,7 @@ from ...inputs import ExampleInputs, split_calls
 from ...report import Report, RewrittenSite
 from ...runs import preserved_state, run_model
 from ..common import CaptureAttempt, CaptureResult
+from ..hf_source import source_tree
 from . import runtime
 from .analysis import Effects, Resolver, arm_exit, effects, function_locals, reads_parameters, scoped_walk
 from .sites import (
@@ -53,7 +54,6 @@ from .source import (
     compile_function,
     install,
     method_at,
-    parse,
     uninstall,
 )
 from .transform import Planned, rewrite
@@ -79,6 +79,7 @@ class ControlFlowRewrite:
         self.sites: dict[str, Site] = {}
         self.trees: dict[tuple[type, str], ast.FunctionDef] = {}
         self.methods: dict[tuple[type, str], Method] = {}
+        self.helpers: dict[tuple[type, str], dict[str, Any]] = {}  # what a method's changed source calls (hf_source)
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self.constructed: list[tuple[str, ExampleInputs]] = []
         self.rounds = 0
@@ -106,7 +107,7 @@ class ControlFlowRewrite:
             for s in active:
                 s.became = became.get(s.line, "")
             try:
-                fn = compile_function(method, tree, runtime.HELPERS)
+                fn = compile_function(method, tree, {**runtime.HELPERS, **self.helpers.get(key, {})})
             except SourceUnavailable as err:
                 for s in active:
                     s.route = REFUSED
@@ -232,7 +233,7 @@ class ControlFlowRewrite:
             key = (method.cls, method.name)
             if key not in self.methods:
                 try:
-                    self.trees[key] = parse(method)
+                    self.trees[key], self.helpers[key] = source_tree(method)
                 except SourceUnavailable:
                     self.trees[key] = None  # type: ignore[assignment]
                 self.methods[key] = method
@@ -274,7 +275,7 @@ class ControlFlowRewrite:
         key = (method.cls, method.name) if method is not None else None
         if method is not None and key not in self.methods:
             try:
-                self.trees[key] = parse(method)  # type: ignore[index]
+                self.trees[key], self.helpers[key] = source_tree(method)  # type: ignore[index]
             except SourceUnavailable:
                 self.trees[key] = None  # type: ignore[index,assignment]
             self.methods[key] = method  # type: ignore[index]

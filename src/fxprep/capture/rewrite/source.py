@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 _TORCH_PREFIXES = ("torch.", "torchvision.", "torchaudio.")
+_MISSING = object()
 
 
 class SourceUnavailable(Exception):
@@ -177,26 +178,48 @@ def bind(attr: Any, instance: nn.Module) -> Any:
 
 Installed = list[tuple[nn.Module, str, Any]]
 
+# (id(instance), name) -> the values fxprep installed there, oldest first; the newest is the one in
+# the instance's __dict__. Entries live only while installed (install/uninstall keep it).
+_LAYERS: dict[tuple[int, str], list[Any]] = {}
+
 
 def install(replacements: list[tuple[Method, Any]]) -> Installed:
     """Install each rewritten method on the instances that run the original (an entry in the
-    instance ``__dict__``; the class is never touched). Returns what :func:`uninstall` removes."""
+    instance ``__dict__``; the class is never touched). Returns what :func:`uninstall` removes.
+
+    An attribute the user set on the instance is left alone. A copy fxprep itself installed there
+    (transformers methods during capture: :mod:`..hf_source`) is covered by the new one until that
+    is uninstalled, whichever is uninstalled first: the newest copy is the one that runs."""
     installed: Installed = []
     for method, attr in replacements:
         for instance in method.instances:
-            if method.name in instance.__dict__:
+            key = (id(instance), method.name)
+            layers = _LAYERS.get(key, [])
+            current = instance.__dict__.get(method.name, _MISSING)
+            if current is not _MISSING and not (layers and current is layers[-1]):
                 continue  # the user set this attribute on the instance: leave it
             value = bind(attr, instance)
             instance.__dict__[method.name] = value
+            _LAYERS[key] = [*layers, value]
             installed.append((instance, method.name, value))
     return installed
 
 
 def uninstall(installed: Installed) -> None:
-    """Remove exactly the entries :func:`install` made."""
+    """Remove exactly the entries :func:`install` made; where a copy installed earlier is still
+    installed on the same instance, it runs again."""
     for instance, name, value in reversed(installed):
-        if instance.__dict__.get(name) is value:
-            del instance.__dict__[name]
+        key = (id(instance), name)
+        layers = _LAYERS.get(key, [])
+        top = layers[-1] if layers else None
+        layers[:] = [v for v in layers if v is not value]
+        if not layers:
+            _LAYERS.pop(key, None)
+        if top is value and instance.__dict__.get(name) is value:
+            if layers:
+                instance.__dict__[name] = layers[-1]
+            else:
+                del instance.__dict__[name]
     installed.clear()
 
 
