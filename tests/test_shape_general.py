@@ -9,6 +9,9 @@ the dimension and the line of code that fixed it.
 
 from __future__ import annotations
 
+import inspect
+import os
+import re
 from typing import Any
 
 import pytest
@@ -203,6 +206,29 @@ def test_a_dimension_the_model_fixes_stays_checked_and_the_refusal_says_why() ->
     with pytest.raises(fxprep.InputMismatch, match=r"dim 1: the model's code specialises 'seq' to 8 at \S*"
                                                    r"test_shape_general\.py:\d+"):
         gm(input_ids=_ids(3, 13, 2))
+
+
+class PooledLength(transformers.LlamaForCausalLM):
+    """A model whose length is specialised inside torch's own code (max_pool1d's output size, as
+    CANINE's mask downsampling): the report names the model's line, then torch's."""
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        logits = super().forward(input_ids=input_ids, **kwargs).logits
+        return nn.MaxPool1d(kernel_size=2, stride=2)(logits.transpose(1, 2))  # POOLING LINE
+
+
+def test_a_dimension_specialised_inside_torch_is_placed_at_the_models_line_first() -> None:
+    torch.manual_seed(0)
+    model = PooledLength(transformers.LlamaConfig(**TINY)).eval()
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 8, 0)})
+    text = fxprep.get_report(gm).to_text()
+    line = next(i for i, code in enumerate(inspect.getsourcelines(PooledLength.forward)[0]) if "POOLING LINE" in code)
+    own = f"test_shape_general.py:{inspect.getsourcelines(PooledLength.forward)[1] + line} in forward"
+    assert re.search(rf"specialises 'seq' to 8 at \S*{re.escape(own)} \(.*MaxPool1d.*\), inside torch at "
+                     rf"\S*torch{re.escape(os.sep)}nn{re.escape(os.sep)}modules{re.escape(os.sep)}pooling\.py:\d+", text), text
+    ids = _ids(3, 8, 1)  # the batch stays dynamic
+    with torch.no_grad():
+        torch.testing.assert_close(gm(input_ids=ids), model(input_ids=ids))
 
 
 def test_a_model_fxprep_does_not_know_keeps_static_shapes_and_the_batch_probe() -> None:

@@ -38,6 +38,7 @@ grow with the prompt; Mllama's ``cross_attention_mask`` is in the table, its lay
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -246,6 +247,7 @@ _SOLVED = re.compile(r"solving the guards generated for (\w+) = .*? resulted in 
 _RANGE_FIX = re.compile(r"^\s*(\w+) = Dim\('\w+'((?:, (?:min|max)=-?\d+)*)\)\s*$", re.M)
 _EXCLUDED = re.compile(r"^\S+\.size\(\)\[\d+\] != (-?\d+)$")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 
@@ -262,13 +264,26 @@ def _unlinked(guard: str) -> str:
 
 
 def _where(section: str) -> str:
-    """The last frame of Dynamo's user stack in ``section``: where the model's code did it."""
+    """Where the model's code did it, from Dynamo's user stack in ``section``: its last frame
+    outside torch, and torch's own last frame after it where the stack ends inside torch (a
+    pooling layer's functional call, say: the model's line is the one a user can change)."""
     frames = list(_FRAME.finditer(section))
     if not frames:
         return ""
+
+    def said(frame: re.Match[str]) -> str:
+        code = section[frame.end():].strip().splitlines()
+        return f"{frame.group(1)}:{frame.group(2)} in {frame.group(3)}" + (f" ({code[0].strip()[:100]})" if code else "")
+
     last = frames[-1]
-    code = section[last.end():].strip().splitlines()
-    return f" at {last.group(1)}:{last.group(2)} in {last.group(3)}" + (f" ({code[0].strip()[:100]})" if code else "")
+    own = [f for f in frames if not _in_torch(f.group(1))]
+    if own and own[-1] is not last:
+        return f" at {said(own[-1])}, inside torch at {said(last)}"
+    return f" at {said(last)}"
+
+
+def _in_torch(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_TORCH_DIR)
 
 
 def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, int], str],
