@@ -207,6 +207,15 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def failed_row(label: list[str], err: BaseException, width: int) -> list[str]:
+    """A row for a case that raised (out of memory, a capture failure): the run goes on, so one
+    case cannot cost the others' numbers on a machine lent for minutes."""
+    cells = [*label, f"ERROR {type(err).__name__}: {str(err).splitlines()[0][:100] if str(err) else ''}"]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return cells + ["-"] * (width - len(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (fp32 and bf16)")
@@ -223,16 +232,31 @@ def main() -> None:
     if args.tiny:  # the issue's other models, tiny only (at real size they would not fit in 5 minutes)
         models += [("Qwen2", tiny_text("Qwen2ForCausalLM")), ("Mistral", tiny_text("MistralForCausalLM")),
                    ("Gemma2 (eager attention)", tiny_text("Gemma2ForCausalLM")), ("Llava (Pixtral)", tiny_llava)]
-    rows = [equivalence_row(name, build, args.tiny, device, dtype) for name, build in models for dtype in dtypes]
     print(f"torch {torch.__version__}, transformers {tf.__version__}, fxprep {fxprep.__version__}, device {device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if device.startswith('cuda') else ''}{', tiny configs' if args.tiny else ''}\n")
-    print(table(["model", "dtype", "device", "max |diff| prepared vs eager", "verification", "attention calls equal",
-                 "prepare s", "weights GiB", "peak / weights (device)"], rows))
+    header = ["model", "dtype", "device", "max |diff| prepared vs eager", "verification", "attention calls equal",
+              "prepare s", "weights GiB", "peak / weights (device)"]
+    print(table(header, []), flush=True)
+    for name, build in models:  # each row printed as it is measured: a run cut short keeps what it measured
+        for dtype in dtypes:
+            try:
+                row = equivalence_row(name, build, args.tiny, device, dtype)
+            except Exception as err:  # noqa: BLE001 - reported in the table
+                row = failed_row([name, str(dtype).removeprefix("torch."), device], err, len(header))
+            print(table(header, [row]).splitlines()[-1], flush=True)
     print()
-    print(table([f"{'tiny' if args.tiny_meta else '7B'} shape on meta, bf16, ids 2x64", "seconds"],
-                meta_rows(args.tiny and args.tiny_meta)))
+    label = f"{'tiny' if args.tiny_meta else '7B'} shape on meta, bf16, ids 2x64"
+    try:
+        meta = meta_rows(args.tiny and args.tiny_meta)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        meta = [failed_row(["fxprep"], err, 2)]
+    print(table([label, "seconds"], meta), flush=True)
     print()
-    print(table(["forward, bf16", "eager ms", "prepared ms", "prepared / eager"], forward_rows(args.tiny, device)))
+    try:
+        forward = forward_rows(args.tiny, device)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        forward = [failed_row(["forward"], err, 4)]
+    print(table(["forward, bf16", "eager ms", "prepared ms", "prepared / eager"], forward))
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
 
