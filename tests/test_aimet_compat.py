@@ -206,7 +206,7 @@ def test_without_aimet_installed_fxprep_and_the_drop_in_still_work():
 
 def test_import_fxprep_does_not_import_aimet():
     out = subprocess.run([sys.executable, "-c", "import sys, fxprep; print('aimet_torch' in sys.modules)"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=300)  # a hang guard, not a time limit
     assert out.stdout.strip() == "False", out.stderr
 
 
