@@ -231,6 +231,36 @@ def test_a_dimension_specialised_inside_torch_is_placed_at_the_models_line_first
         torch.testing.assert_close(gm(input_ids=ids), model(input_ids=ids))
 
 
+class Chunked(transformers.LlamaForCausalLM):
+    """A chunked scan as Qwen3.5's linear attention runs it: padded to whole chunks, one loop step
+    per chunk. The loop's count specialises the padded length; export's solver cannot prove the
+    guards (``(seq + (16 - seq % 16) % 16) // 16 == 1``) over any range and offers the example's size."""
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        logits = super().forward(input_ids=input_ids, **kwargs).logits
+        n = logits.shape[1]
+        x = nn.functional.pad(logits, (0, 0, 0, (16 - n % 16) % 16))
+        total = 0
+        for i in range(x.shape[1] // 16):
+            total = total + x[:, i * 16:(i + 1) * 16].cumsum(1)
+        return total
+
+
+def test_guards_export_cannot_prove_over_a_range_give_the_range_they_hold_for_checked() -> None:
+    torch.manual_seed(0)
+    model = Chunked(transformers.LlamaConfig(**TINY)).eval()
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 8, 0)})
+    text = fxprep.get_report(gm).to_text()
+    assert "'seq' is dynamic <= 16: the guards Dynamo put on it hold for 2..16" in text and "Dim.AUTO" in text, text
+    assert "dynamic dimensions: {'input_ids': {0: 'batch', 1: 'seq'}}" in fxprep.get_report(gm).notes
+    for batch, seq in ((3, 13), (2, 16), (1, 2)):  # one chunk: every length up to 16, exactly as eager
+        ids = _ids(batch, seq, seq)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids), model(input_ids=ids), rtol=0, atol=0)
+    with pytest.raises(fxprep.InputMismatch, match="dim 1 is 17, the graph holds for <= 16"):
+        gm(input_ids=_ids(2, 17, 3))  # two chunks: another graph
+
+
 def test_a_model_fxprep_does_not_know_keeps_static_shapes_and_the_batch_probe() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 8))
@@ -320,12 +350,11 @@ def test_dynamic_batch_on_a_cnn_is_captured_by_dynamo() -> None:
 
 
 
-def test_a_size_whose_guards_solve_to_one_value_is_dropped_the_others_stay_free() -> None:
-    # Pegasus-X pads the sequence to its block size and branches on `seq % block_size`: export says
-    # "solving the guards generated for seq ... resulted in a specialized value of 8", not Dynamo's
-    # "you marked seq as dynamic" wording. Read as a specialisation, the sequence alone stays static;
-    # the batch and the decoder's length stay free (before, the whole capture fell back to static
-    # shapes and only the batch was recovered)
+def test_a_size_export_solves_to_one_value_stays_free_where_its_guards_hold() -> None:
+    # Pegasus-X pads the sequence to its block size (512) and branches on `seq % block_size`: export
+    # says "solving the guards generated for seq ... resulted in a specialized value of 8", since its
+    # solver cannot prove `seq % 512 != 0` over a range. The guard holds for 2..511: the sequence is
+    # declared maybe-dynamic and free there, checked by the prepared module (before: static at 8)
     from fxprep.cli.specs import tiny_config
 
     config = tiny_config("pegasus_x")
@@ -337,12 +366,14 @@ def test_a_size_whose_guards_solve_to_one_value_is_dropped_the_others_stay_free(
     gm = fxprep.prepare_model(model, example_inputs=example)
     text = fxprep.get_report(gm).to_text()
     assert "decoder_input_ids dim 1 (decoder_seq)" in text and "input_ids dim 0 (batch)" in text
-    assert "input_ids dim 1 stays at the example's size: the model's code specialises 'seq' to 8" in text
-    later = {"input_ids": torch.randint(3, 99, (3, 8), generator=g), "decoder_input_ids": torch.randint(3, 99, (3, 6), generator=g)}
-    with torch.no_grad():
-        torch.testing.assert_close(gm(**later)[0], model(**later, use_cache=False).logits, rtol=1e-5, atol=1e-5)
-    with pytest.raises(fxprep.InputMismatch, match="specialises 'seq' to 8"):
-        gm(input_ids=torch.randint(3, 99, (1, 13), generator=g), decoder_input_ids=example["decoder_input_ids"])
+    assert "'seq' is dynamic <= 511: the guards Dynamo put on it hold for 2..511" in text, text
+    for batch, seq, decoder in ((3, 8, 6), (3, 13, 6), (2, 300, 5)):
+        later = {"input_ids": torch.randint(3, 99, (batch, seq), generator=g),
+                 "decoder_input_ids": torch.randint(3, 99, (batch, decoder), generator=g)}
+        with torch.no_grad():
+            torch.testing.assert_close(gm(**later)[0], model(**later, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(fxprep.InputMismatch, match="dim 1 is 512, the graph holds for <= 511"):
+        gm(input_ids=torch.randint(3, 99, (1, 512), generator=g), decoder_input_ids=example["decoder_input_ids"])
 
 
 def _tiny_causal_lm(model_type: str, cls: type) -> tuple[Any, Any, torch.Generator]:

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from ...inputs import ExampleInputs
-from .shapes import SIZE_SOURCE, dynamic_dims, named_inputs, positional_names, repeated_to
+from .shapes import SIZE_SOURCE, MaybeDynamic, dynamic_dims, named_inputs, positional_names, repeated_to
 
 # input name -> {dimension: symbol}; every other dimension of that input stays static
 _TOKENS = {0: "batch", 1: "seq"}
@@ -86,14 +86,16 @@ class Proposal:
 
     def for_export(self) -> dict[str, dict[int, Any]]:
         """``dynamic`` with each symbol one ``torch.export.Dim`` (its range where the model's code
-        bounds it, e.g. a sequence no longer than a learned position table)."""
+        bounds it, e.g. a sequence no longer than a learned position table), or a
+        :class:`~.shapes.MaybeDynamic` where export cannot prove the guards that bound it
+        (:data:`UNPROVEN`: the prepared module checks that range itself)."""
         from torch.export import Dim
 
         made: dict[str, Any] = {}
         for sym in {s for dims in self.dynamic.values() for s in dims.values()}:
-            low, high, _ = self.ranges.get(sym, (None, None, ""))
+            low, high, why = self.ranges.get(sym, (None, None, ""))
             bounds = {k: v for k, v in (("min", low), ("max", high)) if v is not None}
-            made[sym] = Dim(sym, **bounds)
+            made[sym] = MaybeDynamic(sym) if UNPROVEN in why else Dim(sym, **bounds)
         return {name: {d: made[sym] for d, sym in dims.items()} for name, dims in self.dynamic.items()}
 
 
@@ -312,9 +314,18 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
     first_guards: dict[str, str] = {}
     for sym, guard in all_guards:
         first_guards.setdefault(sym, guard)
+    solved_ranges: dict[str, tuple[int | None, int | None, str]] = {}
     for m in _SOLVED.finditer(text):
         sym, value = m.group(1), m.group(2)
         if sym in symbols and not any(key in found for key in symbols[sym]):
+            # export's solver gives up on guards written with // and % (a chunked scan's chunk count:
+            # Qwen3.5's linear attention) and offers the example's size; where every guard holds on
+            # an interval around it, the dimension is free there (a limit the prepared module checks),
+            # declared maybe-dynamic, since export would refuse a range it cannot prove (for_export)
+            held = _guards_hold(sym, [(src, g) for s, src, g in sourced if s == sym], proposal, symbols)
+            if held is not None and hasattr(torch.export.Dim, "AUTO"):
+                solved_ranges[sym] = (*held[:2], f"{held[2]}; {UNPROVEN}")
+                continue
             first = first_guards.get(sym, "")
             why = f"the model's code specialises '{sym}' to {value}" + (
                 f" (its guards solve to it: {_readable(_unlinked(first))[:160]})" if first else "")
@@ -329,6 +340,7 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         bounds = dict(re.findall(r"(min|max)=(-?\d+)", m.group(2)))
         ranges[sym] = (int(bounds["min"]) if "min" in bounds else None, int(bounds["max"]) if "max" in bounds else None,
                        f"the model's code requires {_readable(guards.get(sym, 'a range'))[:200]}")
+    ranges.update(solved_ranges)
     for sym, guard in all_guards:
         _exclude_end(sym, _unlinked(guard), ranges, proposal, symbols)
     specialised = {proposal.dynamic[n][d] for n, d in found if d in proposal.dynamic.get(n, {})}
@@ -341,6 +353,8 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
 
 # Why a range came from evaluating Dynamo's guards (guard_range): always a limit the prepared module checks
 GUARDS_HOLD = "the guards Dynamo put on it hold for"
+# ... where export's solver cannot prove them over any range: the symbol is declared Dim.AUTO (for_export)
+UNPROVEN = "declared to Dynamo as maybe-dynamic (Dim.AUTO): export cannot prove these guards over a range"
 
 
 def _guards_hold(sym: str, printed: list[tuple[str, str]], proposal: Proposal, symbols: dict[str, Any]

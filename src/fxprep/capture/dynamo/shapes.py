@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,6 +59,15 @@ def shortest_length(model: nn.Module, call: ExampleInputs, dynamic: Any) -> int 
     return min(sizes) if sizes else None
 
 
+@dataclass(frozen=True)
+class MaybeDynamic:
+    """A dimension declared to Dynamo as ``Dim.AUTO``: dynamic unless the code specialises it, with
+    no range for export to prove (:data:`~.autodims.UNPROVEN`); ``name`` is its symbol for the
+    report, which a ``Dim.AUTO`` has none of."""
+
+    name: str
+
+
 def dynamic_shapes_spec(model: nn.Module, call: ExampleInputs, dynamic: Any) -> dict[str, Any] | None:
     """``dynamic`` (``"batch"``, or ``{arg: {dim: name}}``) as a ``dynamic_shapes`` dict for export.
 
@@ -70,6 +80,8 @@ def dynamic_shapes_spec(model: nn.Module, call: ExampleInputs, dynamic: Any) -> 
     dims: dict[str, Any] = {}
 
     def dim(name: Any) -> Any:
+        if isinstance(name, MaybeDynamic):
+            return Dim.AUTO
         if not isinstance(name, str):
             return name  # already a Dim (or a hint such as Dim.DYNAMIC)
         if name not in dims:
@@ -132,7 +144,8 @@ def dynamic_dims(model: nn.Module, call: ExampleInputs, dynamic: Any) -> dict[st
         if dynamic == "batch" and value.dim() >= 1:
             out[name] = {0: "batch"}
         elif isinstance(dynamic, dict) and dynamic.get(name):
-            out[name] = {int(d): n if isinstance(n, str) else str(getattr(n, "__name__", n))
+            out[name] = {int(d): n if isinstance(n, str) else n.name if isinstance(n, MaybeDynamic)
+                         else str(getattr(n, "__name__", n))
                          for d, n in dynamic[name].items()}
     return out
 
