@@ -9,6 +9,8 @@ source.
 from __future__ import annotations
 
 import inspect
+import sys
+import types
 
 import pytest
 import torch
@@ -55,6 +57,11 @@ def test_transformers_bart_half_precision_clamp_is_rewritten():
 
 
 # --- a transformers method with a data-dependent if and a change of fxprep's own (hf_source) ------------
+_TOY_MODULE = "transformers.models.fxprep_toy.modeling_fxprep_toy"
+# transformers 5.0's PreTrainedModel reads sys.modules[cls.__module__].__file__ when it is built
+sys.modules.setdefault(_TOY_MODULE, types.ModuleType(_TOY_MODULE)).__file__ = __file__
+
+
 class _CheckedToy(PreTrainedModel):
     """A transformers-style model (its class claims transformers' namespace, as hf_source requires)
     whose ``forward`` has both a check with an f-string message, which hf_source makes lazy during
@@ -62,7 +69,7 @@ class _CheckedToy(PreTrainedModel):
     control-flow rewrite rewrites: one method, two copies of fxprep's wanting the same slot."""
 
     config_class = LlamaConfig
-    __module__ = "transformers.models.fxprep_toy.modeling_fxprep_toy"
+    __module__ = _TOY_MODULE
 
     def __init__(self, config):
         super().__init__(config)
