@@ -310,11 +310,14 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
             found[key] = why
     sourced = [(m.group(1), m.group(2), m.group(3).strip()) for m in _NOT_ALL.finditer(text)]
     all_guards = [(sym, guard) for sym, _, guard in sourced]
+    printed: dict[str, list[tuple[str, str]]] = {}  # symbol -> (source, guard) each, as export printed them
+    for sym, source, guard in sourced:
+        printed.setdefault(sym, []).append((source, guard))
     guards = dict(all_guards)  # a symbol's last guard: its range, where export bounds it
     first_guards: dict[str, str] = {}
     for sym, guard in all_guards:
         first_guards.setdefault(sym, guard)
-    solved_ranges: dict[str, tuple[int | None, int | None, str]] = {}
+    ranges: dict[str, tuple[int | None, int | None, str]] = {}
     for m in _SOLVED.finditer(text):
         sym, value = m.group(1), m.group(2)
         if sym in symbols and not any(key in found for key in symbols[sym]):
@@ -322,16 +325,15 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
             # Qwen3.5's linear attention) and offers the example's size; where every guard holds on
             # an interval around it, the dimension is free there (a limit the prepared module checks),
             # declared maybe-dynamic, since export would refuse a range it cannot prove (for_export)
-            held = _guards_hold(sym, [(src, g) for s, src, g in sourced if s == sym], proposal, symbols)
-            if held is not None and hasattr(torch.export.Dim, "AUTO"):
-                solved_ranges[sym] = (*held[:2], f"{held[2]}; {UNPROVEN}")
+            held = _guards_hold(sym, printed.get(sym, []), proposal, symbols)
+            if held is not None:
+                ranges[sym] = (*held[:2], f"{held[2]}; {UNPROVEN}")
                 continue
             first = first_guards.get(sym, "")
             why = f"the model's code specialises '{sym}' to {value}" + (
                 f" (its guards solve to it: {_readable(_unlinked(first))[:160]})" if first else "")
             for key in symbols[sym]:
                 found[key] = why
-    ranges: dict[str, tuple[int | None, int | None, str]] = {}
     fixes = text.split("Suggested fixes", 1)[1] if "Suggested fixes" in text else ""
     for m in _RANGE_FIX.finditer(fixes):
         sym = m.group(1)
@@ -340,12 +342,11 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         bounds = dict(re.findall(r"(min|max)=(-?\d+)", m.group(2)))
         ranges[sym] = (int(bounds["min"]) if "min" in bounds else None, int(bounds["max"]) if "max" in bounds else None,
                        f"the model's code requires {_readable(guards.get(sym, 'a range'))[:200]}")
-    ranges.update(solved_ranges)
     for sym, guard in all_guards:
         _exclude_end(sym, _unlinked(guard), ranges, proposal, symbols)
     specialised = {proposal.dynamic[n][d] for n, d in found if d in proposal.dynamic.get(n, {})}
     for sym in {sym for sym, _ in all_guards} - specialised - set(ranges):
-        held = _guards_hold(sym, [(src, g) for s, src, g in sourced if s == sym], proposal, symbols)
+        held = _guards_hold(sym, printed.get(sym, []), proposal, symbols)
         if held is not None:
             ranges[sym] = held
     return found, ranges
