@@ -246,7 +246,7 @@ def _capture(run: Preparation) -> CaptureResult:
             if run.proposal is not None:
                 result, attempts = _general_after_rewrite(run, rewrite, tracers, result, attempts)
         elif run.proposal is not None:  # proposed only with an example
-            result, attempts = _capture_general(run, tracers)
+            result, attempts = _capture_general(run, tracers, static_fallback=run.static_fallback)
         else:
             result, attempts = cascade.capture(run.request, tracers)
         sites: list[Any] = []
@@ -406,11 +406,13 @@ def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
         report.note(notes.decided_values(decided))
 
 
-def _capture_general(run: Preparation, tracers: list[str]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+def _capture_general(run: Preparation, tracers: list[str], *, static_fallback: bool
+                     ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """The shape-general capture (:func:`shape_general.capture`: Dynamo alone, with the proposal's
     dimensions); when it fails, the static-shape capture as before, said in the report (the reference
-    run is kept). ``run.proposal`` becomes the proposal kept (None when static) and ``run.request``
-    the request the capture used."""
+    run is kept), or :class:`~.shape_general.NotShapeGeneral` without ``static_fallback``.
+    ``run.proposal`` becomes the proposal kept (None when static) and ``run.request`` the request
+    the capture used."""
     request, proposal = run.request, run.proposal
     assert proposal is not None and request.example is not None
 
@@ -428,7 +430,7 @@ def _capture_general(run: Preparation, tracers: list[str]) -> tuple[CaptureResul
             run.proposal, done = None, err.elsewhere.attempts if err.elsewhere is not None else []
             result, attempts = cascade.capture(request, [t for t in tracers if t != "dynamo"] if done else tracers)
             return result, done + attempts
-        if not run.static_fallback:
+        if not static_fallback:
             raise
         run.proposal = None
         run.request = request.replace(dynamic=False)
@@ -447,23 +449,21 @@ def _general_after_rewrite(run: Preparation, rewrite: Any, tracers: list[str], r
     with the plan found is then captured once more with the proposal's dimensions
     (:func:`_capture_general`), kept when Dynamo captures it whole. Otherwise the static capture
     stands and the report says why, or, without a static fallback, :class:`NotShapeGeneral` is raised."""
-    fallback, run.static_fallback = run.static_fallback, False
-    try:
-        if result is None or result.tracer != "dynamo":
-            raise shape_general.NotShapeGeneral(
-                "with the control-flow rewrite, Dynamo did not capture the model as one graph on static shapes "
-                f"({result.tracer if result is not None else 'no capture'}), so its dimensions were not declared")
-        with rewrite.bound():
-            general, more = _capture_general(run, tracers)
-        return general, attempts + more
-    except shape_general.NotShapeGeneral as err:
-        if not fallback:
-            raise
-        run.proposal = None
-        run.report.note(shape_general.not_kept_note(str(err)))
-        return result, attempts
-    finally:
-        run.static_fallback = fallback
+    if result is None or result.tracer != "dynamo":
+        why = ("with the control-flow rewrite, Dynamo did not capture the model as one graph on static shapes "
+               f"({result.tracer if result is not None else 'no capture'}), so its dimensions were not declared")
+    else:
+        try:
+            with rewrite.bound():
+                general, more = _capture_general(run, tracers, static_fallback=False)
+            return general, attempts + more
+        except shape_general.NotShapeGeneral as err:
+            why = str(err)
+    if not run.static_fallback:
+        raise shape_general.NotShapeGeneral(why)
+    run.proposal = None
+    run.report.note(shape_general.not_kept_note(why))
+    return result, attempts
 
 
 def _fallback_general(run: Preparation, attempts: list[CaptureAttempt], result: CaptureResult | None,

@@ -122,14 +122,15 @@ def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -
             found = size_branches(model, call, proposal.dynamic)
     except Exception as err:  # noqa: BLE001 - cannot tell: every range is kept as a limit
         why = f"kept as a limit: whether the model's code branches there could not be checked ({first_line(err)})"
-        return dataclasses.replace(proposal, limits={k: (lo, hi, f"{w}; {why}") for k, (lo, hi, w) in proposal.ranges.items()})
+        return dataclasses.replace(proposal, limits={k: r.joined(why) for k, r in proposal.ranges.items()})
     inputs = autodims.named_inputs(model, proposal.capture_example)
     sizes = {sym: int(inputs[name].shape[d]) for name, dims in proposal.dynamic.items() for d, sym in dims.items()}
     # a range read off the guards themselves is where the graph holds, whatever set it
-    kept = {sym: r for sym, r in proposal.ranges.items() if r[2].startswith(autodims.GUARDS_HOLD)}
-    for sym, (low, high, _) in proposal.ranges.items():
+    kept = {sym: r for sym, r in proposal.ranges.items() if r.from_guards}
+    for sym, bound in proposal.ranges.items():
         if sym in kept:
             continue
+        low, high = bound.low, bound.high
         # sizes past the range: a branch that goes the other way at any of them is a limit. Not seen: a branch
         # past a kernel's bound (Dynamo decides it from the range that bound left, without a guard)
         outside = [n for n in (*SIZES, (high or 0) + 1, (low or 3) - 1)
@@ -137,7 +138,7 @@ def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -
         for branch in found:
             if sym in {str(x) for x in branch.expr.free_symbols} and any(
                     not branch.holds_with({**sizes, sym: n}) for n in outside):
-                kept[sym] = (low, high, f"the model's code branches on it: {branch.describe()}")
+                kept[sym] = dataclasses.replace(bound, why=f"the model's code branches on it: {branch.describe()}")
                 break
     return dataclasses.replace(proposal, limits=kept)
 
@@ -211,10 +212,10 @@ def notes(report: Report, proposal: autodims.Proposal, second: str | None) -> No
             f"needed). Pass dynamic=False for a static-shape capture.")
     for (name, dim), why in sorted(proposal.dropped.items()):
         report.note(f"Shape-general: {name} dim {dim} stays at the example's size: {why}.")
-    for sym, (low, high, why) in sorted(proposal.ranges.items()):
-        shown = _bounds(low, high)
+    for sym, bound in sorted(proposal.ranges.items()):
+        shown, why = _bounds(bound.low, bound.high), bound.why
         if sym in proposal.limits:
-            report.note(f"Shape-general: '{sym}' is dynamic {shown}: {proposal.limits[sym][2]}; a call outside it "
+            report.note(f"Shape-general: '{sym}' is dynamic {shown}: {proposal.limits[sym].why}; a call outside it "
                         f"raises InputMismatch (the graph holds one way of the branch).")
         else:
             guard = why.replace("the model's code requires ", "its guard: ")
@@ -230,7 +231,7 @@ def second_grow(model: nn.Module, proposal: autodims.Proposal, example: ExampleI
     inputs, grow = autodims.named_inputs(model, example), 3
     for name, dims in proposal.dynamic.items():
         for d, sym in dims.items():
-            high = proposal.limits.get(sym, (None, None, ""))[1]
+            high = proposal.limits[sym].high if sym in proposal.limits else None
             if high is not None and isinstance(inputs.get(name), torch.Tensor):
                 grow = min(grow, high - int(inputs[name].shape[d]))
     return max(grow, 1)
@@ -248,7 +249,8 @@ def limits_by_input(proposal: autodims.Proposal | None) -> dict[str, dict[int, t
     for name, dims in proposal.dynamic.items():
         for d, sym in dims.items():
             if sym in proposal.limits:
-                out.setdefault(name, {})[d] = proposal.limits[sym]
+                limit = proposal.limits[sym]
+                out.setdefault(name, {})[d] = (limit.low, limit.high, limit.why)
     return out
 
 

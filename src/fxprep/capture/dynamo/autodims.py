@@ -63,6 +63,29 @@ MULTIMODAL_BATCH = ("a multimodal example: the batch stays at the example's size
                     "({names}) are laid out per sample is the model's own; the sequence (the prompt's length) is free")
 
 
+@dataclass(frozen=True)
+class SizeRange:
+    """The sizes a declared symbol may take (``None``: no bound that side), and why. Where it came
+    from decides what is done with it, so that is said in fields rather than in the text:
+    ``from_guards``, the range is where the guards Dynamo put on the symbol hold, evaluated from
+    their text (:mod:`.guard_range`), always a limit the prepared module checks
+    (:func:`fxprep.shape_general.limits`); ``unproven``, export's solver could not prove those guards
+    over any range, so the symbol is declared maybe-dynamic (``Dim.AUTO``, :meth:`Proposal.for_export`)."""
+
+    low: int | None
+    high: int | None
+    why: str
+    from_guards: bool = False
+    unproven: bool = False
+
+    def joined(self, why: str) -> SizeRange:
+        """The same range with ``why`` added to its reason."""
+        return replace(self, why=f"{self.why}; {why}" if self.why else why)
+
+
+_NO_RANGE = SizeRange(None, None, "")
+
+
 @dataclass
 class Proposal:
     """The dimensions to declare (``dynamic`` in the form the option takes) and the example to
@@ -71,11 +94,11 @@ class Proposal:
     dynamic: dict[str, dict[int, str]]
     capture_example: ExampleInputs
     dropped: dict[tuple[str, int], str] = field(default_factory=dict)
-    ranges: dict[str, tuple[int | None, int | None, str]] = field(default_factory=dict)  # symbol -> min, max, why
+    ranges: dict[str, SizeRange] = field(default_factory=dict)  # symbol -> the sizes Dynamo bounded it to
     source: str = "the model's input names (transformers layout)"  # how the dimensions were found, for the report
     # the ranges a branch of the model's code sets (symbol -> min, max, where): the prepared module checks
     # them; any other range is a bound Dynamo's trace took from a kernel's shape logic (shape_general.limits)
-    limits: dict[str, tuple[int | None, int | None, str]] = field(default_factory=dict)
+    limits: dict[str, SizeRange] = field(default_factory=dict)
     explicit: bool = False  # the user's own dynamic= (:func:`declared`): never dropped, never static instead
     # a multimodal example's batch declared with its images: the length alone, tried where that does not hold
     narrower: Proposal | None = None
@@ -88,14 +111,14 @@ class Proposal:
         """``dynamic`` with each symbol one ``torch.export.Dim`` (its range where the model's code
         bounds it, e.g. a sequence no longer than a learned position table), or a
         :class:`~.shapes.MaybeDynamic` where export cannot prove the guards that bound it
-        (:data:`UNPROVEN`: the prepared module checks that range itself)."""
+        (:attr:`SizeRange.unproven`: the prepared module checks that range itself)."""
         from torch.export import Dim
 
         made: dict[str, Any] = {}
         for sym in {s for dims in self.dynamic.values() for s in dims.values()}:
-            low, high, why = self.ranges.get(sym, (None, None, ""))
-            bounds = {k: v for k, v in (("min", low), ("max", high)) if v is not None}
-            made[sym] = MaybeDynamic(sym) if UNPROVEN in why else Dim(sym, **bounds)
+            size = self.ranges.get(sym, _NO_RANGE)
+            bounds = {k: v for k, v in (("min", size.low), ("max", size.high)) if v is not None}
+            made[sym] = MaybeDynamic(sym) if size.unproven else Dim(sym, **bounds)
         return {name: {d: made[sym] for d, sym in dims.items()} for name, dims in self.dynamic.items()}
 
 
@@ -288,12 +311,11 @@ def _in_torch(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_TORCH_DIR)
 
 
-def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, int], str],
-                                                              dict[str, tuple[int | None, int | None, str]]]:
+def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, int], str], dict[str, SizeRange]]:
     """What Dynamo's constraint violation (``err``) says of the declared dimensions: those the
     model's code specialises to a constant, ``{(input name, dim): why}`` (the size and the line of
     code, from Dynamo's user stack; every input sharing the symbol included), and the symbols it
-    bounds, ``{symbol: (min, max, why)}`` (Dynamo's suggested ``Dim`` range, e.g. a sequence no
+    bounds, ``{symbol: SizeRange}`` (Dynamo's suggested ``Dim`` range, e.g. a sequence no
     longer than a learned position table). Both empty when ``err`` is not such a violation."""
     text = str(err)
     symbols = {sym: [(n, d) for n, ds in proposal.dynamic.items() for d, s in ds.items() if s == sym]
@@ -317,7 +339,7 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
     first_guards: dict[str, str] = {}
     for sym, guard in all_guards:
         first_guards.setdefault(sym, guard)
-    ranges: dict[str, tuple[int | None, int | None, str]] = {}
+    ranges: dict[str, SizeRange] = {}
     for m in _SOLVED.finditer(text):
         sym, value = m.group(1), m.group(2)
         if sym in symbols and not any(key in found for key in symbols[sym]):
@@ -327,7 +349,7 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
             # declared maybe-dynamic, since export would refuse a range it cannot prove (for_export)
             held = _guards_hold(sym, printed.get(sym, []), proposal, symbols)
             if held is not None:
-                ranges[sym] = (*held[:2], f"{held[2]}; {UNPROVEN}")
+                ranges[sym] = replace(held.joined(_UNPROVEN), unproven=True)
                 continue
             first = first_guards.get(sym, "")
             why = f"the model's code specialises '{sym}' to {value}" + (
@@ -340,8 +362,9 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         if sym not in symbols:
             continue
         bounds = dict(re.findall(r"(min|max)=(-?\d+)", m.group(2)))
-        ranges[sym] = (int(bounds["min"]) if "min" in bounds else None, int(bounds["max"]) if "max" in bounds else None,
-                       f"the model's code requires {_readable(guards.get(sym, 'a range'))[:200]}")
+        ranges[sym] = SizeRange(int(bounds["min"]) if "min" in bounds else None,
+                                int(bounds["max"]) if "max" in bounds else None,
+                                f"the model's code requires {_readable(guards.get(sym, 'a range'))[:200]}")
     for sym, guard in all_guards:
         _exclude_end(sym, _unlinked(guard), ranges, proposal, symbols)
     specialised = {proposal.dynamic[n][d] for n, d in found if d in proposal.dynamic.get(n, {})}
@@ -352,14 +375,12 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
     return found, ranges
 
 
-# Why a range came from evaluating Dynamo's guards (guard_range): always a limit the prepared module checks
-GUARDS_HOLD = "the guards Dynamo put on it hold for"
-# ... where export's solver cannot prove them over any range: the symbol is declared Dim.AUTO (for_export)
-UNPROVEN = "declared to Dynamo as maybe-dynamic (Dim.AUTO): export cannot prove these guards over a range"
+# the report's words for a range SizeRange.unproven marks
+_UNPROVEN = "declared to Dynamo as maybe-dynamic (Dim.AUTO): export cannot prove these guards over a range"
 
 
 def _guards_hold(sym: str, printed: list[tuple[str, str]], proposal: Proposal, symbols: dict[str, Any]
-                 ) -> tuple[int | None, int | None, str] | None:
+                 ) -> SizeRange | None:
     """The range around the example's size where every guard export printed for ``sym`` (``(its
     source, the guard)`` each) holds, evaluated from the guards' text (:mod:`.guard_range`: export
     suggests no ``Dim`` for a guard written with ``sym_max`` or ``%``); None where they cannot be
@@ -376,14 +397,16 @@ def _guards_hold(sym: str, printed: list[tuple[str, str]], proposal: Proposal, s
     held = interval(guards, sources.pop(), size)
     if held is None:
         return None
-    low, high, _ = proposal.ranges.get(sym) or (None, None, "")
-    low = max(held[0], low or 0)
-    high = held[1] if high is None else (high if held[1] is None else min(high, held[1]))
+    known = proposal.ranges.get(sym, _NO_RANGE)
+    low = max(held[0], known.low or 0)
+    high = held[1] if known.high is None else (known.high if held[1] is None else min(known.high, held[1]))
     shown = _readable(guards[0])[:160]
-    return (low if low > 2 else None, high, f"{GUARDS_HOLD} {low}..{high if high is not None else ''} ({shown})")
+    return SizeRange(low if low > 2 else None, high,
+                     f"the guards Dynamo put on it hold for {low}..{high if high is not None else ''} ({shown})",
+                     from_guards=True)
 
 
-def _exclude_end(sym: str, guard: str, ranges: dict[str, tuple[int | None, int | None, str]],
+def _exclude_end(sym: str, guard: str, ranges: dict[str, SizeRange],
                  proposal: Proposal, symbols: dict[str, Any]) -> None:
     """A guard ``size != N`` where ``N`` ends the symbol's range (GPT-1 slices its 64-position table
     to the length: ``seq <= 64``, and ``seq != 64`` where the slice would be the whole table) moves
@@ -393,12 +416,12 @@ def _exclude_end(sym: str, guard: str, ranges: dict[str, tuple[int | None, int |
     if m is None or sym not in symbols:
         return
     value = int(m.group(1))
-    low, high, why = ranges.get(sym) or proposal.ranges.get(sym) or (None, None, "")
+    known = ranges.get(sym) or proposal.ranges.get(sym) or _NO_RANGE
     said = f"the model's code requires {_readable(guard)[:120]}"
-    if high == value:
-        ranges[sym] = (low, value - 1, f"{why}; {said}" if why else said)
-    elif low == value:
-        ranges[sym] = (value + 1, high, f"{why}; {said}" if why else said)
+    if known.high == value:
+        ranges[sym] = replace(known, high=value - 1).joined(said)
+    elif known.low == value:
+        ranges[sym] = replace(known, low=value + 1).joined(said)
 
 
 def specialises(err: BaseException) -> bool:
@@ -408,7 +431,7 @@ def specialises(err: BaseException) -> bool:
     return "Constraints violated" in text or bool(_MARKED.search(text)) or bool(_NOT_ALL.search(text))
 
 
-def revised(proposal: Proposal, dims: dict[tuple[str, int], str], ranges: dict[str, tuple[int | None, int | None, str]],
+def revised(proposal: Proposal, dims: dict[tuple[str, int], str], ranges: dict[str, SizeRange],
             model: nn.Module, call: ExampleInputs) -> Proposal | None:
     """``proposal`` less the dimensions ``dims`` (found specialised; every input sharing their symbol
     too: one size) and with the symbols in ``ranges`` bounded; None when no dimension is left."""

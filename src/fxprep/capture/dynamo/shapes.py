@@ -62,7 +62,7 @@ def shortest_length(model: nn.Module, call: ExampleInputs, dynamic: Any) -> int 
 @dataclass(frozen=True)
 class MaybeDynamic:
     """A dimension declared to Dynamo as ``Dim.AUTO``: dynamic unless the code specialises it, with
-    no range for export to prove (:data:`~.autodims.UNPROVEN`); ``name`` is its symbol for the
+    no range for export to prove (:attr:`~.autodims.SizeRange.unproven`); ``name`` is its symbol for the
     report, which a ``Dim.AUTO`` has none of."""
 
     name: str
