@@ -158,6 +158,14 @@ def setitem_as_method(gm: fx.GraphModule) -> fx.GraphModule:
 _APPLY_CALL = re.compile(r"([A-Za-z_][\w.]*)\.apply\s*\(")
 
 
+def _apply_line(node: fx.Node) -> str:
+    """The source line Dynamo recorded for ``node`` (its stack trace's last line of code)."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()
+             if ln.strip() and not ln.strip().startswith("File ") and set(ln.strip()) - set("^~ ")]
+    return lines[-1] if lines else ""
+
+
 def _user_autograd_function(node: fx.Node, owner: nn.Module) -> type | None:
     """The ``autograd.Function`` class a Dynamo ``autograd_function_apply`` node came from.
 
@@ -165,10 +173,7 @@ def _user_autograd_function(node: fx.Node, owner: nn.Module) -> type | None:
     (``return GeLUFunction.apply(x)``) names it, and the module whose ``forward`` made the call
     gives the globals to resolve that name in. None when that does not lead to exactly one class.
     """
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines()
-             if ln.strip() and not ln.strip().startswith("File ") and set(ln.strip()) - set("^~ ")]
-    found = _APPLY_CALL.findall(lines[-1]) if lines else []
+    found = _APPLY_CALL.findall(_apply_line(node))
     if len(found) != 1:
         return None
     scope: Any = getattr(type(owner).forward, "__globals__", {})
@@ -179,6 +184,117 @@ def _user_autograd_function(node: fx.Node, owner: nn.Module) -> type | None:
     if isinstance(value, type) and issubclass(value, torch.autograd.Function):
         return value
     return None
+
+
+def _apply_arguments(gm: fx.GraphModule, node: fx.Node, cls: type) -> tuple[Any, ...] | None:
+    """The arguments of the user's ``cls.apply(...)`` call that Dynamo recorded as ``node``; None
+    when they cannot be told for certain.
+
+    Dynamo's node holds the tensors the forward body reads (its free variables, in the order the
+    body first reads them), not the call's arguments: ``XSoftmax.apply(scores, mask, -1)`` becomes
+    ``(fwd, bwd, mask, scores)``, the ``-1`` folded into the body. So the call is read from its
+    source line, each argument a literal (kept as it is) or a name, and each free variable placed
+    at the argument it is: the one named as Dynamo named the variable (``mask``, ``mask_1``, an
+    input's ``l_mask_``), or else the one whose parameter of ``forward`` the body reads it as (the
+    lines of ``forward`` that use it name that parameter alone). A Function of one tensor argument
+    called with one free variable needs no reading. Otherwise the node stays Dynamo's
+    (:mod:`fxprep.passes.functional_to_module` wraps it)."""
+    import inspect
+
+    lifted = list(node.args[2:])
+    if not all(isinstance(a, fx.Node) for a in lifted):
+        return None
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # after ctx
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params):
+        return None
+    read = _arguments_from_source(node, cls.__name__, [p.name for p in params], lifted, _body_reads(gm, node, params))
+    if read is not None:
+        return read
+    return tuple(lifted) if len(params) == 1 and len(lifted) == 1 else None
+
+
+def _body_reads(gm: fx.GraphModule, node: fx.Node, params: list[Any]) -> list[set[str]]:
+    """For each free variable of ``node``'s forward body, the parameters of ``forward`` that every
+    line of code using it names (empty where there is no body or no line)."""
+    import ast
+
+    body = getattr(gm, node.args[0].target, None) if isinstance(node.args[0], fx.Node) else None
+    names = {p.name for p in params}
+    if not isinstance(body, fx.GraphModule):
+        return []
+    found: list[set[str]] = []
+    for placeholder in (n for n in body.graph.nodes if n.op == "placeholder"):
+        common: set[str] | None = None
+        for user in placeholder.users:
+            try:
+                tree = ast.parse(_apply_line(user))
+            except SyntaxError:
+                common = set()
+                break
+            used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} & names
+            common = used if common is None else common & used
+        found.append(common or set())
+    return found
+
+
+def _arguments_from_source(node: fx.Node, name: str, params: list[str], lifted: list[fx.Node],
+                           reads: list[set[str]]) -> tuple[Any, ...] | None:
+    """``name.apply(...)``'s arguments read from ``node``'s source line (see :func:`_apply_arguments`);
+    ``reads``: :func:`_body_reads`. None where any argument cannot be told."""
+    import ast
+
+    line = _apply_line(node)
+    start = line.find(f"{name}.apply(")
+    call = _balanced_call(line[start:]) if start >= 0 else None
+    try:
+        tree = ast.parse(call, mode="eval").body if call is not None else None
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.Call) or tree.keywords or len(tree.args) > len(params) or \
+            any(isinstance(a, ast.Starred) for a in tree.args):
+        return None
+    placed: dict[int, fx.Node] = {}
+    for i, value in enumerate(lifted):
+        named = [k for k, a in enumerate(tree.args) if isinstance(a, ast.Name) and a.id in _variable_names(value.name)]
+        if len(named) != 1 and i < len(reads) and len(reads[i]) == 1:
+            named = [params.index(next(iter(reads[i])))]
+        if len(named) != 1 or named[0] in placed or named[0] >= len(tree.args):
+            return None
+        placed[named[0]] = value
+    arguments: list[Any] = []
+    for k, arg in enumerate(tree.args):
+        if k in placed:
+            arguments.append(placed[k])
+            continue
+        try:
+            arguments.append(ast.literal_eval(arg))
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None  # a name that is no free variable, an expression: not a literal
+    return tuple(arguments)
+
+
+def _balanced_call(text: str) -> str | None:
+    """``text`` up to the parenthesis that closes its first one (a call on one line), or None."""
+    depth = 0
+    for i, char in enumerate(text):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+            if depth == 0:
+                return text[:i + 1]
+    return None
+
+
+def _variable_names(node_name: str) -> set[str]:
+    """The source names Dynamo may have named a node after: ``x`` for ``x``, ``x_1`` and ``l_x_``."""
+    names = {node_name, re.sub(r"_\d+$", "", node_name)}
+    if node_name.startswith("l_") and node_name.endswith("_"):
+        names.add(node_name[2:-1])
+    return names
 
 
 def restore_autograd_functions(gm: fx.GraphModule, owner_of: Callable[[fx.Node], nn.Module]) -> fx.GraphModule:
@@ -199,11 +315,12 @@ def restore_autograd_functions(gm: fx.GraphModule, owner_of: Callable[[fx.Node],
                                 for u in users):
             continue
         cls = _user_autograd_function(node, owner_of(node))
-        if cls is None:
+        arguments = _apply_arguments(gm, node, cls) if cls is not None else None
+        if cls is None or arguments is None:
             continue
         bodies = [a for a in node.args[:2] if isinstance(a, fx.Node)]
         with graph.inserting_before(node):
-            call = graph.call_function(autograd_function_caller(cls), tuple(node.args[2:]))
+            call = graph.call_function(autograd_function_caller(cls), arguments)
         call.meta = {k: v for k, v in node.meta.items() if k != "source_fn_stack"}
         call.meta["example_value"] = users[0].meta.get("example_value")
         for user in users:
