@@ -30,6 +30,10 @@ image tokens in ``input_ids`` must match the images: the length alone is declare
 the example's size, and the report and :class:`~fxprep.errors.InputMismatch` say why
 (:data:`MULTIMODAL_BATCH`).
 
+A speech model's audio input (no prompt beside it) is laid out as the library's feature
+extractors make it: batch first, then the waveform's samples or the filter bank's frames
+(:func:`_audio`), which are declared ``seq`` as a prompt's tokens are (a padding mask shares them).
+
 Not proposed (the model keeps static shapes and the batch probe, as before): models outside
 transformers, an example with an input this table does not know and no token input, and a
 multimodal example whose other inputs have a dimension of the sequence's size (it would have to
@@ -59,6 +63,11 @@ TABLE: dict[str, dict[int, str]] = {
     "cross_attention_mask": {0: "batch", 1: "seq"},  # Mllama: batch x tokens x images x tiles
 }
 _VISION_ONLY = {"pixel_values": {0: "batch"}, "pixel_mask": {0: "batch"}}  # only where no token input is given
+# inputs that put a prompt's tokens on "seq": an audio input's length is declared only without one
+# (beside a prompt, as in an audio language model, the audio is a multimodal input: its frames are not the prompt's)
+_PROMPT = {name for name, dims in TABLE.items() if "seq" in dims.values()} - {"attention_mask"}
+# where a config says how many features an audio frame has (a filter bank's mel bins, a projection's input)
+_FEATURE_SIZES = {"num_mel_bins", "feature_size", "feature_projection_input_dim", "input_feat_per_channel", "n_mels"}
 MULTIMODAL_BATCH = ("a multimodal example: the batch stays at the example's size, because how the other inputs "
                     "({names}) are laid out per sample is the model's own; the sequence (the prompt's length) is free")
 
@@ -139,6 +148,8 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
     table = dict(TABLE)
     if not any(name in TABLE for name in tensors):
         table.update(_VISION_ONLY)
+    if not any(name in _PROMPT for name in tensors):
+        table.update(_audio(model, tensors))
     others = sorted(name for name in tensors if name not in table)
     if others and len(others) == len(tensors):
         return None  # no input whose layout is known: static shapes, as before
@@ -178,6 +189,51 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
                                 dropped_batch) if length else None
             return Proposal(dynamic, _grown(model, call, dynamic, sizes), narrower=fallback)
     return Proposal(dynamic, _grown(model, call, dynamic, sizes), dropped)
+
+
+def _audio(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, dict[int, str]]:
+    """The layout of a speech model's audio input, batch first and then its length. ``input_values``
+    is mostly a waveform (``batch x samples``, or ``batch x channels x samples``), ``input_features``
+    a filter bank, ``batch x frames x features`` for some models (Speech2Text, Wav2Vec2-BERT,
+    Parakeet) and ``batch x features x frames`` for others (Whisper); the Audio Spectrogram
+    Transformer names its filter bank ``input_values``. Of three dimensions, the frames are the one
+    of the padding mask's length where a mask is given, else the one that is not the number of
+    features the config names; where neither tells them apart, a waveform's samples are its last
+    dimension and of a filter bank only the batch is declared. Calibration audio comes in every
+    length, as text does."""
+    found: dict[str, dict[int, str]] = {}
+    mask = tensors.get("attention_mask")
+    for name in ("input_values", "input_features"):
+        value = tensors.get(name)
+        if value is None or value.dim() not in (2, 3):
+            continue
+        if value.dim() == 2:
+            found[name] = {0: "batch", 1: "seq"}
+            continue
+        sizes = {int(mask.shape[1])} if mask is not None and mask.dim() == 2 else set()
+        frames = [d for d in (1, 2) if int(value.shape[d]) in sizes]
+        if len(frames) != 1:
+            known = _config_ints(getattr(model, "config", None), _FEATURE_SIZES)
+            frames = [d for d in (1, 2) if int(value.shape[3 - d]) in known and int(value.shape[d]) not in known]
+        if len(frames) != 1 and name == "input_values":
+            frames = [2]  # a waveform with channels (batch x channels x samples)
+        found[name] = {0: "batch", frames[0]: "seq"} if len(frames) == 1 else {0: "batch"}
+    return found
+
+
+def _config_ints(config: Any, keys: set[str]) -> set[int]:
+    """Every integer a transformers ``config`` (its sub-configs too: an encoder's, an audio tower's)
+    gives under one of ``keys``."""
+    found: set[int] = set()
+    todo = [config.to_dict()] if hasattr(config, "to_dict") else []
+    while todo:
+        items = todo.pop()
+        for key, value in items.items():
+            if isinstance(value, dict):
+                todo.append(value)
+            elif key in keys and isinstance(value, int) and not isinstance(value, bool):
+                found.add(value)
+    return found
 
 
 def batch_not_held(narrower: Proposal, why: str) -> Proposal:
@@ -270,6 +326,7 @@ _NOT_ALL = re.compile(r"Not all values of (\w+) = (\S+).*? satisfy the generated
 # export's other wording: the guards on a symbol solved to one value ("Suggested fixes: decoder_seq = 4")
 _SOLVED = re.compile(r"solving the guards generated for (\w+) = .*? resulted in a specialized value of (-?\d+)")
 _RANGE_FIX = re.compile(r"^\s*(\w+) = Dim\('\w+'((?:, (?:min|max)=-?\d+)*)\)\s*$", re.M)
+_DERIVED_FIX = re.compile(r"^\s*(\w+) = \d+\*\w+\s*$", re.M)  # "seq = 10*_seq": a size export wants a multiple
 _EXCLUDED = re.compile(r"^\S+\.size\(\)\[\d+\] != (-?\d+)$")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -368,10 +425,17 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
     for sym, guard in all_guards:
         _exclude_end(sym, _unlinked(guard), ranges, proposal, symbols)
     specialised = {proposal.dynamic[n][d] for n, d in found if d in proposal.dynamic.get(n, {})}
+    derived = set(_DERIVED_FIX.findall(fixes))
     for sym in {sym for sym, _ in all_guards} - specialised - set(ranges):
         held = _guards_hold(sym, printed.get(sym, []), proposal, symbols)
-        if held is not None:
-            ranges[sym] = held
+        if held is None:
+            continue
+        before = proposal.ranges.get(sym)
+        if sym in derived or (before is not None and before.from_guards and (before.low, before.high) == (held.low, held.high)):
+            # export can prove them for no range: it offers a multiple of a new symbol instead (a waveform's
+            # length through a convolution's stride: seq = 10*_seq), or it was given this range and refused it
+            held = replace(held.joined(_UNPROVEN), unproven=True)
+        ranges[sym] = held
     return found, ranges
 
 

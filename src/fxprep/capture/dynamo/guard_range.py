@@ -10,7 +10,7 @@ around the example's size where every guard holds, and a graph captured for that
 inside it: that is what Dynamo's guards mean.
 
 Only the arithmetic Dynamo writes is evaluated (integers, ``+ - * // %``, comparisons, ``and`` /
-``or`` / ``not``, ``torch.sym_max`` / ``sym_min``), from the parsed expression, never with ``eval``;
+``or`` / ``not``, ``torch.sym_max`` / ``sym_min``, ``IntInfinity()`` as a size past any real one), from the parsed expression, never with ``eval``;
 a guard naming another size, or anything else, gives no interval. The interval is searched
 outwards from the example's size (doubling, then bisecting to the first size that fails) and then
 checked at spread sizes inside it; where a check fails (the sizes that hold are not one interval)
@@ -34,6 +34,7 @@ _COMPARE: dict[type, Callable[[int, int], bool]] = {
     ast.Gt: operator.gt, ast.GtE: operator.ge,
 }
 _CALLS = {"sym_max": max, "sym_min": min, "Max": max, "Min": min}
+_INFINITY = {"IntInfinity"}  # sympy's integer infinity, as export prints a range with no end
 
 
 class _Unknown(Exception):
@@ -67,6 +68,8 @@ def _value(node: ast.AST, size: int) -> int | bool:
                 return False
             left = right
         return True
+    if isinstance(node, ast.Call) and not node.args and not node.keywords and getattr(node.func, "id", None) in _INFINITY:
+        return _LIMIT  # "size <= IntInfinity()": export's upper end of an unbounded range
     if isinstance(node, ast.Call) and not node.keywords and node.args:
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
         owner = node.func.value if isinstance(node.func, ast.Attribute) else None
