@@ -166,7 +166,7 @@ def _apply_line(node: fx.Node) -> str:
     return lines[-1] if lines else ""
 
 
-def _user_autograd_function(node: fx.Node, owner: nn.Module) -> type | None:
+def _user_autograd_function(node: fx.Node, owner: nn.Module) -> type[torch.autograd.Function] | None:
     """The ``autograd.Function`` class a Dynamo ``autograd_function_apply`` node came from.
 
     Dynamo keeps only the traced forward/backward bodies, not the class. The source line it records
@@ -186,7 +186,7 @@ def _user_autograd_function(node: fx.Node, owner: nn.Module) -> type | None:
     return None
 
 
-def _apply_arguments(gm: fx.GraphModule, node: fx.Node, cls: type) -> tuple[Any, ...] | None:
+def _apply_arguments(gm: fx.GraphModule, node: fx.Node, cls: type[torch.autograd.Function]) -> tuple[Any, ...] | None:
     """The arguments of the user's ``cls.apply(...)`` call that Dynamo recorded as ``node``; None
     when they cannot be told for certain.
 
