@@ -141,3 +141,31 @@ def test_a_spectrogram_named_input_values_gets_its_frames_not_its_mel_bins() -> 
     waveform = transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(**_W2V))
     proposal = autodims.propose(waveform, ExampleInputs((), {"input_values": torch.randn(1, 2, 400)}))
     assert proposal is not None and proposal.dynamic == {"input_values": {0: "batch", 2: "seq"}}
+
+
+def test_a_length_declared_maybe_dynamic_is_limited_to_where_the_models_branches_hold() -> None:
+    """SEW-D pools its frames and pads them back where their count is odd: a branch on the length
+    that export's printed guards did not cover. Declared maybe-dynamic over every length its guards
+    allowed (1360 samples on), the graph computed wrong values or failed inside torch at lengths
+    where the branch went the other way (1800: "The size of tensor a (4) must match ..."). Every call
+    is now either exactly eager's or refused with the range the graph holds for."""
+    from fxprep.cli.specs import tiny_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCTC.from_config(tiny_config("sew-d")).eval()
+    g = torch.Generator().manual_seed(0)
+    gm = fxprep.prepare_model(model, example_inputs={"input_values": torch.randn(1, 1600, generator=g)})
+    assert gm.fxprep_report.verification.status == "passed"
+    accepted = 0
+    for length in (1400, 1603, 1679, 1800, 2000, 2600, 4000):
+        x = torch.randn(2, length, generator=g)
+        try:
+            with torch.no_grad():
+                got = gm(input_values=x)["logits"]
+        except InputMismatch as err:
+            assert "the graph holds for" in str(err)
+            continue
+        with torch.no_grad():
+            torch.testing.assert_close(got, model(input_values=x).logits, rtol=1e-5, atol=1e-5)
+        accepted += 1
+    assert accepted >= 2  # still free within the range: 1400, 1603, 1679

@@ -100,7 +100,7 @@ def _holds(guards: list[ast.Expression], size: int) -> bool:
         return False
 
 
-def _edge(guards: list[ast.Expression], start: int, step: int, stop: int) -> int:
+def _edge(holds: Callable[[int], bool], start: int, step: int, stop: int) -> int:
     """The last size from ``start`` (which holds) towards ``stop`` that holds before the first that
     does not: doubling the distance, then bisecting."""
     good, distance = start, 1
@@ -108,7 +108,7 @@ def _edge(guards: list[ast.Expression], start: int, step: int, stop: int) -> int
         probe = start + step * distance
         if (step > 0 and probe > stop) or (step < 0 and probe < stop):
             probe = stop
-        if not _holds(guards, probe):
+        if not holds(probe):
             bad = probe
             break
         good = probe
@@ -117,7 +117,7 @@ def _edge(guards: list[ast.Expression], start: int, step: int, stop: int) -> int
         distance *= 2
     while abs(bad - good) > 1:
         middle = (good + bad) // 2
-        if _holds(guards, middle):
+        if holds(middle):
             good = middle
         else:
             bad = middle
@@ -133,13 +133,19 @@ def interval(guards: list[str], source: str, size: int, lowest: int = 2) -> tupl
     if not parsed or any(p is None for p in parsed):
         return None
     trees = [p for p in parsed if p is not None]
-    if not _holds(trees, size):
+    return interval_where(lambda n: _holds(trees, n), size, lowest)
+
+
+def interval_where(holds: Callable[[int], bool], size: int, lowest: int = 2) -> tuple[int, int | None] | None:
+    """:func:`interval` for any test of a size (``holds``): the same search outwards from ``size``,
+    the same check at spread sizes inside what it found."""
+    if not holds(size):
         return None
-    low = _edge(trees, size, -1, lowest) if size > lowest else size
-    high = _edge(trees, size, 1, _LIMIT)
+    low = _edge(holds, size, -1, lowest) if size > lowest else size
+    high = _edge(holds, size, 1, _LIMIT)
     if low == high:
         return None
     spread = {low, high, size, *(low + (high - low) * k // 64 for k in range(65))}
-    if not all(_holds(trees, s) for s in spread):
+    if not all(holds(s) for s in spread):
         return None
     return low, (None if high >= _LIMIT else high)
