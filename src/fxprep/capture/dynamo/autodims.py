@@ -431,9 +431,10 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         if held is None:
             continue
         before = proposal.ranges.get(sym)
-        if sym in derived or (before is not None and before.from_guards and (before.low, before.high) == (held.low, held.high)):
+        if sym in derived or (before is not None and (before.low, before.high) == (held.low, held.high)):
             # export can prove them for no range: it offers a multiple of a new symbol instead (a waveform's
-            # length through a convolution's stride: seq = 10*_seq), or it was given this range and refused it
+            # length through a convolution's stride: seq = 10*_seq), or it was given this range (its own
+            # suggestion, or read from these guards) and refused it
             held = replace(held.joined(_UNPROVEN), unproven=True)
         ranges[sym] = held
     return found, ranges
