@@ -210,6 +210,9 @@ def _apply_arguments(gm: fx.GraphModule, node: fx.Node, cls: type[torch.autograd
         return None
     if any(p.kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params):
         return None
+    mask = node.kwargs.get("args_tensor_mask")
+    if isinstance(mask, (list, tuple)):  # older torch: the call's tensors in order, then the body's other reads
+        return _arguments_by_mask(node, cls.__name__, [bool(m) for m in mask], lifted)
     read = _arguments_from_source(node, cls.__name__, [p.name for p in params], lifted, _body_reads(gm, node, params))
     if read is not None:
         return read
@@ -246,15 +249,8 @@ def _arguments_from_source(node: fx.Node, name: str, params: list[str], lifted: 
     ``reads``: :func:`_body_reads`. None where any argument cannot be told."""
     import ast
 
-    line = _apply_line(node)
-    start = line.find(f"{name}.apply(")
-    call = _balanced_call(line[start:]) if start >= 0 else None
-    try:
-        tree = ast.parse(call, mode="eval").body if call is not None else None
-    except SyntaxError:
-        return None
-    if not isinstance(tree, ast.Call) or tree.keywords or len(tree.args) > len(params) or \
-            any(isinstance(a, ast.Starred) for a in tree.args):
+    tree = _source_call(node, name)
+    if tree is None or len(tree.args) > len(params):
         return None
     placed: dict[int, fx.Node] = {}
     for i, value in enumerate(lifted):
@@ -274,6 +270,46 @@ def _arguments_from_source(node: fx.Node, name: str, params: list[str], lifted: 
         except (ValueError, TypeError, SyntaxError, RecursionError):
             return None  # a name that is no free variable, an expression: not a literal
     return tuple(arguments)
+
+
+def _arguments_by_mask(node: fx.Node, name: str, mask: list[bool], values: list[fx.Node]) -> tuple[Any, ...] | None:
+    """The call's arguments where Dynamo's node says which were tensors (``args_tensor_mask``, torch
+    before 2.10): those tensors in order, each other argument a literal read from the source line."""
+    import ast
+
+    if all(mask):
+        return tuple(values[:len(mask)])
+    tree = _source_call(node, name)
+    if tree is None or len(tree.args) != len(mask):
+        return None
+    tensors = iter(values[:sum(mask)])
+    arguments: list[Any] = []
+    for is_tensor, arg in zip(mask, tree.args):
+        if is_tensor:
+            arguments.append(next(tensors))
+            continue
+        try:
+            arguments.append(ast.literal_eval(arg))
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+    return tuple(arguments)
+
+
+def _source_call(node: fx.Node, name: str) -> Any:
+    """The ``name.apply(...)`` call on ``node``'s source line, parsed (an ``ast.Call`` with plain
+    positional arguments), or None."""
+    import ast
+
+    line = _apply_line(node)
+    start = line.find(f"{name}.apply(")
+    call = _balanced_call(line[start:]) if start >= 0 else None
+    try:
+        tree = ast.parse(call, mode="eval").body if call is not None else None
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.Call) or tree.keywords or any(isinstance(a, ast.Starred) for a in tree.args):
+        return None
+    return tree
 
 
 def _balanced_call(text: str) -> str | None:
@@ -303,7 +339,8 @@ def restore_autograd_functions(gm: fx.GraphModule, owner_of: Callable[[fx.Node],
     Dynamo records a custom ``autograd.Function`` as a higher-order op over two traced graph bodies;
     those bodies are Dynamo internals (no saved form, not the user's code). Where the class can be
     found, the call becomes ``Cls.apply(*inputs)``, as an fx capture has it, so the Function's own
-    forward and backward run. Only single-output Functions are rewritten (all users take ``[0]``).
+    forward and backward run. Only single-output Functions are rewritten (all users take ``[0]``,
+    or, on older torch, the node is that one tensor).
     ``owner_of(node)`` is the module whose ``forward`` made the call: its globals resolve the name."""
     graph = gm.graph
     hop = getattr(torch.ops.higher_order, "autograd_function_apply", None)
@@ -311,8 +348,9 @@ def restore_autograd_functions(gm: fx.GraphModule, owner_of: Callable[[fx.Node],
         if hop is None or node.op != "call_function" or node.target is not hop:
             continue
         users = list(node.users)
-        if not users or not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0
-                                for u in users):
+        # its one output taken as [0] (newer torch), or the node is that output (older torch)
+        picked = all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users)
+        if not users or not (picked or isinstance(node.meta.get("example_value"), torch.Tensor)):
             continue
         cls = _user_autograd_function(node, owner_of(node))
         arguments = _apply_arguments(gm, node, cls) if cls is not None else None
@@ -322,10 +360,13 @@ def restore_autograd_functions(gm: fx.GraphModule, owner_of: Callable[[fx.Node],
         with graph.inserting_before(node):
             call = graph.call_function(autograd_function_caller(cls), arguments)
         call.meta = {k: v for k, v in node.meta.items() if k != "source_fn_stack"}
-        call.meta["example_value"] = users[0].meta.get("example_value")
-        for user in users:
-            user.replace_all_uses_with(call)
-            graph.erase_node(user)
+        if picked:
+            call.meta["example_value"] = users[0].meta.get("example_value")
+            for user in users:
+                user.replace_all_uses_with(call)
+                graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(call)
         graph.erase_node(node)
         for body in bodies:
             if not body.users:
