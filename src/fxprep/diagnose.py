@@ -164,7 +164,9 @@ def describe_exception(err: BaseException) -> str:
 
 
 def _tb_frames(err: BaseException) -> list[tuple[types.FrameType, int]]:
-    return [(f, lineno) for f, lineno in traceback.walk_tb(err.__traceback__)]
+    """The traceback's frames with their line; an entry without one (a frame whose bytecode Dynamo
+    rewrote can have ``tb_lineno`` None on Python 3.11) is left out rather than failing the report."""
+    return [(f, lineno) for f, lineno in traceback.walk_tb(err.__traceback__) if lineno is not None]
 
 
 def user_frame(err: BaseException) -> tuple[str, int, str] | None:
