@@ -214,3 +214,25 @@ def test_a_dynamo_stop_inside_the_standard_library_is_shown_at_the_models_line(t
     err.innermost_user_frame_summary = traceback.FrameSummary(stdlib, 3081, "_bind")
     assert user_frame(err) == (str(user), 2, "arguments = signature.bind(self, *args, **kwargs)")
     assert categorise(err, "arguments = signature.bind(self, *args, **kwargs)") == UNSUPPORTED
+
+
+def test_a_traceback_entry_without_a_line_number_does_not_break_the_report() -> None:
+    """A frame whose bytecode Dynamo rewrote can have ``tb_lineno`` None (Python 3.11; torch 2.8 with
+    transformers 5.0's Wav2Vec2): locating the user's frame raised a bare TypeError from linecache
+    instead of describing the failure."""
+    import sys
+    import types
+
+    def user_code() -> None:
+        raise RuntimeError("shape mismatch in the user's model")
+
+    try:
+        user_code()
+    except RuntimeError as caught:
+        err = caught
+    assert err.__traceback__ is not None
+    lost = types.TracebackType(err.__traceback__, sys._getframe(), 10**6, -1)  # no line for this lasti
+    assert lost.tb_lineno is None
+    err = err.with_traceback(lost)
+    text = d.describe_exception(err)
+    assert "shape mismatch in the user's model" in text
