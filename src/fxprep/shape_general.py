@@ -129,8 +129,7 @@ def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -
     kept = {sym: r for sym, r in proposal.ranges.items() if r.from_guards}
     for sym, bound in proposal.ranges.items():
         if bound.unproven:
-            kept[sym] = _where_branches_hold(sym, bound, [b for b in found if sym in {str(x) for x in b.expr.free_symbols}],
-                                             sizes)
+            kept[sym] = _where_branches_hold(sym, bound, [b for b in found if b.names(sym)], sizes)
             continue
         if sym in kept:
             continue
@@ -140,7 +139,7 @@ def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -
         outside = [n for n in (*SIZES, (high or 0) + 1, (low or 3) - 1)
                    if n >= 2 and ((high is not None and n > high) or (low is not None and n < low))]
         for branch in found:
-            if sym in {str(x) for x in branch.expr.free_symbols} and any(
+            if branch.names(sym) and any(
                     not branch.holds_with({**sizes, sym: n}) for n in outside):
                 kept[sym] = dataclasses.replace(bound, why=f"the model's code branches on it: {branch.describe()}")
                 break
@@ -243,9 +242,10 @@ def notes(report: Report, proposal: autodims.Proposal, second: str | None) -> No
     for (name, dim), why in sorted(proposal.dropped.items()):
         report.note(f"Shape-general: {name} dim {dim} stays at the example's size: {why}.")
     for sym, bound in sorted(proposal.ranges.items()):
+        limit = proposal.limits.get(sym)
         shown, why = _bounds(bound.low, bound.high), bound.why
-        if sym in proposal.limits:
-            report.note(f"Shape-general: '{sym}' is dynamic {shown}: {proposal.limits[sym].why}; a call outside it "
+        if limit is not None:  # its own bounds: narrower than the range where branches end sooner
+            report.note(f"Shape-general: '{sym}' is dynamic {_bounds(limit.low, limit.high)}: {limit.why}; a call outside it "
                         f"raises InputMismatch (the graph holds one way of the branch).")
         else:
             guard = why.replace("the model's code requires ", "its guard: ")

@@ -16,6 +16,8 @@ recompiles once) and, given a ``notes`` list, says in a sentence what it changed
 
 from __future__ import annotations
 
+import ast
+import inspect
 import operator
 import re
 from collections.abc import Callable
@@ -199,8 +201,6 @@ def _apply_arguments(gm: fx.GraphModule, node: fx.Node, cls: type[torch.autograd
     lines of ``forward`` that use it name that parameter alone). A Function of one tensor argument
     called with one free variable needs no reading. Otherwise the node stays Dynamo's
     (:mod:`fxprep.passes.functional_to_module` wraps it)."""
-    import inspect
-
     lifted = list(node.args[2:])
     if not all(isinstance(a, fx.Node) for a in lifted):
         return None
@@ -222,8 +222,6 @@ def _apply_arguments(gm: fx.GraphModule, node: fx.Node, cls: type[torch.autograd
 def _body_reads(gm: fx.GraphModule, node: fx.Node, params: list[Any]) -> list[set[str]]:
     """For each free variable of ``node``'s forward body, the parameters of ``forward`` that every
     line of code using it names (empty where there is no body or no line)."""
-    import ast
-
     body = getattr(gm, node.args[0].target, None) if isinstance(node.args[0], fx.Node) else None
     names = {p.name for p in params}
     if not isinstance(body, fx.GraphModule):
@@ -247,8 +245,6 @@ def _arguments_from_source(node: fx.Node, name: str, params: list[str], lifted: 
                            reads: list[set[str]]) -> tuple[Any, ...] | None:
     """``name.apply(...)``'s arguments read from ``node``'s source line (see :func:`_apply_arguments`);
     ``reads``: :func:`_body_reads`. None where any argument cannot be told."""
-    import ast
-
     tree = _source_call(node, name)
     if tree is None or len(tree.args) > len(params):
         return None
@@ -265,18 +261,16 @@ def _arguments_from_source(node: fx.Node, name: str, params: list[str], lifted: 
         if k in placed:
             arguments.append(placed[k])
             continue
-        try:
-            arguments.append(ast.literal_eval(arg))
-        except (ValueError, TypeError, SyntaxError, RecursionError):
-            return None  # a name that is no free variable, an expression: not a literal
+        value = _literal(arg)
+        if value is _NOT_LITERAL:
+            return None  # a name that is no free variable, an expression
+        arguments.append(value)
     return tuple(arguments)
 
 
 def _arguments_by_mask(node: fx.Node, name: str, mask: list[bool], values: list[fx.Node]) -> tuple[Any, ...] | None:
     """The call's arguments where Dynamo's node says which were tensors (``args_tensor_mask``, torch
     before 2.10): those tensors in order, each other argument a literal read from the source line."""
-    import ast
-
     if all(mask):
         return tuple(values[:len(mask)])
     tree = _source_call(node, name)
@@ -288,18 +282,27 @@ def _arguments_by_mask(node: fx.Node, name: str, mask: list[bool], values: list[
         if is_tensor:
             arguments.append(next(tensors))
             continue
-        try:
-            arguments.append(ast.literal_eval(arg))
-        except (ValueError, TypeError, SyntaxError, RecursionError):
+        value = _literal(arg)
+        if value is _NOT_LITERAL:
             return None
+        arguments.append(value)
     return tuple(arguments)
+
+
+_NOT_LITERAL = object()
+
+
+def _literal(arg: Any) -> Any:
+    """The value of the call argument ``arg`` (an ``ast`` node) where it is a literal, else :data:`_NOT_LITERAL`."""
+    try:
+        return ast.literal_eval(arg)
+    except (ValueError, TypeError, SyntaxError, RecursionError):
+        return _NOT_LITERAL
 
 
 def _source_call(node: fx.Node, name: str) -> Any:
     """The ``name.apply(...)`` call on ``node``'s source line, parsed (an ``ast.Call`` with plain
     positional arguments), or None."""
-    import ast
-
     line = _apply_line(node)
     start = line.find(f"{name}.apply(")
     call = _balanced_call(line[start:]) if start >= 0 else None

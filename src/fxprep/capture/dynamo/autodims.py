@@ -387,15 +387,10 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         why = f"the model's code specialises '{sym}' to {value}{_where(section)}"
         for key in symbols[sym]:
             found[key] = why
-    sourced = [(m.group(1), m.group(2), m.group(3).strip()) for m in _NOT_ALL.finditer(text)]
-    all_guards = [(sym, guard) for sym, _, guard in sourced]
+    all_guards = [(m.group(1), m.group(3).strip()) for m in _NOT_ALL.finditer(text)]
     printed: dict[str, list[tuple[str, str]]] = {}  # symbol -> (source, guard) each, as export printed them
-    for sym, source, guard in sourced:
-        printed.setdefault(sym, []).append((source, guard))
-    guards = dict(all_guards)  # a symbol's last guard: its range, where export bounds it
-    first_guards: dict[str, str] = {}
-    for sym, guard in all_guards:
-        first_guards.setdefault(sym, guard)
+    for m in _NOT_ALL.finditer(text):
+        printed.setdefault(m.group(1), []).append((m.group(2), m.group(3).strip()))
     ranges: dict[str, SizeRange] = {}
     for m in _SOLVED.finditer(text):
         sym, value = m.group(1), m.group(2)
@@ -408,7 +403,7 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
             if held is not None:
                 ranges[sym] = replace(held.joined(_UNPROVEN), unproven=True)
                 continue
-            first = first_guards.get(sym, "")
+            first = printed[sym][0][1] if sym in printed else ""  # its first guard
             why = f"the model's code specialises '{sym}' to {value}" + (
                 f" (its guards solve to it: {_readable(_unlinked(first))[:160]})" if first else "")
             for key in symbols[sym]:
@@ -421,7 +416,7 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         bounds = dict(re.findall(r"(min|max)=(-?\d+)", m.group(2)))
         ranges[sym] = SizeRange(int(bounds["min"]) if "min" in bounds else None,
                                 int(bounds["max"]) if "max" in bounds else None,
-                                f"the model's code requires {_readable(guards.get(sym, 'a range'))[:200]}")
+                                f"the model's code requires {_readable(printed[sym][-1][1] if sym in printed else 'a range')[:200]}")
     for sym, guard in all_guards:
         _exclude_end(sym, _unlinked(guard), ranges, proposal, symbols)
     specialised = {proposal.dynamic[n][d] for n, d in found if d in proposal.dynamic.get(n, {})}

@@ -56,6 +56,10 @@ class Branch:
         value = self.expr.subs({s: size for s in self.expr.free_symbols})
         return bool(value)
 
+    def names(self, symbol: str) -> bool:
+        """Whether the branch is on ``symbol`` (one of the names its condition is over)."""
+        return symbol in {str(s) for s in self.expr.free_symbols}
+
     def holds_with(self, sizes: dict[str, int]) -> bool:
         """Whether the branch goes the same way at ``sizes`` ({symbol: size}, every symbol it names)."""
         return bool(self.expr.subs({s: sizes[str(s)] for s in self.expr.free_symbols}))
