@@ -176,6 +176,18 @@ class FxprepTracer(fx.Tracer):
             return proxy
         return tuple(proxy[i] for i in range(pieces))
 
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A module made inside a forward (``nn.ReLU()(x)``: MRA's multiple-choice head) is no
+        submodule of the model, so no ``call_module`` node can name it (plain fx raises NameError
+        "module is not installed as a submodule"). Its forward is traced through instead, so its
+        operations land in the graph as functions (later made modules like any functional call), as
+        Dynamo inlines it."""
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         reason = self.policy.reason(m)
         if reason is not None:

@@ -30,6 +30,9 @@ image tokens in ``input_ids`` must match the images: the length alone is declare
 the example's size, and the report and :class:`~fxprep.errors.InputMismatch` say why
 (:data:`MULTIMODAL_BATCH`).
 
+A multiple-choice head's token inputs have one more dimension, the choices, between the batch and
+the tokens (:func:`_multiple_choice`); it is declared ``choices``.
+
 A speech model's audio input (no prompt beside it) is laid out as the library's feature
 extractors make it: batch first, then the waveform's samples or the filter bank's frames
 (:func:`_audio`), which are declared ``seq`` as a prompt's tokens are (a padding mask shares them).
@@ -62,6 +65,10 @@ TABLE: dict[str, dict[int, str]] = {
     "decoder_inputs_embeds": {0: "batch", 1: "decoder_seq"},
     "cross_attention_mask": {0: "batch", 1: "seq"},  # Mllama: batch x tokens x images x tiles
 }
+# a multiple-choice head's token inputs are batch x choices x tokens (x hidden, for embeddings): every
+# choice is one more sequence of the same length, and a calibration set has its own number of choices
+_CHOICES = {0: "batch", 1: "choices", 2: "seq"}
+_PER_TOKEN = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds", "special_tokens_mask")
 _VISION_ONLY = {"pixel_values": {0: "batch"}, "pixel_mask": {0: "batch"}}  # only where no token input is given
 # inputs that put a prompt's tokens on "seq": an audio input's length is declared only without one
 # (beside a prompt, as in an audio language model, the audio is a multimodal input: its frames are not the prompt's)
@@ -146,6 +153,8 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
     if not tensors:
         return None
     table = dict(TABLE)
+    if _multiple_choice(tensors):
+        table.update({name: _CHOICES for name in _PER_TOKEN})
     if not any(name in TABLE for name in tensors):
         table.update(_VISION_ONLY)
     if not any(name in _PROMPT for name in tensors):
@@ -189,6 +198,15 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
                                 dropped_batch) if length else None
             return Proposal(dynamic, _grown(model, call, dynamic, sizes), narrower=fallback)
     return Proposal(dynamic, _grown(model, call, dynamic, sizes), dropped)
+
+
+def _multiple_choice(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the token inputs are laid out per choice (``batch x choices x tokens``, as
+    transformers' ``...ForMultipleChoice`` heads take them): ids of three dimensions, or embeddings of
+    four. Read as a prompt's ``batch x tokens``, the choices were declared the sequence and the tokens
+    kept at the example's length."""
+    ids, embeds = tensors.get("input_ids"), tensors.get("inputs_embeds")
+    return (ids is not None and ids.dim() == 3) or (embeds is not None and embeds.dim() == 4)
 
 
 def _audio(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, dict[int, str]]:
