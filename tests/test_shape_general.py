@@ -433,3 +433,31 @@ def test_a_range_export_suggests_no_fix_for_is_read_off_its_guards_and_checked()
             assert torch.equal(gm(input_ids=ids).logits, model(input_ids=ids).logits)
     with pytest.raises(fxprep.InputMismatch, match="2047"):
         gm(input_ids=torch.randint(3, 99, (1, 2049), generator=g))
+
+
+class _Branch:
+    """A branch of a model's code on a size, as shape_general reads it: which way it goes at given sizes."""
+
+    def __init__(self, holds: Any) -> None:
+        self.holds = holds
+
+    def holds_with(self, sizes: dict[str, int]) -> bool:
+        return bool(self.holds(sizes["seq"]))
+
+
+def test_an_unproven_range_is_narrowed_to_where_the_branches_hold() -> None:
+    from fxprep.capture.dynamo.autodims import SizeRange
+    from fxprep.shape_general import _where_branches_hold
+
+    bound = SizeRange(None, 64, "the guards hold", from_guards=True, unproven=True)
+    narrowed = _where_branches_hold("seq", bound, [_Branch(lambda n: n <= 20)], {"seq": 8, "batch": 3})
+    assert (narrowed.low, narrowed.high) == (None, 20) and "outside 2..20" in narrowed.why
+    wider = _where_branches_hold("seq", bound, [_Branch(lambda n: n <= 100)], {"seq": 8})
+    assert wider == bound  # every branch holds over the whole range: nothing to narrow
+    # a branch that goes another way at every size next to the example's (an odd/even pooling,
+    # SEW-D's): no interval holds, the example's size alone
+    alone = _where_branches_hold("seq", bound, [_Branch(lambda n: n % 2 == 0)], {"seq": 8})
+    assert (alone.low, alone.high) == (8, 8) and "at the sizes around the example's" in alone.why
+    # a branch that goes another way at one size above: the range ends below it
+    below = _where_branches_hold("seq", bound, [_Branch(lambda n: n != 40)], {"seq": 8})
+    assert (below.low, below.high) == (None, 39)
