@@ -33,6 +33,10 @@ the example's size, and the report and :class:`~fxprep.errors.InputMismatch` say
 A multiple-choice head's token inputs have one more dimension, the choices, between the batch and
 the tokens (:func:`_multiple_choice`); it is declared ``choices``.
 
+A contrastive text-image model's texts and images (CLIP, SigLIP: :func:`_two_towers`) are two
+sets, each of its own count: the images' dimension 0 is declared ``images``, apart from the texts'
+``batch``.
+
 A speech model's audio input (no prompt beside it) is laid out as the library's feature
 extractors make it: batch first, then the waveform's samples or the filter bank's frames
 (:func:`_audio`), which are declared ``seq`` as a prompt's tokens are (a padding mask shares them).
@@ -157,6 +161,8 @@ def propose(model: nn.Module, call: ExampleInputs) -> Proposal | None:
         table.update({name: _CHOICES for name in _PER_TOKEN})
     if not any(name in TABLE for name in tensors):
         table.update(_VISION_ONLY)
+    elif _two_towers(model):  # texts and images are two sets: each has its own count
+        table.update({name: {0: "images"} for name in tensors if name not in table})
     if not any(name in _PROMPT for name in tensors):
         table.update(_audio(model, tensors))
     others = sorted(name for name in tensors if name not in table)
@@ -207,6 +213,22 @@ def _multiple_choice(tensors: dict[str, torch.Tensor]) -> bool:
     kept at the example's length."""
     ids, embeds = tensors.get("input_ids"), tensors.get("inputs_embeds")
     return (ids is not None and ids.dim() == 3) or (embeds is not None and embeds.dim() == 4)
+
+
+def _two_towers(model: nn.Module) -> bool:
+    """Whether ``model`` is a contrastive text-image model (CLIP, SigLIP, ALIGN, BLIP's retrieval
+    model ...: the classes transformers registers for zero-shot image classification). Its texts
+    and images are two sets scored against each other (``logits_per_image`` is images x texts), not
+    one image per prompt: the texts' batch and the images' count are declared apart (``batch``,
+    ``images``), as calibration data pairs any number of each."""
+    try:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+        )
+    except ImportError:  # transformers without the table: the multimodal layout, as before
+        return False
+    names = set(MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES.values())
+    return any(c.__name__ in names and c.__module__.startswith("transformers.") for c in type(model).__mro__)
 
 
 def _audio(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, dict[int, str]]:

@@ -1,10 +1,17 @@
-"""Shape-general multiple-choice heads (issue 27, item 3): any batch, any number of choices, any length.
+"""Shape-general heads whose inputs are not one prompt per row (issue 27, item 3).
+
+Multiple choice: any batch, any number of choices, any length.
 
 transformers' ``...ForMultipleChoice`` heads take ``batch x choices x tokens`` ids. Read as a
 prompt's ``batch x tokens``, the choices were declared the sequence and the tokens kept at the
 example's length, so every call at another length was refused; with a padding mask the grown
 example disagreed with itself and capture fell back to static shapes. Each model is prepared at
 1 sample x 2 choices x 8 tokens with no ``dynamic=`` option and called at 3 x 3 x 13 against eager.
+
+Contrastive text-image models (CLIP, SigLIP): any number of texts against any number of images.
+Their texts and images were read as prompts with one image each, so with one text and one image
+both counts were tied, and with two texts and one image (not one row per sample) both stayed at the
+example's counts: only the texts' length was free.
 """
 
 from __future__ import annotations
@@ -105,3 +112,49 @@ def test_mra_multiple_choice_prepares() -> None:
     later = _choices(3, 3, 13, padded=True)
     with torch.no_grad():
         torch.testing.assert_close(gm(**later)["logits"], model(**later).logits, rtol=0, atol=0)
+
+
+_CLIP = dict(text_config=dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                              num_attention_heads=4, max_position_embeddings=64),
+             vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=32, patch_size=8), projection_dim=16)
+
+
+def _texts_and_images(texts: int, length: int, images: int, padded: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(texts * 100 + images)
+    inputs = {"input_ids": torch.randint(3, 99, (texts, length), generator=g),
+              "pixel_values": torch.randn(images, 3, 32, 32, generator=g)}
+    if padded:
+        mask = torch.ones(texts, length, dtype=torch.long)
+        mask[-1, length // 2:] = 0
+        inputs["attention_mask"] = mask
+    return inputs
+
+
+@pytest.mark.parametrize(("name", "dtype", "counts"), [
+    ("clip", torch.float32, (1, 1)), ("clip", torch.bfloat16, (2, 1)),
+    ("siglip", torch.float32, (2, 1)), ("siglip", torch.bfloat16, (1, 1))])
+def test_texts_and_images_are_counted_apart(name: str, dtype: torch.dtype, counts: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    if name == "clip":
+        model = transformers.CLIPModel(transformers.CLIPConfig(**_CLIP))
+    else:
+        model = transformers.SiglipModel(transformers.SiglipConfig(**_CLIP))
+    model = model.to(dtype).eval()
+    padded = name == "clip"
+
+    def cast(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+    gm = fxprep.prepare_model(model, example_inputs=cast(_texts_and_images(counts[0], 8, counts[1], padded)))
+    report = gm.fxprep_report
+    assert report.tracer == "dynamo" and report.verification.status == "passed"
+    assert any("pixel_values': {0: 'images'}" in note for note in report.notes), report.notes
+    for texts, length, images in ((3, 13, 2), (1, 5, 4)):
+        later = cast(_texts_and_images(texts, length, images, padded))
+        with torch.no_grad():
+            got, want = gm(**later), model(**later)
+        assert got["logits_per_image"].shape == (images, texts)
+        assert torch.equal(got["logits_per_image"], want.logits_per_image)
+        assert torch.equal(got["text_embeds"], want.text_embeds)
+        assert differences(record(model, later), record(gm, later)) == []
