@@ -461,3 +461,40 @@ def test_an_unproven_range_is_narrowed_to_where_the_branches_hold() -> None:
     # a branch that goes another way at one size above: the range ends below it
     below = _where_branches_hold("seq", bound, [_Branch(lambda n: n != 40)], {"seq": 8})
     assert (below.low, below.high) == (None, 39)
+
+
+def test_guards_through_a_float_round_trip_are_read() -> None:
+    """XLNet's relative positions (``torch.arange(2 * seq, -seq, -1.0)``) put guards on the length
+    through ``math.ceil`` of a float; export cannot prove them over a range and refuses even the
+    range it suggests. Read exactly (as fractions), they hold everywhere in it."""
+    from fxprep.capture.dynamo.guard_range import interval
+
+    src = "L['input_ids'].size()[1]"
+    ceil = f"math.ceil(((torch.sym_float((-2)*{src})) / (-1.0)))"
+    guards = [f"(1 % ({ceil})) != 0", f"{ceil} != {src}", f"({src} % ({ceil})) != 0",
+              f"1 < ((-1)*{src}) + {src}*{ceil}", f"2 <= {src} and {src} <= 511"]
+    assert interval(guards, src, 8) == (2, 511)
+    # exact, not floating point: a tenth of the length, floored, is at least 2 from 20 on
+    assert interval([f"math.floor(torch.sym_float({src}) / 10.0) >= 2"], src, 25) == (20, None)
+    assert interval([f"math.ceil({src} / 0.0) > 1"], src, 8) is None  # no value: no interval
+    assert interval([f"math.sqrt(torch.sym_float({src})) > 1"], src, 8) is None  # not evaluated
+
+
+def test_xlnet_runs_at_other_lengths() -> None:
+    """XLNet: export refused the range it suggested for the length (``max=511``) on every round, so
+    the length stayed at the example's; it is now declared maybe-dynamic where its guards hold."""
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(vocab_size=101, d_model=32, n_layer=2, n_head=4, d_inner=37)
+    model = transformers.XLNetForSequenceClassification(config).eval()
+    example = {"input_ids": torch.randint(3, 101, (1, 8)), "attention_mask": torch.ones(1, 8, dtype=torch.long)}
+    gm = fxprep.prepare_model(model, example_inputs=example)
+    report = fxprep.get_report(gm)
+    assert report.tracer == "dynamo" and report.verification.status == "passed"
+    assert any("dynamic dimensions: {'input_ids': {0: 'batch', 1: 'seq'}" in note for note in report.notes)
+    for batch, length in ((3, 13), (2, 2), (1, 120)):
+        ids = torch.randint(3, 101, (batch, length))
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[-1, length // 2:] = 0
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids, attention_mask=mask)["logits"],
+                                       model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)

@@ -454,9 +454,18 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         if sym not in symbols:
             continue
         bounds = dict(re.findall(r"(min|max)=(-?\d+)", m.group(2)))
-        ranges[sym] = SizeRange(int(bounds["min"]) if "min" in bounds else None,
-                                int(bounds["max"]) if "max" in bounds else None,
-                                f"the model's code requires {_readable(printed[sym][-1][1] if sym in printed else 'a range')[:200]}")
+        suggested = SizeRange(int(bounds["min"]) if "min" in bounds else None,
+                              int(bounds["max"]) if "max" in bounds else None,
+                              f"the model's code requires {_readable(printed[sym][-1][1] if sym in printed else 'a range')[:200]}")
+        before = proposal.ranges.get(sym)
+        if before is not None and (before.low, before.high) == (suggested.low, suggested.high):
+            # export refused the range it suggested (its solver cannot prove the other guards over any
+            # range: XLNet's relative positions, math.ceil of a float): where every guard holds, maybe-dynamic
+            held = _guards_hold(sym, printed.get(sym, []), proposal, symbols)
+            if held is not None:
+                ranges[sym] = replace(held.joined(_UNPROVEN), unproven=True)
+                continue
+        ranges[sym] = suggested
     for sym, guard in all_guards:
         _exclude_end(sym, _unlinked(guard), ranges, proposal, symbols)
     specialised = {proposal.dynamic[n][d] for n, d in found if d in proposal.dynamic.get(n, {})}

@@ -10,7 +10,10 @@ around the example's size where every guard holds, and a graph captured for that
 inside it: that is what Dynamo's guards mean.
 
 Only the arithmetic Dynamo writes is evaluated (integers, ``+ - * // %``, comparisons, ``and`` /
-``or`` / ``not``, ``torch.sym_max`` / ``sym_min``, ``IntInfinity()`` as a size past any real one), from the parsed expression, never with ``eval``;
+``or`` / ``not``, ``torch.sym_max`` / ``sym_min``, ``IntInfinity()`` as a size past any real one,
+and the float round trip of a size: ``torch.sym_float``, ``/``, float constants, ``math.ceil`` /
+``math.floor``, which XLNet's relative positions write, ``torch.arange(2 * seq, -seq, -1.0)``,
+evaluated exactly as fractions), from the parsed expression, never with ``eval``;
 a guard naming another size, or anything else, gives no interval. The interval is searched
 outwards from the example's size (doubling, then bisecting to the first size that fails) and then
 checked at spread sizes inside it; where a check fails (the sizes that hold are not one interval)
@@ -20,20 +23,27 @@ there is no interval either.
 from __future__ import annotations
 
 import ast
+import math
 import operator
 from collections.abc import Callable
+from fractions import Fraction
 
 _SIZE = "__size__"
 _LIMIT = 1 << 31  # past this a size is no size a model is called with
-_BINARY: dict[type, Callable[[int, int], int]] = {
+_Number = int | Fraction  # a size's arithmetic, exact: a float Dynamo prints is a fraction here
+_BINARY: dict[type, Callable[[_Number, _Number], _Number]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Div: lambda a, b: Fraction(a) / Fraction(b),
 }
-_COMPARE: dict[type, Callable[[int, int], bool]] = {
+_COMPARE: dict[type, Callable[[_Number, _Number], bool]] = {
     ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
     ast.Gt: operator.gt, ast.GtE: operator.ge,
 }
-_CALLS = {"sym_max": max, "sym_min": min, "Max": max, "Min": min}
+# function name -> (the module it may be called through, None for a bare name; what it computes)
+_CALLS: dict[str, tuple[set[str | None], Callable[..., _Number]]] = {
+    "sym_max": ({"torch", None}, max), "sym_min": ({"torch", None}, min), "Max": ({None}, max), "Min": ({None}, min),
+    "sym_float": ({"torch"}, Fraction), "ceil": ({"math"}, math.ceil), "floor": ({"math"}, math.floor),
+}
 _INFINITY = {"IntInfinity"}  # sympy's integer infinity, as export prints a range with no end
 
 
@@ -41,30 +51,32 @@ class _Unknown(Exception):
     """The guard holds something this module does not evaluate."""
 
 
-def _value(node: ast.AST, size: int) -> int | bool:
+def _value(node: ast.AST, size: int) -> _Number | bool:
     if isinstance(node, ast.Expression):
         return _value(node.body, size)
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, bool)):
         return node.value
+    if isinstance(node, ast.Constant) and isinstance(node.value, float) and math.isfinite(node.value):
+        return Fraction(node.value)
     if isinstance(node, ast.Name) and node.id == _SIZE:
         return size
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        left, right = _value(node.left, size), _value(node.right, size)
-        if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and right == 0:
+        left, right = _number(_value(node.left, size)), _number(_value(node.right, size))
+        if isinstance(node.op, (ast.FloorDiv, ast.Mod, ast.Div)) and right == 0:
             raise _Unknown("division by zero")
-        return _BINARY[type(node.op)](int(left), int(right))
+        return _BINARY[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -int(_value(node.operand, size))
+        return -_number(_value(node.operand, size))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
         return not _value(node.operand, size)
     if isinstance(node, ast.BoolOp):
         values = [bool(_value(v, size)) for v in node.values]
         return all(values) if isinstance(node.op, ast.And) else any(values)
     if isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
-        left = _value(node.left, size)
+        left = _number(_value(node.left, size))
         for op, comparator in zip(node.ops, node.comparators):
-            right = _value(comparator, size)
-            if not _COMPARE[type(op)](int(left), int(right)):
+            right = _number(_value(comparator, size))
+            if not _COMPARE[type(op)](left, right):
                 return False
             left = right
         return True
@@ -73,9 +85,15 @@ def _value(node: ast.AST, size: int) -> int | bool:
     if isinstance(node, ast.Call) and not node.keywords and node.args:
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
         owner = node.func.value if isinstance(node.func, ast.Attribute) else None
-        if name in _CALLS and (owner is None or (isinstance(owner, ast.Name) and owner.id == "torch")):
-            return _CALLS[name](*(int(_value(a, size)) for a in node.args))
+        through = owner.id if isinstance(owner, ast.Name) else None
+        if name in _CALLS and (owner is None or through is not None) and through in _CALLS[name][0]:
+            return _CALLS[name][1](*(_number(_value(a, size)) for a in node.args))
     raise _Unknown(ast.dump(node)[:80])
+
+
+def _number(value: _Number | bool) -> _Number:
+    """A comparison's result used as a number (``True`` is 1), as Python does."""
+    return int(value) if isinstance(value, bool) else value
 
 
 def parse(guard: str, source: str) -> ast.Expression | None:
