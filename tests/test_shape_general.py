@@ -463,6 +463,7 @@ def test_an_unproven_range_is_narrowed_to_where_the_branches_hold() -> None:
     assert (below.low, below.high) == (None, 39)
 
 
+@pytest.mark.smoke
 def test_guards_through_a_float_round_trip_are_read() -> None:
     """XLNet's relative positions (``torch.arange(2 * seq, -seq, -1.0)``) put guards on the length
     through ``math.ceil`` of a float; export cannot prove them over a range and refuses even the
@@ -480,6 +481,7 @@ def test_guards_through_a_float_round_trip_are_read() -> None:
     assert interval([f"math.sqrt(torch.sym_float({src})) > 1"], src, 8) is None  # not evaluated
 
 
+@pytest.mark.smoke
 def test_xlnet_runs_at_other_lengths() -> None:
     """XLNet: export refused the range it suggested for the length (``max=511``) on every round, so
     the length stayed at the example's; it is now declared maybe-dynamic where its guards hold."""

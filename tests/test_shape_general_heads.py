@@ -41,6 +41,7 @@ def _choices(batch: int, choices: int, length: int, padded: bool) -> dict[str, t
     return inputs
 
 
+@pytest.mark.smoke
 def test_the_choices_are_their_own_dimension() -> None:
     model = transformers.BertForMultipleChoice(transformers.BertConfig(**_BERT))
     ids = torch.zeros(1, 2, 8, dtype=torch.long)
@@ -91,6 +92,7 @@ class _MadeInForward(nn.Module):
         return nn.GELU()(self.lin(x)) + nn.Softmax(dim=-1)(x)
 
 
+@pytest.mark.smoke
 def test_a_module_made_inside_forward_is_traced_through_by_fx() -> None:
     model = _MadeInForward().eval()
     x = torch.randn(2, 6)
