@@ -171,3 +171,25 @@ def test_a_length_declared_maybe_dynamic_is_limited_to_where_the_models_branches
             torch.testing.assert_close(got, model(input_values=x).logits, rtol=1e-5, atol=1e-5)
         accepted += 1
     assert accepted >= 2  # still free within the range: 1400, 1603, 1679
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moonshine_runs_at_other_lengths(dtype: torch.dtype) -> None:
+    """Moonshine writes ``is_causal = self.is_causal and mask is None and q_len > 1``: with the
+    lengths declared, the last operand (a symbolic bool) reached SDPA, which refuses it, and the
+    capture kept static lengths. fxprep's capture makes it a bool, decided as eager decides it."""
+    from fxprep.cli.specs import tiny_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSpeechSeq2Seq.from_config(tiny_config("moonshine"))
+    g = torch.Generator().manual_seed(0)
+
+    def clip(batch: int, samples: int, tokens: int) -> dict[str, torch.Tensor]:
+        return {"input_values": torch.randn(batch, samples, generator=g),
+                "decoder_input_ids": torch.randint(3, 90, (batch, tokens), generator=g)}
+
+    free = {"input_values": {0: "batch", 1: "seq"}, "decoder_input_ids": {0: "batch", 1: "decoder_seq"}}
+    gm = _check(model, clip(1, 1600, 4), clip(3, 2600, 6), dtype, free)
+    later = _cast(clip(2, 5000, 3), dtype)
+    with torch.no_grad():
+        assert torch.equal(gm(**later)["logits"], model(**later).logits)

@@ -41,6 +41,14 @@ What is patched, for the capturing thread only and for the length of a capture
   long as the window gets the windowed mask at every length, right on both sides (another kernel
   than eager below the window: :data:`WINDOWED`).
 
+* transformers' registered ``sdpa`` attention function: an ``is_causal`` that reaches it as a
+  ``SymBool`` is made a ``bool``. A model that writes ``is_causal = self.is_causal and mask is None
+  and q_len > 1`` (Moonshine) hands SDPA the last operand itself, the symbolic ``q_len > 1``, once the
+  length is declared dynamic; SDPA refuses it ("argument 'is_causal' must be bool, not SymBool", as
+  transformers' own note in ``sdpa_attention.py`` says of export), and the length stayed at the
+  example's. Made a ``bool`` it is decided as eager decides it (a guard on the length, where Dynamo
+  cannot tell it from the declared range).
+
 Each replacement gives eager code (and any other thread) exactly what transformers' own function gives it (outside a trace
 both answer ``False``), so runs fxprep makes during the capture are unchanged too.
 """
@@ -84,6 +92,12 @@ PACKED_CHECK = (
     "the position ids the model computed start a new sequence inside a row (packed sequences): the graph "
     "was captured for one sequence per row, as eager found on the example"
 )
+
+
+def _namespace(owner: Any) -> dict[str, Any]:
+    """Where a patch of ``owner`` goes: a module's globals, or a registry that is a plain dict
+    (transformers' attention functions)."""
+    return owner if isinstance(owner, dict) else owner.__dict__
 
 
 def _on_thread(owner: int) -> Callable[[], bool]:
@@ -174,7 +188,27 @@ def _patches(owner: int, positions_given: bool, length: int | None, windows: lis
             return False if here() else compiling()
 
         found.append((sdpa, "is_torchdynamo_compiling", is_torchdynamo_compiling))
+    attention = getattr(sys.modules.get("transformers.modeling_utils"), "AttentionInterface", None)
+    mapping = getattr(attention, "_global_mapping", None)
+    registered = mapping.get("sdpa") if isinstance(mapping, dict) else None
+    if registered is not None:
+        found.append((mapping, "sdpa", _causal_as_bool(registered)))
     return found
+
+
+def _causal_as_bool(attend: Callable[..., Any]) -> Callable[..., Any]:
+    """``attend`` (transformers' SDPA attention function) with ``is_causal`` made a ``bool``
+    (module docstring): a no-op for the ``bool`` eager code passes, so any thread gets transformers'
+    own call."""
+
+    def sdpa_attention_forward(*args: Any, **kwargs: Any) -> Any:
+        # not asked with isinstance (under Dynamo a symbolic bool answers that it is a bool), nor made
+        # one with bool() (which Dynamo keeps symbolic): a branch is what Dynamo decides
+        if kwargs.get("is_causal") is not None:
+            kwargs["is_causal"] = True if kwargs["is_causal"] else False
+        return attend(*args, **kwargs)
+
+    return sdpa_attention_forward
 
 
 @contextlib.contextmanager
@@ -190,9 +224,10 @@ def eager_attention_paths(positions_given: bool = True, length: int | None = Non
     try:
         for module, name, new in _patches(threading.get_ident(), positions_given, length,
                                           [] if windows is None else windows):
-            done.append((module, name, module.__dict__[name]))
-            module.__dict__[name] = new
+            namespace = _namespace(module)
+            done.append((namespace, name, namespace[name]))
+            namespace[name] = new
         yield
     finally:
-        for module, name, old in reversed(done):
-            module.__dict__[name] = old
+        for namespace, name, old in reversed(done):
+            namespace[name] = old
