@@ -477,6 +477,11 @@ def test_guards_through_a_float_round_trip_are_read() -> None:
     assert interval(guards, src, 8) == (2, 511)
     # exact, not floating point: a tenth of the length, floored, is at least 2 from 20 on
     assert interval([f"math.floor(torch.sym_float({src}) / 10.0) >= 2"], src, 25) == (20, None)
+    # a mask's length through three convolutions (Moonshine): trunc of a float each time, and the
+    # identity it is guarded against holds for every length from the first full window on
+    x = f"((-127) + {src})"
+    frames = f"math.trunc(1.0 + (((-3) + math.trunc(1.0 + (((-7) + math.trunc(1.0 + ({x} / 64))) / 3))) / 2))"
+    assert interval([f"{frames} == ((-1) + ({x} // 384))", f"1279 <= {src}"], src, 1600) == (1279, None)
     assert interval([f"math.ceil({src} / 0.0) > 1"], src, 8) is None  # no value: no interval
     assert interval([f"math.sqrt(torch.sym_float({src})) > 1"], src, 8) is None  # not evaluated
 

@@ -173,11 +173,13 @@ def test_a_length_declared_maybe_dynamic_is_limited_to_where_the_models_branches
     assert accepted >= 2  # still free within the range: 1400, 1603, 1679
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moonshine_runs_at_other_lengths(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "padded"), [(torch.float32, True), (torch.bfloat16, False)])
+def test_moonshine_runs_at_other_lengths(dtype: torch.dtype, padded: bool) -> None:
     """Moonshine writes ``is_causal = self.is_causal and mask is None and q_len > 1``: with the
     lengths declared, the last operand (a symbolic bool) reached SDPA, which refuses it, and the
-    capture kept static lengths. fxprep's capture makes it a bool, decided as eager decides it."""
+    capture kept static lengths. fxprep's capture makes it a bool, decided as eager decides it.
+    With a padding mask, the mask's length through the three convolutions is guarded with
+    ``math.trunc`` of a float, which the guard evaluation reads too."""
     from fxprep.cli.specs import tiny_config
 
     torch.manual_seed(0)
@@ -185,10 +187,15 @@ def test_moonshine_runs_at_other_lengths(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
 
     def clip(batch: int, samples: int, tokens: int) -> dict[str, torch.Tensor]:
-        return {"input_values": torch.randn(batch, samples, generator=g),
-                "decoder_input_ids": torch.randint(3, 90, (batch, tokens), generator=g)}
+        inputs = {"input_values": torch.randn(batch, samples, generator=g),
+                  "decoder_input_ids": torch.randint(3, 90, (batch, tokens), generator=g)}
+        if padded:
+            inputs["attention_mask"] = _padded(batch, samples)
+        return inputs
 
     free = {"input_values": {0: "batch", 1: "seq"}, "decoder_input_ids": {0: "batch", 1: "decoder_seq"}}
+    if padded:  # the note lists them in the example's order
+        free["attention_mask"] = {0: "batch", 1: "seq"}
     gm = _check(model, clip(1, 1600, 4), clip(3, 2600, 6), dtype, free)
     later = _cast(clip(2, 5000, 3), dtype)
     with torch.no_grad():

@@ -12,7 +12,8 @@ inside it: that is what Dynamo's guards mean.
 Only the arithmetic Dynamo writes is evaluated (integers, ``+ - * // %``, comparisons, ``and`` /
 ``or`` / ``not``, ``torch.sym_max`` / ``sym_min``, ``IntInfinity()`` as a size past any real one,
 and the float round trip of a size: ``torch.sym_float``, ``/``, float constants, ``math.ceil`` /
-``math.floor``, which XLNet's relative positions write, ``torch.arange(2 * seq, -seq, -1.0)``,
+``math.floor`` / ``math.trunc``, which XLNet's relative positions and a padding mask's length
+through convolutions (Moonshine) write, ``torch.arange(2 * seq, -seq, -1.0)``,
 evaluated exactly as fractions), from the parsed expression, never with ``eval``;
 a guard naming another size, or anything else, gives no interval. The interval is searched
 outwards from the example's size (doubling, then bisecting to the first size that fails) and then
@@ -43,6 +44,7 @@ _COMPARE: dict[type, Callable[[_Number, _Number], bool]] = {
 _CALLS: dict[str, tuple[set[str | None], Callable[..., _Number]]] = {
     "sym_max": ({"torch", None}, max), "sym_min": ({"torch", None}, min), "Max": ({None}, max), "Min": ({None}, min),
     "sym_float": ({"torch"}, Fraction), "ceil": ({"math"}, math.ceil), "floor": ({"math"}, math.floor),
+    "trunc": ({"math"}, math.trunc),
 }
 _INFINITY = {"IntInfinity"}  # sympy's integer infinity, as export prints a range with no end
 
