@@ -427,10 +427,10 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         why = f"the model's code specialises '{sym}' to {value}{_where(section)}"
         for key in symbols[sym]:
             found[key] = why
-    all_guards = [(m.group(1), m.group(3).strip()) for m in _NOT_ALL.finditer(text)]
     printed: dict[str, list[tuple[str, str]]] = {}  # symbol -> (source, guard) each, as export printed them
     for m in _NOT_ALL.finditer(text):
         printed.setdefault(m.group(1), []).append((m.group(2), m.group(3).strip()))
+    all_guards = [(sym, guard) for sym, pairs in printed.items() for _, guard in pairs]
     ranges: dict[str, SizeRange] = {}
     for m in _SOLVED.finditer(text):
         sym, value = m.group(1), m.group(2)
@@ -441,7 +441,7 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
             # declared maybe-dynamic, since export would refuse a range it cannot prove (for_export)
             held = _guards_hold(sym, printed.get(sym, []), proposal, symbols)
             if held is not None:
-                ranges[sym] = replace(held.joined(_UNPROVEN), unproven=True)
+                ranges[sym] = _unproven(held)
                 continue
             first = printed[sym][0][1] if sym in printed else ""  # its first guard
             why = f"the model's code specialises '{sym}' to {value}" + (
@@ -457,13 +457,12 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         suggested = SizeRange(int(bounds["min"]) if "min" in bounds else None,
                               int(bounds["max"]) if "max" in bounds else None,
                               f"the model's code requires {_readable(printed[sym][-1][1] if sym in printed else 'a range')[:200]}")
-        before = proposal.ranges.get(sym)
-        if before is not None and (before.low, before.high) == (suggested.low, suggested.high):
+        if _refused(proposal, sym, suggested):
             # export refused the range it suggested (its solver cannot prove the other guards over any
             # range: XLNet's relative positions, math.ceil of a float): where every guard holds, maybe-dynamic
             held = _guards_hold(sym, printed.get(sym, []), proposal, symbols)
             if held is not None:
-                ranges[sym] = replace(held.joined(_UNPROVEN), unproven=True)
+                ranges[sym] = _unproven(held)
                 continue
         ranges[sym] = suggested
     for sym, guard in all_guards:
@@ -474,18 +473,29 @@ def findings(err: BaseException, proposal: Proposal) -> tuple[dict[tuple[str, in
         held = _guards_hold(sym, printed.get(sym, []), proposal, symbols)
         if held is None:
             continue
-        before = proposal.ranges.get(sym)
-        if sym in derived or (before is not None and (before.low, before.high) == (held.low, held.high)):
+        if sym in derived or _refused(proposal, sym, held):
             # export can prove them for no range: it offers a multiple of a new symbol instead (a waveform's
             # length through a convolution's stride: seq = 10*_seq), or it was given this range (its own
             # suggestion, or read from these guards) and refused it
-            held = replace(held.joined(_UNPROVEN), unproven=True)
+            held = _unproven(held)
         ranges[sym] = held
     return found, ranges
 
 
 # the report's words for a range SizeRange.unproven marks
 _UNPROVEN = "declared to Dynamo as maybe-dynamic (Dim.AUTO): export cannot prove these guards over a range"
+
+
+def _unproven(held: SizeRange) -> SizeRange:
+    """``held`` (where the guards hold) declared maybe-dynamic: export cannot prove them over it."""
+    return replace(held.joined(_UNPROVEN), unproven=True)
+
+
+def _refused(proposal: Proposal, sym: str, size: SizeRange) -> bool:
+    """Whether ``proposal`` already declared ``sym`` over ``size``'s bounds (export's own suggestion
+    or a range read from the guards) and export refused it again."""
+    before = proposal.ranges.get(sym)
+    return before is not None and (before.low, before.high) == (size.low, size.high)
 
 
 def _guards_hold(sym: str, printed: list[tuple[str, str]], proposal: Proposal, symbols: dict[str, Any]
