@@ -345,7 +345,7 @@ def test_a_mask_eager_fills_with_ones_but_a_trace_leaves_as_none_is_filled_as_in
     (before, the encoder was made opaque and every size static). The branch computes only sizes
     and the ones, so the capture takes it as eager does: one Dynamo graph, exact, the batch and the
     decoder's length free (the encoder's length stays: its local attention pads it to blocks)."""
-    from fxprep.cli.specs import tiny_config
+    from fxprep.cli.tiny import tiny_config
 
     config = tiny_config("longt5")
     config.use_cache = False

@@ -21,7 +21,7 @@ import transformers
 
 import fxprep
 from fxprep import io
-from fxprep.cli.specs import tiny_config
+from fxprep.cli.tiny import tiny_config
 from fxprep.errors import SerializationError
 
 _LOAD = """

@@ -355,7 +355,7 @@ def test_a_size_export_solves_to_one_value_stays_free_where_its_guards_hold() ->
     # says "solving the guards generated for seq ... resulted in a specialized value of 8", since its
     # solver cannot prove `seq % 512 != 0` over a range. The guard holds for 2..511: the sequence is
     # declared maybe-dynamic and free there, checked by the prepared module (before: static at 8)
-    from fxprep.cli.specs import tiny_config
+    from fxprep.cli.tiny import tiny_config
 
     config = tiny_config("pegasus_x")
     config.use_cache = False
@@ -379,7 +379,7 @@ def test_a_size_export_solves_to_one_value_stays_free_where_its_guards_hold() ->
 def _tiny_causal_lm(model_type: str, cls: type) -> tuple[Any, Any, torch.Generator]:
     """``cls`` built from the CLI's tiny config of ``model_type`` (no cache), prepared by default on
     1x8 ids; with the generator the test draws further ids from."""
-    from fxprep.cli.specs import tiny_config
+    from fxprep.cli.tiny import tiny_config
 
     config = tiny_config(model_type)
     config.use_cache = False

@@ -149,7 +149,7 @@ def test_a_length_declared_maybe_dynamic_is_limited_to_where_the_models_branches
     allowed (1360 samples on), the graph computed wrong values or failed inside torch at lengths
     where the branch went the other way (1800: "The size of tensor a (4) must match ..."). Every call
     is now either exactly eager's or refused with the range the graph holds for."""
-    from fxprep.cli.specs import tiny_config
+    from fxprep.cli.tiny import tiny_config
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCTC.from_config(tiny_config("sew-d")).eval()
@@ -180,7 +180,7 @@ def test_moonshine_runs_at_other_lengths(dtype: torch.dtype, padded: bool) -> No
     capture kept static lengths. fxprep's capture makes it a bool, decided as eager decides it.
     With a padding mask, the mask's length through the three convolutions is guarded with
     ``math.trunc`` of a float, which the guard evaluation reads too."""
-    from fxprep.cli.specs import tiny_config
+    from fxprep.cli.tiny import tiny_config
 
     torch.manual_seed(0)
     model = transformers.AutoModelForSpeechSeq2Seq.from_config(tiny_config("moonshine"))

@@ -23,7 +23,7 @@ from torch import nn
 
 import fxprep
 from fxprep.capture.dynamo import autodims
-from fxprep.cli.specs import tiny_config
+from fxprep.cli.tiny import tiny_config
 from fxprep.inputs import ExampleInputs
 from tests.attention_calls import differences, record
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..errors import InvalidInput
 from .demo import DEMOS
+from .tiny import tiny_configs
 
 ZOOS = ("torchvision", "timm", "transformers", "demo")
 
@@ -181,25 +182,43 @@ def _timm(name: str) -> BuiltModel:
 
 
 # --- transformers ----------------------------------------------------------------------------------
-TINY_CONFIG = dict(
-    vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
-    max_position_embeddings=64, num_key_value_heads=1, image_size=32, patch_size=8, d_model=32, d_ff=37,
-    num_layers=2, num_heads=2, d_kv=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-    decoder_attention_heads=2, encoder_ffn_dim=37, decoder_ffn_dim=37, n_embd=32, n_layer=2, n_head=2,
-    n_positions=64, head_dim=16,
-)
-
-
 TRANSFORMERS_SURVEY = ("bert", "gpt2", "llama", "distilbert", "roberta", "vit", "t5", "bart", "mistral", "qwen2", "opt", "albert")
 
 
-def tiny_config(model_type: str) -> Any:
-    """A tiny config of ``model_type`` (2 layers, width 32): builds in milliseconds, runs in a blink."""
-    import transformers
+def _tiniest(model_type: str, build: Callable[[Any], nn.Module]) -> nn.Module:
+    """The model ``build`` makes from the first of :func:`~.tiny.tiny_configs` it builds from (some
+    sizes transformers checks only when it builds the model); the last one's error if none. Each is
+    built on ``meta`` first (no memory): a model that would still not fit is refused, where building
+    it would have the process killed."""
+    configs = list(tiny_configs(model_type))
+    for i, config in enumerate(configs):
+        try:
+            with torch.device("meta"):
+                probe: nn.Module | None = build(config)
+        except Exception:  # noqa: BLE001 - a size check we do not know (or a model that cannot be on meta)
+            probe = None
+        if probe is not None:
+            _fits(model_type, probe)
+            return build(config)
+        if i == len(configs) - 1:
+            return build(config)
+        try:
+            return build(config)
+        except Exception:  # noqa: BLE001 - the next, larger config
+            continue
+    raise AssertionError("tiny_configs yields at least one config")  # pragma: no cover
 
-    defaults = transformers.AutoConfig.for_model(model_type)
-    known = set(defaults.to_dict()) | set(getattr(defaults, "attribute_map", {}))
-    return transformers.AutoConfig.for_model(model_type, **{k: v for k, v in TINY_CONFIG.items() if k in known})
+
+def _fits(model_type: str, model: nn.Module) -> None:
+    """Refuse a tiny model that is not tiny: more than half of this machine's memory in float32."""
+    count = sum(t.numel() for t in (*model.parameters(), *model.buffers()))
+    need = count * 4
+    if need > memory_bytes() // 2:
+        raise SpecError(
+            f"transformers:{model_type}: even its tiny config has {count:,} parameters ({_bytes(need)} in float32), "
+            f"more than half of this machine's memory ({_bytes(memory_bytes())}): some of its sizes are not ones "
+            "fxprep knows to shrink. Build it in a Python file with a config of your own (path/to/file.py:Factory), "
+            "or prepare a checkpoint with --meta.")
 
 
 def _transformers(name: str) -> BuiltModel:
@@ -209,14 +228,13 @@ def _transformers(name: str) -> BuiltModel:
         cls = getattr(transformers, name, None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module) and getattr(cls, "config_class", None)):
             raise SpecError(f"transformers has no model class {name!r}.")
-        config = tiny_config(cls.config_class.model_type)
-        model = cls(config)
+        model = _tiniest(cls.config_class.model_type, cls)
     else:
         try:
-            config = tiny_config(name)
+            transformers.AutoConfig.for_model(name)
         except (ValueError, KeyError) as err:
             raise SpecError(f"transformers has no model type {name!r} ({err}).") from err
-        model = transformers.AutoModel.from_config(config)
+        model = _tiniest(name, transformers.AutoModel.from_config)
     model.eval()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
@@ -228,7 +246,7 @@ def _transformers(name: str) -> BuiltModel:
     else:
         inputs = {main: torch.randint(0, int(getattr(model.config, "vocab_size", 99)), (1, 8), generator=gen)}
     if getattr(model.config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = torch.randint(0, int(model.config.vocab_size), (1, 4), generator=gen)
+        inputs["decoder_input_ids"] = torch.randint(0, int(getattr(model.config, "vocab_size", 99)), (1, 4), generator=gen)
     return BuiltModel(f"transformers:{name}", model, inputs, "tiny config, random weights")
 
 
