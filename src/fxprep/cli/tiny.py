@@ -84,11 +84,11 @@ def tiny_configs(model_type: str) -> Iterator[Any]:
 def _overrides(config: Any, *, top: bool = False) -> dict[str, Any]:
     """The tiny values of the size keys ``config`` has: those whose default is a whole number, and
     at the top level every first-pass key it knows (an unset ``head_dim`` is set). A key whose
-    default is a list (sizes per stage) keeps it.
-    A backbone keeps its layer count (the stages its ``out_features`` name must exist); any other
-    whole-number ``..._hidden_size`` is the width too (a projector's ``text_hidden_size``), and so
-    is a key whose default equals the config's width (Mimi's ``upsample_groups``). Special token
-    ids past the tiny vocabulary are moved into it."""
+    default is a list (sizes per stage) keeps it, and a backbone keeps its layer count (the stages
+    its ``out_features`` name must exist). Inside, any other whole-number ``..._hidden_size`` is
+    the width too (a projector's ``text_hidden_size``), and so is a key whose default equals the
+    config's width (Mimi's ``upsample_groups``). Special token ids past the tiny vocabulary are
+    moved into it."""
     values = config.to_dict()
     aliases = getattr(config, "attribute_map", {}) or {}
     known = set(values) | set(aliases)
