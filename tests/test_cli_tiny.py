@@ -93,3 +93,13 @@ def test_decoder_ids_without_a_top_level_vocabulary_are_not_an_internal_error() 
     result = runner.invoke(cli.app, ["prepare", "transformers:dia"])
     assert result.exit_code == 2, result.output
     assert "internal error" not in result.output and "The model itself failed" in result.output
+
+
+def test_a_type_transformers_cannot_build_at_all_is_a_spec_error() -> None:
+    """The last config failing too was transformers' exception raw (the CLI's "internal error")."""
+
+    def build(config):
+        raise TypeError("unsupported operand type(s) for //: 'NoneType' and 'NoneType'")
+
+    with pytest.raises(specs.SpecError, match="transformers cannot build 'llava' from a tiny config"):
+        specs._tiniest("llava", build)

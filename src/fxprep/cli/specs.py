@@ -187,7 +187,7 @@ TRANSFORMERS_SURVEY = ("bert", "gpt2", "llama", "distilbert", "roberta", "vit", 
 
 def _tiniest(model_type: str, build: Callable[[Any], nn.Module]) -> nn.Module:
     """The model ``build`` makes from the first of :func:`~.tiny.tiny_configs` it builds from (some
-    sizes transformers checks only when it builds the model); the last one's error if none. Each is
+    sizes transformers checks only when it builds the model); a ``SpecError`` if none. Each is
     built on ``meta`` first (no memory): a model that would still not fit is refused, where building
     it would have the process killed."""
     configs = list(tiny_configs(model_type))
@@ -199,13 +199,13 @@ def _tiniest(model_type: str, build: Callable[[Any], nn.Module]) -> nn.Module:
             probe = None
         if probe is not None:
             _fits(model_type, probe)
-            return build(config)
-        if i == len(configs) - 1:
-            return build(config)
         try:
             return build(config)
-        except Exception:  # noqa: BLE001 - the next, larger config
-            continue
+        except Exception as err:  # noqa: BLE001 - the next, larger config; none left: transformers' own failure
+            if i == len(configs) - 1:
+                raise SpecError(f"transformers cannot build {model_type!r} from a tiny config ({type(err).__name__}: "
+                                f"{err}); build it in a Python file with a config of your own "
+                                "(path/to/file.py:Factory).") from err
     raise AssertionError("tiny_configs yields at least one config")  # pragma: no cover
 
 
