@@ -190,8 +190,8 @@ def _tiniest(model_type: str, build: Callable[[Any], nn.Module]) -> nn.Module:
     sizes transformers checks only when it builds the model); a ``SpecError`` if none. Each is
     built on ``meta`` first (no memory): a model that would still not fit is refused, where building
     it would have the process killed."""
-    configs = list(tiny_configs(model_type))
-    for i, config in enumerate(configs):
+    failure: Exception | None = None
+    for config in tiny_configs(model_type):
         try:
             with torch.device("meta"):
                 probe: nn.Module | None = build(config)
@@ -201,12 +201,11 @@ def _tiniest(model_type: str, build: Callable[[Any], nn.Module]) -> nn.Module:
             _fits(model_type, probe)
         try:
             return build(config)
-        except Exception as err:  # noqa: BLE001 - the next, larger config; none left: transformers' own failure
-            if i == len(configs) - 1:
-                raise SpecError(f"transformers cannot build {model_type!r} from a tiny config ({type(err).__name__}: "
-                                f"{err}); build it in a Python file with a config of your own "
-                                "(path/to/file.py:Factory).") from err
-    raise AssertionError("tiny_configs yields at least one config")  # pragma: no cover
+        except Exception as err:  # noqa: BLE001 - the next, larger config
+            failure = err
+    raise SpecError(f"transformers cannot build {model_type!r} from a tiny config ({type(failure).__name__}: "
+                    f"{failure}); build it in a Python file with a config of your own (path/to/file.py:Factory)."
+                    ) from failure
 
 
 def _fits(model_type: str, model: nn.Module) -> None:
@@ -215,7 +214,7 @@ def _fits(model_type: str, model: nn.Module) -> None:
     need = count * 4
     if need > memory_bytes() // 2:
         raise SpecError(
-            f"transformers:{model_type}: even its tiny config has {count:,} parameters ({_bytes(need)} in float32), "
+            f"transformers:{model_type}: even its tiny config has {count:,} parameters and buffers ({_bytes(need)} in float32), "
             f"more than half of this machine's memory ({_bytes(memory_bytes())}): some of its sizes are not ones "
             "fxprep knows to shrink. Build it in a Python file with a config of your own (path/to/file.py:Factory), "
             "or prepare a checkpoint with --meta.")

@@ -56,29 +56,31 @@ def tiny_configs(model_type: str) -> Iterator[Any]:
     24th layer, per-layer settings of a fixed count); then the top level only; last the top
     level's widths and layers only (what this did before sub-configs and experts were shrunk).
     A caller whose model does not build from one takes the next: transformers checks some sizes
-    only when it builds the model."""
+    only when it builds the model. A candidate equal to one before it is skipped (a model with no
+    sub-configs has two, not four)."""
     import transformers
 
     defaults = transformers.AutoConfig.for_model(model_type)
+    values = defaults.to_dict()
     shallow = _overrides(defaults, top=True)
-    for keep_layers in (False, True):
-        kwargs = {**shallow, **_per_layer(defaults.to_dict(), shallow), **_rope(defaults, shallow)}
-        for name, sub in _sub_configs(defaults):
-            kwargs[name] = _shrunk(sub, keep_layers)
+    first_pass = {k: v for k, v in shallow.items() if k not in _WHOLE_ONLY and k not in TOKEN_IDS}
+
+    def deep(keep_layers: bool) -> dict[str, Any]:
+        subs = {name: _shrunk(sub, keep_layers) for name, sub in _sub_configs(defaults)}
+        return {**shallow, **_per_layer(values, shallow), **_rope(values, shallow), **subs}
+
+    tried: list[dict[str, Any]] = []
+    for kwargs in (deep(False), deep(True), shallow, first_pass):
+        if kwargs in tried:
+            continue
+        tried.append(kwargs)
         try:
             config = transformers.AutoConfig.for_model(model_type, **kwargs)
-        except Exception:  # noqa: BLE001 - a check between sub-configs we do not know: try the next
+        except Exception:  # noqa: BLE001 - a check between sizes we do not know (ZAYA's expert count): the next
+            if kwargs is first_pass:
+                raise
             continue
         yield config
-    first_pass = {k: v for k, v in shallow.items() if k not in _WHOLE_ONLY and k not in TOKEN_IDS}
-    if first_pass != shallow:
-        try:
-            config = transformers.AutoConfig.for_model(model_type, **shallow)
-        except Exception:  # noqa: BLE001 - an expert count the model requires (ZAYA's): the first pass's keys
-            config = None
-        if config is not None:
-            yield config
-    yield transformers.AutoConfig.for_model(model_type, **first_pass)
 
 
 def _overrides(config: Any, *, top: bool = False) -> dict[str, Any]:
@@ -120,16 +122,17 @@ def _overrides(config: Any, *, top: bool = False) -> dict[str, Any]:
     return out
 
 
-def _rope(config: Any, tiny: dict[str, Any]) -> dict[str, Any]:
+def _rope(values: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
     """Multimodal rotary sections (``mrope_section``: halves of the rotary part of a head, given to
     time, height and width) for the tiny head, in the same proportions. The rotary part is the
     head (16 once tiny) or, where the config has one, ``qk_rope_head_dim``."""
-    values = config.to_dict()
     rope = values.get("rope_parameters")
-    section = rope.get("mrope_section") if isinstance(rope, dict) else None
+    if not isinstance(rope, dict):
+        return {}
+    section = rope.get("mrope_section")
     if not (isinstance(section, list) and section and all(_whole(s) and s > 0 for s in section)):
         return {}
-    rotary = values.get("qk_rope_head_dim")
+    rotary: Any = values.get("qk_rope_head_dim")
     half = (rotary if _whole(rotary) else tiny.get("head_dim", TINY_CONFIG["head_dim"])) // 2
     scaled = [max(1, s * half // sum(section)) for s in section]
     scaled[0] += half - sum(scaled)
@@ -141,7 +144,7 @@ def _shrunk(config: Any, keep_layers: bool) -> dict[str, Any]:
     (its layer count kept with ``keep_layers``)."""
     values = config.to_dict()
     tiny = {k: v for k, v in _overrides(config).items() if not (keep_layers and k in _LAYER_KEYS)}
-    out = {**values, **tiny, **_per_layer(values, tiny), **_rope(config, tiny)}
+    out = {**values, **tiny, **_per_layer(values, tiny), **_rope(values, tiny)}
     for name, sub in _sub_configs(config):
         out[name] = _shrunk(sub, keep_layers)
     return out
