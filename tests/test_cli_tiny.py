@@ -103,3 +103,12 @@ def test_a_type_transformers_cannot_build_at_all_is_a_spec_error() -> None:
 
     with pytest.raises(specs.SpecError, match="transformers cannot build 'llava' from a tiny config"):
         specs._tiniest("llava", build)
+
+
+def test_a_refused_last_candidate_does_not_stop_an_earlier_one_that_builds() -> None:
+    """GPT-Neo's old top-level-only config (its 24 per-layer attention kinds for 2 layers) is refused
+    by transformers, the tiny one with one layer of each kind is not: candidates are taken one at a
+    time, so the refused last one is never reached (all were made up front before, and the refusal
+    stopped the spec)."""
+    built = specs.resolve("transformers:gpt_neo")
+    assert built.model.config.num_layers == 2
