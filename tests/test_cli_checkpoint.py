@@ -82,3 +82,17 @@ def test_checkpoint_usage_errors(checkpoint, args, text) -> None:
         args = ["prepare", str(checkpoint), *args]
     result = invoke(*args)
     assert result.exit_code == 2 and text in result.output
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["weights", "meta"])
+def test_a_dual_encoder_checkpoint_gets_both_towers_inputs(tmp_path, meta: bool) -> None:
+    """CLIP's forward fails on token ids alone (the only inputs the command gave): the inputs are
+    now the first set the model runs on, tried on a ``meta`` twin, so ids and an image."""
+    path = tmp_path / "clip"
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(path)
+    result = invoke("prepare", str(path), "--json", *(["--meta"] if meta else []))
+    assert result.exit_code == 0, result.output
+    assert as_json(result)["report"]["verification"]["status"] == "passed"

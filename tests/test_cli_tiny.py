@@ -105,6 +105,23 @@ def test_a_type_transformers_cannot_build_at_all_is_a_spec_error() -> None:
         specs._tiniest("llava", build)
 
 
+def test_a_config_of_unknown_size_is_never_built_for_real() -> None:
+    """Llava's last two candidates keep its language model and vision tower at their real sizes:
+    when one cannot be built on ``meta`` (so its size is unknown), it is not built at all. Cohere
+    Compass's allocated 8 GB on its way to the error it raised on ``meta`` too."""
+    real: list[object] = []
+
+    def build(config):
+        if torch.empty(0).device.type != "meta":
+            real.append(config)
+        raise KeyError("full_attention")
+
+    with pytest.raises(specs.SpecError, match="KeyError"):
+        specs._tiniest("llava", build)
+    assert len(real) == 2  # the two tiny at every level
+    assert all(c.text_config.hidden_size == 32 and c.vision_config.hidden_size == 32 for c in real)
+
+
 def test_a_refused_last_candidate_does_not_stop_an_earlier_one_that_builds() -> None:
     """GPT-Neo's old top-level-only config (its 24 per-layer attention kinds for 2 layers) is refused
     by transformers, the tiny one with one layer of each kind is not: candidates are taken one at a
@@ -112,3 +129,56 @@ def test_a_refused_last_candidate_does_not_stop_an_earlier_one_that_builds() -> 
     stopped the spec)."""
     built = specs.resolve("transformers:gpt_neo")
     assert built.model.config.num_layers == 2
+
+
+def _runs(model_type: str) -> specs.BuiltModel:
+    built = specs.resolve(f"transformers:{model_type}")
+    with torch.no_grad():
+        built.model(**built.example_inputs)
+    return built
+
+
+@pytest.mark.parametrize("model_type", ["mistral4", "deepseek_v3", "kimi_linear", "longcat_flash"])
+def test_latent_attention_head_sizes_shrink_together(model_type: str) -> None:
+    """Multi-head latent attention ties ``head_dim`` to the rotary part (DeepSeek) or to the whole
+    head (Mistral 4, rotary half of it): ``head_dim`` alone made tiny was a model that failed on its
+    own ids (rotary tables of 4 for queries of 32)."""
+    config = _runs(model_type).model.config
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    rope = rope_parameters.get("partial_rotary_factor", 1.0)
+    assert config.qk_rope_head_dim <= 8 and config.kv_lora_rank <= 16
+    assert config.qk_rope_head_dim in (config.head_dim, int(config.head_dim * rope))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "glm4v"])
+def test_rotary_sections_from_the_modelling_code_fit_the_tiny_head(model_type: str) -> None:
+    """Qwen2-VL's and GLM-4V's ``mrope_section`` default lives in their modelling code, sized for the
+    real head (16+24+24 halves of 128): the tiny config now states sections for its head."""
+    text = _runs(model_type).model.config.text_config
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    assert sum(text.rope_parameters["mrope_section"]) == head // 2
+
+
+@pytest.mark.parametrize(("model_type", "names"), [
+    ("clip", {"input_ids", "pixel_values"}),  # both towers: ids alone fail
+    ("whisper", {"input_features", "decoder_input_ids"}),
+    ("parakeet_ctc", {"input_features"}),  # frames then bins
+    ("dac", {"input_values"}),  # a channel axis
+])
+def test_inputs_are_what_the_model_runs_on(model_type: str, names: set[str]) -> None:
+    built = _runs(model_type)
+    assert set(built.example_inputs) == names
+    for name in names & {"input_features", "input_values", "pixel_values"}:
+        assert built.example_inputs[name].is_floating_point(), name  # integer "features" before
+
+
+def test_prepare_a_dual_encoder_from_the_command_line() -> None:
+    result = runner.invoke(cli.app, ["prepare", "transformers:clip", "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"passed"' in result.output.splitlines()[-1]
+
+
+def test_a_model_whose_inputs_the_config_does_not_tell_asks_for_them() -> None:
+    result = runner.invoke(cli.app, ["prepare", "transformers:patchtst"])
+    assert result.exit_code == 2, result.output
+    assert "--input NAME=DIMS" in result.output and "internal error" not in result.output

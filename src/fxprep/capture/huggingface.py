@@ -260,19 +260,20 @@ def _get(config: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def example_inputs_for(model: nn.Module, batch: int = 2, seq_len: int = 8) -> dict[str, torch.Tensor] | None:
+def example_inputs_for(model: nn.Module, batch: int = 2, seq_len: int = 8, *,
+                       device: torch.device | str | None = None) -> dict[str, torch.Tensor] | None:
     """Keyword example inputs built from a transformers model's config (None for other models):
     ``input_ids``/``attention_mask``, ``pixel_values``, ``input_values``, ``input_features``,
-    ``decoder_input_ids``, whichever its forward takes, on the model's device."""
+    ``decoder_input_ids``, whichever its forward takes, on ``device`` (the model's by default;
+    the CPU keeps the values of inputs for a model on ``meta``)."""
     if not is_hf_model(model):
         return None
     config = model.config
     params = _forward_params(model)
     main = getattr(model, "main_input_name", "input_ids")
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
+    if device is None:
+        tensor = next(model.parameters(), None)
+        device = tensor.device if tensor is not None else torch.device("cpu")
     text = _get(config, "text_config", default=config)
     vision = _get(config, "vision_config", default=config)
     vocab = int(_get(text, "vocab_size", default=100) or 100)
@@ -290,11 +291,11 @@ def example_inputs_for(model: nn.Module, batch: int = 2, seq_len: int = 8) -> di
     # Vision models, and text-image models (CLIP) whose forward needs both towers' inputs.
     if main == "pixel_values" or ("pixel_values" in params and _get(config, "vision_config") is not None):
         size = _get(vision, "image_size", default=32)
-        size = size[0] if isinstance(size, (tuple, list)) else size
         if isinstance(size, dict):
-            size = size.get("height", 32)
+            size = (size.get("height", 32), size.get("width", size.get("height", 32)))
+        height, width = (size[0], size[-1]) if isinstance(size, (tuple, list)) else (size, size)  # MGP-STR: 32x128
         channels = int(_get(vision, "num_channels", default=3))
-        inputs["pixel_values"] = torch.randn(batch, channels, int(size), int(size), generator=gen).to(device)
+        inputs["pixel_values"] = torch.randn(batch, channels, int(height), int(width), generator=gen).to(device)
     if main == "input_values":
         inputs["input_values"] = torch.randn(batch, 1600, generator=gen).to(device)
     if main == "input_features":

@@ -10,19 +10,21 @@ A local directory with ``config.json`` and safetensors weights (one file or shar
   ``--device`` and :func:`fxprep.verify_prepared` compares with the original, now real. This is how
   a 7B-70B model is prepared on a machine that holds its weights once.
 
-Example inputs default to ``input_ids`` of 1x16 tokens below the vocabulary size (``--input``
-overrides). Everything else (``--dynamic``, ``-o``, ``--onnx``, ``--show``) is the command's.
+Example inputs are those :mod:`.examples` finds the model runs on (16 tokens below the vocabulary
+size; a dual encoder's image too), tried on ``meta``; ``--input`` overrides. Everything else (``--dynamic``, ``-o``, ``--onnx``, ``--show``) is the command's.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import examples
 from .specs import BuiltModel, SpecError, inputs_from_strings
 
 DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -77,14 +79,22 @@ def _checkpoint_dtype(path: Path) -> torch.dtype:
     return DTYPES.get(str(name).removeprefix("torch."), torch.float32) or torch.float32
 
 
-def _inputs(texts: list[str], config: Any, device: torch.device) -> dict[str, torch.Tensor] | tuple[Any, ...]:
+def _inputs(texts: list[str], config: Any, model: nn.Module, meta_twin: Callable[[], nn.Module],
+            device: torch.device) -> dict[str, torch.Tensor] | tuple[Any, ...]:
+    """``--input`` strings, else what :mod:`.examples` finds the model runs on (tried on ``meta``:
+    the model itself with ``--meta``, else a twin built from the config), else 1x16 token ids."""
     text_config = getattr(config, "text_config", None) or config
     high = int(getattr(text_config, "vocab_size", 0) or 100)
     if texts:
-        inputs = inputs_from_strings(texts, high=high)
+        return _to(inputs_from_strings(texts, high=high), device)
+    options = examples.candidates(model, seq_len=16)
+    if len(options) > 1:
+        probe = model if next(model.parameters()).is_meta else meta_twin()
+        inputs = examples.choose(options, probe)
     else:
-        ids = torch.randint(0, high, (1, 16), generator=torch.Generator().manual_seed(0))
-        inputs = {"input_ids": ids}
+        inputs = options[0] if options else None
+    if inputs is None:
+        inputs = {"input_ids": torch.randint(0, high, (1, 16), generator=torch.Generator().manual_seed(0))}
     return _to(inputs, device)
 
 
@@ -103,16 +113,19 @@ def build(path: str, texts: list[str], *, meta: bool, device: str | None, dtype:
     cls = _model_class(config)
     target = parse_device(device)
     chosen = parse_dtype(dtype) or _checkpoint_dtype(directory)
-    if meta:
+
+    def on_meta() -> nn.Module:
         with torch.device("meta"):
-            model = (cls.from_config(config, dtype=chosen) if hasattr(cls, "from_config") and cls.__name__.startswith("Auto")
-                     else cls._from_config(config, dtype=chosen))
+            return (cls.from_config(config, dtype=chosen) if hasattr(cls, "from_config") and cls.__name__.startswith("Auto")
+                    else cls._from_config(config, dtype=chosen)).eval()
+
+    if meta:
+        model = on_meta()
         note = f"built on meta from {directory / 'config.json'} ({chosen}); weights loaded after preparing"
     else:
-        model = cls.from_pretrained(directory, dtype=chosen).to(target)
+        model = cls.from_pretrained(directory, dtype=chosen).to(target).eval()
         note = f"weights from {directory} ({chosen}, {target})"
-    model.eval()
-    return BuiltModel(f"{cls.__name__} from {directory}", model, _inputs(texts, config, target), note)
+    return BuiltModel(f"{cls.__name__} from {directory}", model, _inputs(texts, config, model, on_meta, target), note)
 
 
 def prepare(built: BuiltModel, path: str, *, meta: bool, device: str | None, dtype: str | None,

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidInput
+from . import examples
 from .demo import DEMOS
 from .tiny import tiny_configs
 
@@ -189,14 +190,27 @@ def _tiniest(model_type: str, build: Callable[[Any], nn.Module]) -> nn.Module:
     """The model ``build`` makes from the first of :func:`~.tiny.tiny_configs` it builds from (some
     sizes transformers checks only when it builds the model); a ``SpecError`` if none. Each is
     built on ``meta`` first (no memory): a model that would still not fit is refused, where building
-    it would have the process killed."""
+    it would have the process killed. A config not tiny at every level that cannot be built on
+    ``meta`` is not built at all: its size is unknown, and Cohere Compass's real-size language model
+    allocated 8 GB on its way to the error it raised on ``meta`` too (two such at once: killed)."""
     failure: Exception | None = None
-    for config in tiny_configs(model_type):
+    candidates = tiny_configs(model_type)
+    while True:
+        try:
+            config, tiny = next(candidates)
+        except StopIteration:
+            break
+        except Exception as err:  # noqa: BLE001 - transformers refused every config (GraniteMoeHybrid's head count)
+            failure = err
+            break
         try:
             with torch.device("meta"):
                 probe: nn.Module | None = build(config)
-        except Exception:  # noqa: BLE001 - a size check we do not know (or a model that cannot be on meta)
+        except Exception as err:  # noqa: BLE001 - a size check we do not know (or a model that cannot be on meta)
             probe = None
+            if not tiny:
+                failure = err
+                continue
         if probe is not None:
             _fits(model_type, probe)
         try:
@@ -237,15 +251,7 @@ def _transformers(name: str) -> BuiltModel:
     model.eval()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
-    main = getattr(model, "main_input_name", "input_ids")
-    gen = torch.Generator().manual_seed(0)
-    if main == "pixel_values":
-        size = getattr(model.config, "image_size", 32)
-        inputs: dict[str, Any] = {"pixel_values": torch.randn(1, getattr(model.config, "num_channels", 3), size, size, generator=gen)}
-    else:
-        inputs = {main: torch.randint(0, int(getattr(model.config, "vocab_size", 99)), (1, 8), generator=gen)}
-    if getattr(model.config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = torch.randint(0, int(getattr(model.config, "vocab_size", 99)), (1, 4), generator=gen)
+    inputs = examples.choose(examples.candidates(model, seq_len=8), model) or {}  # {}: --input must name them
     return BuiltModel(f"transformers:{name}", model, inputs, "tiny config, random weights")
 
 
@@ -317,6 +323,9 @@ def resolve(spec: str, inputs: Iterable[str] = ()) -> BuiltModel:
     inputs = list(inputs)
     if inputs:
         built.example_inputs = inputs_from_strings(inputs, high=integer_high(built.model))
+    elif isinstance(built.example_inputs, dict) and not built.example_inputs:
+        raise SpecError(f"{spec}: fxprep cannot tell this model's inputs from its config; name them with "
+                        "--input NAME=DIMS[:DTYPE] (e.g. --input past_values=1x64x1).")
     return built
 
 

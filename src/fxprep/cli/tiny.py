@@ -40,6 +40,10 @@ _WHOLE_ONLY = frozenset(("num_experts", "num_local_experts", "n_routed_experts",
                          "depth", "embed_dim", "out_hidden_size", "n_layers", "vocab_size_per_layer_input",
                          "hidden_size_per_layer_input"))
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# multi-head latent attention (DeepSeek-V2/V3, Kimi, Mistral 4, ...): head sizes scaled together, ranks made small
+_MLA_HEAD_KEYS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim")
+_MLA_RANK_KEYS = ("kv_lora_rank", "q_lora_rank")
+_MLA_ROPE = 8
 _LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "depth")
 
 
@@ -47,17 +51,18 @@ def tiny_config(model_type: str) -> Any:
     """A tiny config of ``model_type`` (2 layers, width 32, at every level): builds in milliseconds,
     runs in a blink. The first of :func:`tiny_configs` that transformers accepts. Raises
     ``ValueError`` / ``KeyError`` (from transformers) for a type it does not know."""
-    return next(tiny_configs(model_type))
+    return next(tiny_configs(model_type))[0]
 
 
-def tiny_configs(model_type: str) -> Iterator[Any]:
-    """Tiny configs of ``model_type``, smallest first, each one transformers accepts: every level
-    shrunk; then the sub-configs' layer counts kept (a projector that reads the vision tower's
-    24th layer, per-layer settings of a fixed count); then the top level only; last the top
-    level's widths and layers only (what this did before sub-configs and experts were shrunk).
-    A caller whose model does not build from one takes the next: transformers checks some sizes
-    only when it builds the model. A candidate equal to one before it is skipped (a model with no
-    sub-configs has two, not four)."""
+def tiny_configs(model_type: str) -> Iterator[tuple[Any, bool]]:
+    """Tiny configs of ``model_type``, smallest first, each one transformers accepts, with whether
+    its every level is tiny: every level shrunk; then the sub-configs' layer counts kept (a
+    projector that reads the vision tower's 24th layer, per-layer settings of a fixed count); then
+    the top level only; last the top level's widths and layers only (what this did before
+    sub-configs and experts were shrunk). These two leave a composite model's sub-configs at their
+    real sizes (``False``). A caller whose model does not build from one takes the next:
+    transformers checks some sizes only when it builds the model. A candidate equal to one before
+    it is skipped (a model with no sub-configs has two, not four)."""
     import transformers
 
     defaults = transformers.AutoConfig.for_model(model_type)
@@ -67,10 +72,11 @@ def tiny_configs(model_type: str) -> Iterator[Any]:
 
     def deep(keep_layers: bool) -> dict[str, Any]:
         subs = {name: _shrunk(sub, keep_layers) for name, sub in _sub_configs(defaults)}
-        return {**shallow, **_per_layer(values, shallow), **_rope(values, shallow), **subs}
+        return {**shallow, **_per_layer(values, shallow), **_rope(defaults, shallow), **subs}
 
     tried: list[dict[str, Any]] = []
-    for kwargs in (deep(False), deep(True), shallow, first_pass):
+    whole = not _sub_configs(defaults)
+    for kwargs, tiny in ((deep(False), True), (deep(True), True), (shallow, whole), (first_pass, whole)):
         if kwargs in tried:
             continue
         tried.append(kwargs)
@@ -80,7 +86,7 @@ def tiny_configs(model_type: str) -> Iterator[Any]:
             if kwargs is first_pass:
                 raise
             continue
-        yield config
+        yield config, tiny
 
 
 def _overrides(config: Any, *, top: bool = False) -> dict[str, Any]:
@@ -118,22 +124,52 @@ def _overrides(config: Any, *, top: bool = False) -> dict[str, Any]:
             if key not in out and _whole(value) and (key.endswith("hidden_size") or (
                     _whole(old) and value == old and any(w in key for w in ("hidden", "groups", "dim", "size")))):
                 out[key] = width
+    out.update(_latent_attention(values))
     out.update({k: v for k, v in TOKEN_IDS.items() if _whole(values.get(k)) and values[k] >= TINY_CONFIG["vocab_size"]})
     return out
 
 
-def _rope(values: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
+def _latent_attention(values: dict[str, Any]) -> dict[str, Any]:
+    """Multi-head latent attention's sizes, tiny. Its head is made of a rotary part
+    (``qk_rope_head_dim``) and a plain part, and families tie ``head_dim`` to either the rotary
+    part (DeepSeek-V3) or the whole (Mistral 4, whose rotary part is half of it): scaling every head
+    size by the same factor keeps whichever tie the family has, where setting ``head_dim`` alone
+    made the rotary tables and the queries disagree. The low ranks are independent widths; a family
+    whose keys have as many heads as its queries keeps them so."""
+    if not _whole(values.get("kv_lora_rank")):
+        return {}  # no latent attention
+    out = {k: 2 * _MLA_ROPE for k in _MLA_RANK_KEYS if _whole(values.get(k)) and values[k] > 2 * _MLA_ROPE}
+    if values.get("num_key_value_heads") == values.get("num_attention_heads"):
+        out["num_key_value_heads"] = TINY_CONFIG["num_attention_heads"]  # keys have every head (Kimi's repeat them)
+    rope: Any = values.get("qk_rope_head_dim")
+    if _whole(rope) and rope > _MLA_ROPE:  # GLM-5 Next's has no rotary part (0)
+        out.update({k: values[k] * _MLA_ROPE // rope for k in _MLA_HEAD_KEYS
+                    if _whole(values.get(k)) and values[k] * _MLA_ROPE % rope == 0})
+    return out
+
+
+def _rope(config: Any, tiny: dict[str, Any]) -> dict[str, Any]:
     """Multimodal rotary sections (``mrope_section``: halves of the rotary part of a head, given to
-    time, height and width) for the tiny head, in the same proportions. The rotary part is the
-    head (16 once tiny) or, where the config has one, ``qk_rope_head_dim``."""
+    time, height and width) for the tiny head, in the same proportions. The rotary part is
+    ``qk_rope_head_dim`` where the config has one, else the head (16 once tiny) times its
+    ``partial_rotary_factor``. A config that reads sections its defaults leave out (Qwen2-VL's and
+    GLM-4V's sit in their modelling code, sized for the real head) gets them explicitly, in
+    Qwen2-VL's proportions; the one case left as it was is a rotary part too small to give each of
+    the three a share (Qwen3.5's interleaved sections, which tolerate any size)."""
+    values = config.to_dict()
     rope = values.get("rope_parameters")
     if not isinstance(rope, dict):
         return {}
     section = rope.get("mrope_section")
+    if section is None and "rope_type" in rope and "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()):
+        section = [16, 24, 24]  # one set of parameters (not one per layer kind, nor none: Cohere Compass's {})
     if not (isinstance(section, list) and section and all(_whole(s) and s > 0 for s in section)):
         return {}
-    rotary: Any = values.get("qk_rope_head_dim")
-    half = (rotary if _whole(rotary) else tiny.get("head_dim", TINY_CONFIG["head_dim"])) // 2
+    rotary: Any = tiny.get("qk_rope_head_dim", values.get("qk_rope_head_dim"))
+    if not _whole(rotary):
+        factor = rope.get("partial_rotary_factor", values.get("partial_rotary_factor")) or 1.0
+        rotary = int(tiny.get("head_dim", TINY_CONFIG["head_dim"]) * factor)
+    half = rotary // 2
     scaled = [max(1, s * half // sum(section)) for s in section]
     scaled[0] += half - sum(scaled)
     return {"rope_parameters": {**rope, "mrope_section": scaled}} if scaled[0] > 0 else {}
@@ -144,7 +180,7 @@ def _shrunk(config: Any, keep_layers: bool) -> dict[str, Any]:
     (its layer count kept with ``keep_layers``)."""
     values = config.to_dict()
     tiny = {k: v for k, v in _overrides(config).items() if not (keep_layers and k in _LAYER_KEYS)}
-    out = {**values, **tiny, **_per_layer(values, tiny), **_rope(values, tiny)}
+    out = {**values, **tiny, **_per_layer(values, tiny), **_rope(config, tiny)}
     for name, sub in _sub_configs(config):
         out[name] = _shrunk(sub, keep_layers)
     return out
