@@ -236,3 +236,46 @@ def test_a_traceback_entry_without_a_line_number_does_not_break_the_report() -> 
     err = err.with_traceback(lost)
     text = d.describe_exception(err)
     assert "shape mismatch in the user's model" in text
+
+
+class _Padded(nn.Module):
+    @staticmethod
+    def _pad(x):
+        return nn.functional.pad(x, (1, 1))
+
+    def forward(self, x):
+        return self._pad(x)
+
+
+class _Codec(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = _Padded()
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_an_internal_dynamo_error_is_placed_in_the_module_its_printed_stack_names() -> None:
+    """Dynamo's internal errors (Mimi's ``PendingUnbackedSymbolNotFound`` in a static padding
+    helper) carry no stack record, only the user stack printed in their text, innermost last:
+    the innermost frame is the static method, no module's ``forward``; the module is the one
+    whose ``forward`` called it (it was "unknown module" before)."""
+    import traceback
+
+    here = inspect.getsourcefile(_Padded)
+    call = _line_of(_Padded.forward, "self._pad(x)")
+    pad = _line_of(_Padded._pad, "nn.functional.pad")
+    outer = _line_of(_Codec.forward, "self.conv(x)")
+
+    class InternalTorchDynamoError(RuntimeError):
+        pass
+
+    err = InternalTorchDynamoError(
+        "PendingUnbackedSymbolNotFound: Pending unbacked symbols {u0}\n\nfrom user code:\n"
+        f'  File "{here}", line {outer}, in forward\n    return self.conv(x)\n'
+        f'  File "{here}", line {call}, in forward\n    return self._pad(x)\n'
+        f'  File "{here}", line {pad}, in _pad\n    return nn.functional.pad(x, (1, 1))\n')
+    err.innermost_user_frame_summary = traceback.FrameSummary(here, pad, "_pad")
+    (issue,) = d.diagnose(err, "dynamo", _Codec())
+    assert issue.module == "conv" and issue.line == pad

@@ -372,9 +372,11 @@ def diagnose(err: BaseException, tracer: str, model: nn.Module | None = None) ->
     module = module_of_failure(err, model)
     if module is None and file is not None and line is not None:
         module = module_at(model, file, line)
-    if module is None:  # a free function: the innermost module forward on Dynamo's user stack
-        for frame in getattr(err, "real_stack", None) or []:
-            found = module_at(model, frame.filename, frame.lineno or 0)
+    if module is None:  # a free function or a static method: the innermost module forward on
+        # Dynamo's user stack (its record, or the stack its message prints: an internal error has no record)
+        stack = [(f.filename, f.lineno or 0) for f in getattr(err, "real_stack", None) or []]
+        for filename, lineno in stack or [(f, int(n)) for f, n in _FILE_LINE.findall(str(err))]:
+            found = module_at(model, filename, lineno)
             module = found if found is not None else module
     return [
         Issue(
