@@ -163,6 +163,7 @@ def test_rotary_sections_from_the_modelling_code_fit_the_tiny_head(model_type: s
     ("clip", {"input_ids", "pixel_values"}),  # both towers: ids alone fail
     ("whisper", {"input_features", "decoder_input_ids"}),
     ("parakeet_ctc", {"input_features"}),  # frames then bins
+    ("cohere_asr", {"input_features", "decoder_input_ids"}),  # the encoder config's 128 bins, not 80
     ("dac", {"input_values"}),  # a channel axis
 ])
 def test_inputs_are_what_the_model_runs_on(model_type: str, names: set[str]) -> None:

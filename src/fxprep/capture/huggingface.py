@@ -299,7 +299,8 @@ def example_inputs_for(model: nn.Module, batch: int = 2, seq_len: int = 8, *,
     if main == "input_values":
         inputs["input_values"] = torch.randn(batch, 1600, generator=gen).to(device)
     if main == "input_features":
-        bins = int(_get(config, "num_mel_bins", "feature_size", default=80))
+        audio = _get(config, "audio_config", "encoder_config", default=config)  # Parakeet/Canary: the encoder's
+        bins = int(_get(config, "num_mel_bins", "feature_size", default=None) or _get(audio, "num_mel_bins", default=80))
         frames = int(_get(config, "max_source_positions", default=1500)) * 2
         inputs["input_features"] = torch.randn(batch, bins, frames, generator=gen).to(device)
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
