@@ -29,6 +29,8 @@ TINY_CONFIG: dict[str, int] = dict(
     depth=2, embed_dim=32, out_hidden_size=32,
     # Gemma 3n / 4's per-layer embeddings: a vocabulary of their own
     vocab_size_per_layer_input=99, hidden_size_per_layer_input=8,
+    # detection queries: RT-DETR's pick their top-k of the anchors, of which a 32x32 image has 21
+    num_queries=10,
 )
 # special token ids of the real vocabularies do not fit a 99-token one
 TOKEN_IDS: dict[str, int] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2,
@@ -38,7 +40,7 @@ TOKEN_IDS: dict[str, int] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id
 _WHOLE_ONLY = frozenset(("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
                          "moe_intermediate_size", "shared_expert_intermediate_size", "n_group", "topk_group",
                          "depth", "embed_dim", "out_hidden_size", "n_layers", "vocab_size_per_layer_input",
-                         "hidden_size_per_layer_input"))
+                         "hidden_size_per_layer_input", "num_queries"))
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # multi-head latent attention (DeepSeek-V2/V3, Kimi, Mistral 4, ...): head sizes scaled together, ranks made small
 _MLA_HEAD_KEYS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim")
