@@ -11,7 +11,8 @@ A local directory with ``config.json`` and safetensors weights (one file or shar
   a 7B-70B model is prepared on a machine that holds its weights once.
 
 Example inputs are those :mod:`.examples` finds the model runs on (16 tokens below the vocabulary
-size; a dual encoder's image too), tried on ``meta``; ``--input`` overrides. Everything else (``--dynamic``, ``-o``, ``--onnx``, ``--show``) is the command's.
+size; a dual encoder's image too), tried on ``meta``; ``--input`` overrides. Everything else
+(``--dynamic``, ``-o``, ``--onnx``, ``--show``) is the command's.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _inputs(texts: list[str], config: Any, model: nn.Module, meta_twin: Callable
         return _to(inputs_from_strings(texts, high=high), device)
     options = examples.candidates(model, seq_len=16)
     if len(options) > 1:
-        probe = model if next(model.parameters()).is_meta else meta_twin()
+        probe = model if next(model.parameters(), torch.empty(0)).is_meta else meta_twin()
         inputs = examples.choose(options, probe)
     else:
         inputs = options[0] if options else None

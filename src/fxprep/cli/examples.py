@@ -8,10 +8,11 @@ error, on a model fxprep could prepare.
 
 The candidates come from the config (:func:`~fxprep.capture.huggingface.example_inputs_for`),
 fewest inputs first: the main input alone (with decoder ids for an encoder-decoder), audio in
-the other layouts models use, then every input the config describes. The first the model runs on is the one given; a checkpoint's model is
-tried as a twin on ``meta``, so that no weights move and no real forward is paid for. When none
-runs, the first is given and ``prepare_model`` says what the model itself said. No attention mask:
-the command's inputs are unpadded, and a mask of ones is a value the graph would depend on.
+the other layouts models use, then every input the config describes. The first the model runs
+on is the one given; a checkpoint's model is tried as a twin on ``meta``, so that no weights move
+and no real forward is paid for. When none runs, the first is given and ``prepare_model`` says
+what the model itself said. No attention mask: the command's inputs are unpadded, and a mask of
+ones is a value the graph would depend on.
 """
 
 from __future__ import annotations
