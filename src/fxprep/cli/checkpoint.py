@@ -90,7 +90,7 @@ def _inputs(texts: list[str], config: Any, model: nn.Module, meta_twin: Callable
         return _to(inputs_from_strings(texts, high=high), device)
     options = examples.candidates(model, seq_len=16)
     if len(options) > 1:
-        probe = model if next(model.parameters(), torch.empty(0)).is_meta else meta_twin()
+        probe = model if examples.device_of(model).type == "meta" else meta_twin()
         inputs = examples.choose(options, probe)
     else:
         inputs = options[0] if options else None

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from ..capture.huggingface import example_inputs_for
+from ..inputs import ExampleInputs
+from ..runs import run_model
 
 Inputs = dict[str, torch.Tensor]
 
@@ -46,10 +48,9 @@ def candidates(model: nn.Module, *, seq_len: int) -> list[Inputs]:
 
 def runs_on(model: nn.Module, inputs: Inputs) -> bool:
     """Whether ``model`` runs on ``inputs`` (moved to its device) without raising."""
-    device = _device(model)
+    device = device_of(model)
     try:
-        with torch.no_grad():
-            model(**{k: v.to(device) for k, v in inputs.items()})
+        run_model(model, ExampleInputs(kwargs={k: v.to(device) for k, v in inputs.items()}))
     except Exception:  # noqa: BLE001 - any failure means "not these inputs"; the next is tried
         return False
     return True
@@ -63,6 +64,7 @@ def choose(options: list[Inputs], probe: nn.Module) -> Inputs | None:
     return next((o for o in options if runs_on(probe, o)), options[0])
 
 
-def _device(model: nn.Module) -> torch.device:
+def device_of(model: nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (``meta`` for a model built there); the CPU without any."""
     tensor: Any = next(model.parameters(), None)
     return tensor.device if tensor is not None else torch.device("cpu")
