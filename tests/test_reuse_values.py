@@ -159,7 +159,9 @@ def test_qwen2_vl_deciding_values_reuses_its_vision_and_language_blocks(capfd: p
     values may be fewer outside the blocks: the whole-model capture also asserts, where the sizes
     are read, relations Dynamo learnt inside the blocks (the patches adding up to the rows of
     ``pixel_values``), which each block's own capture checks on its inputs instead. Both graphs
-    refuse an input that decides otherwise."""
+    follow the images' layout from the grid: the split sizes are computed in the graph, and the
+    decisions kept are relations between them (they add up to the patches), not the example's
+    values (torch's real-value cross-check of a view's storage offset pinned them once)."""
     torch.manual_seed(0)
     model, inputs = vlm_models.qwen2_vl()
     whole = fxprep.prepare_model(model, example_inputs=inputs, tracer="dynamo", reuse_blocks=False, dynamic=False)
@@ -175,13 +177,17 @@ def test_qwen2_vl_deciding_values_reuses_its_vision_and_language_blocks(capfd: p
     assert _shape(_without_checks(reused)) == _shape(_without_checks(whole))
     assert list(reused.state_dict()) == list(whole.state_dict())
     same = dict(inputs, pixel_values=torch.randn_like(inputs["pixel_values"]))  # decides as the example
-    # the images' order swapped: as many patches and tokens, other split sizes in the vision attention
-    other = dict(inputs, image_grid_thw=inputs["image_grid_thw"].flip(0))
+    # the images' order swapped and other grids: as many patches and tokens, other split sizes in the
+    # vision attention, other rotary positions
+    others = [dict(inputs, image_grid_thw=inputs["image_grid_thw"].flip(0)),
+              dict(inputs, image_grid_thw=torch.tensor([[1, 2, 8], [1, 2, 12]]))]
+    three = dict(inputs, image_grid_thw=torch.tensor([[1, 2, 4], [1, 2, 4], [1, 4, 6]]))  # 3 images: static shapes
     with torch.no_grad():
         for gm in (whole, reused):
-            torch.testing.assert_close(gm(**same)[0], model(**same, use_cache=False)[0], rtol=0, atol=0)
+            for call in (same, *others):
+                torch.testing.assert_close(gm(**call)[0], model(**call, use_cache=False)[0], rtol=0, atol=0)
             with pytest.raises(fxprep.InputMismatch):
-                gm(**other)
+                gm(**three)
 
 
 class _AddMask(nn.Module):

@@ -207,3 +207,32 @@ def test_an_onnx_export_that_cannot_hold_an_opaque_part_says_which(tmp_path) -> 
     text = str(raised.value)
     assert "torch.export-based exporter had failed first" in text
     assert "opaque parts (window_lengths)" in text
+
+
+class _Frequencies(nn.Module):
+    """A 3-axis table read one axis at a time (Qwen2-VL's multimodal rotary frequencies), scaled by
+    a value read from data: each ``table[i]`` is a view whose storage offset is ``i * seq * 4``."""
+
+    def forward(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        table = torch.stack([x, 2 * x, 3 * x])
+        k = int(n)
+        if k > 1:  # decided from the example's value
+            return table[1] * k + table[2]
+        return table[0]
+
+
+def test_a_view_with_a_symbolic_offset_leaves_a_declared_dimension_dynamic_under_real_values() -> None:
+    # torch's real-value cross-check compares each output's storage offset with `!=`, whatever
+    # its flag says; on `table[1]` (offset seq*4) that guard specialised seq to the example's 5
+    from torch.export import Dim
+
+    from fxprep.capture.dynamo.export import dynamo_export
+
+    x, n = torch.randn(1, 5, 4), torch.tensor(3)
+    seq = Dim("seq")
+    result = dynamo_export(_Frequencies(), ExampleInputs((x, n), {}), "flag", {"x": {1: seq}, "n": None},
+                           real_values=True)
+    gm = result.graph_module
+    for length in (2, 5, 11):
+        y = torch.randn(1, length, 4)
+        torch.testing.assert_close(gm(y, n), _Frequencies()(y, n))

@@ -473,6 +473,7 @@ def _fallback_general(run: Preparation, attempts: list[CaptureAttempt], result: 
     (elsewhere, why), run.elsewhere = run.elsewhere, None
     general = run.request.replace(dynamic=None)
     result, sites, kept = shape_general.after_fallback(general, elsewhere, why, attempts, result, sites, run.report)
-    if kept:
-        run.proposal, run.request = elsewhere.proposal, general
+    if kept is not None:
+        run.proposal = shape_general.limits(run.model, kept, general.replace(example=kept.capture_example).calls()[0])
+        run.request = general
     return result, sites

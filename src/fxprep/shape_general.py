@@ -62,16 +62,16 @@ class NotShapeGeneral(Exception):
 
 
 def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposal,
-            run: Capture) -> tuple[CaptureResult, list[CaptureAttempt], autodims.Proposal]:
-    """``run(capture_example, dynamic)`` (Dynamo alone) with ``proposal``'s dimensions; each
-    dimension Dynamo finds specialised is dropped (its reason kept in ``proposal.dropped``) and the
-    capture retried. Raises :class:`NotShapeGeneral` when no dimension is left or the capture fails
-    for another reason."""
+            run: Capture, tracer: str = "dynamo") -> tuple[CaptureResult, list[CaptureAttempt], autodims.Proposal]:
+    """``run(capture_example, dynamic)`` (Dynamo alone, or what ``tracer`` names) with
+    ``proposal``'s dimensions; each dimension Dynamo finds specialised is dropped (its reason kept in
+    ``proposal.dropped``), each range it needs is declared, and the capture retried. Raises
+    :class:`NotShapeGeneral` when no dimension is left or the capture fails for another reason."""
     current: autodims.Proposal | None = proposal
     while current is not None:
         with quiet_guard_logs():
             result, attempts = run(current.capture_example, current.for_export())
-        if result is not None and result.tracer == "dynamo":
+        if result is not None and result.tracer == tracer:
             return result, attempts, current
         err = next((a.exception for a in reversed(attempts) if a.exception is not None), None)
         found, ranges = autodims.findings(err, current) if err is not None else ({}, {})
@@ -172,53 +172,65 @@ def _where_branches_hold(sym: str, bound: autodims.SizeRange, branches: list[Any
                                why=f"{bound.why}; the model's code branches on it outside {low}..{high or ''}")
 
 
-NOT_TRIED = ("the static capture made parts opaque or did not decide values read from data; a second capture with "
-             "the dimensions declared is tried only after one that decided them with nothing opaque")
+NOT_TRIED = ("the static capture did not decide values read from data; a second capture with the dimensions declared "
+             "is tried only after one that decided them")
 TAKEN = ("Captured deciding values read from data from the example (tracer dynamo+values), a second time with the "
-         "prompt's length declared dynamic (the first capture, with static shapes, had nothing opaque): every "
-         "decision is checked in the graph at each call.")
+         "prompt's length declared dynamic (no part opaque that the first capture, with static shapes, did not "
+         "make opaque too): every decision is checked in the graph at each call.")
 
 
-def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[CaptureAttempt]
-             ) -> tuple[CaptureResult | None, str]:
+def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[CaptureAttempt],
+             opaque: list[Any]) -> tuple[CaptureResult | None, autodims.Proposal | None, str]:
     """Dynamo deciding values read from data from the example (:mod:`fxprep.capture.dynamo.values`)
-    with ``elsewhere``'s dimensions declared, for a model the static fallback captured that way with
-    nothing opaque (a VLM reading its image sizes from tensors): the prompt's length then stays free.
-    Taken only with nothing opaque either (each opaque part would be a place the sizes could stop
-    following the inputs); a dimension the model's code specialises ends it at once
-    (``dims_must_hold``). Its attempt is appended to ``attempts``; the capture, or None and why."""
+    with ``elsewhere``'s dimensions declared, for a model the static fallback captured that way (a
+    VLM reading its image sizes from tensors): the prompt's length then stays free. Taken only with
+    no part opaque that the static capture (``opaque``: its sites and issues) did not make opaque
+    too: a part opaque only under the dimensions would be a graph that hides more (the Qwen family's
+    rope index is opaque either way: its outputs are sized like its inputs, which the opaque call's
+    fake outputs follow). A dimension the model's code specialises, or a range it needs, revises
+    the dimensions as for the first shape-general capture (:func:`capture`: Qwen3.5's chunked scan
+    holds the length maybe-dynamic only). Its attempts are appended to ``attempts``; the capture and
+    the proposal it kept, or None and why."""
     from .capture.dynamo import values
 
-    proposal = elsewhere.proposal
-    dims = request.replace(example=proposal.capture_example, dynamic=proposal.for_export(), dims_must_hold=True,
-                           records={})
-    with quiet_guard_logs(), preserved_state(request.model), restored_attributes(request.model, []):
-        result, attempt, sites = values.capture_deciding_values(dims)
-    attempts.append(attempt)
-    if result is None:
-        first = first_line(attempt.exception) if attempt.exception is not None else "?"
-        return None, f"deciding values read from data with them declared failed too ({first})"
-    if sites:
-        return None, f"deciding values read from data with them declared made {sites[0][0].qualname} opaque"
+    assert request.example is not None, "the shape-general capture needs example inputs"
+    allowed = {site.qualname for site, _ in opaque}
+    why_not: list[str] = []
+
+    def run(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+        dims_request = request.replace(example=call, dynamic=dims, dims_must_hold=True, records={})
+        with preserved_state(request.model), restored_attributes(request.model, []):
+            result, attempt, sites = values.capture_deciding_values(dims_request)
+        attempts.append(attempt)
+        more = [site.qualname for site, _ in sites if site.qualname not in allowed]
+        if result is not None and more:
+            why_not.append(f"deciding values read from data with them declared made {more[0]} opaque")
+            return None, [attempt]
+        return result, [attempt]
+
+    try:
+        result, _, found = capture(request.model, request.example, elsewhere.proposal, run, tracer=values.TRACER)
+    except NotShapeGeneral as err:
+        return None, None, why_not[-1] if why_not else f"deciding values read from data with them declared failed too ({err})"
     result.notes.append(TAKEN)
-    return result, ""
+    return result, found, ""
 
 
 def after_fallback(request: CaptureRequest, elsewhere: Elsewhere, why: str, attempts: list[CaptureAttempt],
                    result: CaptureResult | None, sites: list[Any], report: Report
-                   ) -> tuple[CaptureResult | None, list[Any], bool]:
+                   ) -> tuple[CaptureResult | None, list[Any], autodims.Proposal | None]:
     """The static fallback's capture (``result``, ``sites``), or, where it decided values read from
-    data and left nothing opaque, the same capture with ``elsewhere``'s dimensions (:func:`fallback`)
-    when that holds (third value True); the report says which and why (``why``: the shape-general
-    capture's own failure)."""
-    if result is None or result.tracer != "dynamo+values" or sites:
+    data, the same capture with ``elsewhere``'s dimensions (:func:`fallback`) when that holds (third
+    value: the dimensions kept, else None); the report says which and why (``why``: the
+    shape-general capture's own failure)."""
+    if result is None or result.tracer != "dynamo+values":
         report.note(not_kept_note(f"{why}; {NOT_TRIED}"))
-        return result, sites, False
-    dims, why_not = fallback(request, elsewhere, attempts)
-    if dims is None:
+        return result, sites, None
+    dims, found, why_not = fallback(request, elsewhere, attempts, sites)
+    if dims is None or found is None:
         report.note(not_kept_note(f"{why}; {why_not}"))
-        return result, sites, False
-    return dims, [], True
+        return result, sites, None
+    return dims, sites, found
 
 
 def not_kept_note(why: str) -> str:

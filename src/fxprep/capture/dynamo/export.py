@@ -300,5 +300,33 @@ def _real_value_propagation() -> Iterator[None]:
         return
     with quiet_logs("torch.fx.experimental.symbolic_shapes", below=logging.ERROR), \
             functorch_config.patch(fake_tensor_propagate_real_tensors=True,
-                                   generate_fake_kernels_from_real_mismatches=True):
+                                   generate_fake_kernels_from_real_mismatches=True), \
+            _offsets_unguarded():
         yield
+
+
+@contextlib.contextmanager
+def _offsets_unguarded() -> Iterator[None]:
+    """Real-value propagation cross-checks each op's fake output against its real one, storage
+    offset included (``r_offset != f_offset``, whatever its ``storage_offset`` flag says): where the
+    fake offset is symbolic (a view at index 1 of a tensor whose size is a declared dimension:
+    Qwen2-VL's ``m[i % 3]`` of its 3-axis rotary frequencies, offset ``seq * d``) the comparison is a
+    guard, and it specialises the declared dimension to the example's size. During capture such an
+    output is not cross-checked (the op's fake kernel stands, as without real values); every other
+    output is, and the prepared module is verified on its own anyway."""
+    from torch._subclasses import fake_utils
+
+    check = getattr(fake_utils, "_check_fake_real_tensors", None)
+    if check is None:
+        yield
+        return
+
+    def checked(real_out: torch.Tensor, fake_out: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(fake_out.storage_offset(), torch.SymInt):
+            check(real_out, fake_out, *args, **kwargs)
+
+    fake_utils._check_fake_real_tensors = checked
+    try:
+        yield
+    finally:
+        fake_utils._check_fake_real_tensors = check

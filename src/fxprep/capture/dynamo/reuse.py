@@ -202,7 +202,7 @@ def _block_call(member: Member, recorded: Any) -> ExampleInputs:
     return ExampleInputs(tuple(args), dict(kwargs))
 
 
-def _block_spec(member: Member, call: ExampleInputs) -> dict[str, Any] | None:
+def _block_spec(member: Member, call: ExampleInputs, *, declared_only: bool = False) -> dict[str, Any] | None:
     """Dynamo's ``dynamic_shapes`` for capturing ``member`` alone on ``call`` (its recorded inputs):
     every dimension that is symbolic where the outer graph calls it is ``Dim.DYNAMIC`` (relations
     between them, such as a mask's last size being the sequence length, Dynamo finds itself; a
@@ -210,15 +210,23 @@ def _block_spec(member: Member, call: ExampleInputs) -> dict[str, Any] | None:
     every size there is static. Not only under declared dimensions: where values read from data are
     decided (:mod:`.values`), a size computed from them stays symbolic in the outer graph (the number
     of Pixtral's patches, from the image sizes), and a block captured static on the example's size
-    would return another shape than its stand-in did there (reuse then gave up)."""
+    would return another shape than its stand-in did there (reuse then gave up). ``declared_only``:
+    only the dimensions whose sizes follow the declared ones (a backed symbol in them), not those
+    made from values read from data alone."""
     from torch.export import Dim
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    def wanted(size: Any) -> bool:
+        if type(size) is int:
+            return False
+        return not declared_only or bool(size.node.expr.free_symbols - free_unbacked_symbols(size))
 
     flat, _ = call_inputs(member.node)
     dims: list[Any] = []
     for leaf in flat:
         ev = leaf.meta.get("example_value") if isinstance(leaf, fx.Node) else None
         if isinstance(ev, torch.Tensor):
-            symbolic = {d: Dim.DYNAMIC for d, s in enumerate(ev.shape) if type(s) is not int}
+            symbolic = {d: Dim.DYNAMIC for d, s in enumerate(ev.shape) if wanted(s)}
             dims.append(symbolic or None)
         else:
             dims.append(None)
@@ -287,19 +295,21 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
     if job.real_values:
         call = call.fresh_copy(keep_strides=True)  # its tensors may be shared with the other members' (_record_inputs)
     spec = _block_spec(first, call)
-    retried = spec is not None and job.dynamic_spec is None  # a failure below is then not the capture's
+    # sizes made from values read from data alone may be fixed by the block itself (Qwen2-VL's
+    # vision blocks split by cu_seqlens): a failure with them dynamic is retried with the declared
+    # dimensions alone (static shapes where none reaches the block), and the stand-in's output in
+    # the outer graph says whether that graph holds there
+    fallback = _block_spec(first, call, declared_only=True) if spec is not None else None
+    retried = spec is not None and spec != fallback
     try:
         with quiet_guard_logs() if retried else contextlib.nullcontext():
             result = dynamo_export(first.module, call, route, spec, real_values=job.real_values)
     except Exception:
         if not retried:
             raise
-        # sizes from values read from data, no declared dimension: the block may fix them itself
-        # (Qwen2-VL's vision blocks split by cu_seqlens); captured static then, as before, and the
-        # stand-in's output in the outer graph says whether that graph holds there
         job.guard.reset()
         call = call.fresh_copy(keep_strides=True)  # new tensors: the first attempt marked these dynamic
-        result = dynamo_export(first.module, call, route, None, real_values=job.real_values)
+        result = dynamo_export(first.module, call, route, fallback, real_values=job.real_values)
     job.guard.reset()
     opaque = job.box.calls_in(result.graph_module) if job.box else []
     if opaque:
