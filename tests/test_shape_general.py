@@ -505,3 +505,27 @@ def test_xlnet_runs_at_other_lengths() -> None:
         with torch.no_grad():
             torch.testing.assert_close(gm(input_ids=ids, attention_mask=mask)["logits"],
                                        model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)
+
+
+def test_a_model_with_opaque_parts_is_captured_again_with_its_dimensions_declared() -> None:
+    """YOSO: its attention calls an autograd Function with one tensor twice, which Dynamo refuses, so
+    that attention stays an opaque part (dynamo+leaves). The same capture with batch and length
+    declared makes nothing else opaque and is kept: before, the graph stayed at the example's size."""
+    torch.manual_seed(0)
+    config = transformers.YosoConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=37, max_position_embeddings=64)
+    model = transformers.YosoForSequenceClassification(config).eval()
+    example = {"input_ids": torch.randint(3, 101, (1, 8)), "attention_mask": torch.ones(1, 8, dtype=torch.long)}
+    gm = fxprep.prepare_model(model, example_inputs=example)
+    report = fxprep.get_report(gm)
+    assert report.tracer == "dynamo+leaves" and report.verification.status == "passed"
+    assert set(report.leaves) == {"yoso.encoder.layer.0.attention.self", "yoso.encoder.layer.1.attention.self"}
+    text = report.to_text()
+    assert "Captured with parts opaque (tracer dynamo+leaves), a second time with the found dimensions" in text
+    assert "was tried and not kept" not in text
+    for batch, length in ((3, 13), (2, 5), (1, 40)):
+        ids = torch.randint(3, 101, (batch, length))
+        mask = torch.ones(batch, length, dtype=torch.long)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids, attention_mask=mask)["logits"],
+                                       model(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)

@@ -190,7 +190,7 @@ def test_a_vlm_with_an_opaque_part_keeps_the_prompt_length_free() -> None:
     text = report.to_text()
     assert "was tried and not kept" not in text
     assert "Shape-general: the dimensions input_ids dim 1 (seq)" in text
-    assert "a second time with the prompt's length declared dynamic" in text
+    assert "a second time with the found dimensions declared dynamic" in text
     stamped = {k: v for k, v in report.reuse["captured"].items() if v}
     assert stamped == {"model.visual.blocks.0": ["model.visual.blocks.1"],
                        "model.language_model.layers.0": ["model.language_model.layers.1"]}
@@ -204,6 +204,33 @@ def test_a_vlm_with_an_opaque_part_keeps_the_prompt_length_free() -> None:
         assert prepared.shape == eager.shape
         torch.testing.assert_close(prepared, eager, rtol=1e-5, atol=1e-5)
     with pytest.raises(fxprep.InputMismatch):  # the batch stays: the patches of all images are one tensor
+        gm(**{k: torch.cat([v, v]) for k, v in inputs.items()})
+
+
+def test_a_vlm_with_opaque_helpers_and_no_decided_values_keeps_the_prompt_length_free() -> None:
+    # Llava-NeXT: the anyres tiling helpers compute from image_sizes in Python and stay opaque
+    # (dynamo+leaves, nothing decided from data); the same capture with the length declared makes
+    # nothing else opaque, and their outputs (sized by the image, not the prompt) stay as recorded
+    torch.manual_seed(0)
+    model, inputs = _builder("llava_next")()
+    gm = fxprep.prepare_model(model, example_inputs=inputs)
+    report = fxprep.get_report(gm)
+    assert report.verification.status == "passed" and report.tracer == "dynamo+leaves"
+    assert set(report.leaves) == {"model.image_size_to_num_patches", "model.get_anyres_image_grid_shape",
+                                  "model.pack_image_features"}
+    text = report.to_text()
+    assert "was tried and not kept" not in text
+    assert "Captured with parts opaque (tracer dynamo+leaves), a second time with the found dimensions" in text
+    assert "Shape-general: the dimensions input_ids dim 1 (seq), attention_mask dim 1 (seq)" in text
+    assert {k for k, v in report.reuse["captured"].items() if v} == {"model.vision_tower.encoder.layers.0.mlp",
+                                                                      "model.language_model.layers.0"}
+    for call in (_prompt(inputs, 5, 1), _prompt(inputs, -2, 1), _prompt(inputs, 30, 2)):
+        with torch.no_grad():
+            eager = model(**call, use_cache=False).logits
+            prepared = gm(**call)[0]
+        assert prepared.shape == eager.shape
+        torch.testing.assert_close(prepared, eager, rtol=1e-5, atol=1e-5)
+    with pytest.raises(fxprep.InputMismatch):
         gm(**{k: torch.cat([v, v]) for k, v in inputs.items()})
 
 

@@ -4,10 +4,11 @@ dynamic, and proven so, unless the user said otherwise.
 :mod:`fxprep.capture.dynamo.autodims` says which dimensions those are and gives the example to
 capture on. This module runs that capture for ``prepare_model`` (:func:`capture`: Dynamo alone,
 block reuse kept; a dimension the model's code specialises is taken out, with why, and the capture
-retried; where Dynamo stopped at a value read from data instead, :func:`fallback` captures again
-with the dimensions once the static fallback has decided those values with nothing opaque, as
-Llava's Pixtral tower needs); ``prepare_model`` checks the result on a second size (batch and
-sequence 3 larger than the example's) and reports it (:func:`notes`). Any failure is a
+retried; where Dynamo stopped for another reason, :func:`fallback` captures again with the
+dimensions the way the static fallback did, with the same parts opaque and the same values read
+from data decided: Llava's Pixtral tower, the Qwen family's rope index); ``prepare_model`` checks
+the result on a second size (batch and sequence 3 larger than the example's) and reports it
+(:func:`notes`). Any failure is a
 :class:`NotShapeGeneral`: ``prepare_model`` then captures with static shapes as before (after a
 failed capture at once, after a failed verification by preparing again) and says why
 (:func:`not_kept_note`). The batch probe (:mod:`fxprep.batch`, one more whole-model Dynamo trace
@@ -172,61 +173,73 @@ def _where_branches_hold(sym: str, bound: autodims.SizeRange, branches: list[Any
                                why=f"{bound.why}; the model's code branches on it outside {low}..{high or ''}")
 
 
-NOT_TRIED = ("the static capture did not decide values read from data; a second capture with the dimensions declared "
-             "is tried only after one that decided them")
-TAKEN = ("Captured deciding values read from data from the example (tracer dynamo+values), a second time with the "
-         "prompt's length declared dynamic (no part opaque that the first capture, with static shapes, did not "
-         "make opaque too): every decision is checked in the graph at each call.")
+FALLBACK_TRACERS = ("dynamo+values", "dynamo+leaves")
+NOT_TRIED = ("the static capture was not Dynamo's (with parts opaque, or deciding values read from data), so no second "
+             "capture with the dimensions declared was tried")
 
 
-def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[CaptureAttempt],
+def taken(tracer: str) -> str:
+    """The report's note on a shape-general capture the static fallback's tracer made (:func:`fallback`)."""
+    how = "deciding values read from data from the example" if tracer == "dynamo+values" else "with parts opaque"
+    checks = ": every decision is checked in the graph at each call" if tracer == "dynamo+values" else ""
+    return (f"Captured {how} (tracer {tracer}), a second time with the found dimensions declared dynamic (no part "
+            f"opaque that the first capture, with static shapes, did not make opaque too){checks}.")
+
+
+def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[CaptureAttempt], tracer: str,
              opaque: list[Any]) -> tuple[CaptureResult | None, autodims.Proposal | None, str]:
-    """Dynamo deciding values read from data from the example (:mod:`fxprep.capture.dynamo.values`)
-    with ``elsewhere``'s dimensions declared, for a model the static fallback captured that way (a
-    VLM reading its image sizes from tensors): the prompt's length then stays free. Taken only with
-    no part opaque that the static capture (``opaque``: its sites and issues) did not make opaque
-    too: a part opaque only under the dimensions would be a graph that hides more (the Qwen family's
-    rope index is opaque either way: its outputs are sized like its inputs, which the opaque call's
-    fake outputs follow). A dimension the model's code specialises, or a range it needs, revises
+    """The static fallback's capture again (``tracer``: Dynamo with the failing parts opaque, or also
+    deciding values read from data from the example, :mod:`fxprep.capture.dynamo.values`) with
+    ``elsewhere``'s dimensions declared: the prompt's length then stays free. Taken only with no part
+    opaque that the static capture (``opaque``: its sites and issues) did not make opaque too: a
+    part opaque only under the dimensions would be a graph that hides more (the Qwen family's rope
+    index and Llava-NeXT's anyres helpers are opaque either way; their outputs sized like their
+    inputs follow the declared sizes in the opaque call's fake outputs, and the verification on a
+    second size checks it). A dimension the model's code specialises, or a range it needs, revises
     the dimensions as for the first shape-general capture (:func:`capture`: Qwen3.5's chunked scan
     holds the length maybe-dynamic only). Its attempts are appended to ``attempts``; the capture and
     the proposal it kept, or None and why."""
     from .capture.dynamo import values
+    from .capture.dynamo.fallback import capture_dynamo_leaves
 
     assert request.example is not None, "the shape-general capture needs example inputs"
     allowed = {site.qualname for site, _ in opaque}
+    how = "deciding values read from data" if tracer == values.TRACER else "with the same parts opaque"
     why_not: list[str] = []
 
     def run(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
         dims_request = request.replace(example=call, dynamic=dims, dims_must_hold=True, records={})
         with preserved_state(request.model), restored_attributes(request.model, []):
-            result, attempt, sites = values.capture_deciding_values(dims_request)
+            if tracer == values.TRACER:
+                result, attempt, sites = values.capture_deciding_values(dims_request)
+            else:
+                result, attempt, sites = capture_dynamo_leaves(dims_request, None)
         attempts.append(attempt)
         more = [site.qualname for site, _ in sites if site.qualname not in allowed]
         if result is not None and more:
-            why_not.append(f"deciding values read from data with them declared made {more[0]} opaque")
+            why_not.append(f"capturing {how} with them declared made {more[0]} opaque")
             return None, [attempt]
         return result, [attempt]
 
     try:
-        result, _, found = capture(request.model, request.example, elsewhere.proposal, run, tracer=values.TRACER)
+        result, _, found = capture(request.model, request.example, elsewhere.proposal, run, tracer=tracer)
     except NotShapeGeneral as err:
-        return None, None, why_not[-1] if why_not else f"deciding values read from data with them declared failed too ({err})"
-    result.notes.append(TAKEN)
+        return None, None, why_not[-1] if why_not else f"capturing {how} with them declared failed too ({err})"
+    result.notes.append(taken(tracer))
     return result, found, ""
 
 
 def after_fallback(request: CaptureRequest, elsewhere: Elsewhere, why: str, attempts: list[CaptureAttempt],
                    result: CaptureResult | None, sites: list[Any], report: Report
                    ) -> tuple[CaptureResult | None, list[Any], autodims.Proposal | None]:
-    """The static fallback's capture (``result``, ``sites``), or, where it decided values read from
-    data, the same capture with ``elsewhere``'s dimensions (:func:`fallback`) when that holds (third
-    value: the dimensions kept, else None); the report says which and why (``why``: the
-    shape-general capture's own failure)."""
-    if result is None or result.tracer != "dynamo+values":
+    """The static fallback's capture (``result``, ``sites``), or, where Dynamo made it (with parts
+    opaque, maybe deciding values read from data), the same capture with ``elsewhere``'s dimensions
+    (:func:`fallback`) when that holds (third value: the dimensions kept, else None); the report
+    says which and why (``why``: the shape-general capture's own failure)."""
+    if result is None or result.tracer not in FALLBACK_TRACERS:
         report.note(not_kept_note(f"{why}; {NOT_TRIED}"))
         return result, sites, None
-    dims, found, why_not = fallback(request, elsewhere, attempts, sites)
+    dims, found, why_not = fallback(request, elsewhere, attempts, result.tracer, sites)
     if dims is None or found is None:
         report.note(not_kept_note(f"{why}; {why_not}"))
         return result, sites, None
