@@ -189,3 +189,13 @@ def test_detection_queries_fit_the_anchors_of_a_tiny_image() -> None:
     """RT-DETR picks its queries as the top-k of its anchors: 300 of the 21 a 32x32 image has was
     ``selected index k out of range`` from the model itself."""
     assert _runs("rt_detr").model.config.num_queries == 10
+
+
+@pytest.mark.parametrize("model_type", ["gptj", "codegen", "deepseek_v2"])
+def test_prepare_rotary_part_and_unset_expert_count_types_from_the_command_line(model_type: str) -> None:
+    """GPT-J's and CodeGen's rotary part (``rotary_dim`` 64) was wider than the tiny head of 16, and
+    DeepSeek-V2's default config names 64 experts but no ``num_experts_per_tok`` (topk of None): the
+    model itself failed on its ids (exit 2)."""
+    result = runner.invoke(cli.app, ["prepare", f"transformers:{model_type}", "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"passed"' in result.output.splitlines()[-1]

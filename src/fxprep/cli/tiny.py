@@ -31,6 +31,8 @@ TINY_CONFIG: dict[str, int] = dict(
     vocab_size_per_layer_input=99, hidden_size_per_layer_input=8,
     # detection queries: RT-DETR's pick their top-k of the anchors, of which a 32x32 image has 21
     num_queries=10,
+    # the rotary part of a head (GPT-J, CodeGen: 64 of the real 256) within the tiny head of 16
+    rotary_dim=8,
 )
 # special token ids of the real vocabularies do not fit a 99-token one
 TOKEN_IDS: dict[str, int] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2,
@@ -40,7 +42,7 @@ TOKEN_IDS: dict[str, int] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id
 _WHOLE_ONLY = frozenset(("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
                          "moe_intermediate_size", "shared_expert_intermediate_size", "n_group", "topk_group",
                          "depth", "embed_dim", "out_hidden_size", "n_layers", "vocab_size_per_layer_input",
-                         "hidden_size_per_layer_input", "num_queries"))
+                         "hidden_size_per_layer_input", "num_queries", "rotary_dim"))
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # multi-head latent attention (DeepSeek-V2/V3, Kimi, Mistral 4, ...): head sizes scaled together, ranks made small
 _MLA_HEAD_KEYS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim")
@@ -117,6 +119,9 @@ def _overrides(config: Any, *, top: bool = False) -> dict[str, Any]:
         del out["embed_dim"]  # a width shrunk only with its heads (Qwen2-VL's vision tower)
     if "intermediate_size" in out and any(_whole(values.get(k)) for k in _EXPERT_KEYS):
         out["intermediate_size"] = 40  # experts run grouped matmuls, which need rows of 16 bytes (Mixtral's)
+    if any(_whole(values.get(k)) for k in _EXPERT_KEYS) and "num_experts_per_tok" in values and \
+            values["num_experts_per_tok"] is None:
+        out["num_experts_per_tok"] = TINY_CONFIG["num_experts_per_tok"]  # unset by default beside experts (DeepSeek-V2's)
     if not top and "num_key_value_heads" in out and values.get("num_key_value_heads") == values.get(
             aliases.get("num_attention_heads", "num_attention_heads")):
         out["num_key_value_heads"] = TINY_CONFIG["num_attention_heads"]  # multi-head attention stays so (GLM-5's checks it)
