@@ -173,27 +173,38 @@ def test_what_is_proposed_for_multimodal_examples() -> None:
     assert proposal is not None and proposal.dynamic == {"pixel_values": {0: "batch"}} and not proposal.dropped
 
 
-def test_a_vlm_with_an_opaque_part_keeps_the_prompt_length_free() -> None:
+OPAQUE_VLMS = [
     # Qwen2-VL: the static capture decides the image grid's values and calls the rope index
-    # (itertools.groupby) without tracing into it; captured again deciding the same values with the
-    # length declared, with that part alone opaque, the graph holds for prompts of any length. Two
-    # things stopped this before: torch's real-value cross-check guarded on a view's symbolic offset
-    # (the rotary table's `m[i % 3]`), specialising the length, and the vision blocks (sizes from
-    # the image grid only) failed their dynamic capture, which under declared dimensions gave up
-    # block reuse.
+    # (itertools.groupby) without tracing into it. Two things kept its length static before: torch's
+    # real-value cross-check guarded on a view's symbolic offset (the rotary table's `m[i % 3]`),
+    # specialising the length, and the vision blocks (sized from the image grid only) failed their
+    # dynamic capture, which under declared dimensions gave up block reuse.
+    ("qwen2_vl", "dynamo+values", {"model.get_rope_index"},
+     {"model.visual.blocks.0", "model.language_model.layers.0"}),
+    # Llava-NeXT: the anyres tiling helpers compute from image_sizes in Python (nothing decided from
+    # data); their outputs, sized by the image, not the prompt, stay as recorded
+    ("llava_next", "dynamo+leaves", {"model.image_size_to_num_patches", "model.get_anyres_image_grid_shape",
+                                     "model.pack_image_features"},
+     {"model.vision_tower.encoder.layers.0.mlp", "model.language_model.layers.0"}),
+]
+
+
+@pytest.mark.parametrize(("name", "tracer", "opaque", "stamped"), OPAQUE_VLMS)
+def test_a_vlm_with_opaque_parts_keeps_the_prompt_length_free(name: str, tracer: str, opaque: set[str],
+                                                               stamped: set[str]) -> None:
+    # captured again the static capture's way (the same parts opaque) with the length declared: no
+    # other part becomes opaque, so it is kept, and the graph holds for prompts of any length
     torch.manual_seed(0)
-    model, inputs = _builder("qwen2_vl")()
+    model, inputs = _builder(name)()
     gm = fxprep.prepare_model(model, example_inputs=inputs)
     report = fxprep.get_report(gm)
-    assert report.verification.status == "passed" and report.tracer == "dynamo+values"
-    assert set(report.leaves) == {"model.get_rope_index"}  # no more opaque than the static capture
+    assert report.verification.status == "passed" and report.tracer == tracer
+    assert set(report.leaves) == opaque  # no more opaque than the static capture
     text = report.to_text()
     assert "was tried and not kept" not in text
     assert "Shape-general: the dimensions input_ids dim 1 (seq)" in text
-    assert "a second time with the found dimensions declared dynamic" in text
-    stamped = {k: v for k, v in report.reuse["captured"].items() if v}
-    assert stamped == {"model.visual.blocks.0": ["model.visual.blocks.1"],
-                       "model.language_model.layers.0": ["model.language_model.layers.1"]}
+    assert f"(tracer {tracer}), a second time with the found dimensions declared dynamic" in text
+    assert {k for k, v in report.reuse["captured"].items() if v} == stamped
     padded = _prompt(inputs, 6, 2)
     padded["attention_mask"] = padded["attention_mask"].clone()
     padded["attention_mask"][0, -4:] = 0
@@ -203,34 +214,7 @@ def test_a_vlm_with_an_opaque_part_keeps_the_prompt_length_free() -> None:
             prepared = gm(**call)[0]
         assert prepared.shape == eager.shape
         torch.testing.assert_close(prepared, eager, rtol=1e-5, atol=1e-5)
-    with pytest.raises(fxprep.InputMismatch):  # the batch stays: the patches of all images are one tensor
-        gm(**{k: torch.cat([v, v]) for k, v in inputs.items()})
-
-
-def test_a_vlm_with_opaque_helpers_and_no_decided_values_keeps_the_prompt_length_free() -> None:
-    # Llava-NeXT: the anyres tiling helpers compute from image_sizes in Python and stay opaque
-    # (dynamo+leaves, nothing decided from data); the same capture with the length declared makes
-    # nothing else opaque, and their outputs (sized by the image, not the prompt) stay as recorded
-    torch.manual_seed(0)
-    model, inputs = _builder("llava_next")()
-    gm = fxprep.prepare_model(model, example_inputs=inputs)
-    report = fxprep.get_report(gm)
-    assert report.verification.status == "passed" and report.tracer == "dynamo+leaves"
-    assert set(report.leaves) == {"model.image_size_to_num_patches", "model.get_anyres_image_grid_shape",
-                                  "model.pack_image_features"}
-    text = report.to_text()
-    assert "was tried and not kept" not in text
-    assert "Captured with parts opaque (tracer dynamo+leaves), a second time with the found dimensions" in text
-    assert "Shape-general: the dimensions input_ids dim 1 (seq), attention_mask dim 1 (seq)" in text
-    assert {k for k, v in report.reuse["captured"].items() if v} == {"model.vision_tower.encoder.layers.0.mlp",
-                                                                      "model.language_model.layers.0"}
-    for call in (_prompt(inputs, 5, 1), _prompt(inputs, -2, 1), _prompt(inputs, 30, 2)):
-        with torch.no_grad():
-            eager = model(**call, use_cache=False).logits
-            prepared = gm(**call)[0]
-        assert prepared.shape == eager.shape
-        torch.testing.assert_close(prepared, eager, rtol=1e-5, atol=1e-5)
-    with pytest.raises(fxprep.InputMismatch):
+    with pytest.raises(fxprep.InputMismatch):  # the batch stays: all images' patches or tiles are one tensor
         gm(**{k: torch.cat([v, v]) for k, v in inputs.items()})
 
 
