@@ -29,6 +29,8 @@ from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims
 from .capture.dynamo.branches import SIZES, size_branches
 from .capture.dynamo.export import quiet_guard_logs
+from .capture.dynamo.fallback import TRACER as LEAVES_TRACER
+from .capture.dynamo.fallback import VALUES_TRACER, capture_dynamo_leaves
 from .capture.dynamo.shapes import shortest_length
 from .capture.fx import restored_attributes
 from .capture.huggingface import capture_context
@@ -173,15 +175,15 @@ def _where_branches_hold(sym: str, bound: autodims.SizeRange, branches: list[Any
                                why=f"{bound.why}; the model's code branches on it outside {low}..{high or ''}")
 
 
-FALLBACK_TRACERS = ("dynamo+values", "dynamo+leaves")
+FALLBACK_TRACERS = (VALUES_TRACER, LEAVES_TRACER)
 NOT_TRIED = ("the static capture was not Dynamo's (with parts opaque, or deciding values read from data), so no second "
              "capture with the dimensions declared was tried")
 
 
 def taken(tracer: str) -> str:
     """The report's note on a shape-general capture the static fallback's tracer made (:func:`fallback`)."""
-    how = "deciding values read from data from the example" if tracer == "dynamo+values" else "with parts opaque"
-    checks = ": every decision is checked in the graph at each call" if tracer == "dynamo+values" else ""
+    how = "deciding values read from data from the example" if tracer == VALUES_TRACER else "with parts opaque"
+    checks = ": every decision is checked in the graph at each call" if tracer == VALUES_TRACER else ""
     return (f"Captured {how} (tracer {tracer}), a second time with the found dimensions declared dynamic (no part "
             f"opaque that the first capture, with static shapes, did not make opaque too){checks}.")
 
@@ -200,17 +202,16 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
     holds the length maybe-dynamic only). Its attempts are appended to ``attempts``; the capture and
     the proposal it kept, or None and why."""
     from .capture.dynamo import values
-    from .capture.dynamo.fallback import capture_dynamo_leaves
 
     assert request.example is not None, "the shape-general capture needs example inputs"
     allowed = {site.qualname for site, _ in opaque}
-    how = "deciding values read from data" if tracer == values.TRACER else "with the same parts opaque"
+    how = "deciding values read from data" if tracer == VALUES_TRACER else "with the same parts opaque"
     why_not: list[str] = []
 
     def run(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
         dims_request = request.replace(example=call, dynamic=dims, dims_must_hold=True, records={})
         with preserved_state(request.model), restored_attributes(request.model, []):
-            if tracer == values.TRACER:
+            if tracer == VALUES_TRACER:
                 result, attempt, sites = values.capture_deciding_values(dims_request)
             else:
                 result, attempt, sites = capture_dynamo_leaves(dims_request, None)
