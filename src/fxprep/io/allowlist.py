@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .. import cond, decisions
-from . import reviewed
+from . import checked, reviewed
 
 # The namespaces a reviewed name may live in: saved prefix → the namespace object (looked up once,
 # never walked). Order matters for saving: the first namespace holding an object names it (F before torch).
@@ -56,6 +56,8 @@ _EXTRA_FUNCTIONS: dict[str, Any] = {
     "fxprep.cond.cond": cond.cond,
     # the check of a value decided from the example (dynamo+values)
     "fxprep.decisions.check_decision": decisions.check_decision,
+    # torch._grouped_mm behind a check of its offsets (a bfloat16 mixture of experts' saved graph)
+    checked.NAME: checked.grouped_mm,
     # a shape built from symbolic sizes (GPT-2's ``input_shape + (hidden,)`` under dynamic shapes):
     # a tuple of ints, named here because a class is never looked up in a namespace above
     "torch.Size": torch.Size,

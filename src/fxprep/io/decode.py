@@ -15,6 +15,7 @@ import builtins
 import importlib
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -480,11 +481,15 @@ def _get_attr_checker(root: nn.Module) -> Callable[[str], Any]:
 
 # Modules that only define output containers (registered with pytree when imported).
 _CONTAINER_MODULES = ("transformers.modeling_outputs", "collections")
+# a model's own output container (Llava's, GOT-OCR2's ``...CausalLMOutputWithPast``) lives in its modelling
+# module, which ``import transformers`` does not import: one of transformers' own, importable by name
+_MODEL_MODULE = re.compile(r"transformers\.models\.[a-z0-9_]+\.modeling_[a-z0-9_]+")
 
 
 def _import_pytree_types(spec: dict[str, Any]) -> None:
     """Import the modules that register the calling convention's container types (a transformers
-    ``ModelOutput``), so a fresh process can load the module; only known container modules."""
+    ``ModelOutput``), so a fresh process can load the module; only known container modules and
+    transformers' own modelling modules (by a pattern: nothing else a file names is imported)."""
     names: set[str] = set()
     stack: list[Any] = []
     for key in ("in_spec", "out_spec"):
@@ -505,7 +510,7 @@ def _import_pytree_types(spec: dict[str, Any]) -> None:
             stack.extend(v)
     for name in names:
         module = name.rpartition(".")[0]
-        if module in _CONTAINER_MODULES:
+        if module in _CONTAINER_MODULES or _MODEL_MODULE.fullmatch(module):
             try:
                 importlib.import_module(module)
             except ImportError:

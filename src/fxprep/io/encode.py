@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from .. import ops
 from ..errors import SerializationError
+from . import checked
 from .allowlist import canonical_name
 from .format import CONTAINERS, HOOK_DICTS, TYPE_NAMES, own_attrs, tensor_record
 from .objects import ObjectWriter, class_name, opaque_code_name, trust_hint
@@ -49,7 +50,7 @@ def function_name(fn: Any) -> str:
     elif (op := ops.op_name(fn)) is not None:
         return op
     else:
-        name = default_function_name(fn)
+        name = checked.saved_name(fn) or default_function_name(fn)
         if name is not None:
             return name
         name = canonical_name(fn)

@@ -130,6 +130,9 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         "torch.put", "torch.scatter", "torch.scatter_add", "torch.scatter_reduce", "torch.searchsorted",
         "torch.select_scatter", "torch.slice_scatter", "torch.take", "torch.take_along_dim", "torch.unique",
         "torch.unique_consecutive", "torch.unravel_index", "torch.where",
+        # torch._grouped_mm after checking its offsets against the sizes (torch's CUDA kernel does not):
+        # what a graph calling torch._grouped_mm is saved as (fxprep.io.checked)
+        "fxprep.io.checked.grouped_mm",
     ),
     "pointwise": (
         "torch._C._special.special_airy_ai", "torch._C._special.special_bessel_j0",
