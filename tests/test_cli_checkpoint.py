@@ -96,3 +96,24 @@ def test_a_dual_encoder_checkpoint_gets_both_towers_inputs(tmp_path, meta: bool)
     result = invoke("prepare", str(path), "--json", *(["--meta"] if meta else []))
     assert result.exit_code == 0, result.output
     assert as_json(result)["report"]["verification"]["status"] == "passed"
+
+
+def test_a_mixture_of_experts_checkpoint_in_the_hub_layout_prepares_on_meta(tmp_path) -> None:
+    """``save_pretrained`` writes Mixtral's experts one tensor each (the hub's layout), the model
+    holds one 3D tensor per layer: ``--meta`` then failed ("unexpected key(s)"), and the graph
+    captured on ``meta`` could not count tokens per expert on the CPU."""
+    path = tmp_path / "mixtral"
+    cfg = tf.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    tf.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, max_shard_size="40KB")
+    saved = tmp_path / "out"
+    result = invoke("prepare", str(path), "--meta", "-o", str(saved), "--json", "-i", "input_ids=1x16:int64")
+    assert result.exit_code == 0, result.output
+    assert as_json(result)["report"]["verification"]["status"] == "passed"
+    loaded = fxprep.load(saved)
+    fxprep.load_weights(loaded, path)
+    model = tf.MixtralForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=IDS).logits, model(input_ids=IDS, use_cache=False).logits,
+                                   rtol=0, atol=0)

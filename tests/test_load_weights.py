@@ -416,3 +416,25 @@ def test_state_dict_of_tensors_without_values_is_refused(value: str) -> None:
     state["a.bias"] = torch.empty(4, device="meta") if value == "meta" else torch.zeros(4).to_sparse()
     with pytest.raises(InvalidInput, match=r"state_dict\['a.bias'\] is a .*load_weights takes dense tensors"):
         fxprep.load_weights(_small_on_meta(), state)
+
+
+def test_a_buffer_the_model_fills_from_above_is_recomputed(tmp_path: Path) -> None:
+    """Falcon-H1's ``mup_vector`` is a non-persistent buffer of each layer's mixer that the whole
+    model's ``_init_weights`` (not the mixer's) fills: before, "could not be recomputed"."""
+    import transformers
+
+    from fxprep.cli.tiny import tiny_config
+
+    config = tiny_config("falcon_h1")
+    torch.manual_seed(0)
+    transformers.FalconH1ForCausalLM(config).eval().save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.FalconH1ForCausalLM(config).eval()
+    # static shapes: its shape-general capture costs a minute on two cores, and shapes are not the point here
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": IDS.to("meta")}, verify=False, dynamic=False)
+    fxprep.load_weights(gm, tmp_path)
+    assert not _tensors_on_meta(gm)
+    reference = transformers.FalconH1ForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(input_ids=IDS).logits, reference(input_ids=IDS, use_cache=False).logits,
+                                   rtol=0, atol=0)

@@ -44,6 +44,7 @@ from .passes import (
     finish,
     functional_to_module,
     owner_names,
+    portable,
     state_dict,
     unroll,
     values,
@@ -67,6 +68,7 @@ def _block_conversion(model: nn.Module, opts: PrepareOptions) -> Any:
         return None
 
     def convert(block: fx.GraphModule, first: nn.Module) -> None:
+        portable.run(block)
         values.annotate(block)
         functional_to_module.run(block, training=model.training, original=first, recompile=False)
 
@@ -295,6 +297,7 @@ def _passes(run: Preparation, gm: fx.GraphModule) -> None:
     """The passes, in place, in their order; the module is recompiled once at the end."""
     model, opts, report = run.model, run.opts, run.report
     progress.stage("passes")
+    portable.run(gm)  # before the kinds are recorded: it adds nodes
     with preserved_state(model):
         values.annotate(gm, run.prepared_call)
     if opts.convert_functionals:

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from . import hf_weights
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import InvalidInput, WeightsError
 from .inputs import normalize_example_inputs, split_calls
@@ -141,7 +142,7 @@ def load_weights(gm: fx.GraphModule, source: Any, *, device: Any = None, dtype: 
     slots = _slots(gm, original)
     before = {t.device for s in slots.values() for t in (s.tensor,)}
     target = _device(device) if device is not None else _default_device(before)
-    plan = _plan(slots, checkpoint, dtype)
+    checkpoint, plan = _fitting(slots, checkpoint, source, original, dtype, target)
     roots = [gm] if original is None else [gm, original]
     recompute, new = _fill_missing(slots, plan, checkpoint, original, roots, target)
     loaded = 0
@@ -257,6 +258,27 @@ def _plan(slots: dict[int, _Slot], checkpoint: Checkpoint, dtype: torch.dtype | 
     return plan
 
 
+def _fitting(slots: dict[int, _Slot], checkpoint: Checkpoint, source: Any, original: nn.Module | None,
+             dtype: torch.dtype | None, device: torch.device) -> tuple[Checkpoint, _Plan]:
+    """``checkpoint`` and the plan for loading it; where its keys do not fit the module's names and
+    it is a transformers checkpoint in the hub's layout (experts one tensor each, a VLM's language
+    model under its old prefix), the same checkpoint as transformers converts it into the model's
+    layout (:func:`fxprep.hf_weights.converted`, loaded onto ``device``). A mismatch that is not one
+    of names (shapes, dtypes) is the error it was."""
+    try:
+        return checkpoint, _plan(slots, checkpoint, dtype)
+    except WeightsError as err:
+        names = {n for s in slots.values() for n in (*s.names, *s.paths)}
+        if all(k in names for k in checkpoint.specs):
+            raise
+        other, why = hf_weights.converted(source, original, device, dtype)
+        if other is None:
+            if why:
+                raise WeightsError(f"{err} {why}") from err
+            raise
+        return other, _plan(slots, other, dtype)
+
+
 def _check_duplicates(plan: _Plan, new: dict[int, torch.Tensor]) -> None:
     for key, value in plan.pending.items():
         loaded = new.get(id(plan.slot_of[key].tensor))
@@ -313,6 +335,10 @@ def _recompute(slots: list[_Slot], original: nn.Module | None, device: torch.dev
         missing = [k for k, _ in pairs if k not in values]
         if missing:
             values.update(_by_rebuild(owner, missing, device))
+        for above in _ancestors(original, owner) if any(k not in values for k, _ in pairs) else []:
+            # a buffer its model fills from above (Falcon-H1's mup_vector, set for every layer's mixer
+            # by _init_weights of the whole model): that module's initialisation, while all it holds is on meta
+            values.update(_by_hf_init(owner, [k for k, _ in pairs if k not in values], original, device, via=above) or {})
         for key, slot in pairs:
             value = values.get(key)
             if value is not None and tuple(value.shape) == tuple(slot.tensor.shape) and value.dtype == slot.tensor.dtype:
@@ -321,12 +347,18 @@ def _recompute(slots: list[_Slot], original: nn.Module | None, device: torch.dev
 
 
 def _by_hf_init(owner: nn.Module, keys: list[str], original: nn.Module | None,
-                device: torch.device) -> dict[str, torch.Tensor] | None:
+                device: torch.device, via: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
     """transformers' own ``_init_weights(owner)`` (how ``from_pretrained`` fills these buffers), run
-    twice on buffers filled with different garbage: a value both runs agree on is computed."""
+    twice on buffers filled with different garbage: a value both runs agree on is computed. ``via``:
+    a module above ``owner`` whose initialisation fills them, run only while every tensor it holds
+    but these is on ``meta`` (so it can change nothing else)."""
     init = getattr(original, "_init_weights", None)
     if init is None or not callable(init) or any(not p.is_meta for p in owner.parameters(recurse=False)):
         return None
+    if via is not None:
+        ours = {id(owner._buffers[k]) for k in keys}
+        if any(not t.is_meta and id(t) not in ours for t in (*via.parameters(), *via.buffers())):
+            return None
     old = {k: owner._buffers[k] for k in keys}
     runs = []
     try:
@@ -334,7 +366,7 @@ def _by_hf_init(owner: nn.Module, keys: list[str], original: nn.Module | None,
             for k, t in old.items():
                 owner._buffers[k] = torch.full(t.shape, fill, dtype=t.dtype, device=device)
             with torch.no_grad():
-                init(owner)
+                init(owner if via is None else via)
             runs.append({k: owner._buffers[k] for k in keys})
     except Exception:  # noqa: BLE001 - not transformers' kind of module: the next way is tried
         runs = []
@@ -344,6 +376,17 @@ def _by_hf_init(owner: nn.Module, keys: list[str], original: nn.Module | None,
     if len(runs) != 2:
         return None
     return {k: runs[1][k] for k in keys if torch.equal(runs[0][k], runs[1][k])}
+
+
+def _ancestors(original: nn.Module | None, owner: nn.Module) -> list[nn.Module]:
+    """The modules above ``owner`` in ``original``, nearest first (none where it is not found)."""
+    if original is None:
+        return []
+    path = next((n for n, m in original.named_modules() if m is owner), None)
+    if not path:
+        return []
+    parts = path.split(".")
+    return [original.get_submodule(".".join(parts[:i])) for i in range(len(parts) - 1, -1, -1)]
 
 
 def _by_rebuild(owner: nn.Module, keys: list[str], device: torch.device) -> dict[str, torch.Tensor]:
@@ -481,7 +524,7 @@ def _load_by_map(gm: fx.GraphModule, source: Any, device_map: Any, dtype: torch.
     main = torch.device(placement.main_device(device_map))
     checkpoint = open_checkpoint(source)
     slots = _slots(gm, original)
-    plan = _plan(slots, checkpoint, dtype)
+    checkpoint, plan = _fitting(slots, checkpoint, source, original, dtype, torch.device("cpu"))
     where = {key: placement.device_of(slot.paths + slot.names, device_map) for key, slot in plan.slot_of.items()}
     disk = {key for key, device in where.items() if device == "disk"}
     on_disk = "disk" in device_map.values()
