@@ -118,3 +118,16 @@ def test_a_mixture_of_experts_captured_on_meta_counts_tokens_on_every_device(tmp
         assert getattr(source, "target", None) == "to" and source.args[1] is torch.float32
     fxprep.load_weights(gm, tmp_path)
     fxprep.verify_prepared(gm, {"input_ids": IDS})
+
+
+def test_a_device_map_puts_a_converted_checkpoint_where_it_says(tmp_path: Path) -> None:
+    """The device-map path converts too: a layer on ``disk`` is written to the offload folder (the
+    converted tensors have no file of their own to point at) and read back when it runs."""
+    cls, config = _written("mixtral", tmp_path / "ckpt")
+    gm = _prepared_on_meta(cls, config)
+    fxprep.load_weights(gm, tmp_path / "ckpt", device_map={"": "cpu", "model.layers.1": "disk"},
+                        offload_dir=tmp_path / "offload")
+    assert any((tmp_path / "offload").iterdir())
+    with torch.no_grad():
+        got = gm(input_ids=IDS).logits
+    torch.testing.assert_close(got, _reference(cls, tmp_path / "ckpt"), rtol=0, atol=0)

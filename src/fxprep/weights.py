@@ -26,6 +26,7 @@ copies share that reference and pickling drops it.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -529,6 +530,11 @@ def _load_by_map(gm: fx.GraphModule, source: Any, device_map: Any, dtype: torch.
     disk = {key for key, device in where.items() if device == "disk"}
     on_disk = "disk" in device_map.values()
     folder = str(offload_dir) if offload_dir is not None else None
+    if folder is not None and on_disk:
+        try:
+            os.makedirs(folder, exist_ok=True)  # accelerate writes into it without making it
+        except OSError as err:
+            raise InvalidInput(f"offload_dir={folder!r} cannot be made ({err}).") from err
     if folder is None and on_disk:
         # fxprep's own folder lives as long as the module whose hooks read it (weights written there
         # from a .bin checkpoint are as large as those weights): removed when the module is collected
