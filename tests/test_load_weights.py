@@ -418,23 +418,29 @@ def test_state_dict_of_tensors_without_values_is_refused(value: str) -> None:
         fxprep.load_weights(_small_on_meta(), state)
 
 
-def test_a_buffer_the_model_fills_from_above_is_recomputed(tmp_path: Path) -> None:
-    """Falcon-H1's ``mup_vector`` is a non-persistent buffer of each layer's mixer that the whole
-    model's ``_init_weights`` (not the mixer's) fills: before, "could not be recomputed"."""
+
+@pytest.mark.parametrize(("model_type", "cls_name"), [("falcon_h1", "FalconH1ForCausalLM"),
+                                                      ("paligemma", "PaliGemmaForConditionalGeneration")])
+def test_a_buffer_the_model_fills_from_above_is_recomputed(tmp_path: Path, model_type: str, cls_name: str) -> None:
+    """Buffers the whole model's ``_init_weights`` does not fill on their owner, which were "could
+    not be recomputed": Falcon-H1's ``mup_vector`` of each layer's mixer is filled by the whole
+    model's initialisation run on the model (not the mixer); PaliGemma's Gemma text model scales
+    its embeddings by a buffer only Gemma's own ``_init_weights`` knows, not the VLM's."""
     import transformers
 
     from fxprep.cli.tiny import tiny_config
 
-    config = tiny_config("falcon_h1")
+    cls = getattr(transformers, cls_name)
+    config = tiny_config(model_type)
     torch.manual_seed(0)
-    transformers.FalconH1ForCausalLM(config).eval().save_pretrained(tmp_path)
+    cls(config).eval().save_pretrained(tmp_path)
     with torch.device("meta"):
-        model = transformers.FalconH1ForCausalLM(config).eval()
-    # static shapes: its shape-general capture costs a minute on two cores, and shapes are not the point here
+        model = cls(config).eval()
+    # static shapes: Falcon-H1's shape-general capture costs a minute on two cores, and shapes are not the point here
     gm = fxprep.prepare_model(model, example_inputs={"input_ids": IDS.to("meta")}, verify=False, dynamic=False)
     fxprep.load_weights(gm, tmp_path)
     assert not _tensors_on_meta(gm)
-    reference = transformers.FalconH1ForCausalLM.from_pretrained(tmp_path).eval()
+    reference = cls.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(gm(input_ids=IDS).logits, reference(input_ids=IDS, use_cache=False).logits,
                                    rtol=0, atol=0)

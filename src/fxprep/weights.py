@@ -12,11 +12,13 @@ then puts the real weights in, shard by shard, by the original parameter names:
   dtype the graph was prepared in: dtypes baked into the graph at capture would not follow);
 * non-persistent buffers, which no checkpoint holds and ``to_empty`` would leave as garbage
   (rotary ``inv_freq``, causal masks, ``position_ids``), are recomputed by their owning module's
-  own initialisation (:func:`_recompute`): transformers' ``_init_weights``, which is how
+  own initialisation (:mod:`fxprep.recompute`): transformers' ``_init_weights``, which is how
   ``from_pretrained`` fills them, or else the module's class built afresh from its own attributes.
   A value is only taken when two runs from different garbage agree. What cannot be recomputed is
   an error naming it (its value can be passed in the source);
-* device literals still naming the capture device (``meta``) are moved to the target device.
+* device literals still naming the capture device (``meta``) are moved to the target device;
+* a transformers checkpoint in the hub's layout, whose names do not fit the model's (experts one
+  tensor each, a VLM's old prefixes), is read as transformers converts it (:mod:`fxprep.hf_weights`).
 
 :func:`verify_prepared` then compares the prepared module with the (now materialised) original on
 real inputs. The prepared module remembers its original for both (:func:`remember_original`);
@@ -25,7 +27,6 @@ copies share that reference and pickling drops it.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import hf_weights
+from . import hf_weights, recompute
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import InvalidInput, WeightsError
 from .inputs import normalize_example_inputs, split_calls
@@ -332,99 +333,11 @@ def _recompute(slots: list[_Slot], original: nn.Module | None, device: torch.dev
             by_owner.setdefault(id(module), (module, []))[1].append((key, slot))
     out: dict[int, torch.Tensor] = {}
     for owner, pairs in by_owner.values():
-        values = _by_hf_init(owner, [k for k, _ in pairs], original, device) or {}
-        missing = [k for k, _ in pairs if k not in values]
-        if missing:
-            values.update(_by_rebuild(owner, missing, device))
-        for above in _ancestors(original, owner) if any(k not in values for k, _ in pairs) else []:
-            # a buffer its model fills from above (Falcon-H1's mup_vector, set for every layer's mixer
-            # by _init_weights of the whole model): that module's initialisation, while all it holds is on meta
-            values.update(_by_hf_init(owner, [k for k, _ in pairs if k not in values], original, device, via=above) or {})
+        values = recompute.buffer_values(owner, [k for k, _ in pairs], original, device)
         for key, slot in pairs:
             value = values.get(key)
             if value is not None and tuple(value.shape) == tuple(slot.tensor.shape) and value.dtype == slot.tensor.dtype:
                 out[id(slot.tensor)] = _like(slot.tensor, value)
-    return out
-
-
-def _by_hf_init(owner: nn.Module, keys: list[str], original: nn.Module | None,
-                device: torch.device, via: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
-    """transformers' own ``_init_weights(owner)`` (how ``from_pretrained`` fills these buffers), run
-    twice on buffers filled with different garbage: a value both runs agree on is computed. ``via``:
-    a module above ``owner`` whose initialisation fills them, run only while every tensor it holds
-    but these is on ``meta`` (so it can change nothing else)."""
-    init = getattr(original, "_init_weights", None)
-    if init is None or not callable(init) or any(not p.is_meta for p in owner.parameters(recurse=False)):
-        return None
-    if via is not None:
-        ours = {id(owner._buffers[k]) for k in keys}
-        if any(not t.is_meta and id(t) not in ours for t in (*via.parameters(), *via.buffers())):
-            return None
-    old = {k: owner._buffers[k] for k in keys}
-    runs = []
-    try:
-        for fill in (0, 1):
-            for k, t in old.items():
-                owner._buffers[k] = torch.full(t.shape, fill, dtype=t.dtype, device=device)
-            with torch.no_grad():
-                init(owner if via is None else via)
-            runs.append({k: owner._buffers[k] for k in keys})
-    except Exception:  # noqa: BLE001 - not transformers' kind of module: the next way is tried
-        runs = []
-    finally:
-        for k, t in old.items():
-            owner._buffers[k] = t  # the caller puts the new values in everywhere at once
-    if len(runs) != 2:
-        return None
-    return {k: runs[1][k] for k in keys if torch.equal(runs[0][k], runs[1][k])}
-
-
-def _ancestors(original: nn.Module | None, owner: nn.Module) -> list[nn.Module]:
-    """The modules above ``owner`` in ``original``, nearest first (none where it is not found)."""
-    if original is None:
-        return []
-    path = next((n for n, m in original.named_modules() if m is owner), None)
-    if not path:
-        return []
-    parts = path.split(".")
-    return [original.get_submodule(".".join(parts[:i])) for i in range(len(parts) - 1, -1, -1)]
-
-
-def _by_rebuild(owner: nn.Module, keys: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-    """The owner's class built again on ``device`` from its own attributes: every argument of its
-    ``__init__`` must be an attribute of the same name (``device`` and ``dtype`` aside), so no
-    default can stand in for a value the original was built with. Built twice; values both agree on."""
-    cls = type(owner)
-    try:
-        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return {}
-    kwargs: dict[str, Any] = {}
-    for p in params:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.kind is p.POSITIONAL_ONLY:
-            return {}
-        if p.name == "device":
-            kwargs[p.name] = device
-        elif p.name == "dtype" and keys:
-            kwargs[p.name] = owner._buffers[keys[0]].dtype
-        elif p.name in owner.__dict__ and not isinstance(owner.__dict__[p.name], torch.Tensor):
-            kwargs[p.name] = owner.__dict__[p.name]
-        else:
-            return {}
-    builds = []
-    try:
-        for _ in range(2):
-            with torch.device(device):
-                builds.append(cls(**kwargs))
-    except Exception:  # noqa: BLE001 - not rebuildable this way
-        return {}
-    out = {}
-    for k in keys:
-        a, b = builds[0]._buffers.get(k), builds[1]._buffers.get(k)
-        if a is not None and b is not None and a.device == device and torch.equal(a, b):
-            out[k] = a
     return out
 
 
