@@ -199,3 +199,21 @@ def test_prepare_rotary_part_and_unset_expert_count_types_from_the_command_line(
     result = runner.invoke(cli.app, ["prepare", f"transformers:{model_type}", "--json"])
     assert result.exit_code == 0, result.output
     assert '"passed"' in result.output.splitlines()[-1]
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "granitemoehybrid"])
+def test_prepare_hybrid_mamba_types_from_the_command_line(model_type: str) -> None:
+    """Their Mamba-2 mixers' 128 heads did not divide the tiny expanded width (2 x 32): transformers
+    refused every tiny config, and the refusal was lost ("NoneType: None"). ``--dynamic batch``: the
+    default shape-general capture of their chunked scan (guards on ``seq % 256``) takes ~40 s here."""
+    result = runner.invoke(cli.app, ["prepare", f"transformers:{model_type}", "--json", "--dynamic", "batch"])
+    assert result.exit_code == 0, result.output
+    assert '"passed"' in result.output.splitlines()[-1]
+
+
+def test_a_type_whose_every_tiny_config_is_refused_says_why() -> None:
+    """Mamba-2's heads x head size must be the expanded width, which no tiny config here gives: the
+    refusal is named, not "NoneType: None"."""
+    result = runner.invoke(cli.app, ["prepare", "transformers:mamba2"])
+    assert result.exit_code == 2
+    assert "NoneType: None" not in result.output and "expand" in result.output

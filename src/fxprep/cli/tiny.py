@@ -33,6 +33,8 @@ TINY_CONFIG: dict[str, int] = dict(
     num_queries=10,
     # the rotary part of a head (GPT-J, CodeGen: 64 of the real 256) within the tiny head of 16
     rotary_dim=8,
+    # Mamba-2 mixers of hybrid models (Bamba, GraniteMoeHybrid): heads x head size is the expanded width (2 x 32)
+    mamba_n_heads=4, mamba_d_head=16,
 )
 # special token ids of the real vocabularies do not fit a 99-token one
 TOKEN_IDS: dict[str, int] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2,
@@ -42,7 +44,7 @@ TOKEN_IDS: dict[str, int] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id
 _WHOLE_ONLY = frozenset(("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
                          "moe_intermediate_size", "shared_expert_intermediate_size", "n_group", "topk_group",
                          "depth", "embed_dim", "out_hidden_size", "n_layers", "vocab_size_per_layer_input",
-                         "hidden_size_per_layer_input", "num_queries", "rotary_dim"))
+                         "hidden_size_per_layer_input", "num_queries", "rotary_dim", "mamba_n_heads", "mamba_d_head"))
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # multi-head latent attention (DeepSeek-V2/V3, Kimi, Mistral 4, ...): head sizes scaled together, ranks made small
 _MLA_HEAD_KEYS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim")
@@ -80,17 +82,21 @@ def tiny_configs(model_type: str) -> Iterator[tuple[Any, bool]]:
 
     tried: list[dict[str, Any]] = []
     whole = not _sub_configs(defaults)
+    refused: Exception | None = None  # why transformers refused the last candidate
+    yielded = False
     for kwargs, tiny in ((deep(False), True), (deep(True), True), (shallow, whole), (first_pass, whole)):
         if kwargs in tried:
             continue
         tried.append(kwargs)
         try:
             config = transformers.AutoConfig.for_model(model_type, **kwargs)
-        except Exception:  # noqa: BLE001 - a check between sizes we do not know (ZAYA's expert count): the next
-            if kwargs is first_pass:
-                raise
+        except Exception as err:  # noqa: BLE001 - a check between sizes we do not know (ZAYA's expert count): the next
+            refused = err
             continue
+        yielded = True
         yield config, tiny
+    if not yielded and refused is not None:
+        raise refused  # every candidate refused (before, a first-pass candidate equal to an earlier one hid why)
 
 
 def _overrides(config: Any, *, top: bool = False) -> dict[str, Any]:
