@@ -78,9 +78,12 @@ def _from_above(owner: nn.Module, keys: list[str], original: nn.Module | None,
         init = getattr(module, "_init_weights", None)
         if callable(init):
             inits.setdefault(getattr(init, "__func__", init), init)
+    root = getattr(getattr(original, "_init_weights", None), "__func__", None)
     found: dict[str, torch.Tensor] = {}
     for via in (None, *above):
-        for init in inits.values():
+        for func, init in inits.items():
+            if via is None and func is root and root is not None:
+                continue  # the whole model's own init of the owner: buffer_values ran it first
             left = [k for k in keys if k not in found]
             if not left:
                 return found
