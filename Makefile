@@ -16,11 +16,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/fxprep demo
 
+# A test still running after TEST_TIMEOUT seconds fails with every thread's stack (pytest-timeout) and
+# the run goes on, so a hang names itself instead of running CI out of its time. The slowest test
+# takes ~90 s on 2 cores; the limit is ten times that.
+TEST_TIMEOUT ?= 900
+PYTEST_FLAGS := -q -n 2 --dist loadfile --timeout=$(TEST_TIMEOUT) --durations=15
+
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests benchmarks
 	$(BIN)/python -m mypy
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_FLAGS)
 
 # The smoke subset (tests marked `smoke`) on the oldest supported versions (ci/oldest-requirements.txt),
 # in a second environment. uv installs it from its cache (~/.cache/uv) in seconds once the wheels of
@@ -39,7 +45,7 @@ $(OLDEST_STAMP): pyproject.toml ci/oldest-requirements.txt $(STAMP)
 SMOKE_FILES = $(shell grep -l "mark.smoke" tests/test_*.py)
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST)/bin/python -c "import torch, torchvision, transformers, timm; print('oldest:', 'torch', torch.__version__, 'torchvision', torchvision.__version__, 'transformers', transformers.__version__, 'timm', timm.__version__)"
-	OMP_NUM_THREADS=1 $(OLDEST)/bin/python -m pytest -q -n 2 --dist loadfile -m "smoke and not zoo" $(SMOKE_FILES)
+	OMP_NUM_THREADS=1 $(OLDEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "smoke and not zoo" $(SMOKE_FILES)
 
 # Two workers for the zoo, then the models of 100M+ parameters one at a time (two of them at once
 # need more than 24 GB). For those, glibc gives every allocation over 64 KB its own mapping, returned
