@@ -536,3 +536,17 @@ def test_absurd_input_sizes_are_usage_errors(text):
     result = invoke("prepare", "demo:ModelWithReusedReLU", "--input", text)
     assert result.exit_code == 2, result.output
     assert "internal error" not in result.output + result.stderr
+
+
+def test_a_transformers_type_whose_config_does_not_tell_its_inputs_is_told_to_name_them() -> None:
+    """The inputs built from BLIP-2's config (an image) are not what its forward needs (token ids as
+    well): the command says so and how to name them, instead of every tracer's failure. Once the
+    user names inputs, a failure is the model's own again (random ids hold no image tokens)."""
+    result = invoke("prepare", "transformers:blip-2", "--json")
+    assert result.exit_code == 2, result.output
+    error = as_json(result)
+    assert error["error_type"] == "InputsNotRun" and "(tried on cpu)" in error["error"]
+    assert "--input pixel_values=1x3x" in error["error"] and "(required: pixel_values, input_ids)" in error["error"]
+    named = invoke("prepare", "transformers:blip-2", "--json", "-i", "pixel_values=1x3x32x32", "-i",
+                   "input_ids=1x8:int64")
+    assert named.exit_code == 2 and as_json(named)["error_type"] == "ModelError", named.output

@@ -117,3 +117,23 @@ def test_a_mixture_of_experts_checkpoint_in_the_hub_layout_prepares_on_meta(tmp_
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=IDS).logits, model(input_ids=IDS, use_cache=False).logits,
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["weights", "meta"])
+def test_a_checkpoint_whose_config_does_not_tell_its_inputs_is_told_to_name_them(tmp_path, meta: bool) -> None:
+    """BLIP-2's config gives an image only; its forward also requires token ids. Preparing on the
+    image ran every tracer into that and printed advice about opaque modules; the command now says
+    what the model said to each input set it built and what the forward takes (exit 2)."""
+    from fxprep.cli.tiny import tiny_config
+
+    path = tmp_path / "blip2"
+    tf.Blip2Model._from_config(tiny_config("blip-2"), dtype=torch.bfloat16).save_pretrained(path)
+    result = invoke("prepare", str(path), "--json", *(["--meta"] if meta else []))
+    assert result.exit_code == 2, result.output
+    error = as_json(result)
+    assert error["error_type"] == "InputsNotRun"
+    message = error["error"]
+    assert f"(tried on {'meta' if meta else 'cpu'})" in message
+    assert "--input pixel_values=1x3x" in message and "missing 1 required positional argument: 'input_ids'" in message
+    assert "Name its inputs with --input NAME=DIMS[:DTYPE]" in message
+    assert "(required: pixel_values, input_ids)" in message

@@ -206,7 +206,7 @@ def prepare_command(
 
         from .. import export
         from . import checkpoint as ckpt
-        from . import flags
+        from . import examples, flags
 
         if verify_grad and not verify:
             raise InvalidInput("--verify-grad compares gradients during verification; it cannot go with --no-verify.")
@@ -232,7 +232,9 @@ def prepare_command(
             gm = ckpt.prepare(built, spec, meta=meta, device=device, dtype=dtype, modules_to_exclude=excluded,
                               classes=classes, options=options)
         else:
-            gm = fxprep.prepare_model(built.model, excluded, classes, example_inputs=built.example_inputs, **options)
+            with examples.inputs_explained(built.name, built.model, built.input_options):
+                gm = fxprep.prepare_model(built.model, excluded, classes, example_inputs=built.example_inputs,
+                                          **options)
         report = gm.fxprep_report
         result: dict[str, Any] = {"ok": True, "spec": spec, "report": report.to_dict()}
         if not as_json:

@@ -81,13 +81,14 @@ def _checkpoint_dtype(path: Path) -> torch.dtype:
 
 
 def _inputs(texts: list[str], config: Any, model: nn.Module, meta_twin: Callable[[], nn.Module],
-            device: torch.device) -> dict[str, torch.Tensor] | tuple[Any, ...]:
+            device: torch.device) -> tuple[Any, list[dict[str, torch.Tensor]]]:
     """``--input`` strings, else what :mod:`.examples` finds the model runs on (tried on ``meta``:
-    the model itself with ``--meta``, else a twin built from the config), else 1x16 token ids."""
+    the model itself with ``--meta``, else a twin built from the config), else 1x16 token ids; and
+    the sets guessed (none when ``texts`` named the inputs)."""
     text_config = getattr(config, "text_config", None) or config
     high = int(getattr(text_config, "vocab_size", 0) or 100)
     if texts:
-        return _to(inputs_from_strings(texts, high=high), device)
+        return _to(inputs_from_strings(texts, high=high), device), []
     options = examples.candidates(model, seq_len=16)
     if len(options) > 1:
         probe = model if examples.device_of(model).type == "meta" else meta_twin()
@@ -96,7 +97,8 @@ def _inputs(texts: list[str], config: Any, model: nn.Module, meta_twin: Callable
         inputs = options[0] if options else None
     if inputs is None:
         inputs = {"input_ids": torch.randint(0, high, (1, 16), generator=torch.Generator().manual_seed(0))}
-    return _to(inputs, device)
+        options = [inputs]
+    return _to(inputs, device), options
 
 
 def _to(inputs: Any, device: torch.device | str) -> Any:
@@ -126,7 +128,8 @@ def build(path: str, texts: list[str], *, meta: bool, device: str | None, dtype:
     else:
         model = cls.from_pretrained(directory, dtype=chosen).to(target).eval()
         note = f"weights from {directory} ({chosen}, {target})"
-    return BuiltModel(f"{cls.__name__} from {directory}", model, _inputs(texts, config, model, on_meta, target), note)
+    inputs, options = _inputs(texts, config, model, on_meta, target)
+    return BuiltModel(f"{cls.__name__} from {directory}", model, inputs, note, options)
 
 
 def prepare(built: BuiltModel, path: str, *, meta: bool, device: str | None, dtype: str | None,
@@ -135,13 +138,16 @@ def prepare(built: BuiltModel, path: str, *, meta: bool, device: str | None, dty
     and ``verify_prepared`` (unless ``options['verify']`` is false) on the real inputs."""
     import fxprep
 
+    explained = examples.inputs_explained(built.name, built.model, built.input_options)
     if not meta:
-        return fxprep.prepare_model(built.model, modules_to_exclude, classes, example_inputs=built.example_inputs,
-                                    **options)
+        with explained:
+            return fxprep.prepare_model(built.model, modules_to_exclude, classes,
+                                        example_inputs=built.example_inputs, **options)
     verify = options.pop("verify", True)
     options.pop("verify_inputs", None)
-    gm = fxprep.prepare_model(built.model, modules_to_exclude, classes,
-                              example_inputs=_to(built.example_inputs, "meta"), verify=False, **options)
+    with explained:
+        gm = fxprep.prepare_model(built.model, modules_to_exclude, classes,
+                                  example_inputs=_to(built.example_inputs, "meta"), verify=False, **options)
     fxprep.load_weights(gm, path, device=parse_device(device))
     if verify:
         fxprep.verify_prepared(gm, built.example_inputs)

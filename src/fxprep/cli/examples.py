@@ -10,19 +10,28 @@ The candidates come from the config (:func:`~fxprep.capture.huggingface.example_
 fewest inputs first: the main input alone (with decoder ids for an encoder-decoder), audio in
 the other layouts models use, then every input the config describes. The first the model runs
 on is the one given; a checkpoint's model is tried as a twin on ``meta``, so that no weights move
-and no real forward is paid for. When none runs, the first is given and ``prepare_model`` says
-what the model itself said. No attention mask: the command's inputs are unpadded, and a mask of
-ones is a value the graph would depend on.
+and no real forward is paid for. When none runs, the first is given; if preparing then fails,
+:func:`inputs_explained` runs the model on each set again and, when it still runs on none, says
+what the model said to each and which inputs its forward takes, so that the user names them with
+``--input``. Before, every tracer ran into the model's own error and the report gave advice about
+opaque modules for what was a missing input (BLIP-2 without token ids, Kosmos-2 without its
+image-position mask). A model that refuses the sets on ``meta`` but prepares there anyway (a
+mixture of experts counting tokens) is left alone: only a failure asks. No attention mask: the
+command's inputs are unpadded, and a mask of ones is a value the graph would depend on.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..capture.huggingface import example_inputs_for
+from ..errors import FxprepError, InvalidInput
 from ..inputs import ExampleInputs
 from ..runs import run_model
 
@@ -46,14 +55,31 @@ def candidates(model: nn.Module, *, seq_len: int) -> list[Inputs]:
     return out
 
 
-def runs_on(model: nn.Module, inputs: Inputs) -> bool:
-    """Whether ``model`` runs on ``inputs`` (moved to its device) without raising."""
+class InputsNotRun(InvalidInput):
+    """The model ran on none of the input sets the command built from its config (a usage error:
+    the user names the inputs with ``--input``)."""
+
+
+def refusal(model: nn.Module, inputs: Inputs) -> Exception | None:
+    """What ``model`` raised when run on ``inputs`` (moved to its device); None when it ran."""
     device = device_of(model)
     try:
         run_model(model, ExampleInputs(kwargs={k: v.to(device) for k, v in inputs.items()}))
-    except Exception:  # noqa: BLE001 - any failure means "not these inputs"; the next is tried
-        return False
-    return True
+    except Exception as err:  # noqa: BLE001 - any failure means "not these inputs"; the next is tried
+        return err
+    return None
+
+
+def first_that_runs(options: list[Inputs], probe: nn.Module) -> tuple[Inputs | None, list[str]]:
+    """The first of ``options`` that ``probe`` runs on (None when none does), and for each one
+    before it a line: the inputs as ``--input`` flags and what the model said."""
+    refused: list[str] = []
+    for inputs in options:
+        err = refusal(probe, inputs)
+        if err is None:
+            return inputs, refused
+        refused.append(f"{as_flags(inputs)}: {_first_line(err)}")
+    return None, refused
 
 
 def choose(options: list[Inputs], probe: nn.Module) -> Inputs | None:
@@ -61,7 +87,53 @@ def choose(options: list[Inputs], probe: nn.Module) -> Inputs | None:
     none runs or when there is nothing to choose; None when there are none."""
     if len(options) < 2:
         return options[0] if options else None
-    return next((o for o in options if runs_on(probe, o)), options[0])
+    return first_that_runs(options, probe)[0] or options[0]
+
+
+def as_flags(inputs: Inputs) -> str:
+    """``inputs`` written as the command's ``--input NAME=DIMS:DTYPE`` flags."""
+    return " ".join(f"--input {name}={'x'.join(str(d) for d in t.shape) or '1'}:{str(t.dtype).removeprefix('torch.')}"
+                    for name, t in inputs.items())
+
+
+@contextmanager
+def inputs_explained(name: str, model: nn.Module, options: list[Inputs]) -> Iterator[None]:
+    """Around ``prepare_model`` on inputs the command guessed (``options``, the first given): when
+    preparing fails and ``model`` runs on none of ``options``, :class:`InputsNotRun` says what it
+    said to each and what its forward takes; any other failure passes unchanged."""
+    try:
+        yield
+    except FxprepError as err:
+        if not options or isinstance(err, InvalidInput):
+            raise
+        ran, refused = first_that_runs(options, model)
+        if ran is not None:
+            raise
+        where = device_of(model)
+        raise InputsNotRun(
+            f"{name}: the model runs on none of the inputs fxprep built from its config (tried on {where.type}):\n"
+            + "".join(f"  {line}\n" for line in refused)
+            + f"Name its inputs with --input NAME=DIMS[:DTYPE], one flag each; {_forward_takes(model)}.\n"
+            f"(Preparing on the first set failed as well: {_first_line(err)})"
+        ) from err
+
+
+def _forward_takes(model: nn.Module) -> str:
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return "its forward's signature is unreadable"
+    named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [p.name for p in named if p.default is p.empty]
+    text = f"{type(model).__name__}.forward takes {', '.join(p.name for p in named[:12])}"
+    text += ", ..." if len(named) > 12 else ""
+    return text + (f" (required: {', '.join(required)})" if required else "")
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [""]
+    said = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # a heading: with its first entry
+    return f"{type(err).__name__}: {said[:300]}{'...' if len(said) > 300 else ''}"
 
 
 def device_of(model: nn.Module) -> torch.device:

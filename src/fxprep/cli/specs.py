@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ class BuiltModel:
     model: nn.Module
     example_inputs: Any
     note: str = ""
+    #: the input sets guessed from a transformers config, the given one among them (empty when the
+    #: user named the inputs): what :func:`examples.inputs_explained` tries when preparing fails
+    input_options: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 # --- inputs --------------------------------------------------------------------------------------
@@ -251,8 +254,9 @@ def _transformers(name: str) -> BuiltModel:
     model.eval()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
-    inputs = examples.choose(examples.candidates(model, seq_len=8), model) or {}  # {}: --input must name them
-    return BuiltModel(f"transformers:{name}", model, inputs, "tiny config, random weights")
+    options = examples.candidates(model, seq_len=8)
+    inputs = examples.choose(options, model) or {}  # {}: --input must name them
+    return BuiltModel(f"transformers:{name}", model, inputs, "tiny config, random weights", options)
 
 
 # --- python files and demos ------------------------------------------------------------------------
@@ -323,6 +327,7 @@ def resolve(spec: str, inputs: Iterable[str] = ()) -> BuiltModel:
     inputs = list(inputs)
     if inputs:
         built.example_inputs = inputs_from_strings(inputs, high=integer_high(built.model))
+        built.input_options = []
     elif isinstance(built.example_inputs, dict) and not built.example_inputs:
         raise SpecError(f"{spec}: fxprep cannot tell this model's inputs from its config; name them with "
                         "--input NAME=DIMS[:DTYPE] (e.g. --input past_values=1x64x1).")
