@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..capture.huggingface import example_inputs_for
+from ..diagnose import first_line
 from ..errors import FxprepError, InvalidInput
 from ..inputs import ExampleInputs
 from ..runs import run_model
@@ -131,9 +132,11 @@ def _forward_takes(model: nn.Module) -> str:
 
 
 def _first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [""]
-    said = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # a heading: with its first entry
-    return f"{type(err).__name__}: {said[:300]}{'...' if len(said) > 300 else ''}"
+    """``Type: first line``; a heading (a line ending in a colon) with its first entry."""
+    said = first_line(err, 300)
+    if said.endswith(":"):
+        said += " " + next((line.strip() for line in str(err).strip().splitlines()[1:] if line.strip()), "")
+    return f"{type(err).__name__}: {said.strip()}"
 
 
 def device_of(model: nn.Module) -> torch.device:
