@@ -165,6 +165,8 @@ def test_rotary_sections_from_the_modelling_code_fit_the_tiny_head(model_type: s
     ("parakeet_ctc", {"input_features"}),  # frames then bins
     ("cohere_asr", {"input_features", "decoder_input_ids"}),  # the encoder config's 128 bins, not 80
     ("dac", {"input_values"}),  # a channel axis
+    ("audio-spectrogram-transformer", {"input_values"}),  # a filter bank: frames x mel bins, not a waveform
+    ("deepseek_ocr2_sam_vision_model", {"pixel_values"}),  # main_input_name left at the default input_ids
 ])
 def test_inputs_are_what_the_model_runs_on(model_type: str, names: set[str]) -> None:
     built = _runs(model_type)
@@ -217,3 +219,42 @@ def test_a_type_whose_every_tiny_config_is_refused_says_why() -> None:
     result = runner.invoke(cli.app, ["prepare", "transformers:mamba2"])
     assert result.exit_code == 2
     assert "NoneType: None" not in result.output and "expand" in result.output
+
+
+@pytest.mark.parametrize(("model_type", "cls"), [
+    ("aimv2_text_model", "Aimv2TextModel"),  # a tower's own type, with no place in AutoModel's table
+    ("blip_2_vision_model", "Blip2VisionModel"),
+])
+def test_a_tower_type_builds_its_own_model_class(model_type: str, cls: str) -> None:
+    """A sub-config's model type (a text or vision tower) was "Unrecognized configuration class"
+    from ``AutoModel`` (exit 2, about a fifth of transformers' types): its family's model class for
+    that config is built instead, and it prepares."""
+    built = _runs(model_type)
+    assert type(built.model).__name__ == cls
+    result = runner.invoke(cli.app, ["prepare", f"transformers:{model_type}", "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"passed"' in result.output.splitlines()[-1]
+
+
+def test_a_family_base_class_without_a_forward_is_not_built() -> None:
+    """ColPali's package holds ``ColPaliPreTrainedModel`` (no forward) beside ``ColPaliForRetrieval``:
+    the class built for a config is one with a forward."""
+    config_class = type(tiny_config("colpali"))
+    cls = specs._own_model_class(config_class)
+    assert cls is not None and cls.forward is not torch.nn.Module.forward
+    assert cls.config_class is config_class
+
+
+def test_per_stage_lists_are_cut_with_a_stage_count_of_another_name() -> None:
+    """ConvNeXt's ``num_stages`` is what its ``attribute_map`` calls ``num_hidden_layers``: the stages
+    were cut to 2 and ``depths`` / ``hidden_sizes`` kept 4 entries, so the model failed on its own
+    image (a norm of the fourth stage's width after the second)."""
+    config = _runs("convnext").model.config
+    assert config.num_stages == len(config.depths) == len(config.hidden_sizes) == 2
+
+
+def test_experts_counted_under_another_name_are_aligned_too() -> None:
+    """Aria counts its experts as ``moe_num_experts``: its grouped matmuls got rows of 37 floats and
+    the model failed on its ids ("strides should be multiple of 16 bytes")."""
+    config = _runs("aria_text").model.config
+    assert (config.intermediate_size * 2) % 16 == 0

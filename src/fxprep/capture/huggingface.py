@@ -271,6 +271,8 @@ def example_inputs_for(model: nn.Module, batch: int = 2, seq_len: int = 8, *,
     config = model.config
     params = _forward_params(model)
     main = getattr(model, "main_input_name", "input_ids")
+    if main not in params and "pixel_values" in params and "input_ids" not in params:
+        main = "pixel_values"  # a vision encoder that kept the library's default name (DeepSeek-OCR 2's SAM tower)
     if device is None:
         tensor = next(model.parameters(), None)
         device = tensor.device if tensor is not None else torch.device("cpu")

@@ -8,7 +8,8 @@ error, on a model fxprep could prepare.
 
 The candidates come from the config (:func:`~fxprep.capture.huggingface.example_inputs_for`),
 fewest inputs first: the main input alone (with decoder ids for an encoder-decoder), audio in
-the other layouts models use, then every input the config describes. The first the model runs
+the other layouts models use (a filter bank where the config gives its bins and frames), then
+every input the config describes. The first the model runs
 on is the one given; a checkpoint's model is tried as a twin on ``meta``, so that no weights move
 and no real forward is paid for. When none runs, the first is given; if preparing then fails,
 :func:`inputs_explained` runs the model on each set again and, when it still runs on none, says
@@ -51,9 +52,23 @@ def candidates(model: nn.Module, *, seq_len: int) -> list[Inputs]:
         out.append({**first, "input_features": first["input_features"].transpose(1, 2).contiguous()})
     if "input_values" in first:  # a waveform with its channel axis (DAC, EnCodec)
         out.append({**first, "input_values": first["input_values"].unsqueeze(1)})
+        spectrogram = _spectrogram(model)
+        if spectrogram is not None:  # frames x mel bins (the Audio Spectrogram Transformer's input_values)
+            out.append({**first, "input_values": spectrogram})
     if every and every != first:
         out.append(every)
     return out
+
+
+def _spectrogram(model: nn.Module) -> torch.Tensor | None:
+    """A filter bank (1 x frames x bins) for a model whose ``input_values`` are one, as its config
+    says (``num_mel_bins`` and the ``max_length`` in frames its position table was made for); None
+    for a model whose config does not."""
+    config = getattr(model, "config", None)
+    bins, frames = getattr(config, "num_mel_bins", None), getattr(config, "max_length", None)
+    if not (isinstance(bins, int) and isinstance(frames, int) and 0 < bins <= 1024 and 0 < frames <= 65536):
+        return None
+    return torch.randn(1, frames, bins, generator=torch.Generator().manual_seed(0))
 
 
 class InputsNotRun(InvalidInput):

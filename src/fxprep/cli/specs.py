@@ -237,6 +237,45 @@ def _fits(model_type: str, model: nn.Module) -> None:
             "or prepare a checkpoint with --meta.")
 
 
+def _from_config(config: Any) -> nn.Module:
+    """``AutoModel.from_config``, else the model class of the config's own family that takes this
+    config class: a tower's config (``aimv2_text_model``, ``blip_2_vision_model``) has a model type
+    of its own but no place in ``AutoModel``'s table, and its model class sits in the same package."""
+    import transformers
+
+    try:
+        return transformers.AutoModel.from_config(config)
+    except ValueError as err:
+        if "Unrecognized configuration class" not in str(err):
+            raise
+        cls = _own_model_class(type(config))
+        if cls is None:
+            raise
+        return cls(config)
+
+
+def _own_model_class(config_class: type) -> type | None:
+    """The model class of ``config_class``'s package whose ``config_class`` it is exactly and that has
+    a forward, a bare model (``Aimv2TextModel``) before a headed one (``...ForCausalLM``); None for none."""
+    import importlib
+
+    import transformers
+
+    module_name = config_class.__module__
+    if ".configuration_" not in module_name:
+        return None
+    try:
+        module = importlib.import_module(module_name.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return None
+    found = [v for v in vars(module).values()
+             if isinstance(v, type) and issubclass(v, transformers.PreTrainedModel)
+             and v.__module__ == module.__name__ and getattr(v, "config_class", None) is config_class
+             and v.forward is not nn.Module.forward]  # a family's PreTrainedModel base has no forward
+    found.sort(key=lambda c: ("For" in c.__name__, len(c.__name__), c.__name__))
+    return found[0] if found else None
+
+
 def _transformers(name: str) -> BuiltModel:
     import transformers
 
@@ -250,7 +289,7 @@ def _transformers(name: str) -> BuiltModel:
             transformers.AutoConfig.for_model(name)
         except (ValueError, KeyError) as err:
             raise SpecError(f"transformers has no model type {name!r} ({err}).") from err
-        model = _tiniest(name, transformers.AutoModel.from_config)
+        model = _tiniest(name, _from_config)
     model.eval()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False

@@ -45,7 +45,7 @@ _WHOLE_ONLY = frozenset(("num_experts", "num_local_experts", "n_routed_experts",
                          "moe_intermediate_size", "shared_expert_intermediate_size", "n_group", "topk_group",
                          "depth", "embed_dim", "out_hidden_size", "n_layers", "vocab_size_per_layer_input",
                          "hidden_size_per_layer_input", "num_queries", "rotary_dim", "mamba_n_heads", "mamba_d_head"))
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # multi-head latent attention (DeepSeek-V2/V3, Kimi, Mistral 4, ...): head sizes scaled together, ranks made small
 _MLA_HEAD_KEYS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim")
 _MLA_RANK_KEYS = ("kv_lora_rank", "q_lora_rank")
@@ -72,13 +72,12 @@ def tiny_configs(model_type: str) -> Iterator[tuple[Any, bool]]:
     import transformers
 
     defaults = transformers.AutoConfig.for_model(model_type)
-    values = defaults.to_dict()
     shallow = _overrides(defaults, top=True)
     first_pass = {k: v for k, v in shallow.items() if k not in _WHOLE_ONLY and k not in TOKEN_IDS}
 
     def deep(keep_layers: bool) -> dict[str, Any]:
         subs = {name: _shrunk(sub, keep_layers) for name, sub in _sub_configs(defaults)}
-        return {**shallow, **_per_layer(values, shallow), **_rope(defaults, shallow), **subs}
+        return {**shallow, **_per_layer(defaults, shallow), **_rope(defaults, shallow), **subs}
 
     tried: list[dict[str, Any]] = []
     whole = not _sub_configs(defaults)
@@ -193,21 +192,27 @@ def _shrunk(config: Any, keep_layers: bool) -> dict[str, Any]:
     (its layer count kept with ``keep_layers``)."""
     values = config.to_dict()
     tiny = {k: v for k, v in _overrides(config).items() if not (keep_layers and k in _LAYER_KEYS)}
-    out = {**values, **tiny, **_per_layer(values, tiny), **_rope(config, tiny)}
+    out = {**values, **tiny, **_per_layer(config, tiny), **_rope(config, tiny)}
     for name, sub in _sub_configs(config):
         out[name] = _shrunk(sub, keep_layers)
     return out
 
 
-def _per_layer(values: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
+def _per_layer(config: Any, tiny: dict[str, Any]) -> dict[str, Any]:
     """Settings with one entry per layer, for the layers ``tiny`` leaves. A list as long as the
     layer count was (``layer_types``) keeps one layer of each kind in the order they come
     (Qwen3.5's ``linear_attention`` x3, ``full_attention``: one of each; a cut to the first two
     would leave no full-attention layer, which its cache cannot do without); settings keyed by
-    layer index keep the layers there are."""
-    if all(tiny.get(k, values.get(k)) == values.get(k) for k in _LAYER_KEYS):
+    layer index keep the layers there are. A count known by another name (ConvNeXt's
+    ``num_stages``, which its ``attribute_map`` calls ``num_hidden_layers``) is read under that
+    name: its per-stage lists (``depths``, ``hidden_sizes``) were left whole while the stages were
+    cut, and the model's last norm took the fourth stage's width after the second stage."""
+    values = config.to_dict()
+    aliases = getattr(config, "attribute_map", {}) or {}
+    before = {k: values.get(aliases.get(k, k)) for k in _LAYER_KEYS}
+    if all(tiny.get(k, before[k]) == before[k] for k in _LAYER_KEYS):
         return {}
-    layers = {values.get(k) for k in _LAYER_KEYS if _whole(values.get(k))}
+    layers = {v for v in before.values() if _whole(v)}
     count = TINY_CONFIG["num_hidden_layers"]
     out: dict[str, Any] = {}
     for key, value in values.items():
