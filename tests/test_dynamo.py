@@ -218,8 +218,8 @@ def test_llama_dynamic_batch_and_sequence() -> None:
 
 
 def test_dynamic_batch_shorthand_and_validation() -> None:
-    # (a Conv2d root would not do: this torch's Dynamo guards its batch to <= 15 and export refuses
-    # the dynamic dimension; before issue 10 a forced tracer="dynamo" then silently returned fx's result)
+    # (a Conv2d root once would not do: Dynamo guarded its batch to <= 15 and export refused the dynamic
+    # dimension; before issue 10 a forced tracer="dynamo" then silently returned fx's result)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).eval()
     gm = fxprep.prepare_model(model, example_inputs=torch.randn(2, 4), tracer="dynamo", dynamic="batch")
     assert gm.fxprep_report.tracer == "dynamo"

@@ -9,7 +9,9 @@
   parameters instead of baking them in as constants;
 * Dynamo's process-wide state is put back (:class:`DynamoGlobalState`): its "dynamic class" marks,
   and the backend-cache entries that would keep every prepared model alive;
-* the private config flag of the flag route is feature-detected (:func:`flag_available`).
+* the private config flag of the flag route is feature-detected (:func:`flag_available`);
+* torch's choice of a convolution kernel leaves no guard on the sizes it reads
+  (:func:`unguarded_kernel_choice`: a declared batch is not bounded to 15).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -244,10 +247,67 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
         patches["capture_dynamic_output_shape_ops"] = True
     real = _real_value_propagation() if real_values else contextlib.nullcontext()
     root = fresh_kwargs_root(model) if fresh_kwargs else contextlib.nullcontext()
-    with GLOBAL_LOCK, dynamo.config.patch(**patches), real, root, DynamoGlobalState(), DynamoCacheScope():
+    with GLOBAL_LOCK, dynamo.config.patch(**patches), real, root, DynamoGlobalState(), DynamoCacheScope(), \
+            unguarded_kernel_choice():
         result = dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
     heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.heap)
     return result
+
+
+# torch's own choice of a convolution kernel, asked by its fake convolution with the traced sizes
+_KERNEL_CHOICES = ("_select_conv_backend", "_conv_determine_backend_memory_format")
+
+
+@contextlib.contextmanager
+def unguarded_kernel_choice() -> Iterator[None]:
+    """For the length of a capture on this thread: torch's fake convolution asks which kernel the
+    real one would pick (``torch._C._select_conv_backend``, then the output's memory format) without
+    leaving a guard on the sizes it reads.
+
+    Why: that choice reads the batch (oneDNN and NNPACK are taken from a batch of 16 up), so with
+    the batch declared dynamic every convolution guarded ``batch < 16``: export refused the declared
+    dimension, and each model with a convolution (a CNN, a speech encoder's subsampling, a Mamba
+    mixer's causal conv) was captured a second time with the bound declared, then said in the report
+    as a bound Dynamo put on the batch. The kernel choice changes no node of the graph (it is one
+    ``conv2d`` call whatever runs it, and at run time the real convolution chooses for the real
+    batch), only the memory format of a fake output; decided on the example's sizes, as
+    ``ShapeEnv.suppress_guards`` evaluates, it costs no capture. Other threads get torch's own
+    functions' behaviour."""
+    owner = threading.get_ident()
+    saved: dict[str, Any] = {}
+    try:
+        for name in _KERNEL_CHOICES:
+            original = getattr(torch._C, name, None)
+            if original is not None:
+                saved[name] = original
+                setattr(torch._C, name, _unguarded(original, owner))
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(torch._C, name, original)
+
+
+def _unguarded(choose: Any, owner: int) -> Any:
+    """``choose`` asked with the guards of its tensors' symbolic sizes suppressed on ``owner``'s thread."""
+
+    def chosen(*args: Any, **kwargs: Any) -> Any:
+        env = _shape_env(args) if threading.get_ident() == owner else None
+        if env is None:
+            return choose(*args, **kwargs)
+        with env.suppress_guards():
+            return choose(*args, **kwargs)
+
+    return chosen
+
+
+def _shape_env(args: tuple[Any, ...]) -> Any:
+    """The shape environment of the first symbolic size among ``args``' tensors; None for none."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            for size in arg.shape:
+                if isinstance(size, torch.SymInt):
+                    return size.node.shape_env
+    return None
 
 
 MUTATED_INPUT_DICT = "mapping proxy affected by dictionary mutation"
