@@ -224,6 +224,7 @@ def test_a_type_whose_every_tiny_config_is_refused_says_why() -> None:
 @pytest.mark.parametrize(("model_type", "cls"), [
     ("aimv2_text_model", "Aimv2TextModel"),  # a tower's own type, with no place in AutoModel's table
     ("blip_2_vision_model", "Blip2VisionModel"),
+    ("blip_text_model", "BlipTextModel"),  # in modeling_blip_text, not beside configuration_blip
 ])
 def test_a_tower_type_builds_its_own_model_class(model_type: str, cls: str) -> None:
     """A sub-config's model type (a text or vision tower) was "Unrecognized configuration class"

@@ -256,24 +256,36 @@ def _from_config(config: Any) -> nn.Module:
 
 def _own_model_class(config_class: type) -> type | None:
     """The model class of ``config_class``'s package whose ``config_class`` it is exactly and that has
-    a forward, a bare model (``Aimv2TextModel``) before a headed one (``...ForCausalLM``); None for none."""
+    a forward, a bare model (``Aimv2TextModel``) before a headed one (``...ForCausalLM``); None for
+    none. Looked for in the ``modeling_`` module beside the config's, then in the package's other
+    ``modeling_`` modules (BLIP's text tower is in ``modeling_blip_text``)."""
     import importlib
+    import pkgutil
 
     import transformers
 
     module_name = config_class.__module__
     if ".configuration_" not in module_name:
         return None
+    package, _, _ = module_name.rpartition(".")
+    sibling = module_name.replace(".configuration_", ".modeling_")
     try:
-        module = importlib.import_module(module_name.replace(".configuration_", ".modeling_"))
-    except ImportError:
-        return None
-    found = [v for v in vars(module).values()
-             if isinstance(v, type) and issubclass(v, transformers.PreTrainedModel)
-             and v.__module__ == module.__name__ and getattr(v, "config_class", None) is config_class
-             and v.forward is not nn.Module.forward]  # a family's PreTrainedModel base has no forward
-    found.sort(key=lambda c: ("For" in c.__name__, len(c.__name__), c.__name__))
-    return found[0] if found else None
+        others = [f"{package}.{m.name}" for m in pkgutil.iter_modules(importlib.import_module(package).__path__)
+                  if m.name.startswith("modeling_")]
+    except (ImportError, AttributeError):
+        others = []
+    for name in [sibling, *sorted(set(others) - {sibling})]:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a modelling module that needs what is not installed: the next
+            continue
+        found = [v for v in vars(module).values()
+                 if isinstance(v, type) and issubclass(v, transformers.PreTrainedModel)
+                 and v.__module__ == module.__name__ and getattr(v, "config_class", None) is config_class
+                 and v.forward is not nn.Module.forward]  # a family's PreTrainedModel base has no forward
+        if found:
+            return min(found, key=lambda c: ("For" in c.__name__, len(c.__name__), c.__name__))
+    return None
 
 
 def _transformers(name: str) -> BuiltModel:
