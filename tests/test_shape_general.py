@@ -532,3 +532,44 @@ def test_a_model_with_opaque_parts_is_captured_again_with_its_dimensions_declare
         with torch.no_grad():
             torch.testing.assert_close(gm(input_ids=ids, attention_mask=mask)["logits"],
                                        model(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)
+
+
+class _CompressedConfig(transformers.PretrainedConfig):
+    model_type = "fxprep_test_compressed"
+
+
+class _Compressed(transformers.PreTrainedModel):
+    """Tokens in groups of 4 (``seq // 4``, as DeepSeek-V4's compressed attention) and a branch on the
+    length: torch writes the suggested fix as ``seq = 4*_seq`` with ``_seq`` of one value, and fails
+    to (``Cannot create Dim with inconsistent min=2, max=2``)."""
+
+    config_class = _CompressedConfig
+
+    def __init__(self, config: _CompressedConfig) -> None:
+        super().__init__(config)
+        self.embed = nn.Embedding(101, 3)
+        self.post_init()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        s = x.shape[1]
+        y = x.reshape(x.shape[0], s // 4, 4 * x.shape[2])
+        return y * 2 if 8 <= s <= 11 else y
+
+
+def test_a_violation_torch_fails_to_write_still_says_which_dimension() -> None:
+    """The violation was lost in torch's own formatting of it (an ``AssertionError``), and every
+    declared dimension was given up for static shapes (the batch then freed by a third capture).
+    Now the length is named as specialised, with its guard, and the batch stays free."""
+    torch.manual_seed(0)
+    model = _Compressed(_CompressedConfig()).eval()
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 8, 0)}, progress=False)
+    text = fxprep.get_report(gm).to_text()
+    assert "AssertionError" not in text and "the model's code specialises 'seq' to 8" in text
+    assert "input_ids dim 0 (batch) were found from the model's input names" in text
+    for batch in (3, 17):
+        ids = _ids(batch, 8, batch)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids), model(input_ids=ids))
+    with pytest.raises(fxprep.InputMismatch):
+        gm(input_ids=_ids(1, 12, 1))

@@ -25,7 +25,7 @@ from torch import nn
 
 import fxprep
 from fxprep.capture import hf_source
-from fxprep.capture.dynamo import autodims
+from fxprep.capture.dynamo import autodims, violation
 from fxprep.capture.dynamo.fallback import capture_dynamo_leaves
 from fxprep.capture.request import CaptureRequest
 from fxprep.inputs import ExampleInputs
@@ -235,12 +235,12 @@ class _WithFixedHead(nn.Module):
 
 def test_a_specialised_dimension_ends_the_fallback_that_must_keep_it() -> None:
     # the shape-general values capture (dims_must_hold): a declared dimension the code fixes is read
-    # as such (autodims.specialises on Dynamo's real constraint violation) and nothing is made opaque
+    # as such (violation.specialises on Dynamo's real constraint violation) and nothing is made opaque
     model = _WithFixedHead().eval()
     request = CaptureRequest(model, example=ExampleInputs((torch.randn(2, 8, 4),), {}), dynamic={"x": {1: "seq"}},
                              dims_must_hold=True)
     result, attempt, sites = capture_dynamo_leaves(request, None)
     assert result is None and sites == []
-    assert attempt.exception is not None and autodims.specialises(attempt.exception)
+    assert attempt.exception is not None and violation.specialises(attempt.exception)
     assert "specialized it to be a constant (8)" in str(attempt.exception)
-    assert not autodims.specialises(RuntimeError("Could not guard on data-dependent expression Eq(u0, 1)"))
+    assert not violation.specialises(RuntimeError("Could not guard on data-dependent expression Eq(u0, 1)"))

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .capture.common import CaptureAttempt, CaptureResult
-from .capture.dynamo import autodims
+from .capture.dynamo import autodims, violation
 from .capture.dynamo.branches import SIZES, size_branches
 from .capture.dynamo.export import quiet_guard_logs
 from .capture.dynamo.fallback import TRACER as LEAVES_TRACER
@@ -77,7 +77,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
         if result is not None and result.tracer == tracer:
             return result, attempts, current
         err = next((a.exception for a in reversed(attempts) if a.exception is not None), None)
-        found, ranges = autodims.findings(err, current) if err is not None else ({}, {})
+        found, ranges = violation.findings(err, current) if err is not None else ({}, {})
         if current.explicit and found:  # the user declared them: not dropped behind their back
             raise NotShapeGeneral("; ".join(sorted(set(found.values()))))
         new_ranges = {k: v for k, v in ranges.items() if current.ranges.get(k) != v}

@@ -11,7 +11,8 @@
   and the backend-cache entries that would keep every prepared model alive;
 * the private config flag of the flag route is feature-detected (:func:`flag_available`);
 * torch's choice of a convolution kernel leaves no guard on the sizes it reads
-  (:func:`unguarded_kernel_choice`: a declared batch is not bounded to 15).
+  (:func:`unguarded_kernel_choice`: a declared batch is not bounded to 15), and a constraint
+  violation torch fails to write suggestions for is kept (:func:`violations_kept`).
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
     real = _real_value_propagation() if real_values else contextlib.nullcontext()
     root = fresh_kwargs_root(model) if fresh_kwargs else contextlib.nullcontext()
     with GLOBAL_LOCK, dynamo.config.patch(**patches), real, root, DynamoGlobalState(), DynamoCacheScope(), \
-            unguarded_kernel_choice():
+            unguarded_kernel_choice(), violations_kept():
         result = dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
     heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.heap)
     return result
@@ -285,6 +286,39 @@ def unguarded_kernel_choice() -> Iterator[None]:
     finally:
         for name, original in saved.items():
             setattr(torch._C, name, original)
+
+
+@contextlib.contextmanager
+def violations_kept() -> Iterator[None]:
+    """For the length of a capture on this thread: a constraint violation reaches fxprep even where
+    torch fails to write its suggested fixes.
+
+    Why: after a trace whose guards violate the declared dimensions, torch formats suggested ``Dim``
+    ranges (``DimConstraints.prettify_results``); for a size it would write as a multiple of a root
+    whose range is one value (``seq = 4*_seq`` with ``_seq`` 2 only: DeepSeek-V4's compressed
+    attention, ``seq // 4`` beside ``8 <= seq <= 11``) that formatting raises ``AssertionError:
+    Cannot create Dim with inconsistent min=2, max=2``, and the violation, with the guards that say
+    which dimension the code specialises, was lost: fxprep gave up on every declared dimension. Here
+    a failure to format gives the violation without its suggestions, which
+    :func:`~.violation.findings` reads from the guards themselves."""
+    from torch.fx.experimental.symbolic_shapes import DimConstraints
+
+    original = DimConstraints.prettify_results
+    owner = threading.get_ident()
+
+    def prettify_results(self: Any, *args: Any, **kwargs: Any) -> str:
+        try:
+            return original(self, *args, **kwargs)
+        except AssertionError:
+            if threading.get_ident() != owner:
+                raise
+            return ""
+
+    DimConstraints.prettify_results = prettify_results  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DimConstraints.prettify_results = original  # type: ignore[method-assign]
 
 
 def _unguarded(choose: Any, owner: int) -> Any:

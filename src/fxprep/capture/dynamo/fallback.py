@@ -28,10 +28,10 @@ from ..common import CaptureAttempt, CaptureResult
 from ..request import CaptureRequest
 from ..sites import Site
 from . import capture_dynamo
-from .autodims import specialises
 from .locate import Located, locate, origin_stack, resolve, user_stack
 from .opaque import excluded_sites, inside
 from .recording import Recorded, record_sites
+from .violation import specialises
 
 MAX_ROUNDS = 40
 TRACER = "dynamo+leaves"
