@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +29,7 @@ from torch import nn
 
 from ... import heap
 from ...inputs import ExampleInputs
-from ...threads import GLOBAL_LOCK, quiet_logs
+from ...threads import GLOBAL_LOCK, confined, quiet_logs
 
 ROUTES = ("auto", "flag", "regroup")
 FLAG = "install_free_tensors_for_export"
@@ -274,14 +273,13 @@ def unguarded_kernel_choice() -> Iterator[None]:
     batch), only the memory format of a fake output; decided on the example's sizes, as
     ``ShapeEnv.suppress_guards`` evaluates, it costs no capture. Other threads get torch's own
     functions' behaviour."""
-    owner = threading.get_ident()
     saved: dict[str, Any] = {}
     try:
         for name in _KERNEL_CHOICES:
             original = getattr(torch._C, name, None)
             if original is not None:
                 saved[name] = original
-                setattr(torch._C, name, _unguarded(original, owner))
+                setattr(torch._C, name, confined(_unguarded(original), original))
         yield
     finally:
         for name, original in saved.items():
@@ -304,28 +302,26 @@ def violations_kept() -> Iterator[None]:
     from torch.fx.experimental.symbolic_shapes import DimConstraints
 
     original = DimConstraints.prettify_results
-    owner = threading.get_ident()
 
     def prettify_results(self: Any, *args: Any, **kwargs: Any) -> str:
         try:
             return original(self, *args, **kwargs)
         except AssertionError:
-            if threading.get_ident() != owner:
-                raise
             return ""
 
-    DimConstraints.prettify_results = prettify_results  # type: ignore[method-assign]
+    DimConstraints.prettify_results = confined(prettify_results, original)  # type: ignore[method-assign]
     try:
         yield
     finally:
         DimConstraints.prettify_results = original  # type: ignore[method-assign]
 
 
-def _unguarded(choose: Any, owner: int) -> Any:
-    """``choose`` asked with the guards of its tensors' symbolic sizes suppressed on ``owner``'s thread."""
+def _unguarded(choose: Any) -> Any:
+    """``choose`` asked with the guards of its tensors' symbolic sizes suppressed (confined to the
+    capturing thread by :func:`fxprep.threads.confined`)."""
 
     def chosen(*args: Any, **kwargs: Any) -> Any:
-        env = _shape_env(args) if threading.get_ident() == owner else None
+        env = _shape_env(args)
         if env is None:
             return choose(*args, **kwargs)
         with env.suppress_guards():

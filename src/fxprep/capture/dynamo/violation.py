@@ -164,14 +164,19 @@ def _unreadable(text: str, proposal: Proposal, symbols: dict[str, Any], printed:
     with the other dimensions, not given up for all of them."""
     header = _VIOLATED.search(text)
     named = {n.strip() for n in header.group(1).split(",")} if header else set()
-    kwargs = proposal.capture_example.kwargs
     for sym in sorted(named & set(symbols)):
-        size = next((int(kwargs[n].shape[d]) for n, d in symbols[sym]
-                     if isinstance(kwargs.get(n), torch.Tensor) and d < kwargs[n].dim()), None)
+        size = _example_size(sym, proposal, symbols)
         first = printed[sym][0][1] if printed.get(sym) else "none printed"
         for key in symbols[sym]:
             found[key] = (f"the model's code specialises '{sym}'" + (f" to {size}" if size is not None else "")
                           + f" (its guards hold for no range fxprep can read: {_readable(_unlinked(first))[:160]})")
+
+
+def _example_size(sym: str, proposal: Proposal, symbols: dict[str, Any]) -> int | None:
+    """The size ``sym`` has in the example the capture ran on; None where no input shows it."""
+    kwargs = proposal.capture_example.kwargs
+    return next((int(kwargs[n].shape[d]) for n, d in symbols.get(sym, [])
+                 if isinstance(kwargs.get(n), torch.Tensor) and d < kwargs[n].dim()), None)
 
 
 def _one_size(size: SizeRange) -> bool:
@@ -205,9 +210,7 @@ def _guards_hold(sym: str, printed: list[tuple[str, str]], proposal: Proposal, s
 
     sources = {source for source, _ in printed}
     guards = [_unlinked(guard) for _, guard in printed]
-    kwargs = proposal.capture_example.kwargs
-    size = next((int(kwargs[n].shape[d]) for n, d in symbols.get(sym, [])
-                 if isinstance(kwargs.get(n), torch.Tensor) and d < kwargs[n].dim()), None)
+    size = _example_size(sym, proposal, symbols)
     if len(sources) != 1 or size is None:
         return None
     held = interval(guards, sources.pop(), size)
