@@ -12,7 +12,9 @@ shorter prompt (text added or removed at the end, the image tokens untouched) an
 is free, on a batch of other samples (other text, other images). Llava with a Pixtral tower and
 Mistral3 decide each image's size from data (``.tolist()``), one set of values per image: their batch
 stays, and says why; so does Llava 1.5 (a CLIP tower), whose image features become a Python list of
-one entry per sample (``list(image_features)``). Qwen2-VL, whose rope index stays opaque, keeps static shapes and says why.
+one entry per sample (``list(image_features)``). VLMs with parts opaque in the static capture (the
+Qwen family's rope index, Llava-NeXT's tiling helpers) are captured again that way with the length
+declared, and keep it free where nothing more becomes opaque.
 """
 
 from __future__ import annotations
@@ -180,6 +182,13 @@ OPAQUE_VLMS = [
     # specialising the length, and the vision blocks (sized from the image grid only) failed their
     # dynamic capture, which under declared dimensions gave up block reuse.
     ("qwen2_vl", "dynamo+values", {"model.get_rope_index"},
+     {"model.visual.blocks.0", "model.language_model.layers.0"}),
+    # Qwen3-VL-MoE: its experts sort tokens by expert and gather them with `perm // num_top_k`; on
+    # integers that decomposes through prims.signbit, whose fake kernel has the wrong dtype, and
+    # torch's repair under real values gave each size a fresh unbacked symbol: the experts became
+    # opaque with the length declared, and the length stayed static
+    ("qwen3_vl_moe", "dynamo+values", {"model.visual.get_vision_interpolation_indices_and_weights",
+                                       "model.get_rope_index"},
      {"model.visual.blocks.0", "model.language_model.layers.0"}),
     # Llava-NeXT: the anyres tiling helpers compute from image_sizes in Python (nothing decided from
     # data); their outputs, sized by the image, not the prompt, stay as recorded

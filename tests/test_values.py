@@ -236,3 +236,35 @@ def test_a_view_with_a_symbolic_offset_leaves_a_declared_dimension_dynamic_under
     for length in (2, 5, 11):
         y = torch.randn(1, length, 4)
         torch.testing.assert_close(gm(y, n), _Frequencies()(y, n))
+
+
+class _Routed(nn.Module):
+    """Tokens gathered in the order of their sorted expert ids, ``top_k`` choices each (transformers'
+    grouped mixture-of-experts forward: ``hidden_states[perm // num_top_k]``), scaled by a value
+    read from data."""
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        _, perm = torch.sort(experts.reshape(-1))
+        k = int(n)
+        return x[perm // experts.shape[-1]] * k
+
+
+def test_an_integer_floor_division_leaves_a_declared_dimension_dynamic_under_real_values() -> None:
+    # `perm // 2` on integers decomposes through prims.signbit, whose fake kernel gives int64 where
+    # the real one gives bool; torch's repair of the mismatch made the sizes fresh unbacked symbols
+    # (PendingUnbackedSymbolNotFound), so the whole part became opaque with the length declared
+    from torch.export import Dim
+
+    from fxprep.capture.dynamo.export import dynamo_export
+
+    x, experts, n = torch.randn(6, 4), torch.randint(0, 4, (6, 2)), torch.tensor(3)
+    seq = Dim("seq")
+    result = dynamo_export(_Routed(), ExampleInputs((x, experts, n), {}), "flag",
+                           {"x": {0: seq}, "experts": {0: seq}, "n": None}, real_values=True)
+    gm = result.graph_module
+    assert "floordiv" in gm.code
+    for length in (2, 6, 13):
+        y, e = torch.randn(length, 4), torch.randint(0, 4, (length, 2))
+        out = gm(y, e, n)
+        assert out.shape == (2 * length, 4)
+        torch.testing.assert_close(out, _Routed()(y, e, n))

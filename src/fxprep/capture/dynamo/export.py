@@ -12,7 +12,10 @@
 * the private config flag of the flag route is feature-detected (:func:`flag_available`);
 * torch's choice of a convolution kernel leaves no guard on the sizes it reads
   (:func:`unguarded_kernel_choice`: a declared batch is not bounded to 15), and a constraint
-  violation torch fails to write suggestions for is kept (:func:`violations_kept`).
+  violation torch fails to write suggestions for is kept (:func:`violations_kept`);
+* with real values, torch's cross-check of fake against real outputs neither guards on a symbolic
+  storage offset nor gives fresh sizes to an output wrong in its dtype alone
+  (:func:`_real_value_propagation`).
 """
 
 from __future__ import annotations
@@ -391,7 +394,7 @@ def _real_value_propagation() -> Iterator[None]:
     with quiet_logs("torch.fx.experimental.symbolic_shapes", below=logging.ERROR), \
             functorch_config.patch(fake_tensor_propagate_real_tensors=True,
                                    generate_fake_kernels_from_real_mismatches=True), \
-            _offsets_unguarded():
+            _offsets_unguarded(), _dtype_repaired():
         yield
 
 
@@ -415,8 +418,59 @@ def _offsets_unguarded() -> Iterator[None]:
         if not isinstance(fake_out.storage_offset(), torch.SymInt):
             check(real_out, fake_out, *args, **kwargs)
 
-    fake_utils._check_fake_real_tensors = checked
+    fake_utils._check_fake_real_tensors = confined(checked, check)
     try:
         yield
     finally:
         fake_utils._check_fake_real_tensors = check
+
+
+@contextlib.contextmanager
+def _dtype_repaired() -> Iterator[None]:
+    """Real-value propagation repairs an op whose fake output has another dtype than its real one
+    by keeping the fake kernel's sizes and taking the real output's dtype.
+
+    Why: torch's own repair (``generate_fake_kernels_from_real_mismatches``) makes a fresh fake
+    output whose every size is a new unbacked symbol. With a declared dimension, the wrong fake
+    kernel is often one step of a decomposition whose result is sized by that dimension, and the
+    fresh symbols then match nothing Dynamo returns (``PendingUnbackedSymbolNotFound``): the part
+    became opaque. ``prims.signbit``'s fake kernel gives an integer input's dtype, not ``bool``, and
+    ``tensor // k`` on integers decomposes through it: transformers' mixture-of-experts layers
+    (``perm // num_top_k``) were opaque in every model captured deciding values read from data with
+    its length declared (Qwen3-VL-MoE). A fake output whose sizes are the real ones (each
+    symbol's value in the example) is right but for its dtype; one with other sizes or another
+    mismatch gets torch's repair, as before."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    original = getattr(FakeTensorMode, "_maybe_infer_fake", None)
+    if original is None:
+        yield
+        return
+
+    def maybe_infer_fake(self: Any, func: Any, path: Any, fake: Any, real: Any) -> tuple[Any, bool]:
+        if _dtype_only(fake, real):
+            with self:
+                out = torch.empty_strided(fake.shape, fake.stride(), dtype=real.dtype, device=fake.device)
+            return out, True
+        return original(self, func, path, fake, real)
+
+    FakeTensorMode._maybe_infer_fake = confined(maybe_infer_fake, original)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FakeTensorMode._maybe_infer_fake = original  # type: ignore[method-assign]
+
+
+def _dtype_only(fake: Any, real: Any) -> bool:
+    """Whether fake tensor ``fake`` differs from real tensor ``real`` in its dtype alone: same rank, a
+    dense layout, each size equal to the real one (a symbolic size by its value in the example;
+    False where it has none)."""
+    if not (isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor)) or fake.dtype == real.dtype:
+        return False
+    if fake.layout != torch.strided or real.layout != torch.strided or fake.dim() != real.dim():
+        return False
+    for size, actual in zip(fake.shape, real.shape):
+        hint = size.node.hint if isinstance(size, torch.SymInt) else size
+        if hint is None or int(hint) != int(actual):
+            return False
+    return True
