@@ -422,6 +422,34 @@ def test_the_sizes_a_guard_holds_for_are_read_from_its_text() -> None:
     assert interval([f"__import__('os').system('true') or {src} > 1"], src, 8) is None  # only arithmetic is read
 
 
+def test_the_guard_shown_for_a_range_is_the_one_that_ends_it() -> None:
+    # Qwen3.5's chunked scan: export prints first a guard that holds at every length (the chunk
+    # count is never the padded length), then the one the loop over chunks set; the report quoted
+    # the first, which said nothing of why the graph holds for one chunk only
+    from fxprep.capture.dynamo import violation
+    from fxprep.capture.dynamo.autodims import Proposal
+    from fxprep.capture.dynamo.guard_range import failing
+    from fxprep.inputs import ExampleInputs
+
+    src = "L['input_ids'].size()[1]"
+    padded = f"({src} + ((64 + (-1)*({src} % 64)) % 64))"
+    everywhere, one_chunk = f"({padded} // 64) != {padded}", f"({padded} // 64) == 1"
+    assert failing([everywhere, one_chunk], src, 65) == one_chunk
+    assert failing([everywhere, one_chunk], src, 64) is None
+    assert failing([everywhere, "math.sqrt(2) > 1"], src, 65) is None  # one it cannot read: none named
+    text = ("Constraints violated (seq)! ... "
+            + "".join(f"  - Not all values of seq = {src} in the specified range satisfy the generated guard {g}.\n"
+                      for g in (everywhere, one_chunk))
+            + "Suggested fixes:\n  seq = 8\n")
+    err = RuntimeError(text.replace("Suggested fixes:\n  seq = 8", "solving the guards generated for seq = "
+                                    f"{src} resulted in a specialized value of 8"))
+    proposal = Proposal({"input_ids": {1: "seq"}}, ExampleInputs((), {"input_ids": torch.zeros(1, 8, dtype=torch.long)}))
+    found, ranges = violation.findings(err, proposal)
+    assert not found and (ranges["seq"].low, ranges["seq"].high) == (None, 64)
+    assert "hold for 2..64 (((input_ids.shape[1] + ((64 + (-1)*(input_ids.shape[1] % 64)) % 64)) // 64) == 1)" \
+        in ranges["seq"].why, ranges["seq"].why
+
+
 def test_a_range_export_suggests_no_fix_for_is_read_off_its_guards_and_checked() -> None:
     # MPT slices its ALiBi table (2048 here) to the length through sym_max: export's guard says
     # `seq <= 2048` without a suggested Dim, and the length was static at the example's; now it is

@@ -156,6 +156,18 @@ def interval(guards: list[str], source: str, size: int, lowest: int = 2) -> tupl
     return interval_where(lambda n: _holds(trees, n), size, lowest)
 
 
+def failing(guards: list[str], source: str, size: int) -> str | None:
+    """The first of ``guards`` (Dynamo's text, in the one size ``source`` names) that does not hold
+    at ``size``; None when each holds there or one cannot be read."""
+    for guard in guards:
+        tree = parse(guard, source)
+        if tree is None:
+            return None
+        if not _holds([tree], size):
+            return guard
+    return None
+
+
 def interval_where(holds: Callable[[int], bool], size: int, lowest: int = 2) -> tuple[int, int | None] | None:
     """:func:`interval` for any test of a size (``holds``): the same search outwards from ``size``,
     the same check at spread sizes inside what it found."""

@@ -213,16 +213,31 @@ def _guards_hold(sym: str, printed: list[tuple[str, str]], proposal: Proposal, s
     size = _example_size(sym, proposal, symbols)
     if len(sources) != 1 or size is None:
         return None
-    held = interval(guards, sources.pop(), size)
+    source = sources.pop()
+    held = interval(guards, source, size)
     if held is None:
         return None
     known = proposal.ranges.get(sym, _NO_RANGE)
     low = max(held[0], known.low or 0)
     high = held[1] if known.high is None else (known.high if held[1] is None else min(known.high, held[1]))
-    shown = _readable(guards[0])[:160]
+    shown = _readable(_ending(guards, source, held) or guards[0])[:160]
     return SizeRange(low if low > 2 else None, high,
                      f"the guards Dynamo put on it hold for {low}..{high if high is not None else ''} ({shown})",
                      from_guards=True)
+
+
+def _ending(guards: list[str], source: str, held: tuple[int, int | None]) -> str | None:
+    """The guard that ends the interval ``held`` where the guards hold: the first that fails just
+    past its upper end, else just below its lower one. The report shows it, not the first guard
+    export printed (for a chunked scan, a guard that holds at every size)."""
+    from .guard_range import failing
+
+    low, high = held
+    for outside in (high + 1 if high is not None else None, low - 1 if low > 2 else None):
+        found = failing(guards, source, outside) if outside is not None else None
+        if found is not None:
+            return found
+    return None
 
 
 def _exclude_end(sym: str, guard: str, ranges: dict[str, SizeRange],
