@@ -470,7 +470,7 @@ def _dtype_only(fake: Any, real: Any) -> bool:
     if fake.layout != torch.strided or real.layout != torch.strided or fake.dim() != real.dim():
         return False
     for size, actual in zip(fake.shape, real.shape):
-        hint = size.node.hint if isinstance(size, torch.SymInt) else size
+        hint = getattr(size.node, "hint", None) if isinstance(size, torch.SymInt) else size
         if hint is None or int(hint) != int(actual):
             return False
     return True

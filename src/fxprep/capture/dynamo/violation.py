@@ -220,7 +220,7 @@ def _guards_hold(sym: str, printed: list[tuple[str, str]], proposal: Proposal, s
     known = proposal.ranges.get(sym, _NO_RANGE)
     low = max(held[0], known.low or 0)
     high = held[1] if known.high is None else (known.high if held[1] is None else min(known.high, held[1]))
-    shown = _readable(_ending(guards, source, held) or guards[0])[:160]
+    shown = _readable(_ending(guards, source, (low, high)) or guards[0])[:160]
     return SizeRange(low if low > 2 else None, high,
                      f"the guards Dynamo put on it hold for {low}..{high if high is not None else ''} ({shown})",
                      from_guards=True)
