@@ -33,6 +33,7 @@ from torch import nn
 from ... import heap
 from ...inputs import ExampleInputs
 from ...threads import GLOBAL_LOCK, confined, quiet_logs
+from .shapes import hints
 
 ROUTES = ("auto", "flag", "regroup")
 FLAG = "install_free_tensors_for_export"
@@ -334,13 +335,9 @@ def _unguarded(choose: Any) -> Any:
 
 
 def _shape_env(args: tuple[Any, ...]) -> Any:
-    """The shape environment of the first symbolic size among ``args``' tensors; None for none."""
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            for size in arg.shape:
-                if isinstance(size, torch.SymInt):
-                    return size.node.shape_env
-    return None
+    """The shape environment of the fake tensors among ``args`` (torch's own lookup of their fake
+    mode); None for none."""
+    return getattr(torch._guards.detect_fake_mode(args), "shape_env", None)
 
 
 MUTATED_INPUT_DICT = "mapping proxy affected by dictionary mutation"
@@ -467,10 +464,6 @@ def _dtype_only(fake: Any, real: Any) -> bool:
     False where it has none)."""
     if not (isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor)) or fake.dtype == real.dtype:
         return False
-    if fake.layout != torch.strided or real.layout != torch.strided or fake.dim() != real.dim():
+    if fake.layout != torch.strided or real.layout != torch.strided:
         return False
-    for size, actual in zip(fake.shape, real.shape):
-        hint = getattr(size.node, "hint", None) if isinstance(size, torch.SymInt) else size
-        if hint is None or int(hint) != int(actual):
-            return False
-    return True
+    return hints(fake.shape) == list(real.shape)

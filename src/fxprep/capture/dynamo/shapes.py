@@ -59,6 +59,21 @@ def shortest_length(model: nn.Module, call: ExampleInputs, dynamic: Any) -> int 
     return min(sizes) if sizes else None
 
 
+def hints(sizes: Any) -> list[int] | None:
+    """``sizes`` (ints and symbolic sizes) as their values in the example being traced; None where
+    one has no such value (an unbacked size)."""
+    out = []
+    for s in sizes:
+        if type(s) is int:
+            out.append(s)
+            continue
+        hint = getattr(getattr(s, "node", None), "hint", None)
+        if hint is None:
+            return None
+        out.append(int(hint))
+    return out
+
+
 @dataclass(frozen=True)
 class MaybeDynamic:
     """A dimension declared to Dynamo as ``Dim.AUTO``: dynamic unless the code specialises it, with

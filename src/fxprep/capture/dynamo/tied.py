@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .blocks import call_inputs, size_key
+from .shapes import hints
 
 Tie = tuple[tuple[int, int], ...]  # (output leaf, input leaf) pairs
 
@@ -54,14 +55,14 @@ def guess(copy_in: Callable[[Any], nn.Module], flat: list[Any], spec: Any) -> tu
     statics: list[Any] = []
     for leaf in flat:
         if isinstance(leaf, torch.Tensor):
-            sizes, strides = _hints(leaf.shape), _hints(leaf.stride())
+            sizes, strides = hints(leaf.shape), hints(leaf.stride())
             if sizes is None or strides is None:
                 return None
             statics.append((sizes, strides, leaf.dtype, leaf.device, leaf.requires_grad))
         elif isinstance(leaf, (torch.SymFloat, torch.SymBool)):
             return None
         elif isinstance(leaf, torch.SymInt):
-            hint = _hints([leaf])
+            hint = hints([leaf])
             if hint is None:
                 return None
             statics.append(("int", hint[0]))
@@ -247,19 +248,6 @@ def _expr(size: Any) -> sympy.Expr:
 def _env(value: Any) -> Any:
     mode = getattr(value, "fake_mode", None)
     return getattr(mode, "shape_env", None)
-
-
-def _hints(sizes: Any) -> list[int] | None:
-    out = []
-    for s in sizes:
-        if type(s) is int:
-            out.append(s)
-            continue
-        hint = getattr(getattr(s, "node", None), "hint", None)
-        if hint is None:
-            return None
-        out.append(int(hint))
-    return out
 
 
 def _static(described: Any) -> Any:
