@@ -419,11 +419,12 @@ def _capture_general(run: Preparation, tracers: list[str], *, static_fallback: b
     request, proposal = run.request, run.proposal
     assert proposal is not None and request.example is not None
 
-    def capture_at(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-        return cascade.capture(request.replace(example=call, dynamic=dims), ["dynamo"])
+    def capture_at(call: ExampleInputs, dims: Any, opaque: list[Any]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+        return cascade.capture(request.replace(example=call, dynamic=dims, opaque=tuple(opaque)), ["dynamo"])
 
     try:
-        result, attempts, found = shape_general.capture(request.model, request.example, proposal, capture_at)
+        result, attempts, found = shape_general.capture(request.model, request.example, proposal, capture_at,
+                                                        scans_of=shape_general.scans_finder(request))
         run.proposal = shape_general.limits(request.model, found, request.replace(example=found.capture_example).calls()[0])
         if run.proposal.explicit and run.proposal.limits:  # the tracers as asked: an opaque part takes both ways
             raise shape_general.NotShapeGeneral("a branch of the model's code bounds them")

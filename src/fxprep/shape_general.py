@@ -26,11 +26,13 @@ import torch
 from torch import nn
 
 from .capture.common import CaptureAttempt, CaptureResult
-from .capture.dynamo import autodims, violation
+from .capture.dynamo import autodims, guard_log, violation
 from .capture.dynamo.branches import SIZES, size_branches
 from .capture.dynamo.export import quiet_guard_logs
 from .capture.dynamo.fallback import TRACER as LEAVES_TRACER
 from .capture.dynamo.fallback import VALUES_TRACER, capture_dynamo_leaves
+from .capture.dynamo.guard_log import GuardLog
+from .capture.dynamo.scans import Scan
 from .capture.dynamo.shapes import shortest_length
 from .capture.fx import restored_attributes
 from .capture.huggingface import capture_context
@@ -40,7 +42,11 @@ from .inputs import ExampleInputs
 from .report import Report
 from .runs import preserved_state
 
-Capture = Callable[[ExampleInputs, Any], tuple["CaptureResult | None", list[CaptureAttempt]]]
+# (capture example, dynamic dimensions, sites kept opaque) -> the capture and its attempts
+Capture = Callable[[ExampleInputs, Any, list[Any]], tuple["CaptureResult | None", list[CaptureAttempt]]]
+# (the guards of a failed capture, the declared symbols it limited, the proposal, the sites taken) -> new scans
+ScanFinder = Callable[[GuardLog, set[str], autodims.Proposal, list[Any]], list[Scan]]
+MAX_SCAN_ROUNDS = 3
 
 
 @dataclasses.dataclass
@@ -65,19 +71,42 @@ class NotShapeGeneral(Exception):
 
 
 def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposal,
-            run: Capture, tracer: str = "dynamo") -> tuple[CaptureResult, list[CaptureAttempt], autodims.Proposal]:
-    """``run(capture_example, dynamic)`` (Dynamo alone, or what ``tracer`` names) with
+            run: Capture, tracer: str = "dynamo", scans_of: ScanFinder | None = None
+            ) -> tuple[CaptureResult, list[CaptureAttempt], autodims.Proposal]:
+    """``run(capture_example, dynamic, opaque sites)`` (Dynamo alone, or what ``tracer`` names) with
     ``proposal``'s dimensions; each dimension Dynamo finds specialised is dropped (its reason kept in
-    ``proposal.dropped``), each range it needs is declared, and the capture retried. Raises
-    :class:`NotShapeGeneral` when no dimension is left or the capture fails for another reason."""
+    ``proposal.dropped``), each range it needs is declared, and the capture retried. Before that,
+    ``scans_of`` may name per-step loops behind the guards that limit them (:mod:`.capture.dynamo.scans`):
+    the capture is tried with those opaque, and they are kept where that frees a dimension or widens
+    a range. Raises :class:`NotShapeGeneral` when no dimension is left or the capture fails for
+    another reason."""
     current: autodims.Proposal | None = proposal
+    before: tuple[autodims.Proposal, BaseException | None, Any, Any] | None = None  # the failure scans try to pass
+    rounds, refused = 0, list[Any]()  # scans tried that did not help are not tried again
     while current is not None:
-        with quiet_guard_logs():
-            result, attempts = run(current.capture_example, current.for_export())
+        with quiet_guard_logs(), guard_log.recording() as log:
+            result, attempts = run(current.capture_example, current.for_export(),
+                                   [site for scan in current.scans for site in scan.sites])
         if result is not None and result.tracer == tracer:
+            for scan in current.scans:
+                for site in scan.sites:
+                    result.extra_leaves[site.qualname] = f"opaque: a loop over '{scan.symbol}' at {scan.where}"
             return result, attempts, current
         err = next((a.exception for a in reversed(attempts) if a.exception is not None), None)
         found, ranges = violation.findings(err, current) if err is not None else ({}, {})
+        if before is not None:  # the capture with new scans opaque
+            if not _freer(found, ranges, before[2], before[3]):  # they did not help: traced, as before
+                refused.extend(site for scan in current.scans if scan not in before[0].scans for site in scan.sites)
+                current, err, found, ranges = before
+            before = None
+        elif scans_of is not None and (found or ranges) and rounds < MAX_SCAN_ROUNDS:
+            rounds += 1
+            limited = {current.dynamic[n][d] for n, d in found if d in current.dynamic.get(n, {})} | set(ranges)
+            new = scans_of(log, limited, current, [site for scan in current.scans for site in scan.sites] + refused)
+            if new:
+                before = (current, err, found, ranges)
+                current = dataclasses.replace(current, scans=current.scans + tuple(new))
+                continue
         if current.explicit and found:  # the user declared them: not dropped behind their back
             raise NotShapeGeneral("; ".join(sorted(set(found.values()))))
         new_ranges = {k: v for k, v in ranges.items() if current.ranges.get(k) != v}
@@ -94,6 +123,32 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             raise NotShapeGeneral(f"every declared dimension is specialised by the model: {why}")
         current = nxt
     raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
+
+
+def scans_finder(request: CaptureRequest) -> ScanFinder:
+    """The :data:`ScanFinder` for captures of ``request`` at other examples: each finding's eager runs
+    (locating a guard's frames, watching a candidate scan) use the example as Dynamo was called with it."""
+    from .capture.dynamo import scans
+
+    def find(log: GuardLog, symbols: set[str], at: autodims.Proposal, taken: list[Any]) -> list[Scan]:
+        call = request.replace(example=at.capture_example).calls()[0]
+        return scans.usable(log, symbols, at, request.model, call, taken)
+
+    return find
+
+
+def _freer(found: dict[Any, str], ranges: dict[str, Any], found_before: dict[Any, str],
+           ranges_before: dict[str, Any]) -> bool:
+    """Whether a capture's findings (dimensions specialised, ranges) leave more free than those before."""
+    if set(found) != set(found_before):
+        return set(found) < set(found_before)
+    if not ranges_before:
+        return False
+    return all(sym not in ranges or _higher(ranges[sym].high, bound.high) for sym, bound in ranges_before.items())
+
+
+def _higher(high: int | None, before: int | None) -> bool:
+    return high is None or (before is not None and high > before)
 
 
 def _without_batch(proposal: autodims.Proposal, stopped: str) -> autodims.Proposal:
@@ -208,8 +263,8 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
     how = "deciding values read from data" if tracer == VALUES_TRACER else "with the same parts opaque"
     why_not: list[str] = []
 
-    def run(call: ExampleInputs, dims: Any) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-        dims_request = request.replace(example=call, dynamic=dims, dims_must_hold=True, records={})
+    def run(call: ExampleInputs, dims: Any, scans: list[Any]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+        dims_request = request.replace(example=call, dynamic=dims, dims_must_hold=True, records={}, opaque=tuple(scans))
         with preserved_state(request.model), restored_attributes(request.model, []):
             if tracer == VALUES_TRACER:
                 result, attempt, sites = values.capture_deciding_values(dims_request)
@@ -223,6 +278,8 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
         return result, [attempt]
 
     try:
+        # no scans here: with parts opaque and values decided from data, a scan kept opaque made the layers
+        # after it opaque too (Qwen3.5's VLM: its rotary embedding), so this capture keeps its loops traced
         result, _, found = capture(request.model, request.example, elsewhere.proposal, run, tracer=tracer)
     except NotShapeGeneral as err:
         return None, None, why_not[-1] if why_not else f"capturing {how} with them declared failed too ({err})"
@@ -265,6 +322,9 @@ def notes(report: Report, proposal: autodims.Proposal, second: str | None) -> No
             f"Shape-general: the dimensions {proposal.describe()} were found from {proposal.source} and declared "
             f"dynamic to Dynamo; {checked}, so calls at any size of them{within} are accepted (no batch probe "
             f"needed). Pass dynamic=False for a static-shape capture.")
+    for scan in proposal.scans:  # checked where each guard fails unless a limit of the graph ends before
+        limit = proposal.limits.get(scan.symbol)
+        report.note(scan.note(second is not None and (limit is None or limit.high is None or limit.high >= scan.past)))
     for (name, dim), why in sorted(proposal.dropped.items()):
         report.note(f"Shape-general: {name} dim {dim} stays at the example's size: {why}.")
     for sym, bound in sorted(proposal.ranges.items()):
@@ -291,6 +351,29 @@ def second_grow(model: nn.Module, proposal: autodims.Proposal, example: ExampleI
             if high is not None and isinstance(inputs.get(name), torch.Tensor):
                 grow = min(grow, high - int(inputs[name].shape[d]))
     return max(grow, 1)
+
+
+def past_scans(model: nn.Module, proposal: autodims.Proposal, example: ExampleInputs, second: ExampleInputs
+               ) -> dict[str, int]:
+    """How much larger than ``example`` each symbol a scan loops over must be for the check where
+    the scan's guard fails (:attr:`~.capture.dynamo.scans.Scan.past`): empty where ``second`` (the
+    second size) reaches it already, or where a limit of the prepared module ends before it."""
+    sizes, second_sizes = _sizes(model, proposal, example), _sizes(model, proposal, second)
+    grow: dict[str, int] = {}
+    for scan in proposal.scans:
+        size, high = sizes.get(scan.symbol), proposal.limits.get(scan.symbol)
+        if size is None or second_sizes.get(scan.symbol, 0) >= scan.past:
+            continue
+        if high is not None and high.high is not None and high.high < scan.past:
+            continue
+        grow[scan.symbol] = max(grow.get(scan.symbol, 0), scan.past - size)
+    return grow
+
+
+def _sizes(model: nn.Module, proposal: autodims.Proposal, example: ExampleInputs) -> dict[str, int]:
+    inputs = autodims.named_inputs(model, example)
+    return {sym: int(inputs[name].shape[d]) for name, dims in proposal.dynamic.items() for d, sym in dims.items()
+            if isinstance(inputs.get(name), torch.Tensor)}
 
 
 def _bounds(low: int | None, high: int | None) -> str:

@@ -46,6 +46,9 @@ class CaptureRequest:
     records its own). ``dims_must_hold``: a failure because ``dynamic`` declared a dimension the
     model's code specialises ends the opaque-part fallback (making parts opaque cannot make it
     dynamic; the shape-general capture then tries static shapes) instead of making a part opaque.
+    ``opaque``: sites (:class:`~fxprep.capture.sites.Site`) Dynamo calls without tracing into from the
+    start, on every Dynamo route (a scan kept out of the graph so that the length it loops over stays
+    dynamic: :mod:`fxprep.capture.dynamo.scans`).
     """
 
     model: nn.Module
@@ -59,6 +62,7 @@ class CaptureRequest:
     handled: Callable[[BaseException], bool] | None = None
     records: dict[Any, Any] | None = field(default=None, compare=False)
     dims_must_hold: bool = False
+    opaque: tuple[Any, ...] = ()
 
     def replace(self, **changes: Any) -> CaptureRequest:
         """A copy with ``changes`` (``dataclasses.replace``). A copy for another model, example or

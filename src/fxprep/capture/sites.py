@@ -102,6 +102,15 @@ class Site:
         """The site is a whole module call (its ``forward``)."""
         return self.method == "forward" and self.attr is None and self.func is None
 
+    def called_from(self, path: str) -> Site:
+        """This function site as called by the module at ``path``: one patch of the function takes
+        the calls of every module (the other layers of a stack), and each call is named after the
+        module that made it."""
+        assert self.func is not None, "only a function site is called from several modules"
+        moved = Site(path, self.method, None, self.func)
+        FUNCTIONS.setdefault(moved, FUNCTIONS[self])
+        return moved
+
     def owner(self, model: nn.Module) -> Any:
         module = model.get_submodule(self.path)
         return module if self.attr is None else getattr(module, self.attr)
@@ -176,13 +185,16 @@ def frames_of(err: BaseException) -> list[FrameRecord]:
 
 
 def _function_of(frame: FrameRecord, caller_globals: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]] | None:
-    """The function object running in ``frame`` and the globals its callers find it in."""
+    """The function object running in ``frame`` and the globals its callers find it in. A function
+    its module binds to a ``functools.wraps`` wrapper (transformers' hub-kernel fallbacks:
+    ``mamba_selective_scan`` is a ``wrapped`` that may call a compiled kernel) is that wrapper: what
+    the callers look up and what the prepared module calls."""
     name = frame.code.co_name
     places = []
     fn = None
     for g in (caller_globals, frame.globals):
         candidate = g.get(name)
-        if getattr(candidate, "__code__", None) is frame.code:
+        if frame.code in wrapped_codes(candidate):
             fn = candidate
             if all(g is not p for p in places):
                 places.append(g)

@@ -94,7 +94,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
     ``route`` is ``"auto"`` (the flag route when this torch has the flag, else regroup; a flag-route
     failure Dynamo only has on that route is retried with regroup), ``"flag"`` or ``"regroup"``.
     ``request.dynamic`` marks dimensions dynamic (``"batch"`` or ``{arg: {dim: name}}``). ``opaque`` names
-    more parts Dynamo must call without tracing into (the excluded modules always are, see
+    more parts Dynamo must call without tracing into, after ``request.opaque`` (the excluded modules always are, see
     :mod:`.opaque`); ``request.records`` caches their eager recordings across calls. ``request.reuse``:
     capture each repeated block once and stamp its graph out for the others (:mod:`.reuse`; flag route,
     static or dynamic shapes; opaque parts are kept out of the blocks); ``request.block_pass(block_gm, first_instance)`` is then
@@ -118,7 +118,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
     except Exception as err:  # noqa: BLE001
         return _failure(err, start, tracer)
     try:
-        box = black_box(model, policy, opaque or [], capture_call, request.records)
+        box = black_box(model, policy, [*request.opaque, *(opaque or [])], capture_call, request.records)
     except Exception as err:  # noqa: BLE001 - an opaque part the eager run cannot record
         return _failure(err, start, tracer)
     # a dimension other than the batch declared dynamic: transformers' length-dependent mask choices (hf_attention)

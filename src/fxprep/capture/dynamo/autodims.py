@@ -120,6 +120,8 @@ class Proposal:
     explicit: bool = False  # the user's own dynamic= (:func:`declared`): never dropped, never static instead
     # a multimodal example's batch declared with its images: the length alone, tried where that does not hold
     narrower: Proposal | None = None
+    # per-step loops kept opaque so that the symbol they loop over stays dynamic (:class:`.scans.Scan` each)
+    scans: tuple[Any, ...] = ()
 
     def describe(self) -> str:
         parts = [f"{name} dim {d} ({sym})" for name, dims in self.dynamic.items() for d, sym in sorted(dims.items())]
@@ -381,5 +383,6 @@ def revised(proposal: Proposal, dims: dict[tuple[str, int], str], ranges: dict[s
                     dropped.setdefault((other, od), why)
     bounded = {**proposal.ranges, **{k: v for k, v in ranges.items() if k not in symbols}}
     narrower = proposal.narrower if "batch" in sizes else None  # the batch gone: nothing narrower to try
+    scans = tuple(scan for scan in proposal.scans if scan.symbol in sizes)  # a loop over a dropped symbol: traced again
     return replace(proposal, dynamic=dynamic, capture_example=_grown(model, call, dynamic, sizes), dropped=dropped,
-                   ranges=bounded, limits={}, narrower=narrower)
+                   ranges=bounded, limits={}, narrower=narrower, scans=scans)

@@ -123,7 +123,7 @@ def capture_dynamo_leaves(request: CaptureRequest, first_error: BaseException | 
     sites: list[Site] = []
     found: list[tuple[Site, Issue, Site | None]] = []
     err = first_error
-    excluded = excluded_sites(model, request.policy)
+    excluded = excluded_sites(model, request.policy) + list(request.opaque)  # opaque from the start: not found again
     for _ in range(MAX_ROUNDS):
         if err is not None and request.dims_must_hold and specialises(err):
             break  # a declared dimension is specialised: no opaque part changes that (CaptureRequest)

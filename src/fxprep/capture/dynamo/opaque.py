@@ -36,7 +36,7 @@ import contextlib
 import functools
 import operator
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +87,10 @@ def _fake_outputs(rec: Recorded, args: tuple[Any, ...], kwargs: dict[str, Any], 
     for j, meta in enumerate(metas):
         second_shape = rec.shapes2[j] if rec.shapes2 is not None and j < len(rec.shapes2) else None
         sizes: list[Any] = []
-        for d, size in enumerate(meta.shape):
+        like = _shaped_like(rec, inputs, meta.shape, second_shape)
+        if like is not None:  # an output shaped like an input (a scan's output): that input's sizes, dim by dim
+            sizes = list(like.shape)
+        for d, size in enumerate(meta.shape if like is None else ()):
             second = second_shape[d] if second_shape is not None and len(second_shape) == len(meta.shape) else None
             if (size, second) in known:
                 sizes.append(known[(size, second)])
@@ -104,6 +107,23 @@ def _fake_outputs(rec: Recorded, args: tuple[Any, ...], kwargs: dict[str, Any], 
         else:
             out.append(torch.empty(sizes, dtype=meta.dtype, device=meta.device))
     return tuple(out)
+
+
+def _shaped_like(rec: Recorded, inputs: list[Any], shape: tuple[int, ...],
+                 second: tuple[int, ...] | None) -> torch.Tensor | None:
+    """The input tensor the eager runs gave exactly ``shape`` (and ``second`` in the perturbed run),
+    when there is one. Matching sizes one by one is ambiguous where a declared size equals a fixed
+    one (8 tokens beside a head dimension of 8: Falcon-H1's scan returned its input's layout with
+    the head dimension taken for the length, and the length was lost); an output laid out as an
+    input is read dimension by dimension from that input."""
+    for k, value in enumerate(inputs):
+        recorded = rec.inputs[k] if k < len(rec.inputs) else None
+        if not isinstance(value, torch.Tensor) or recorded != shape or value.dim() != len(shape):
+            continue
+        other = rec.inputs2[k] if rec.inputs2 is not None and k < len(rec.inputs2) else None
+        if second is None or other is None or other == second:
+            return value
+    return None
 
 
 def _propagate_real(fake: tuple[Any, ...], run: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -143,7 +163,9 @@ def _propagate_real(fake: tuple[Any, ...], run: Any, args: tuple[Any, ...], kwar
             elif size != real_size:
                 break
         else:
-            out.real_tensor = value
+            # a fake with a symbolic size was made contiguous (_fake_outputs): its real value must be laid out
+            # alike, or a view the fake allows fails on the real one (Qwen3.5's scan returns a transposed view)
+            out.real_tensor = value.contiguous() if sizes and not value.is_contiguous() else value
             for size, real_size in sizes:
                 expr = size.node.expr
                 if shape_env is not None and expr.is_Symbol and free_unbacked_symbols(size) and \
@@ -366,11 +388,13 @@ def _carried(dgm: fx.GraphModule, graph: fx.Graph, node: fx.Node, rec: Recorded,
     node.kwargs = {k: restore(k, v) for k, v in node.kwargs.items()}
 
 
-def relift_opaque(dgm: fx.GraphModule, box: BlackBox | None, names: Names) -> tuple[dict[fx.Node, str], dict[str, Site]]:
+def relift_opaque(dgm: fx.GraphModule, box: BlackBox | None, names: Names,
+                  owner: Callable[[fx.Node], nn.Module] | None = None) -> tuple[dict[fx.Node, str], dict[str, Site]]:
     """Each opaque call in Dynamo's graph → a ``call_module`` with the call's own arguments, its
     tensors read from the output by path. Returns the new nodes' targets (a module site's
     qualified name, else a placeholder name to place) and, for method and function sites, which
-    site each placeholder name stands for."""
+    site each placeholder name stands for. ``owner(node)``: the module whose code made a node; a
+    function site's call is named after it (:meth:`~fxprep.capture.sites.Site.called_from`)."""
     targets: dict[fx.Node, str] = {}
     wrappers: dict[str, Site] = {}
     if not box:
@@ -381,6 +405,9 @@ def relift_opaque(dgm: fx.GraphModule, box: BlackBox | None, names: Names) -> tu
         if call is None:
             continue
         site = call.site
+        caller = names.module_name(owner(node)) if owner is not None and site.func is not None else None
+        if caller is not None and caller != site.path:
+            site = site.called_from(caller)
         index = node.args[0]
         rec = call.records[min(int(index), len(call.records) - 1)]
         name = site.path if site.is_module else f"fxprep_opaque::{site.qualname}"

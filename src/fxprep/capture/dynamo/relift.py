@@ -292,7 +292,7 @@ def relift(dgm: fx.GraphModule, target: LiftTarget, box: BlackBox | None = None,
     dynamo_cleanup.fold_numpy_constants(dgm)
     dynamo_cleanup.restore_autograd_functions(dgm, stacks.owner)
     dynamo_cleanup.remove_noise(dgm)
-    opaque_calls, wrappers = relift_opaque(dgm, box, names)  # opaque parts → call_module
+    opaque_calls, wrappers = relift_opaque(dgm, box, names, stacks.owner)  # opaque parts → call_module
     if opaque_calls and not decided:
         drop_size_asserts(dgm)
     policy = with_opaque(target.policy, box)

@@ -180,17 +180,19 @@ def repeated_to(value: torch.Tensor, dim: int, size: int) -> torch.Tensor:
                                            for i in range(value.dim())])], dim=dim)
 
 
-def grown_example(model: nn.Module, example: ExampleInputs, dynamic: Any, grow: int = 1) -> ExampleInputs:
+def grown_example(model: nn.Module, example: ExampleInputs, dynamic: Any, grow: int | dict[str, int] = 1) -> ExampleInputs:
     """A second example whose dynamic dimensions are ``grow`` larger (:func:`repeated_to`, so token
-    ids and masks stay valid). Dimensions sharing a name grow together."""
+    ids and masks stay valid); ``grow`` may be given per dimension name (a name it does not give keeps
+    its size). Dimensions sharing a name grow together."""
     dims = dynamic_dims(model, example, dynamic)
 
     def grown(value: Any, spec: dict[int, str] | None) -> Any:
         if not isinstance(value, torch.Tensor) or not spec:
             return value
-        for d in sorted(spec):
+        for d, name in sorted(spec.items()):
+            more = grow if isinstance(grow, int) else grow.get(str(name), 0)
             d = d % value.dim()
-            value = repeated_to(value, d, value.shape[d] + grow)
+            value = repeated_to(value, d, value.shape[d] + more) if more else value
         return value
 
     names = positional_names(model, len(example.args))

@@ -1,0 +1,106 @@
+"""Each guard Dynamo adds during a capture, with the user frames that made it.
+
+Why: when a declared dimension is specialised or bounded, export's error says which symbol and, for
+a specialisation, one user stack; it does not say which *line* of the model's code made each
+guard that bounds a range (Qwen3.5's chunked scan: ``(padded // 64) == 1``), and a guard's text
+names symbols, not the inputs. :mod:`.scans` needs both to find the per-step loop behind a limit.
+Dynamo knows them at the moment it adds a guard: the expression, the shape environment that maps
+its symbols to the inputs' sizes, and the user frames it is tracing
+(``TracingContext.extract_stack``). :func:`recording` keeps those for the length of a capture.
+
+How: the shape environment's ``_log_guard`` (called for every guard Dynamo adds, before the guard is
+kept; private, so feature-detected: without it nothing is recorded and no scan is found) is wrapped
+for the capturing thread only (:func:`fxprep.threads.confined`). Suppressed guards (a kernel's shape
+logic during fake propagation) are not the model's and are left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...diagnose import is_user_file
+from ...threads import confined
+
+
+@dataclass(frozen=True)
+class AddedGuard:
+    """One guard: its expression (a sympy boolean), each free symbol's source names and example
+    value, and the user frames (``(file, function, line)``, outermost first) that made it."""
+
+    expr: Any
+    sources: dict[Any, tuple[str, ...]]
+    hints: dict[Any, int]
+    stack: tuple[tuple[str, str, int], ...]
+
+
+@dataclass
+class GuardLog:
+    """The guards of the captures run inside :func:`recording`, in the order Dynamo added them."""
+
+    guards: list[AddedGuard] = field(default_factory=list)
+
+
+def _user_stack() -> tuple[tuple[str, str, int], ...]:
+    from torch._guards import TracingContext
+
+    try:
+        summary = TracingContext.extract_stack()
+    except Exception:  # noqa: BLE001 - no tracing context: no frames
+        return ()
+    out = []
+    for frame in summary:
+        filename = getattr(frame, "filename", None)
+        if filename and is_user_file(filename):
+            out.append((os.path.normcase(os.path.abspath(filename)), frame.name, int(frame.lineno or 0)))
+    return tuple(out)
+
+
+def _name(source: Any) -> str:
+    """A source's text (``L['input_ids'].size()[1]``): a property in newer torch, a method before."""
+    name = source.name
+    return str(name() if callable(name) else name)
+
+
+def _added(env: Any, expr: Any) -> AddedGuard:
+    sources: dict[Any, tuple[str, ...]] = {}
+    hints: dict[Any, int] = {}
+    values = getattr(env, "backed_var_to_val", None)  # newer torch; var_to_val before (now deprecated)
+    values = env.var_to_val if values is None else values
+    for symbol in getattr(expr, "free_symbols", ()):
+        sources[symbol] = tuple(_name(s) for s in env.var_to_sources.get(symbol, ()))
+        value = values.get(symbol)
+        if value is not None:
+            with contextlib.suppress(TypeError, ValueError):
+                hints[symbol] = int(value)
+    return AddedGuard(expr, sources, hints, _user_stack())
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[GuardLog]:
+    """Record each guard Dynamo adds on this thread until exit (see the module docstring)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    log = GuardLog()
+    original = getattr(ShapeEnv, "_log_guard", None)
+    if original is None:
+        yield log
+        return
+
+    def log_guard(env: Any, prefix: str, expr: Any, *args: Any, **kwargs: Any) -> Any:
+        if "suppressed" not in str(prefix):
+            with contextlib.suppress(Exception):  # recording never changes what Dynamo does
+                log.guards.append(_added(env, expr))
+        return original(env, prefix, expr, *args, **kwargs)
+
+    ShapeEnv._log_guard = confined(log_guard, original)  # type: ignore[method-assign]
+    try:
+        yield log
+    finally:
+        ShapeEnv._log_guard = original  # type: ignore[method-assign]
+
+
+__all__ = ["AddedGuard", "GuardLog", "recording"]

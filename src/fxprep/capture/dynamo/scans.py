@@ -1,0 +1,274 @@
+"""A per-step loop kept out of the graph, so that the length it loops over stays dynamic.
+
+Why: a state-space or linear-attention layer computes its scan in plain Python when the compiled
+kernel is absent (transformers' torch fallbacks: Mamba's ``mamba_selective_scan``, Falcon-H1's
+``mamba2_chunk_scan``, Qwen3.5's ``torch_chunk_gated_delta_rule``, RecurrentGemma's ``_rnn_scan``):
+``for t in range(seq_len)`` or ``for i in range(num_chunks)``. Dynamo unrolls the loop, so the graph
+holds the example's number of steps: the length is specialised (Mamba: 8 tokens, and no other) or
+bounded (Qwen3.5: one 64-token chunk). Yet that function holds no layer; traced or not, a quantizer
+sees the same linear and convolution layers around it. Called as one opaque ``call_module`` (the
+user's function, run eagerly: :mod:`.opaque`) it takes any length, and the layers stay module-level.
+
+How: while the shape-general capture runs, every guard Dynamo adds is recorded with the user frames
+that made it (:mod:`.guard_log`). When export says a declared dimension is specialised or bounded,
+:func:`find` evaluates each guard on that dimension at other sizes (the example's other symbols at
+their values); a guard that fails at a size above the example's is what limits it. Its frames are
+matched to the live objects (:func:`~.locate.resolve`, else an eager replay, :func:`~.locate.locate`),
+and the smallest site around the guard that is not a module's ``forward`` (the free function a
+module's method calls, or a helper method of the module) is the scan. Only a site that hides no
+layer and no parameter (:func:`hidden_inside`: one eager call watched for module calls and for
+parameters it did not receive as arguments) is taken. The capture is then tried again with the
+scans opaque; ``prepare_model`` verifies the result at a size where each guard failed (the loop's
+step count differs from the example's: :attr:`Scan.past`) besides the second size, and takes static
+shapes where anything of this does not hold.
+"""
+
+from __future__ import annotations
+
+import linecache
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ...inputs import ExampleInputs
+from ...runs import SEED, preserved_state
+from ..sites import Site
+from .guard_log import AddedGuard, GuardLog
+from .locate import Located, locate, resolve
+from .recording import patched, real_callable
+from .shapes import SIZE_SOURCE
+
+MAX_LOCATED = 4  # stacks matched to live objects per finding (each may cost one eager run)
+_POWERS = [n for k in range(2, 11) for n in (2**k, 2**k + 1)]  # 4, 5, 8, 9 ... 1024, 1025: chunk sizes
+
+
+@dataclass(frozen=True)
+class Scan:
+    """A site kept opaque so that ``symbol`` stays dynamic: ``guard`` (readable) is what its code
+    put on it, at ``where``; ``past`` a size above the example's at which that guard fails."""
+
+    site: Site
+    symbol: str
+    guard: str
+    where: str
+    past: int
+    others: tuple[Site, ...] = ()  # the same method of the other instances of its module's class
+
+    @property
+    def sites(self) -> tuple[Site, ...]:
+        """Every site this scan makes opaque (a function is patched where its callers look it up:
+        one site takes every call; a method is patched per instance)."""
+        return (self.site, *self.others)
+
+    def note(self, checked: bool) -> str:
+        """The report's sentence on this scan (``checked``: the prepared module was verified at
+        :attr:`past` or beyond)."""
+        at = (f"; the prepared module was also checked at {self.symbol} {self.past}, where that guard fails" if checked
+              else "")
+        return (f"Shape-general: {self.site.qualname} runs eagerly, as one opaque call, so that '{self.symbol}' stays "
+                f"dynamic: traced, its code ties the graph to the example's size ({self.guard} at {self.where}). It "
+                f"computes with no layer and with no parameter it is not given, so the layers around it stay "
+                f"modules{at}. Pass dynamic=False to trace it at the example's size instead.")
+
+
+def _declared(guard: AddedGuard, dynamic: dict[str, dict[int, str]]) -> dict[Any, str]:
+    """Each free symbol of ``guard`` that is a declared dimension, with its declared name."""
+    out = {}
+    for symbol, sources in guard.sources.items():
+        for source in sources:
+            m = SIZE_SOURCE.fullmatch(source)
+            sym = dynamic.get(m.group(1), {}).get(int(m.group(2))) if m else None
+            if sym is not None:
+                out[symbol] = sym
+                break
+    return out
+
+
+def _sizes_above(size: int) -> list[int]:
+    return sorted({n for n in (size + 1, size + 2, size + 3, 2 * size, 2 * size + 1, *_POWERS) if n > size})
+
+
+def failing_size(guard: AddedGuard, symbols: set[Any], size: int) -> int | None:
+    """The smallest size above ``size`` (of those tried: the next few, twice it, and powers of two and one
+    past each, up to 1025) at which ``guard`` fails with each of ``symbols`` (Dynamo's symbols of one
+    declared dimension: with ``Dim.AUTO`` each input has its own, tied by equality guards) at that
+    size and its other symbols at their example values; None when it holds at all of them or
+    cannot be evaluated."""
+    import sympy
+
+    others = {s: sympy.Integer(v) for s, v in guard.hints.items() if s not in symbols}
+    if len(others) + len(symbols & set(guard.sources)) != len(guard.sources):
+        return None  # a symbol without an example value (unbacked): not evaluated
+    for n in _sizes_above(size):
+        try:
+            value = guard.expr.xreplace({**others, **{s: sympy.Integer(n) for s in symbols}})
+        except Exception:  # noqa: BLE001 - an expression sympy cannot rebuild: not evaluated
+            return None
+        if value is sympy.false:
+            return n
+        if value is not sympy.true:
+            return None
+    return None
+
+
+def _readable(guard: AddedGuard, names: dict[Any, str]) -> str:
+    """The guard as Python (``seq == 8``), its declared symbols by their names."""
+    import sympy
+
+    expr = guard.expr.xreplace({s: sympy.Symbol(n, integer=True, positive=True) for s, n in names.items()})
+    try:
+        from torch.utils._sympy.printers import PythonPrinter
+
+        text = PythonPrinter().doprint(expr)
+    except Exception:  # noqa: BLE001 - a torch without that printer: sympy's own text
+        text = str(expr)
+    return text[:160]
+
+
+def _where(stack: tuple[tuple[str, str, int], ...]) -> str:
+    file, name, line = stack[-1]
+    code = linecache.getline(file, line).strip()
+    return f"{file}:{line} in {name}" + (f" ({code[:100]})" if code else "")
+
+
+def _scan_site(located: Located | None, model: nn.Module) -> Site | None:
+    """The innermost site on the guard's path when it is a function or a helper method (not a
+    module's ``forward``: that would hide the module's layers)."""
+    if located is None:
+        return None
+    sites = located.sites(model)
+    if not sites:
+        return None
+    site = sites[0][0]
+    return None if site.is_module else site
+
+
+def find(log: GuardLog, symbols: set[str], dynamic: dict[str, dict[int, str]], sizes: dict[str, int],
+         model: nn.Module, call: ExampleInputs, taken: list[Site]) -> list[Scan]:
+    """The scans behind the guards in ``log`` that limit the declared ``symbols`` (``sizes``: each
+    declared symbol's size in ``call``, the example the capture ran on), not already ``taken``; see the
+    module docstring. Each site is taken once, with the first guard found in it."""
+    found: list[Scan] = []
+    seen: set[tuple[str, tuple[tuple[str, str, int], ...]]] = set()
+    located: dict[tuple[tuple[str, str, int], ...], Site | None] = {}
+    for guard in log.guards:
+        if not guard.stack:
+            continue
+        names = _declared(guard, dynamic)
+        key = (str(guard.expr), guard.stack)
+        if key in seen:
+            continue
+        seen.add(key)
+        for sym in dict.fromkeys(names.values()):
+            if sym not in symbols or sym not in sizes:
+                continue
+            past = failing_size(guard, {s for s, n in names.items() if n == sym}, sizes[sym])
+            if past is None:
+                continue
+            frames = {(f, n) for f, n, _ in guard.stack}
+            if any(_within(scan, frames) for scan in found):
+                break  # inside a scan already found
+            if guard.stack not in located:
+                if len(located) >= MAX_LOCATED:
+                    return found
+                stack = list(guard.stack)
+                located[guard.stack] = _scan_site(resolve(stack, model) or locate(stack, model, call), model)
+            site = located[guard.stack]
+            if site is not None and site not in taken and all(site not in s.sites for s in found):
+                found.append(Scan(site, sym, _readable(guard, names), _where(guard.stack), past, _others(site, model)))
+            break
+    return found
+
+
+def _others(site: Site, model: nn.Module) -> tuple[Site, ...]:
+    """For a method site, the same method of every other instance of its owner's class (each layer
+    of a stack runs the same loop); none for a function site."""
+    if site.func is not None or site.attr is not None:
+        return ()
+    kind = type(site.owner(model))
+    return tuple(Site(path, site.method) for path, module in model.named_modules()
+                 if type(module) is kind and path != site.path)
+
+
+def _within(scan: Scan, frames: set[tuple[str, str]]) -> bool:
+    """Whether a guard whose stack holds ``frames`` ran inside ``scan``'s function or method."""
+    return any(name == scan.site.method for _, name in frames)
+
+
+class _Seen(BaseException):
+    """Ends the eager run once the site has been watched (not an Exception: model code that catches
+    those must not swallow it)."""
+
+
+def hidden_inside(model: nn.Module, call: ExampleInputs, site: Site) -> list[str]:
+    """What one eager call of ``site`` (its first, in a run of ``model`` on ``call``) computes with
+    that a quantizer would no longer see with the site opaque: each module it calls, and each
+    parameter of the model it uses without receiving it as an argument (a helper method reading
+    ``self.weight``). A parameter passed in (Mamba's ``D``) stays a ``get_attr`` input of the opaque
+    call. Empty for a scan that may be opaque."""
+    from torch.overrides import TorchFunctionMode
+
+    parameters = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    modules = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    found: list[str] = []
+    given: set[int] = set()
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            for leaf in pytree.tree_leaves((args, kwargs or {})):
+                if isinstance(leaf, nn.Parameter) and id(leaf) in parameters and id(leaf) not in given:
+                    found.append(f"parameter {parameters[id(leaf)]}")
+            return func(*args, **(kwargs or {}))
+
+    def called(module: nn.Module, args: Any) -> None:
+        found.append(f"module {modules.get(id(module), type(module).__name__)}")
+
+    real = real_callable(site, model)
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        given.update(id(v) for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor))
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(called)
+        try:
+            with Watch():
+                real(*args, **kwargs)
+        finally:
+            handle.remove()
+        raise _Seen
+
+    fresh = call.fresh_copy()
+    try:
+        with patched(model, {site: watched}), preserved_state(model), torch.no_grad():
+            torch.manual_seed(SEED)
+            model(*fresh.args, **fresh.kwargs)
+    except _Seen:
+        return list(dict.fromkeys(found))
+    except Exception as err:  # noqa: BLE001 - a site the eager run cannot reach: not taken
+        return [f"the eager run failed ({type(err).__name__})"]
+    return ["the eager run never called it"]
+
+
+def usable(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call: ExampleInputs,
+           taken: list[Site]) -> list[Scan]:
+    """The scans :func:`find` names for the declared ``symbols`` of ``proposal`` (an
+    :class:`~.autodims.Proposal` captured on ``call``) that hide nothing (:func:`hidden_inside`)."""
+    from ... import progress
+    from .shapes import named_inputs
+
+    inputs = named_inputs(model, proposal.capture_example)
+    sizes = {sym: int(inputs[name].shape[d]) for name, dims in proposal.dynamic.items() for d, sym in dims.items()
+             if isinstance(inputs.get(name), torch.Tensor)}
+    out = []
+    for scan in find(log, symbols, proposal.dynamic, sizes, model, call, taken):
+        hidden = hidden_inside(model, call, scan.site)
+        if hidden:
+            progress.step(f"{scan.site.qualname} loops over '{scan.symbol}' but is not kept opaque: it uses {hidden[0]}")
+            continue
+        progress.step(f"{scan.site.qualname} made opaque: a loop over '{scan.symbol}' ({scan.guard})")
+        out.append(scan)
+    return out
+
+
+__all__ = ["Scan", "failing_size", "find", "hidden_inside", "usable"]
