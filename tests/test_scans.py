@@ -183,6 +183,26 @@ def test_the_size_where_a_guard_fails_is_found_above_the_example() -> None:
     assert failing_size(AddedGuard(sympy.Eq(s, unbacked), {s: ("x",), unbacked: ()}, {}, ()), {s}, 8) is None
 
 
+def _mask_below(x: torch.Tensor, window: int = 8) -> torch.Tensor | None:
+    if x.shape[1] < window:  # BRANCH
+        return None
+    return torch.ones(x.shape[1], x.shape[1]).tril(-window)
+
+
+def test_a_guard_made_by_a_branch_is_told_from_one_made_by_a_loop() -> None:
+    # a function that decides on the length (the sliding-window mask) is not kept opaque as a scan: the
+    # graph would hold what it returned at the example's size (None) at every size
+    import inspect
+
+    from fxprep.capture.dynamo.scans import on_branch
+
+    lines, first = inspect.getsourcelines(_mask_below)
+    branch = first + next(i for i, code in enumerate(lines) if "BRANCH" in code)
+    lines, first = inspect.getsourcelines(selective_scan)
+    loop = first + next(i for i, code in enumerate(lines) if "for t in range" in code)
+    assert on_branch(__file__, branch) and not on_branch(__file__, loop) and not on_branch(__file__, branch + 2)
+
+
 def _ids(batch: int, seq: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 90, (batch, seq), generator=torch.Generator().manual_seed(seed))
 

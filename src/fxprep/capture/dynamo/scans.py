@@ -146,41 +146,81 @@ def _scan_site(located: Located | None, model: nn.Module) -> Site | None:
     return None if site.is_module else site
 
 
-def find(log: GuardLog, symbols: set[str], dynamic: dict[str, dict[int, str]], sizes: dict[str, int],
-         model: nn.Module, call: ExampleInputs, taken: list[Site]) -> list[Scan]:
-    """The scans behind the guards in ``log`` that limit the declared ``symbols`` (``sizes``: each
-    declared symbol's size in ``call``, the example the capture ran on), not already ``taken``; see the
-    module docstring. Each site is taken once, with the first guard found in it."""
-    found: list[Scan] = []
+def _limiting(log: GuardLog, symbols: set[str], dynamic: dict[str, dict[int, str]], sizes: dict[str, int]
+              ) -> list[tuple[AddedGuard, str, dict[Any, str], int]]:
+    """The guards in ``log`` (with user frames) that fail above the example's size of one of the declared
+    ``symbols``: ``(guard, declared symbol, its symbols' declared names, the size where it fails)`` each."""
+    out = []
     seen: set[tuple[str, tuple[tuple[str, str, int], ...]]] = set()
-    located: dict[tuple[tuple[str, str, int], ...], Site | None] = {}
     for guard in log.guards:
-        if not guard.stack:
-            continue
-        names = _declared(guard, dynamic)
         key = (str(guard.expr), guard.stack)
-        if key in seen:
+        if not guard.stack or key in seen:
             continue
         seen.add(key)
+        names = _declared(guard, dynamic)
         for sym in dict.fromkeys(names.values()):
-            if sym not in symbols or sym not in sizes:
-                continue
-            past = failing_size(guard, {s for s, n in names.items() if n == sym}, sizes[sym])
-            if past is None:
-                continue
-            frames = {(f, n) for f, n, _ in guard.stack}
-            if any(_within(scan, frames) for scan in found):
-                break  # inside a scan already found
-            if guard.stack not in located:
-                if len(located) >= MAX_LOCATED:
-                    return found
-                stack = list(guard.stack)
-                located[guard.stack] = _scan_site(resolve(stack, model) or locate(stack, model, call), model)
-            site = located[guard.stack]
-            if site is not None and site not in taken and all(site not in s.sites for s in found):
-                found.append(Scan(site, sym, _readable(guard, names), _where(guard.stack), past, _others(site, model)))
-            break
-    return found
+            if sym in symbols and sym in sizes:
+                past = failing_size(guard, {s for s, n in names.items() if n == sym}, sizes[sym])
+                if past is not None:
+                    out.append((guard, sym, names, past))
+                    break
+    return out
+
+
+def find(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call: ExampleInputs,
+         taken: list[Site]) -> list[Scan]:
+    """The scans behind the guards in ``log`` that limit the declared ``symbols`` of ``proposal`` (an
+    :class:`~.autodims.Proposal` captured on ``call``), not already ``taken``; see the
+    module docstring. Each site is taken once, with the first guard found in it. A site holding a
+    limiting guard made by a branch (an ``if``, ``while`` or ``assert`` on the size: transformers'
+    sliding-window mask returns None below the window) is a decision, not a loop: opaque, the graph
+    would hold what it returned for the example (None) at every size, so it is not taken."""
+    from .shapes import named_inputs
+
+    inputs = named_inputs(model, proposal.capture_example)
+    sizes = {sym: int(inputs[name].shape[d]) for name, dims in proposal.dynamic.items() for d, sym in dims.items()
+             if isinstance(inputs.get(name), torch.Tensor)}
+    limiting = _limiting(log, symbols, proposal.dynamic, sizes)
+    found: list[Scan] = []
+    located: dict[tuple[tuple[str, str, int], ...], Site | None] = {}
+    for guard, sym, names, past in limiting:
+        frames = {(f, n) for f, n, _ in guard.stack}
+        if any(_within(scan, frames) for scan in found):
+            continue  # inside a scan already found
+        if guard.stack not in located:
+            if len(located) >= MAX_LOCATED:
+                break
+            stack = list(guard.stack)
+            located[guard.stack] = _scan_site(resolve(stack, model) or locate(stack, model, call), model)
+        site = located[guard.stack]
+        if site is not None and site not in taken and all(site not in s.sites for s in found):
+            found.append(Scan(site, sym, _readable(guard, names), _where(guard.stack), past, _others(site, model)))
+    branches = [guard for guard, *_ in limiting if on_branch(*guard.stack[-1][::2])]
+    return [scan for scan in found
+            if not any(_within(scan, {(f, n) for f, n, _ in guard.stack}) for guard in branches)]
+
+
+_BRANCHES: dict[str, list[tuple[int, int]]] = {}
+
+
+def on_branch(file: str, line: int) -> bool:
+    """Whether ``file:line`` is in the condition of an ``if``, ``elif``, ``while``, ``assert`` or
+    conditional expression (read from the file's syntax tree; False where it cannot be read)."""
+    import ast
+
+    if file not in _BRANCHES:
+        spans: list[tuple[int, int]] = []
+        try:
+            with open(file, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (OSError, SyntaxError, ValueError):
+            tree = None
+        for node in ast.walk(tree) if tree is not None else ():
+            tests = [node.test] if isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)) else []
+            tests += list(node.ifs) if isinstance(node, ast.comprehension) else []
+            spans += [(t.lineno, t.end_lineno or t.lineno) for t in tests]
+        _BRANCHES[file] = spans
+    return any(low <= line <= high for low, high in _BRANCHES[file])
 
 
 def _others(site: Site, model: nn.Module) -> tuple[Site, ...]:
@@ -255,13 +295,9 @@ def usable(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, ca
     """The scans :func:`find` names for the declared ``symbols`` of ``proposal`` (an
     :class:`~.autodims.Proposal` captured on ``call``) that hide nothing (:func:`hidden_inside`)."""
     from ... import progress
-    from .shapes import named_inputs
 
-    inputs = named_inputs(model, proposal.capture_example)
-    sizes = {sym: int(inputs[name].shape[d]) for name, dims in proposal.dynamic.items() for d, sym in dims.items()
-             if isinstance(inputs.get(name), torch.Tensor)}
     out = []
-    for scan in find(log, symbols, proposal.dynamic, sizes, model, call, taken):
+    for scan in find(log, symbols, proposal, model, call, taken):
         hidden = hidden_inside(model, call, scan.site)
         if hidden:
             progress.step(f"{scan.site.qualname} loops over '{scan.symbol}' but is not kept opaque: it uses {hidden[0]}")
