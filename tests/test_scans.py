@@ -203,6 +203,42 @@ def test_a_guard_made_by_a_branch_is_told_from_one_made_by_a_loop() -> None:
     assert on_branch(__file__, branch) and not on_branch(__file__, loop) and not on_branch(__file__, branch + 2)
 
 
+def chunked_scan(x: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """Padded to whole chunks, one step per chunk, the padding cut off again: a branch on the
+    length inside a scan that returns a tensor either way (Mamba2's ``if pad_size > 0``)."""
+    length = x.shape[1]
+    pad = (chunk - length % chunk) % chunk
+    x = nn.functional.pad(x, (0, 0, 0, pad))
+    state = torch.zeros_like(x[:, :chunk])
+    out = []
+    for i in range(x.shape[1] // chunk):
+        state = 0.5 * state + x[:, i * chunk:(i + 1) * chunk].cumsum(1)
+        out.append(state)
+    y = torch.cat(out, dim=1)
+    if pad > 0:
+        y = y[:, :length]
+    return y
+
+
+class Chunked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(chunked_scan(self.inp(x)))
+
+
+def test_a_scan_that_branches_on_the_length_and_returns_a_tensor_is_kept_opaque() -> None:
+    torch.manual_seed(0)
+    model = Chunked().eval()
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 3, 8),), dynamic={"x": {1: "seq"}})
+    leaves = fxprep.get_report(gm).leaves
+    assert leaves.get("chunked_scan", "").startswith("opaque: a loop over 'seq'"), leaves
+    _same_at(gm, model, (2, 4, 5, 9, 40))
+
+
 def _ids(batch: int, seq: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 90, (batch, seq), generator=torch.Generator().manual_seed(seed))
 

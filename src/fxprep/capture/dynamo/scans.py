@@ -17,7 +17,9 @@ matched to the live objects (:func:`~.locate.resolve`, else an eager replay, :fu
 and the smallest site around the guard that is not a module's ``forward`` (the free function a
 module's method calls, or a helper method of the module) is the scan. Only a site that hides no
 layer and no parameter (:func:`hidden_inside`: one eager call watched for module calls and for
-parameters it did not receive as arguments) is taken. The capture is then tried again with the
+parameters it did not receive as arguments) is taken; nor is one that branches on the size (an ``if`` made a limiting guard inside it) and returns
+anything but tensors (transformers' sliding-window mask returns None below the window: opaque, the
+graph would hold None at every length). The capture is then tried again with the
 scans opaque; ``prepare_model`` verifies the result at a size where each guard failed (the loop's
 step count differs from the example's: :attr:`Scan.past`) besides the second size, and takes static
 shapes where anything of this does not hold.
@@ -25,6 +27,7 @@ shapes where anything of this does not hold.
 
 from __future__ import annotations
 
+import dataclasses
 import linecache
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +59,9 @@ class Scan:
     where: str
     past: int
     others: tuple[Site, ...] = ()  # the same method of the other instances of its module's class
+    # a limiting guard inside it was made by a branch on the size (Mamba2's `if pad_size > 0`, or
+    # transformers' sliding-window mask, which returns None below the window)
+    branched: bool = False
 
     @property
     def sites(self) -> tuple[Site, ...]:
@@ -172,9 +178,8 @@ def find(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call
     """The scans behind the guards in ``log`` that limit the declared ``symbols`` of ``proposal`` (an
     :class:`~.autodims.Proposal` captured on ``call``), not already ``taken``; see the
     module docstring. Each site is taken once, with the first guard found in it. A site holding a
-    limiting guard made by a branch (an ``if``, ``while`` or ``assert`` on the size: transformers'
-    sliding-window mask returns None below the window) is a decision, not a loop: opaque, the graph
-    would hold what it returned for the example (None) at every size, so it is not taken."""
+    limiting guard made by a branch (an ``if``, ``while`` or ``assert`` on the size) is marked
+    :attr:`Scan.branched`: :func:`usable` takes it only where it returns tensors alone."""
     from .shapes import named_inputs
 
     inputs = named_inputs(model, proposal.capture_example)
@@ -196,8 +201,9 @@ def find(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call
         if site is not None and site not in taken and all(site not in s.sites for s in found):
             found.append(Scan(site, sym, _readable(guard, names), _where(guard.stack), past, _others(site, model)))
     branches = [guard for guard, *_ in limiting if on_branch(*guard.stack[-1][::2])]
-    return [scan for scan in found
-            if not any(_within(scan, {(f, n) for f, n, _ in guard.stack}) for guard in branches)]
+    return [dataclasses.replace(scan, branched=True)
+            if any(_within(scan, {(f, n) for f, n, _ in guard.stack}) for guard in branches) else scan
+            for scan in found]
 
 
 _BRANCHES: dict[str, list[tuple[int, int]]] = {}
@@ -249,12 +255,19 @@ def hidden_inside(model: nn.Module, call: ExampleInputs, site: Site) -> list[str
     parameter of the model it uses without receiving it as an argument (a helper method reading
     ``self.weight``). A parameter passed in (Mamba's ``D``) stays a ``get_attr`` input of the opaque
     call. Empty for a scan that may be opaque."""
+    return watch(model, call, site)[0]
+
+
+def watch(model: nn.Module, call: ExampleInputs, site: Site) -> tuple[list[str], list[str]]:
+    """:func:`hidden_inside`, and the type of each leaf of that call's output that is not a tensor
+    (None, a number: the graph holds it as recorded at every size)."""
     from torch.overrides import TorchFunctionMode
 
     parameters = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     modules = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
     found: list[str] = []
     given: set[int] = set()
+    constants: list[str] = []
 
     class Watch(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -273,7 +286,8 @@ def hidden_inside(model: nn.Module, call: ExampleInputs, site: Site) -> list[str
         handle = torch.nn.modules.module.register_module_forward_pre_hook(called)
         try:
             with Watch():
-                real(*args, **kwargs)
+                out = real(*args, **kwargs)
+            constants.extend(type(v).__name__ for v in pytree.tree_leaves(out) if not isinstance(v, torch.Tensor))
         finally:
             handle.remove()
         raise _Seen
@@ -284,10 +298,10 @@ def hidden_inside(model: nn.Module, call: ExampleInputs, site: Site) -> list[str
             torch.manual_seed(SEED)
             model(*fresh.args, **fresh.kwargs)
     except _Seen:
-        return list(dict.fromkeys(found))
+        return list(dict.fromkeys(found)), constants
     except Exception as err:  # noqa: BLE001 - a site the eager run cannot reach: not taken
-        return [f"the eager run failed ({type(err).__name__})"]
-    return ["the eager run never called it"]
+        return [f"the eager run failed ({type(err).__name__})"], constants
+    return ["the eager run never called it"], constants
 
 
 def usable(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call: ExampleInputs,
@@ -298,9 +312,12 @@ def usable(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, ca
 
     out = []
     for scan in find(log, symbols, proposal, model, call, taken):
-        hidden = hidden_inside(model, call, scan.site)
+        hidden, constants = watch(model, call, scan.site)
         if hidden:
             progress.step(f"{scan.site.qualname} loops over '{scan.symbol}' but is not kept opaque: it uses {hidden[0]}")
+            continue
+        if scan.branched and constants:  # a decision on the size: the graph would hold that value at every size
+            progress.step(f"{scan.site.qualname} decides on '{scan.symbol}' and returns {constants[0]}: not kept opaque")
             continue
         progress.step(f"{scan.site.qualname} made opaque: a loop over '{scan.symbol}' ({scan.guard})")
         out.append(scan)
