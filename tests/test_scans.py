@@ -245,10 +245,18 @@ def _ids(batch: int, seq: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mamba_takes_any_length(dtype: torch.dtype) -> None:
+    from transformers.models.mamba import modeling_mamba
+
     built = specs.resolve("transformers:mamba")
     model = built.model.to(dtype).eval()
     gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 8, 0)})
     report = fxprep.get_report(gm)
+    if not hasattr(modeling_mamba, "mamba_selective_scan"):
+        # transformers before the hub-kernel fallbacks (5.0) writes the loop inline in the mixer's
+        # forward, which uses the layer's weights: not a scan to keep opaque; the length stays, and why
+        assert "input_ids dim 1 stays at the example's size: the model's code specialises 'seq' to 8" in report.to_text()
+        assert not any(v.startswith("opaque: a loop over") for v in report.leaves.values())
+        return
     assert "dynamic dimensions: {'input_ids': {0: 'batch', 1: 'seq'}}" in report.notes
     assert any(k.endswith("mamba_selective_scan") for k in report.leaves), report.leaves
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
@@ -262,7 +270,7 @@ def test_mamba_takes_any_length(dtype: torch.dtype) -> None:
 
 
 def test_a_chunked_scan_takes_lengths_past_one_chunk() -> None:
-    built = specs.resolve("transformers:kimi_linear")
+    built = specs.resolve("transformers:kimi_linear")  # transformers 5.24 (not in 5.0, the oldest supported)
     model = built.model.eval()
     gm = fxprep.prepare_model(model, example_inputs={"input_ids": _ids(1, 8, 0)})
     text = fxprep.get_report(gm).to_text()
