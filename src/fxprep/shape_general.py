@@ -181,8 +181,7 @@ def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -
     except Exception as err:  # noqa: BLE001 - cannot tell: every range is kept as a limit
         why = f"kept as a limit: whether the model's code branches there could not be checked ({first_line(err)})"
         return dataclasses.replace(proposal, limits={k: r.joined(why) for k, r in proposal.ranges.items()})
-    inputs = autodims.named_inputs(model, proposal.capture_example)
-    sizes = {sym: int(inputs[name].shape[d]) for name, dims in proposal.dynamic.items() for d, sym in dims.items()}
+    sizes = proposal.sizes(model, proposal.capture_example)
     # a range read off the guards themselves is where the graph holds, whatever set it
     kept = {sym: r for sym, r in proposal.ranges.items() if r.from_guards}
     for sym, bound in proposal.ranges.items():
@@ -358,7 +357,7 @@ def past_scans(model: nn.Module, proposal: autodims.Proposal, example: ExampleIn
     """How much larger than ``example`` each symbol a scan loops over must be for the check where
     the scan's guard fails (:attr:`~.capture.dynamo.scans.Scan.past`): empty where ``second`` (the
     second size) reaches it already, or where a limit of the prepared module ends before it."""
-    sizes, second_sizes = _sizes(model, proposal, example), _sizes(model, proposal, second)
+    sizes, second_sizes = proposal.sizes(model, example), proposal.sizes(model, second)
     grow: dict[str, int] = {}
     for scan in proposal.scans:
         size, high = sizes.get(scan.symbol), proposal.limits.get(scan.symbol)
@@ -368,12 +367,6 @@ def past_scans(model: nn.Module, proposal: autodims.Proposal, example: ExampleIn
             continue
         grow[scan.symbol] = max(grow.get(scan.symbol, 0), scan.past - size)
     return grow
-
-
-def _sizes(model: nn.Module, proposal: autodims.Proposal, example: ExampleInputs) -> dict[str, int]:
-    inputs = autodims.named_inputs(model, example)
-    return {sym: int(inputs[name].shape[d]) for name, dims in proposal.dynamic.items() for d, sym in dims.items()
-            if isinstance(inputs.get(name), torch.Tensor)}
 
 
 def _bounds(low: int | None, high: int | None) -> str:

@@ -123,6 +123,12 @@ class Proposal:
     # per-step loops kept opaque so that the symbol they loop over stays dynamic (:class:`.scans.Scan` each)
     scans: tuple[Any, ...] = ()
 
+    def sizes(self, model: nn.Module, example: ExampleInputs) -> dict[str, int]:
+        """Each declared symbol's size in ``example`` (the capture example, or one grown from it)."""
+        inputs = named_inputs(model, example)
+        return {sym: int(inputs[name].shape[d]) for name, dims in self.dynamic.items() for d, sym in dims.items()
+                if isinstance(inputs.get(name), torch.Tensor)}
+
     def describe(self) -> str:
         parts = [f"{name} dim {d} ({sym})" for name, dims in self.dynamic.items() for d, sym in sorted(dims.items())]
         return ", ".join(parts)

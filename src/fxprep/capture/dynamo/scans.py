@@ -180,12 +180,7 @@ def find(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call
     module docstring. Each site is taken once, with the first guard found in it. A site holding a
     limiting guard made by a branch (an ``if``, ``while`` or ``assert`` on the size) is marked
     :attr:`Scan.branched`: :func:`usable` takes it only where it returns tensors alone."""
-    from .shapes import named_inputs
-
-    inputs = named_inputs(model, proposal.capture_example)
-    sizes = {sym: int(inputs[name].shape[d]) for name, dims in proposal.dynamic.items() for d, sym in dims.items()
-             if isinstance(inputs.get(name), torch.Tensor)}
-    limiting = _limiting(log, symbols, proposal.dynamic, sizes)
+    limiting = _limiting(log, symbols, proposal.dynamic, proposal.sizes(model, proposal.capture_example))
     found: list[Scan] = []
     located: dict[tuple[tuple[str, str, int], ...], Site | None] = {}
     for guard, sym, names, past in limiting:
