@@ -419,8 +419,10 @@ def _capture_general(run: Preparation, tracers: list[str], *, static_fallback: b
     request, proposal = run.request, run.proposal
     assert proposal is not None and request.example is not None
 
-    def capture_at(call: ExampleInputs, dims: Any, opaque: list[Any]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-        return cascade.capture(request.replace(example=call, dynamic=dims, opaque=tuple(opaque)), ["dynamo"])
+    def capture_at(call: ExampleInputs, dims: Any, opaque: list[Any], search: bool
+                   ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+        return cascade.capture(request.replace(example=call, dynamic=dims, opaque=tuple(opaque), scan_search=search),
+                               ["dynamo"])
 
     try:
         result, attempts, found = shape_general.capture(request.model, request.example, proposal, capture_at,

@@ -27,13 +27,14 @@ from torch import nn
 
 from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims, guard_log, violation
+from .capture.dynamo.block_failure import BlockSpecialised
 from .capture.dynamo.branches import SIZES, size_branches
 from .capture.dynamo.export import quiet_guard_logs
 from .capture.dynamo.fallback import TRACER as LEAVES_TRACER
 from .capture.dynamo.fallback import VALUES_TRACER, capture_dynamo_leaves
 from .capture.dynamo.guard_log import GuardLog
 from .capture.dynamo.scans import Scan
-from .capture.dynamo.shapes import shortest_length
+from .capture.dynamo.shapes import SIZE_SOURCE, shortest_length
 from .capture.fx import restored_attributes
 from .capture.huggingface import capture_context
 from .capture.request import CaptureRequest
@@ -42,8 +43,10 @@ from .inputs import ExampleInputs
 from .report import Report
 from .runs import preserved_state
 
-# (capture example, dynamic dimensions, sites kept opaque) -> the capture and its attempts
-Capture = Callable[[ExampleInputs, Any, list[Any]], tuple["CaptureResult | None", list[CaptureAttempt]]]
+# (capture example, dynamic dimensions, sites kept opaque, whether a repeated block's own capture that
+# specialises a dimension fails the capture for the scan search: CaptureRequest.scan_search)
+# -> the capture and its attempts
+Capture = Callable[[ExampleInputs, Any, list[Any], bool], tuple["CaptureResult | None", list[CaptureAttempt]]]
 # (the guards of a failed capture, the declared symbols it limited, the proposal, the sites taken) -> new scans
 ScanFinder = Callable[[GuardLog, set[str], autodims.Proposal, list[Any]], list[Scan]]
 MAX_SCAN_ROUNDS = 3
@@ -73,27 +76,44 @@ class NotShapeGeneral(Exception):
 def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposal,
             run: Capture, tracer: str = "dynamo", scans_of: ScanFinder | None = None
             ) -> tuple[CaptureResult, list[CaptureAttempt], autodims.Proposal]:
-    """``run(capture_example, dynamic, opaque sites)`` (Dynamo alone, or what ``tracer`` names) with
+    """``run(capture_example, dynamic, opaque sites, search)`` (Dynamo alone, or what ``tracer`` names) with
     ``proposal``'s dimensions; each dimension Dynamo finds specialised is dropped (its reason kept in
     ``proposal.dropped``), each range it needs is declared, and the capture retried. Before that,
     ``scans_of`` may name per-step loops behind the guards that limit them (:mod:`.capture.dynamo.scans`):
     the capture is tried with those opaque, and they are kept where that frees a dimension or widens
-    a range. Raises :class:`NotShapeGeneral` when no dimension is left or the capture fails for
-    another reason."""
+    a range. They are looked for first in a repeated block's own capture, when that fails
+    (``search``: :mod:`.capture.dynamo.block_failure`); the whole model is captured only where none is
+    found there or the one found does not make the capture succeed. Raises :class:`NotShapeGeneral`
+    when no dimension is left or the capture fails for another reason."""
     current: autodims.Proposal | None = proposal
     before: tuple[autodims.Proposal, BaseException | None, Any, Any] | None = None  # the failure scans try to pass
     rounds, refused = 0, list[Any]()  # scans tried that did not help are not tried again
+    whole = False  # capture ``current`` whole even where a block's own capture fails (its scan search is done)
     while current is not None:
+        search = scans_of is not None and before is None and not whole and rounds < MAX_SCAN_ROUNDS
         with quiet_guard_logs(), guard_log.recording() as log:
             result, attempts = run(current.capture_example, current.for_export(),
-                                   [site for scan in current.scans for site in scan.sites])
+                                   [site for scan in current.scans for site in scan.sites], search)
         if result is not None and result.tracer == tracer:
             for scan in current.scans:
                 for site in scan.sites:
                     result.extra_leaves[site.qualname] = f"opaque: a loop over '{scan.symbol}' at {scan.where}"
             return result, attempts, current
         err = next((a.exception for a in reversed(attempts) if a.exception is not None), None)
+        if isinstance(err, BlockSpecialised) and scans_of is not None:  # a block specialised a dimension
+            rounds += 1
+            new = scans_of(log, _declared(err.sources, current), current,
+                           [site for scan in current.scans for site in scan.sites] + refused)
+            whole = True  # no scan there: the whole model's capture says what to drop or bound
+            if new:
+                before = (current, None, None, None)
+                current = dataclasses.replace(current, scans=current.scans + tuple(new))
+            continue
+        whole = False
         found, ranges = violation.findings(err, current) if err is not None else ({}, {})
+        if before is not None and before[1] is None:  # scans found in a block's failure did not do:
+            current, before, whole = before[0], None, True  # the whole model's capture without them decides
+            continue
         if before is not None:  # the capture with new scans opaque
             if not _freer(found, ranges, before[2], before[3]):  # they did not help: traced, as before
                 refused.extend(site for scan in current.scans if scan not in before[0].scans for site in scan.sites)
@@ -123,6 +143,17 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             raise NotShapeGeneral(f"every declared dimension is specialised by the model: {why}")
         current = nxt
     raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
+
+
+def _declared(sources: list[str], proposal: autodims.Proposal) -> set[str]:
+    """The declared names of the input sizes ``sources`` names (``L['input_ids'].size()[1]`` -> ``seq``)."""
+    out = set()
+    for source in sources:
+        m = SIZE_SOURCE.fullmatch(source)
+        name = proposal.dynamic.get(m.group(1), {}).get(int(m.group(2))) if m else None
+        if name is not None:
+            out.add(name)
+    return out
 
 
 def scans_finder(request: CaptureRequest) -> ScanFinder:
@@ -262,7 +293,7 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
     how = "deciding values read from data" if tracer == VALUES_TRACER else "with the same parts opaque"
     why_not: list[str] = []
 
-    def run(call: ExampleInputs, dims: Any, scans: list[Any]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+    def run(call: ExampleInputs, dims: Any, scans: list[Any], _search: bool) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
         dims_request = request.replace(example=call, dynamic=dims, dims_must_hold=True, records={}, opaque=tuple(scans))
         with preserved_state(request.model), restored_attributes(request.model, []):
             if tracer == VALUES_TRACER:

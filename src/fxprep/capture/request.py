@@ -48,7 +48,10 @@ class CaptureRequest:
     dynamic; the shape-general capture then tries static shapes) instead of making a part opaque.
     ``opaque``: sites (:class:`~fxprep.capture.sites.Site`) Dynamo calls without tracing into from the
     start, on every Dynamo route (a scan kept out of the graph so that the length it loops over stays
-    dynamic: :mod:`fxprep.capture.dynamo.scans`).
+    dynamic: :mod:`fxprep.capture.dynamo.scans`). ``scan_search``: a repeated block whose own capture
+    (block reuse) specialises a declared dimension fails the capture with that block's guards, for
+    the shape-general capture to look for a scan in (:mod:`fxprep.capture.dynamo.block_failure`),
+    instead of the whole model being captured.
     """
 
     model: nn.Module
@@ -63,6 +66,7 @@ class CaptureRequest:
     records: dict[Any, Any] | None = field(default=None, compare=False)
     dims_must_hold: bool = False
     opaque: tuple[Any, ...] = ()
+    scan_search: bool = False
 
     def replace(self, **changes: Any) -> CaptureRequest:
         """A copy with ``changes`` (``dataclasses.replace``). A copy for another model, example or

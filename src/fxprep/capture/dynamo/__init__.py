@@ -44,6 +44,7 @@ from .. import huggingface
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
 from ..request import CaptureRequest
 from ..sites import Site
+from .block_failure import BlockSpecialised
 from .export import (
     FLAG,
     MUTATED_INPUT_DICT,
@@ -135,7 +136,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
                     target.notes.extend(_reuse_notes(model, policy, state))
                 if request.reuse and state.current == "flag":
                     reused = capture_reusing(ReuseJob(target, call, guard, request.block_pass, spec, box, real_values,
-                                                      state.fresh_kwargs))
+                                                      state.fresh_kwargs, request.scan_search))
                 if reused is not None:
                     gm, extra = reused
                 else:
@@ -147,7 +148,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
             notes.extend(target.notes)
             break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
-            if not state.relax(err, model, capture_call, notes):
+            if isinstance(err, BlockSpecialised) or not state.relax(err, model, capture_call, notes):
                 return _failure(err, start, tracer)
             progress.step(f"retrying after {type(err).__name__}")
     notes.extend(_capture_notes(request, gm, state.caches, guard.written, capture_call))

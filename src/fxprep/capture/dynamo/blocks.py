@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from ..common import LeafPolicy
 from .names import Names, _SourceParser, canonical_source, default_leaf, self_alias
+from .recording import original_class
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _MISSING = object()
@@ -165,7 +166,7 @@ def signature(block: nn.Module, policy: LeafPolicy) -> tuple[Any, ...]:
     for rel, m in block.named_modules(remove_duplicate=False):
         leaf = is_leaf(m, policy) and m is not block
         entries.append((
-            rel, type(m), m.training, policy.reason(m),
+            rel, original_class(type(m)), m.training, policy.reason(m),  # not the class an opaque module is switched to
             tuple((k, _tensor_key(p)) for k, p in m._parameters.items()),
             tuple((k, _tensor_key(b), k in m._non_persistent_buffers_set) for k, b in m._buffers.items()),
             _settings(m) if leaf else (),
@@ -374,6 +375,23 @@ def leaf_hook_guards(guards: list[tuple[str, str]], block: nn.Module, policy: Le
     return list(dict.fromkeys(out))
 
 
+def beside_parts(guards: list[tuple[str, str]], sites: list[Any]) -> list[tuple[str, str]]:
+    """``guards`` without those on the block's opaque parts (``sites``, relative to the block: an
+    excluded module, a method kept opaque): each instance's part is switched to a class or given a
+    call of its own for the capture, which Dynamo guards by identity; the stamped graph calls each
+    instance's own part, which runs its own code whatever the first's was."""
+    parts = [(f"{s.path}.{s.method}" if s.path else s.method) if not s.is_module else s.path
+             for s in sites if s.func is None]
+    if not parts:
+        return guards
+
+    def on_part(source: str) -> bool:
+        rel = _relative(source)
+        return any(rel == p or rel.startswith((f"{p}.", f"{p}[")) for p in parts)
+
+    return [(source, kind) for source, kind in guards if not on_part(source)]
+
+
 def _hook_code(hooks: Any) -> tuple[Any, ...] | None:
     """What a leaf's hook dict runs: each hook's code (a function's ``__code__``, else its type)."""
     if not isinstance(hooks, dict):
@@ -434,31 +452,46 @@ def _short(value: Any) -> str:
 
 
 def held_part(name: str, sites: list[Any]) -> Any:
-    """The first of ``sites`` (opaque parts) strictly inside the module at ``name``, or None."""
-    return next((site for site in sites if name and site.path.startswith(f"{name}.")), None)
+    """The first of ``sites`` (opaque parts; a free function aside, which is called from anywhere)
+    inside the module at ``name`` (or a method of it), or None."""
+    return next((site for site in sites if site.func is None and name
+                 and (site.path == name or site.path.startswith(f"{name}."))), None)
 
 
 def groups_apart_from(model: nn.Module, policy: LeafPolicy, descend: set[int],
-                     sites: list[Any]) -> list[list[tuple[str, nn.Module]]]:
-    """:func:`find_groups` with no instance overlapping an opaque part (``sites``): an
-    instance holding one is looked inside (``descend``, updated: its own repeated children may still
-    be reused), one inside an opaque part (or the part itself) is left out. Such a part is called
-    by the outer capture, where its recorded outputs stand in for it; a block captured on its own
-    cannot replay them."""
-    paths = [site.path for site in sites]
+                      sites: list[Any]) -> list[list[tuple[str, nn.Module]]]:
+    """:func:`find_groups` with no instance that is an opaque part (``sites``) or inside one: such
+    an instance runs only in its part's recorded eager calls. An instance holding opaque parts is
+    kept: its capture alone calls them as the whole-model capture does, and the modules calling them
+    are stamped out with its graph, bound to each instance (:func:`.reuse._block_box`). Instances are
+    grouped by the parts they hold, too: a layer whose MLP alone is excluded runs other code than its
+    twins. One left without a twin that way is looked inside (``descend``, updated)."""
     # a module inside an opaque module runs only in its recorded eager calls; one inside the owner of an
-    # opaque method is called by the outer capture as usual, unless from that method (then not at all)
+    # opaque method is called by the capture as usual, unless from that method (then not at all)
     modules = [site.path for site in sites if site.is_module]
 
     def within(name: str) -> bool:
-        return name in paths or any(p == "" or name.startswith(f"{p}.") for p in modules)
+        return any(p in ("", name) or name.startswith(f"{p}.") for p in modules)
+
+    def parts(name: str) -> frozenset[tuple[str, str, str | None]]:
+        return frozenset((s.path[len(name) + 1:], s.method, s.attr) for s in sites
+                         if s.func is None and (s.path == name or s.path.startswith(f"{name}.")))
 
     while True:
-        groups = find_groups(model, policy, descend)
-        holding = {id(module) for group in groups for name, module in group if held_part(name, sites) is not None}
-        if not holding - descend:
-            return [kept for kept in ([(n, m) for n, m in group if not within(n)] for group in groups) if kept]
-        descend |= holding
+        groups: list[list[tuple[str, nn.Module]]] = []
+        for group in find_groups(model, policy, descend):
+            by_parts: dict[frozenset[tuple[str, str, str | None]], list[tuple[str, nn.Module]]] = {}
+            for name, module in group:
+                if not within(name):
+                    by_parts.setdefault(parts(name), []).append((name, module))
+            groups.extend(by_parts.values())
+            if len(by_parts) > 1:
+                lonely = {id(module) for kept in by_parts.values() if len(kept) < 2 for _, module in kept}
+                if lonely - descend:
+                    descend |= lonely
+                    break
+        else:
+            return groups
 
 
 def structure_whys(model: nn.Module, policy: LeafPolicy, instances: dict[int, tuple[nn.Module, Any]],

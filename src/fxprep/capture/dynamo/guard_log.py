@@ -12,6 +12,11 @@ How: the shape environment's ``_log_guard`` (called for every guard Dynamo adds,
 kept; private, so feature-detected: without it nothing is recorded and no scan is found) is wrapped
 for the capturing thread only (:func:`fxprep.threads.confined`). Suppressed guards (a kernel's shape
 logic during fake propagation) are not the model's and are left out.
+
+A repeated block captured on its own (block reuse, :mod:`.reuse`) names its inputs' sizes after its
+own arguments (``L['args'][0].size()[1]``); within :func:`renamed` each such name that is a declared
+dimension of the model's inputs where the block is called is recorded under the model input's
+name instead, so that its guards read as the whole-model capture's would.
 """
 
 from __future__ import annotations
@@ -65,14 +70,38 @@ def _name(source: Any) -> str:
     return str(name() if callable(name) else name)
 
 
+_IN_BLOCK: list[dict[str, str]] = []  # the innermost block capture's renames (:func:`renamed`)
+IN_BLOCK = "block:"  # before a block's own source name that is no model input's size
+
+
+@contextlib.contextmanager
+def renamed(names: dict[str, str]) -> Iterator[None]:
+    """Within (a repeated block's own capture), a guard's source named in ``names`` is recorded
+    under the model input's name it maps to; any other is marked :data:`IN_BLOCK` and its example
+    value left out, so that a block's argument named like a model input (``x``) is not taken for it,
+    and no guard on a size the block alone names is evaluated at other sizes. Set by the capturing
+    thread, read in the guards it adds (captures hold a global lock)."""
+    _IN_BLOCK.append(names)
+    try:
+        yield
+    finally:
+        _IN_BLOCK.pop()
+
+
 def _added(env: Any, expr: Any) -> AddedGuard:
     sources: dict[Any, tuple[str, ...]] = {}
     hints: dict[Any, int] = {}
     values = getattr(env, "backed_var_to_val", None)  # newer torch; var_to_val before (now deprecated)
     values = env.var_to_val if values is None else values
     for symbol in getattr(expr, "free_symbols", ()):
-        sources[symbol] = tuple(_name(s) for s in env.var_to_sources.get(symbol, ()))
+        names = [_name(s) for s in env.var_to_sources.get(symbol, ())]
+        renames = _IN_BLOCK[-1] if _IN_BLOCK else None
+        sources[symbol] = tuple(names if renames is None else (renames.get(n, f"{IN_BLOCK}{n}") for n in names))
         value = values.get(symbol)
+        if renames is not None and not any(name in renames for name in names):
+            # a block's size that is no declared dimension where the block is called: may be one in the
+            # whole model (the length of a tuple's tensor), so no guard on it is evaluated at other sizes
+            continue
         if value is not None:
             with contextlib.suppress(TypeError, ValueError):
                 hints[symbol] = int(value)
@@ -103,4 +132,4 @@ def recording() -> Iterator[GuardLog]:
         ShapeEnv._log_guard = original  # type: ignore[method-assign]
 
 
-__all__ = ["AddedGuard", "GuardLog", "recording"]
+__all__ = ["AddedGuard", "GuardLog", "recording", "renamed"]

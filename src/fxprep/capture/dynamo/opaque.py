@@ -33,6 +33,8 @@ Python values an opaque part returns (an ``int``, a list length) are those of th
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import operator
 import re
@@ -47,7 +49,7 @@ from torch.utils import _pytree as pytree
 
 from ...inputs import ExampleInputs
 from ..common import LeafPolicy
-from ..sites import Site, mutable
+from ..sites import FUNCTIONS, Site, mutable
 from .names import Names, ReliftError, read_part
 from .recording import MARK, Recorded, TensorMeta, graphable, is_mark, patched, real_callable, record_sites
 
@@ -175,17 +177,31 @@ def _propagate_real(fake: tuple[Any, ...], run: Any, args: tuple[Any, ...], kwar
 
 def _matching(records: list[Recorded], index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Recorded:
     """The recorded call a traced call stands for: the one at the same position, unless the inputs
-    say otherwise (Dynamo took a path the eager run did not)."""
-    ranks = [v.dim() if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves((args, kwargs))]
+    say otherwise (Dynamo took a path the eager run did not, or block reuse captures one block
+    alone, whose calls are not at the model's positions): then the first whose input sizes agree,
+    else the first whose input ranks do."""
+    shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves((args, kwargs))]
 
-    def fits(rec: Recorded) -> bool:
-        return [len(s) if s is not None else None for s in rec.inputs] == ranks
+    def fits(rec: Recorded, exact: bool) -> bool:
+        if len(rec.inputs) != len(shapes):
+            return False
+        for recorded, shape in zip(rec.inputs, shapes):
+            if recorded is None or shape is None:
+                if recorded is not shape:
+                    return False
+                continue
+            if len(recorded) != len(shape):
+                return False
+            if exact and any(type(n) is int and n != r for n, r in zip(shape, recorded)):
+                return False
+        return True
 
-    if index < len(records) and fits(records[index]):
-        return records[index]
-    for rec in records:
-        if fits(rec):
-            return rec
+    for exact in (True, False):
+        if index < len(records) and fits(records[index], exact):
+            return records[index]
+        for rec in records:
+            if fits(rec, exact):
+                return rec
     if records:
         return records[min(index, len(records) - 1)]
     raise ReliftError("an opaque part was called during capture but never in the eager run")
@@ -284,6 +300,30 @@ class BlackBox:
         have counted some."""
         for call in self.calls.values():
             call.count[0] = 0
+
+    def within(self, prefix: str, block: nn.Module) -> BlackBox:
+        """This box as seen from the block at ``prefix`` (``block``, the module there), for block
+        reuse's capture of that block alone: its sites inside the block with paths relative to it,
+        function sites (whose calls are named after their caller anyway) with the block's path left
+        out, the sites elsewhere dropped. The same installed calls and recordings: a call the block
+        makes is found in :attr:`calls` with its site rebased."""
+        rebased: dict[Site, Site] = {}
+        for site in self.sites:
+            inner = site.path.startswith(f"{prefix}.")
+            if site.func is not None:
+                moved = Site(site.path[len(prefix) + 1:] if inner else "", site.method, None, site.func)
+                FUNCTIONS.setdefault(moved, FUNCTIONS[site])
+                rebased[site] = moved
+            elif inner or (site.path == prefix and not site.is_module):  # a part inside, or a method of the block
+                rebased[site] = dataclasses.replace(site, path=site.path[len(prefix) + 1:])
+        view = BlackBox(block, list(rebased.values()), {new: self.records[old] for old, new in rebased.items()})
+        view.unbacked = self.unbacked
+        for function, call in self.calls.items():
+            if call.site in rebased:
+                moved_call = copy.copy(call)
+                moved_call.site = rebased[call.site]
+                view.calls[function] = moved_call
+        return view
 
     def calls_in(self, gm: fx.GraphModule) -> list[Site]:
         """The sites Dynamo's graph ``gm`` calls (nodes of their allow-in-graph functions)."""

@@ -62,9 +62,13 @@ from torch.utils import _pytree as pytree
 from ... import decisions
 from ...diagnose import first_line, stopped_at_data_guard
 from ...inputs import ExampleInputs, same_layout
+from ...paths import get_path
 from ...runs import SEED, preserved_state
 from ..common import LeafPolicy
+from ..sites import OpaqueFunction, OpaqueMethod
+from . import block_failure, guard_log
 from .blocks import (
+    beside_parts,
     call_inputs,
     freeze,
     groups_apart_from,
@@ -79,7 +83,14 @@ from .blocks import (
 from .export import AttributeGuard, dynamo_export, quiet_guard_logs
 from .opaque import BlackBox
 from .relift import ROUTE_META, LiftTarget, follow_input_device, relift
-from .stamp import Stamper, block_output_signature, converted_block, foreign_attributes, names_free
+from .stamp import (
+    Stamper,
+    StampError,
+    block_output_signature,
+    converted_block,
+    foreign_attributes,
+    names_free,
+)
 from .stubs import OtherOutput, Stubs
 from .tied import disproof
 
@@ -238,6 +249,31 @@ def _block_spec(member: Member, call: ExampleInputs, *, declared_only: bool = Fa
     return dict(bound.arguments)
 
 
+def _export_block(first: Member, call: ExampleInputs, job: ReuseJob, spec: dict[str, Any] | None,
+                  fallback: dict[str, Any] | None) -> tuple[Any, ExampleInputs]:
+    """Dynamo's capture of ``first`` alone on ``call`` with ``spec``'s dynamic dimensions, retried
+    with ``fallback``'s (the declared ones alone) when those differ and the first fails; and the call
+    it was made on."""
+    # sizes made from values read from data alone may be fixed by the block itself (Qwen2-VL's
+    # vision blocks split by cu_seqlens): a failure with them dynamic is retried with the declared
+    # dimensions alone (static shapes where none reaches the block), and the stand-in's output in
+    # the outer graph says whether that graph holds there
+    retried = spec is not None and spec != fallback
+    if job.box:
+        job.box.rewind()  # the block's own opaque parts: their calls are counted from its first
+    try:
+        with quiet_guard_logs() if retried else contextlib.nullcontext():
+            return dynamo_export(first.module, call, job.target.route, spec, real_values=job.real_values), call
+    except Exception:
+        if not retried:
+            raise
+    job.guard.reset()
+    if job.box:
+        job.box.rewind()
+    call = call.fresh_copy(keep_strides=True)  # new tensors: the first attempt marked these dynamic
+    return dynamo_export(first.module, call, job.target.route, fallback, real_values=job.real_values), call
+
+
 def decided_otherwise(gm: fx.GraphModule, first: Member, member: Member, recorded: dict[tuple[int, int], Any]) -> str | None:
     """Why the graph captured from ``first``, whose values read from data were decided from its
     inputs, does not hold for ``member``: the check that fails on ``member``'s recorded inputs
@@ -262,6 +298,7 @@ class _Captured:
     gm: fx.GraphModule
     extra: dict[str, str]
     notes: list[str]
+    parts: dict[str, nn.Module]  # the modules calling opaque methods and functions, by target (:func:`_opaque_parts`)
 
 
 @dataclass
@@ -281,44 +318,40 @@ class ReuseJob:
     real_values: bool = False
     # the outer capture traced from a root whose ``**kwargs`` is the trace's own (:func:`.export.fresh_kwargs_root`)
     fresh_kwargs: bool = False
+    # a block whose own capture specialises a declared dimension fails the capture (:mod:`.block_failure`)
+    scan_search: bool = False
 
 
 def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], job: ReuseJob,
-                   why: dict[str, str]) -> tuple[_Captured, list[list[Member]]]:
+                   why: dict[str, str], sizes: dict[Any, str]) -> tuple[_Captured, list[list[Member]]]:
     """Capture the first member; the others its guards hold for share the graph, the rest are
     regrouped (by what the guarded attributes hold) for the next round, with the reason in ``why``.
     ``recorded``: the inputs each call receives (every member's when values are decided, else the
-    first's)."""
+    first's). ``sizes``: the model inputs' sizes in the outer graph (:func:`.block_failure.input_sizes`)."""
     first = group[0]
     route = job.target.route
     call = _block_call(first, recorded[(id(first.module), first.k)])
     if job.real_values:
         call = call.fresh_copy(keep_strides=True)  # its tensors may be shared with the other members' (_record_inputs)
     spec = _block_spec(first, call)
-    # sizes made from values read from data alone may be fixed by the block itself (Qwen2-VL's
-    # vision blocks split by cu_seqlens): a failure with them dynamic is retried with the declared
-    # dimensions alone (static shapes where none reaches the block), and the stand-in's output in
-    # the outer graph says whether that graph holds there
     fallback = _block_spec(first, call, declared_only=True) if spec is not None else None
-    retried = spec is not None and spec != fallback
+    # the block's sizes that are declared dimensions, named as the model's inputs in the guards it records
+    names = block_failure.sources(first.node, first.module, call, sizes) if spec is not None else {}
     try:
-        with quiet_guard_logs() if retried else contextlib.nullcontext():
-            result = dynamo_export(first.module, call, route, spec, real_values=job.real_values)
-    except Exception:
-        if not retried:
-            raise
-        job.guard.reset()
-        call = call.fresh_copy(keep_strides=True)  # new tensors: the first attempt marked these dynamic
-        result = dynamo_export(first.module, call, route, fallback, real_values=job.real_values)
+        with guard_log.renamed(names):
+            result, call = _export_block(first, call, job, spec, fallback)
+    except Exception as err:
+        if job.scan_search:
+            block_failure.raise_if_specialised(err, first.name, names)
+        raise
     job.guard.reset()
-    opaque = job.box.calls_in(result.graph_module) if job.box else []
-    if opaque:
-        # its recorded outputs are numbered in the model's call order, which a block alone cannot follow
-        raise RuntimeError(f"'{first.name}' calls '{opaque[0].qualname}', which is called without tracing into it")
+    box = _block_box(job.box, result.graph_module, first)
     block = LiftTarget(first.module, job.target.policy, call, call, route)
-    gm, extra = relift(result.graph_module, block, device_literals=False, decided=job.real_values)
+    gm, extra = relift(result.graph_module, block, box, device_literals=False, decided=job.real_values)
+    parts = _opaque_parts(gm, first.module)
     notes = block.notes
     sources = leaf_hook_guards(self_guards(result.guards, first.module), first.module, job.target.policy)
+    sources = beside_parts(sources, box.sites) if box else sources
     foreign = foreign_attributes(gm, first.module)
     same, rest, undecided = [first], [], []
     for member in group[1:]:
@@ -352,7 +385,40 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
         rest = [[m] for group_ in rest for m in group_]
     if undecided:
         rest.append(undecided)
-    return _Captured(same, gm, extra, notes), rest
+    return _Captured(same, gm, extra, notes, parts), rest
+
+
+def _opaque_parts(gm: fx.GraphModule, first: nn.Module) -> dict[str, nn.Module]:
+    """The modules calling an opaque method or function that re-lifting placed in the block graph
+    ``gm`` (captured from ``first``), by target: each instance the graph is stamped for gets its own."""
+    parts: dict[str, nn.Module] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(str(node.target))
+        try:
+            own = get_path(first, str(node.target)) is module  # an opaque module of the block: the instance's own
+        except AttributeError:
+            own = False
+        if isinstance(module, (OpaqueMethod, OpaqueFunction)) and not own:
+            parts[str(node.target)] = module
+    return parts
+
+
+def _block_box(box: BlackBox | None, dgm: fx.GraphModule, first: Member) -> BlackBox | None:
+    """The opaque parts as the capture of ``first`` alone sees them (:meth:`.opaque.BlackBox.within`),
+    or None when its graph calls none. A part it calls must be its own (inside it) or a function:
+    a module or method elsewhere in the model has no place in a graph stamped for each instance."""
+    called = box.calls_in(dgm) if box else []
+    if not called or box is None:
+        return None
+    view = box.within(first.name, first.module)
+    outside = [site for site in called if site.func is None and site.path != first.name
+               and not site.path.startswith(f"{first.name}.")]
+    if outside:
+        raise RuntimeError(f"'{first.name}' calls '{outside[0].qualname}', which is called without tracing into it "
+                           f"and is not part of it")
+    return view
 
 
 def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | None:
@@ -379,14 +445,16 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
                 qualnames[id(module)] = name
         if not instances:
             if sites:
-                notes.append(f"block reuse: off for this capture: the repeated blocks hold parts called without "
-                             f"tracing into them (excluded or opaque, e.g. '{sites[0].qualname}'); every block was "
-                             f"captured by the whole-model capture.")
+                notes.append(f"block reuse: off for this capture: the repeated blocks are parts called without "
+                             f"tracing into them, or inside one (excluded or opaque, e.g. '{sites[0].qualname}').")
             return None
         stubs = Stubs(instances, uncached, guess=job.dynamic_spec is not None and not job.real_values)
         around: Exception | None = None
         try:
             return _capture(job, stubs, qualnames)
+        except block_failure.BlockSpecialised:
+            guard.reset()
+            raise
         except _AroundBlocks as failed:
             guard.reset()
             around = failed.error
@@ -458,8 +526,8 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
     for name in alone:
         held = held_part(name, job.box.sites if job.box else [])
         if held is not None:
-            alone[name] = (f"it holds '{held.qualname}', which is called without tracing into it (excluded or "
-                           f"opaque), so its inside is captured with the model around it")
+            alone[name] = (f"it holds '{held.qualname}', which is called without tracing into it (excluded or opaque) "
+                           f"where its twins' code is traced, so its inside is captured with the model around it")
     firsts: dict[int, str] = {}
     for key, group in groups.items():
         first = firsts.setdefault(key[0], group[0].name)
@@ -467,13 +535,14 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
             why[group[0].name] = f"its inputs differ from those '{first}' is called with"
     pending = list(groups.values())
     captured: list[_Captured] = []
+    sizes = block_failure.input_sizes(outer, model, prepared_call) if job.dynamic_spec is not None else {}
     while pending:
         wanted = [m for g in pending for m in g] if job.real_values else [g[0] for g in pending]
         recorded = _record_inputs(outer, model, prepared_call, wanted, share=job.real_values)
         guard.reset()
         next_round: list[list[Member]] = []
         for group in pending:
-            done, rest = _capture_group(group, recorded, job, why)
+            done, rest = _capture_group(group, recorded, job, why, sizes)
             captured.append(done)
             next_round.extend(rest)
         pending = next_round
@@ -487,13 +556,15 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
     stamper = Stamper(outer, model)
     for done in captured:
         first = done.members[0]
-        block, made = done.gm, None
+        block, made = done.gm, done.parts
+        if not names_free(made, [m.module for m in done.members[1:]]):
+            raise StampError(f"the opaque parts of '{first.name}' have no free name in the blocks stamped from it")
         if job.convert is not None and len({id(m.module) for m in done.members}) == len(done.members) > 1:
             # converted once here rather than once per instance on the whole graph; an instance
             # called twice keeps the whole-graph conversion (its second call's ops get other names)
             converted = converted_block(done.gm, job.convert, first.module)
             if converted is not None and names_free(converted[1], [m.module for m in done.members[1:]]):
-                block, made = converted
+                block, made = converted[0], {**done.parts, **converted[1]}
         for member in done.members:
             returned = stubs.returned.get(id(member.module), set())
             if returned != {block_output_signature(done.gm)}:

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from ...paths import get_path, has_path
 from ..common import graph_module
+from ..sites import OpaqueFunction, OpaqueMethod
 from .blocks import call_inputs, freeze, shape_kind
 from .names import Names
 from .relift import _free_name, _Holder, _reorder_like
@@ -121,6 +122,7 @@ class Stamper:
         self.constants: list[str] = list(outer.meta.get("fxprep_constants", []))
         self.taken: set[str] = {str(n.target) for n in self.graph.nodes if n.op == "get_attr"}
         self.added: dict[str, nn.Module] = {}  # call_module target -> a module a pass made in a block
+        self.placed_for: dict[str, nn.Module] = {}  # call_module target in ``added`` -> the instance it is for
         self.tensors: dict[int, dict[int, str]] = {}  # id(first instance) -> its tensors' paths
 
     def inline(self, call: fx.Node, block: fx.GraphModule, first: nn.Module, prefix: str,
@@ -169,9 +171,15 @@ class Stamper:
              tensors: dict[int, str]) -> None:
         # the name the pass chose in the first instance must be free in this one too (on the whole
         # graph the pass would have chosen another)
-        if qual in self.added or has_path(instance, target):
+        if qual in self.added and self.placed_for.get(qual) is instance:
+            return  # the instance's second call: the module placed for its first
+        if qual in self.added or _taken(instance, target, module):
             raise StampError(f"'{qual}' is taken: a module made in the block cannot be placed there")
-        self.added[qual] = module if instance is first else _instance_copy(module, instance, tensors)
+        new = module if instance is first else _instance_copy(module, instance, tensors)
+        if isinstance(new, OpaqueMethod):
+            _rebind(new, first, instance, qual[:-len(target) - 1])
+        self.added[qual] = new
+        self.placed_for[qual] = instance
 
     def _attr(self, target: str, block: fx.GraphModule, first: nn.Module, prefix: str, instance: nn.Module) -> str:
         obj = get_path(block, target)
@@ -266,7 +274,22 @@ def converted_block(block: fx.GraphModule, convert: Any,
 def names_free(made: dict[str, nn.Module], instances: list[nn.Module]) -> bool:
     """Whether every instance has nothing where the block's made modules go (the pass chose the
     names in the first instance; on the whole graph it would choose others where one is taken)."""
-    return not any(has_path(instance, target) for instance in instances for target in made)
+    return not any(_taken(instance, target, module) for instance in instances for target, module in made.items())
+
+
+def _taken(instance: nn.Module, target: str, module: nn.Module) -> bool:
+    """Whether ``instance`` has something at ``target``, where ``module`` (made in the block) would go.
+    A module calling an opaque method is placed beside that method's name (``mixer.scan``), in a
+    container fxprep makes: only a module, parameter or buffer of the user's there takes the name."""
+    if not isinstance(module, (OpaqueMethod, OpaqueFunction)):
+        return has_path(instance, target)
+    for find in (instance.get_submodule, instance.get_parameter, instance.get_buffer):
+        try:
+            find(target)
+            return True
+        except AttributeError:
+            continue
+    return False
 
 
 def _tensor_names(root: nn.Module) -> dict[int, str]:
@@ -275,6 +298,20 @@ def _tensor_names(root: nn.Module) -> dict[int, str]:
     for name, tensor in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
         out.setdefault(id(tensor), name)
     return out
+
+
+def _rebind(module: OpaqueMethod, first: nn.Module, instance: nn.Module, prefix: str) -> None:
+    """Point ``module`` (calling a method of a module inside ``first``, an opaque part of the block)
+    at the module in the same place inside ``instance``, found at ``prefix`` in the model."""
+    path = next((name for name, m in first.named_modules(remove_duplicate=False) if m is module.owner), None)
+    if path is None:
+        raise StampError(f"the opaque part '{module.owner_path}.{module.method}' is not inside the block")
+    try:
+        owner = instance.get_submodule(path)
+    except AttributeError as err:
+        raise StampError(f"'{prefix}' has no '{path}'") from err
+    object.__setattr__(module, "owner", owner)
+    module.owner_path = f"{prefix}.{path}" if path else prefix
 
 
 def _instance_copy(module: nn.Module, instance: nn.Module, tensors: dict[int, str]) -> nn.Module:

@@ -1,0 +1,117 @@
+"""A repeated block's own capture that specialises a declared dimension, said in the model's terms.
+
+Block reuse (:mod:`.reuse`) captures a repeated block alone, with every dimension that is symbolic
+where the outer graph calls it declared dynamic. When the block's code specialises one that is
+exactly a declared dimension of the model's inputs (a scan's per-step loop over the length: Mamba's
+``for index in range(seq_len)``), the whole-model capture reuse falls back to traces every block
+and fails the same way at the same line, at a cost that grows with depth (a 24-layer Mamba: most of
+its preparation). The shape-general capture (:func:`fxprep.shape_general.capture`) looks for the
+scan in that failure first: it asks for it (``CaptureRequest.scan_search``), the block's guards are
+recorded under the model inputs' names (:func:`sources`, :func:`.guard_log.renamed`), and the
+failure is raised as :class:`BlockSpecialised` instead of the whole model being captured. Only when
+no scan is found there, or the one found does not free the dimension, is the whole model captured,
+and that capture's own failure decides what is dropped or bounded, as before.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ...diagnose import first_line
+from ...inputs import ExampleInputs
+from .blocks import call_inputs
+from .shapes import positional_names
+
+_VIOLATED = re.compile(r"Constraints violated \((.*?)\)!")
+
+
+class BlockSpecialised(RuntimeError):
+    """The capture of a repeated block alone specialised declared dimensions of the model's inputs:
+    ``sources``, as the model's capture names them (``L['input_ids'].size()[1]``)."""
+
+    def __init__(self, block: str, sources: list[str], error: BaseException):
+        super().__init__(f"the capture of '{block}' alone specialised {', '.join(sources)} "
+                         f"({type(error).__name__}: {first_line(error)})")
+        self.sources = sources
+        self.error = error
+
+
+def input_sizes(outer: fx.GraphModule, model: nn.Module, prepared_call: ExampleInputs) -> dict[Any, str]:
+    """Each symbol that is the size of a model input's dimension in the outer graph (whose inputs
+    are ``prepared_call``'s, flattened), with that size's name (``L['input_ids'].size()[1]``)."""
+    flat = pytree.tree_flatten_with_path((prepared_call.args, prepared_call.kwargs))[0]
+    placeholders = [n for n in outer.graph.nodes if n.op == "placeholder"]
+    positional = positional_names(model, len(prepared_call.args))
+    out: dict[Any, str] = {}
+    for node, (path, _) in zip(placeholders, flat):
+        value = node.meta.get("example_value")
+        if len(path) != 2 or not isinstance(value, torch.Tensor):
+            continue
+        top = path[1]
+        name = positional[top.idx] if path[0] == pytree.SequenceKey(0) else getattr(top, "key", None)
+        for d, size in enumerate(value.shape if name is not None else ()):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                out.setdefault(size.node.expr, f"L['{name}'].size()[{d}]")
+    return out
+
+
+def sources(node: fx.Node, block: nn.Module, call: ExampleInputs, by_symbol: dict[Any, str]) -> dict[str, str]:
+    """For ``block``, called at ``node`` in the outer graph and captured alone on ``call``: each size
+    of a tensor it is passed, by the name its capture gives it (``L['args'][0].size()[1]``), mapped to
+    the model input's size it is exactly (``by_symbol``: :func:`input_sizes`), where it is one."""
+    if not by_symbol:
+        return {}
+    out: dict[str, str] = {}
+    passed = pytree.tree_flatten_with_path((call.args, call.kwargs))[0]
+    nodes = call_inputs(node)[0]
+    if len(nodes) != len(passed):
+        return {}
+    positional = positional_names(block, len(call.args))
+    for (path, value), outer in zip(passed, nodes):
+        value_at_call = outer.meta.get("example_value") if isinstance(outer, fx.Node) else None
+        if not isinstance(value, torch.Tensor) or not isinstance(value_at_call, torch.Tensor):
+            continue
+        names = _source_names(path, positional)
+        for d, size in enumerate(value_at_call.shape):
+            model_name = by_symbol.get(size.node.expr) if isinstance(size, torch.SymInt) else None
+            if model_name is not None:
+                out.update({f"{name}.size()[{d}]": model_name for name in names})
+    return out
+
+
+def _source_names(path: tuple[Any, ...], positional: list[str]) -> list[str]:
+    """How Dynamo may name the tensor at ``path`` in ``(args, kwargs)``: after the frame's local
+    holding it, ``L['x']`` for a parameter of ``forward`` (``positional``: their names),
+    ``L['args'][0]`` or ``L['kwargs']['x']`` where ``forward`` takes ``*args, **kwargs`` (a
+    checkpointing layer's ``__call__``); ``[0]`` on for a tensor in a tuple."""
+    inner = "".join(f"[{k.idx}]" if isinstance(k, pytree.SequenceKey) else f"['{getattr(k, 'key', k)}']"
+                    for k in path[2:])
+    if len(path) < 2:
+        return []
+    top = path[1]
+    if path[0] == pytree.SequenceKey(0) and isinstance(top, pytree.SequenceKey):
+        named = [f"L['{positional[top.idx]}']{inner}"] if top.idx < len(positional) else []
+        return [f"L['args'][{top.idx}]{inner}", *named]
+    key = getattr(top, "key", None)
+    return [f"L['kwargs']['{key}']{inner}", f"L['{key}']{inner}"] if key is not None else []
+
+
+def raise_if_specialised(err: BaseException, block: str, names: dict[str, str]) -> None:
+    """Raise :class:`BlockSpecialised` when ``err`` (the failure of ``block``'s own capture) is a
+    constraint violation of sizes that are all declared dimensions of the model's inputs (``names``:
+    :func:`sources`); else return, and the caller goes on as before."""
+    found = _VIOLATED.search(str(err)) if names else None
+    if found is None:
+        return
+    violated = [s.strip() for s in found.group(1).split(", ") if s.strip()]
+    if violated and all(s in names for s in violated):
+        raise BlockSpecialised(block, list(dict.fromkeys(names[s] for s in violated)), err) from err
+
+
+__all__ = ["BlockSpecialised", "input_sizes", "raise_if_specialised", "sources"]

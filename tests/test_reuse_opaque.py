@@ -1,0 +1,171 @@
+"""Block reuse where the repeated blocks hold opaque parts (issue 27, item 3: "block reuse kept
+under dynamic shapes"): a scan kept opaque so that the length stays dynamic
+(``fxprep.capture.dynamo.scans``) sits in every layer of a state-space model, and an excluded class in
+every layer of an LLM. Each block is captured once with its parts as calls and stamped out, every copy
+calling its own instance's part; a block's own capture that specialises the length is where the scan
+is looked for, without capturing the whole model first (``fxprep.capture.dynamo.block_failure``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import fxprep
+import fxprep.capture.dynamo as dynamo_route
+from fxprep.capture.sites import OpaqueFunction, OpaqueMethod
+from tests.test_scans import Recurrent, selective_scan
+
+
+def _stamped(gm: nn.Module) -> dict[str, list[str]]:
+    return {k: v for k, v in fxprep.get_report(gm).reuse.get("captured", {}).items() if v}
+
+
+def _whole_model_captures(monkeypatch: Any, model: nn.Module) -> list[nn.Module]:
+    """Each Dynamo capture of ``model`` itself without block reuse (reuse's own outer capture goes
+    through its own module's name, not this one)."""
+    seen: list[nn.Module] = []
+    real = dynamo_route.dynamo_export
+
+    def counting(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if module is model:
+            seen.append(module)
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(dynamo_route, "dynamo_export", counting)
+    return seen
+
+
+def _same(gm: nn.Module, model: nn.Module, *xs: torch.Tensor) -> None:
+    for x in xs:
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+
+
+class Block(nn.Module):
+    """A layer whose scan is a helper method of a sublayer (RecurrentGemma's ``_rnn_scan``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rec = Recurrent(reads_weight=False)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.rec(x))
+
+
+class Blocks(nn.Module):
+    def __init__(self, block: type[nn.Module], n: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.ModuleList([block() for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_a_method_kept_opaque_in_every_block_is_stamped_bound_to_each_blocks_own() -> None:
+    torch.manual_seed(0)
+    model = Blocks(Block).eval()
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 6, 8),), dynamic={"x": {0: "batch", 1: "seq"}})
+    assert _stamped(gm) == {"layers.0": ["layers.1", "layers.2"]}
+    assert {f"layers.{i}.rec._scan" for i in range(3)} <= set(fxprep.get_report(gm).leaves)
+    for i, layer in enumerate(model.layers):
+        part = gm.get_submodule(f"layers.{i}.rec._scan")
+        assert isinstance(part, OpaqueMethod) and part.owner is layer.rec and part.owner_path == f"layers.{i}.rec"
+        assert gm.get_submodule(f"layers.{i}.rec.gate") is layer.rec.gate
+    _same(gm, model, torch.randn(2, 6, 8), torch.randn(3, 17, 8), torch.randn(1, 50, 8))
+
+
+def test_a_method_of_the_block_itself_is_bound_to_each_block() -> None:
+    torch.manual_seed(0)
+    model = Blocks(lambda: Recurrent(reads_weight=False)).eval()  # type: ignore[arg-type]
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 6, 8),), dynamic={"x": {1: "seq"}})
+    assert _stamped(gm) == {"layers.0": ["layers.1", "layers.2"]}
+    for i, layer in enumerate(model.layers):
+        part = gm.get_submodule(f"layers.{i}._scan")
+        assert isinstance(part, OpaqueMethod) and part.owner is layer and part.owner_path == f"layers.{i}"
+    _same(gm, model, torch.randn(2, 9, 8), torch.randn(2, 40, 8))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + x.flip(-1) * sin
+
+
+class RopeBlock(nn.Module):
+    """Position tables passed in as a tuple, as transformers' decoder layers take them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+        self.decay = nn.Parameter(torch.linspace(-1, 1, 8))
+
+    def forward(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = rotate(self.inp(x), *position_embeddings)
+        return x + self.out(selective_scan(h, self.decay))
+
+
+class RopeStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([RopeBlock() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angles = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * torch.linspace(0.1, 1.0, 8)
+        position_embeddings = (angles.cos()[None], angles.sin()[None])
+        for layer in self.layers:
+            x = layer(x, position_embeddings=position_embeddings)
+        return x
+
+
+def test_a_scan_in_every_block_is_found_in_the_blocks_capture(monkeypatch: Any) -> None:
+    """The length's symbol reaches each block twice (the states, and the position tables in a
+    tuple): the block's capture names both after the model's input, so the rotation, which only
+    multiplies tensors of one length, is not taken for a scan, and the whole model is never captured
+    without reuse."""
+    torch.manual_seed(0)
+    model = RopeStack().eval()
+    whole = _whole_model_captures(monkeypatch, model)
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 6, 8),), dynamic={"x": {1: "seq"}})
+    leaves = fxprep.get_report(gm).leaves
+    assert [k for k, v in leaves.items() if v.startswith("opaque: a loop over 'seq'")] == ["layers.0.selective_scan"]
+    assert not any("rotate" in k for k in leaves), leaves
+    assert whole == []
+    assert _stamped(gm) == {"layers.0": ["layers.1", "layers.2"]}
+    parts = [gm.get_submodule(f"layers.{i}.selective_scan") for i in range(3)]
+    assert all(isinstance(p, OpaqueFunction) for p in parts) and len({id(p) for p in parts}) == 3
+    _same(gm, model, torch.randn(2, 6, 8), torch.randn(2, 23, 8))
+
+
+def test_mamba_layers_are_captured_once_with_their_scan(monkeypatch: Any) -> None:
+    import transformers
+    from transformers.models.mamba import modeling_mamba
+
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=3)
+    model = transformers.MambaForCausalLM(config).eval()
+    whole = _whole_model_captures(monkeypatch, model)
+    ids = torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        model = model.to(dtype)
+        gm = fxprep.prepare_model(model, example_inputs={"input_ids": ids}, progress=False)
+        if not hasattr(modeling_mamba, "mamba_selective_scan"):
+            return  # transformers 5.0 writes the loop inline in the mixer's forward: no scan (tests/test_scans.py)
+        # in bf16 the first layer takes the embeddings' bf16 and the others a float32 residual: two kinds
+        assert _stamped(gm) == ({"backbone.layers.0": ["backbone.layers.1", "backbone.layers.2"]} if dtype == torch.float32
+                                else {"backbone.layers.1": ["backbone.layers.2"]})
+        assert "dynamic dimensions: {'input_ids': {0: 'batch', 1: 'seq'}}" in fxprep.get_report(gm).notes
+        parts = [gm.get_submodule(f"backbone.layers.{i}.mixer.mamba_selective_scan") for i in range(3)]
+        assert all(isinstance(p, OpaqueFunction) for p in parts)
+        for batch, seq in ((3, 13), (2, 40)):
+            other = torch.randint(3, 90, (batch, seq), generator=torch.Generator().manual_seed(seq))
+            with torch.no_grad():
+                expected = model(input_ids=other, use_cache=False).logits
+                torch.testing.assert_close(gm(input_ids=other)["logits"], expected, rtol=0, atol=0)
+    assert whole == []  # the scan was found in the layer's own capture
