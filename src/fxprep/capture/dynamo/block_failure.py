@@ -26,20 +26,20 @@ from torch.utils import _pytree as pytree
 from ...diagnose import first_line
 from ...inputs import ExampleInputs
 from .blocks import call_inputs
+from .guard_log import AddedGuard, Stopped
+from .scans import failing_size
 from .shapes import positional_names
 
 _VIOLATED = re.compile(r"Constraints violated \((.*?)\)!")
 
 
 class BlockSpecialised(RuntimeError):
-    """The capture of a repeated block alone specialised declared dimensions of the model's inputs:
-    ``sources``, as the model's capture names them (``L['input_ids'].size()[1]``)."""
+    """The capture of a repeated block alone specialised or bounded declared dimensions of the
+    model's inputs: ``sources``, as the model's capture names them (``L['input_ids'].size()[1]``)."""
 
-    def __init__(self, block: str, sources: list[str], error: BaseException):
-        super().__init__(f"the capture of '{block}' alone specialised {', '.join(sources)} "
-                         f"({type(error).__name__}: {first_line(error)})")
+    def __init__(self, block: str, sources: list[str], why: str):
+        super().__init__(f"the capture of '{block}' alone limits {', '.join(sources)} ({why})")
         self.sources = sources
-        self.error = error
 
 
 def input_sizes(outer: fx.GraphModule, model: nn.Module, prepared_call: ExampleInputs) -> dict[Any, str]:
@@ -111,7 +111,43 @@ def raise_if_specialised(err: BaseException, block: str, names: dict[str, str]) 
         return
     violated = [s.strip() for s in found.group(1).split(", ") if s.strip()]
     if violated and all(s in names for s in violated):
-        raise BlockSpecialised(block, list(dict.fromkeys(names[s] for s in violated)), err) from err
+        why = f"{type(err).__name__}: {first_line(err)}"
+        raise BlockSpecialised(block, list(dict.fromkeys(names[s] for s in violated)), why) from err
 
 
-__all__ = ["BlockSpecialised", "input_sizes", "raise_if_specialised", "sources"]
+class Limit:
+    """Whether a guard a block's own capture adds (recorded under the model inputs' names,
+    :func:`.guard_log.renamed`) fails at a size above the example's of a declared dimension (a
+    chunked scan's ``(padded // 64) == 1`` bounds the length to one chunk without failing the block's
+    capture; the whole-model capture would find it so): the ``stop`` of that capture, which ends it
+    there (:class:`.guard_log.Stopped`), returning ``(source, size where it fails, guard)``."""
+
+    def __init__(self, names: dict[str, str]):
+        self.declared = set(names.values())
+        self.seen: set[str] = set()
+
+    def __call__(self, guard: AddedGuard) -> tuple[str, int, str] | None:
+        text = str(guard.expr)
+        if not guard.stack or text in self.seen:
+            return None
+        self.seen.add(text)
+        by_source: dict[str, set[Any]] = {}
+        for symbol, named in guard.sources.items():
+            for source in named:
+                if source in self.declared:
+                    by_source.setdefault(source, set()).add(symbol)
+        for source, symbols in by_source.items():
+            size = next((guard.hints[s] for s in symbols if s in guard.hints), None)
+            past = failing_size(guard, symbols, size) if size is not None else None
+            if past is not None:
+                return source, past, text
+        return None
+
+
+def limited(block: str, stopped: Stopped) -> BlockSpecialised:
+    """The failure of ``block``'s capture ended by :class:`Limit`."""
+    source, past, text = stopped.found
+    return BlockSpecialised(block, [source], f"a guard it adds fails at {past}: {text[:120]}")
+
+
+__all__ = ["BlockSpecialised", "input_sizes", "Limit", "limited", "raise_if_specialised", "sources"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,20 +70,41 @@ def _name(source: Any) -> str:
     return str(name() if callable(name) else name)
 
 
-_IN_BLOCK: list[dict[str, str]] = []  # the innermost block capture's renames (:func:`renamed`)
+@dataclass
+class _Block:
+    names: dict[str, str]
+    added: GuardLog
+    stop: Callable[[AddedGuard], Any] | None
+
+
+_IN_BLOCK: list[_Block] = []  # the block captures running on this thread, innermost last (:func:`renamed`)
 IN_BLOCK = "block:"  # before a block's own source name that is no model input's size
 
 
+class Stopped(BaseException):
+    """Raised from inside Dynamo's trace when a guard it adds is one :func:`renamed`'s ``stop`` names
+    (a BaseException: model and Dynamo code that catches Exceptions lets it through, and cleans up
+    in its ``finally`` blocks as for an interrupt). ``found``: what ``stop`` returned."""
+
+    def __init__(self, found: Any):
+        super().__init__(str(found))
+        self.found = found
+
+
 @contextlib.contextmanager
-def renamed(names: dict[str, str]) -> Iterator[None]:
+def renamed(names: dict[str, str], stop: Callable[[AddedGuard], Any] | None = None) -> Iterator[GuardLog]:
     """Within (a repeated block's own capture), a guard's source named in ``names`` is recorded
     under the model input's name it maps to; any other is marked :data:`IN_BLOCK` and its example
     value left out, so that a block's argument named like a model input (``x``) is not taken for it,
     and no guard on a size the block alone names is evaluated at other sizes. Set by the capturing
-    thread, read in the guards it adds (captures hold a global lock)."""
-    _IN_BLOCK.append(names)
+    thread, read in the guards it adds (captures hold a global lock). Yields the guards recorded
+    within (none where no :func:`recording` runs). ``stop(guard)``: asked of each guard recorded
+    within; a value it returns ends the capture at once with :class:`Stopped` (the rest of a trace
+    already known to be given up can take most of its time: a chunked scan's inner loops)."""
+    block = _Block(names, GuardLog(), stop)
+    _IN_BLOCK.append(block)
     try:
-        yield
+        yield block.added
     finally:
         _IN_BLOCK.pop()
 
@@ -95,7 +116,7 @@ def _added(env: Any, expr: Any) -> AddedGuard:
     values = env.var_to_val if values is None else values
     for symbol in getattr(expr, "free_symbols", ()):
         names = [_name(s) for s in env.var_to_sources.get(symbol, ())]
-        renames = _IN_BLOCK[-1] if _IN_BLOCK else None
+        renames = _IN_BLOCK[-1].names if _IN_BLOCK else None
         sources[symbol] = tuple(names if renames is None else (renames.get(n, f"{IN_BLOCK}{n}") for n in names))
         value = values.get(symbol)
         if renames is not None and not any(name in renames for name in names):
@@ -120,9 +141,16 @@ def recording() -> Iterator[GuardLog]:
         return
 
     def log_guard(env: Any, prefix: str, expr: Any, *args: Any, **kwargs: Any) -> Any:
+        found = None
         if "suppressed" not in str(prefix):
-            with contextlib.suppress(Exception):  # recording never changes what Dynamo does
+            with contextlib.suppress(Exception):  # recording never changes what Dynamo does (but for a stop)
                 log.guards.append(_added(env, expr))
+                block = _IN_BLOCK[-1] if _IN_BLOCK else None
+                if block is not None:
+                    block.added.guards.append(log.guards[-1])
+                    found = block.stop(log.guards[-1]) if block.stop is not None else None
+        if found is not None:
+            raise Stopped(found)
         return original(env, prefix, expr, *args, **kwargs)
 
     ShapeEnv._log_guard = confined(log_guard, original)  # type: ignore[method-assign]
@@ -132,4 +160,4 @@ def recording() -> Iterator[GuardLog]:
         ShapeEnv._log_guard = original  # type: ignore[method-assign]
 
 
-__all__ = ["AddedGuard", "GuardLog", "recording", "renamed"]
+__all__ = ["AddedGuard", "GuardLog", "Stopped", "recording", "renamed"]

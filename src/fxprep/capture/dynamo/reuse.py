@@ -338,8 +338,10 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
     # the block's sizes that are declared dimensions, named as the model's inputs in the guards it records
     names = block_failure.sources(first.node, first.module, call, sizes) if spec is not None else {}
     try:
-        with guard_log.renamed(names):
+        with guard_log.renamed(names, block_failure.Limit(names) if job.scan_search else None):
             result, call = _export_block(first, call, job, spec, fallback)
+    except guard_log.Stopped as stopped:
+        raise block_failure.limited(first.name, stopped) from None
     except Exception as err:
         if job.scan_search:
             block_failure.raise_if_specialised(err, first.name, names)
