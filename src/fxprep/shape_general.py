@@ -27,8 +27,8 @@ from torch import nn
 
 from .capture.common import CaptureAttempt, CaptureResult
 from .capture.dynamo import autodims, guard_log, violation
-from .capture.dynamo.block_failure import BlockSpecialised
 from .capture.dynamo.branches import SIZES, size_branches
+from .capture.dynamo.early_limit import LimitFound
 from .capture.dynamo.export import quiet_guard_logs
 from .capture.dynamo.fallback import TRACER as LEAVES_TRACER
 from .capture.dynamo.fallback import VALUES_TRACER, capture_dynamo_leaves
@@ -82,15 +82,17 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
     ``scans_of`` may name per-step loops behind the guards that limit them (:mod:`.capture.dynamo.scans`):
     the capture is tried with those opaque, and they are kept where that frees a dimension or widens
     a range. They are looked for first in a repeated block's own capture, when that fails
-    (``search``: :mod:`.capture.dynamo.block_failure`); the whole model is captured only where none is
+    (``search``: :mod:`.capture.dynamo.early_limit`); the whole model is captured only where none is
     found there or the one found does not make the capture succeed. Raises :class:`NotShapeGeneral`
     when no dimension is left or the capture fails for another reason."""
     current: autodims.Proposal | None = proposal
     before: tuple[autodims.Proposal, BaseException | None, Any, Any] | None = None  # the failure scans try to pass
     rounds, refused = 0, list[Any]()  # scans tried that did not help are not tried again
-    whole = False  # capture ``current`` whole even where a block's own capture fails (its scan search is done)
+    # captures stop at the first guard limiting a declared dimension (.capture.dynamo.early_limit) until
+    # a scan search in such a stopped capture's guards finds nothing that makes the capture succeed
+    stopping = scans_of is not None
     while current is not None:
-        search = scans_of is not None and before is None and not whole and rounds < MAX_SCAN_ROUNDS
+        search = stopping and before is None and rounds < MAX_SCAN_ROUNDS
         with quiet_guard_logs(), guard_log.recording() as log:
             result, attempts = run(current.capture_example, current.for_export(),
                                    [site for scan in current.scans for site in scan.sites], search)
@@ -100,23 +102,23 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
                     result.extra_leaves[site.qualname] = f"opaque: a loop over '{scan.symbol}' at {scan.where}"
             return result, attempts, current
         err = next((a.exception for a in reversed(attempts) if a.exception is not None), None)
-        if isinstance(err, BlockSpecialised) and scans_of is not None:  # a block specialised a dimension
+        if isinstance(err, LimitFound) and scans_of is not None:  # a capture stopped at a limit
             rounds += 1
             new = scans_of(log, _declared(err.sources, current), current,
                            [site for scan in current.scans for site in scan.sites] + refused)
-            whole = True  # no scan there: the whole model's capture says what to drop or bound
-            if new:
-                before = (current, None, None, None)
+            if new:  # the dimensions it stopped at count as specialised, for judging the scans
+                before = (current, None, {key: err.sources[0] for key in _keys(err.sources, current)}, {})
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
+            else:  # no scan there: the capture without stopping says what to drop or bound
+                stopping = False
             continue
-        whole = False
         found, ranges = violation.findings(err, current) if err is not None else ({}, {})
-        if before is not None and before[1] is None:  # scans found in a block's failure did not do:
-            current, before, whole = before[0], None, True  # the whole model's capture without them decides
-            continue
         if before is not None:  # the capture with new scans opaque
             if not _freer(found, ranges, before[2], before[3]):  # they did not help: traced, as before
                 refused.extend(site for scan in current.scans if scan not in before[0].scans for site in scan.sites)
+                if before[1] is None:  # found in a stopped capture: the capture without stopping decides
+                    current, before, stopping = before[0], None, False
+                    continue
                 current, err, found, ranges = before
             before = None
         elif scans_of is not None and (found or ranges) and rounds < MAX_SCAN_ROUNDS:
@@ -145,15 +147,19 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
     raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
 
 
-def _declared(sources: list[str], proposal: autodims.Proposal) -> set[str]:
-    """The declared names of the input sizes ``sources`` names (``L['input_ids'].size()[1]`` -> ``seq``)."""
-    out = set()
+def _keys(sources: list[str], proposal: autodims.Proposal) -> list[tuple[str, int]]:
+    """``(input name, dim)`` of each declared input size ``sources`` names (``L['input_ids'].size()[1]``)."""
+    out = []
     for source in sources:
         m = SIZE_SOURCE.fullmatch(source)
-        name = proposal.dynamic.get(m.group(1), {}).get(int(m.group(2))) if m else None
-        if name is not None:
-            out.add(name)
+        if m and int(m.group(2)) in proposal.dynamic.get(m.group(1), {}):
+            out.append((m.group(1), int(m.group(2))))
     return out
+
+
+def _declared(sources: list[str], proposal: autodims.Proposal) -> set[str]:
+    """The declared names of the input sizes ``sources`` names (``L['input_ids'].size()[1]`` -> ``seq``)."""
+    return {proposal.dynamic[name][dim] for name, dim in _keys(sources, proposal)}
 
 
 def scans_finder(request: CaptureRequest) -> ScanFinder:

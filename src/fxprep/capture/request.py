@@ -50,7 +50,7 @@ class CaptureRequest:
     start, on every Dynamo route (a scan kept out of the graph so that the length it loops over stays
     dynamic: :mod:`fxprep.capture.dynamo.scans`). ``scan_search``: a repeated block whose own capture
     (block reuse) specialises a declared dimension fails the capture with that block's guards, for
-    the shape-general capture to look for a scan in (:mod:`fxprep.capture.dynamo.block_failure`),
+    the shape-general capture to look for a scan in (:mod:`fxprep.capture.dynamo.early_limit`),
     instead of the whole model being captured.
     """
 

@@ -31,7 +31,9 @@ Nothing here raises for a capture failure: :func:`capture_dynamo` returns it in 
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +46,8 @@ from .. import huggingface
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
 from ..request import CaptureRequest
 from ..sites import Site
-from .block_failure import BlockSpecialised
+from . import early_limit, guard_log
+from .early_limit import LimitFound
 from .export import (
     FLAG,
     MUTATED_INPUT_DICT,
@@ -141,19 +144,36 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
                     gm, extra = reused
                 else:
                     box.rewind()  # a reuse attempt's outer capture may have counted the opaque calls
-                    result = dynamo_export(model, call, state.current, spec, real_values=real_values,
-                                           fresh_kwargs=state.fresh_kwargs)
+                    with _stopping_at_limits(request, call):
+                        result = dynamo_export(model, call, state.current, spec, real_values=real_values,
+                                               fresh_kwargs=state.fresh_kwargs)
                     guard.reset()  # Dynamo left fake tensors in attributes forward() writes
                     gm, extra = relift(result.graph_module, target, box, decided=real_values)
             notes.extend(target.notes)
             break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
-            if isinstance(err, BlockSpecialised) or not state.relax(err, model, capture_call, notes):
+            if isinstance(err, LimitFound) or not state.relax(err, model, capture_call, notes):
                 return _failure(err, start, tracer)
             progress.step(f"retrying after {type(err).__name__}")
     notes.extend(_capture_notes(request, gm, state.caches, guard.written, capture_call))
     result_ = CaptureResult(gm, tracer, notes=notes, extra_leaves=extra)
     return result_, CaptureAttempt(tracer, True, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _stopping_at_limits(request: CaptureRequest, call: ExampleInputs) -> Iterator[None]:
+    """Under ``request.scan_search``, the model's capture stops at the first guard that limits a
+    declared dimension, with :class:`.early_limit.LimitFound` (see :mod:`.early_limit`)."""
+    dims = dynamic_dims(request.model, call, request.dynamic) if request.scan_search else {}
+    if not dims:
+        yield
+        return
+    names = early_limit.model_sources(request.model, call, dims)
+    try:
+        with guard_log.renamed(None, early_limit.Limit(names)):
+            yield
+    except guard_log.Stopped as stopped:
+        raise early_limit.limited("the model", stopped) from None
 
 
 @dataclass

@@ -18,10 +18,12 @@ three checks, from cheapest to strongest:
   evaluated for the other one. Every attribute the block's ``forward`` read (``self.layer_idx`` in
   a branch, Gemma's ``sliding_window``, a MoE layer's ``is_sparse``) is guarded; where the other
   instance's value fails the guard, its code path may differ and it is captured on its own. A
-  leaf's hooks are compared by the code they run, not by identity (:func:`leaf_hook_guards`).
+  leaf's hooks are compared by the code they run, not by identity (:func:`leaf_hook_guards`), and
+  an opaque part's patch by nothing (:func:`beside_parts`): each copy calls its own part.
 
-Also here: :func:`groups_apart_from`, the groups kept apart from the parts Dynamo calls without
-tracing into, and :func:`structure_whys`, why an instance with another module tree is not stamped.
+Also here: :func:`groups_apart_from`, the groups kept apart by the parts Dynamo calls without
+tracing into (an instance that is one or lies inside one is left out; instances holding other parts
+are grouped apart), and :func:`structure_whys`, why an instance with another module tree is not stamped.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def _name(source: Any) -> str:
 
 @dataclass
 class _Block:
-    names: dict[str, str]
+    names: dict[str, str] | None  # None: the model's own capture, its sources as they are
     added: GuardLog
     stop: Callable[[AddedGuard], Any] | None
 
@@ -92,7 +92,7 @@ class Stopped(BaseException):
 
 
 @contextlib.contextmanager
-def renamed(names: dict[str, str], stop: Callable[[AddedGuard], Any] | None = None) -> Iterator[GuardLog]:
+def renamed(names: dict[str, str] | None, stop: Callable[[AddedGuard], Any] | None = None) -> Iterator[GuardLog]:
     """Within (a repeated block's own capture), a guard's source named in ``names`` is recorded
     under the model input's name it maps to; any other is marked :data:`IN_BLOCK` and its example
     value left out, so that a block's argument named like a model input (``x``) is not taken for it,
@@ -100,7 +100,8 @@ def renamed(names: dict[str, str], stop: Callable[[AddedGuard], Any] | None = No
     thread, read in the guards it adds (captures hold a global lock). Yields the guards recorded
     within (none where no :func:`recording` runs). ``stop(guard)``: asked of each guard recorded
     within; a value it returns ends the capture at once with :class:`Stopped` (the rest of a trace
-    already known to be given up can take most of its time: a chunked scan's inner loops)."""
+    already known to be given up can take most of its time: a chunked scan's inner loops).
+    ``names`` None: the model's own capture, nothing renamed or marked (a stop alone)."""
     block = _Block(names, GuardLog(), stop)
     _IN_BLOCK.append(block)
     try:

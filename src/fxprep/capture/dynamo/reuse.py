@@ -41,9 +41,19 @@ hold redoes the outer capture with that block's output computed on the symbols.
 Where values read from data are decided from the example (``dynamo+values``, :mod:`.values`), each
 block's capture decides them from the inputs it receives, and its checks stay in every copy; the
 graph of a group's first member is run on each other member's recorded inputs, and a member whose
-inputs fail one of its checks is captured in a next round (:func:`decided_otherwise`). A block that
-calls a function made opaque gives reuse up: the function's recorded calls are numbered in the
-model's order, which a block captured alone cannot follow.
+inputs fail one of its checks is captured in a next round (:func:`decided_otherwise`).
+
+Opaque parts inside a block (a scan kept opaque in every layer of a state-space model, an excluded
+class in every layer, :mod:`.opaque`) stay calls in its own capture, which sees them with paths
+relative to the block (:meth:`.opaque.BlackBox.within`; a call's recording is matched by its input
+sizes, since a block alone does not make its calls at the model's positions). The modules calling
+an opaque method or function are stamped out with the graph, each bound to its own instance's
+method (:func:`_opaque_parts`, :func:`.stamp._rebind`); Dynamo's guards on the parts themselves (each
+instance's part has its own patch) do not keep instances apart (:func:`.blocks.beside_parts`), the
+parts they hold do (:func:`.blocks.groups_apart_from`). Where the shape-general capture asks for it
+(``ReuseJob.scan_search``), a block's own capture that specialises or bounds a declared dimension
+ends the capture (:mod:`.early_limit`), for the scan to be looked for in that block's guards
+before the whole model is captured.
 """
 
 from __future__ import annotations
@@ -66,7 +76,7 @@ from ...paths import get_path
 from ...runs import SEED, preserved_state
 from ..common import LeafPolicy
 from ..sites import OpaqueFunction, OpaqueMethod
-from . import block_failure, guard_log
+from . import early_limit, guard_log
 from .blocks import (
     beside_parts,
     call_inputs,
@@ -318,7 +328,7 @@ class ReuseJob:
     real_values: bool = False
     # the outer capture traced from a root whose ``**kwargs`` is the trace's own (:func:`.export.fresh_kwargs_root`)
     fresh_kwargs: bool = False
-    # a block whose own capture specialises a declared dimension fails the capture (:mod:`.block_failure`)
+    # a block whose own capture specialises a declared dimension fails the capture (:mod:`.early_limit`)
     scan_search: bool = False
 
 
@@ -327,7 +337,7 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
     """Capture the first member; the others its guards hold for share the graph, the rest are
     regrouped (by what the guarded attributes hold) for the next round, with the reason in ``why``.
     ``recorded``: the inputs each call receives (every member's when values are decided, else the
-    first's). ``sizes``: the model inputs' sizes in the outer graph (:func:`.block_failure.input_sizes`)."""
+    first's). ``sizes``: the model inputs' sizes in the outer graph (:func:`.early_limit.input_sizes`)."""
     first = group[0]
     route = job.target.route
     call = _block_call(first, recorded[(id(first.module), first.k)])
@@ -336,15 +346,15 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
     spec = _block_spec(first, call)
     fallback = _block_spec(first, call, declared_only=True) if spec is not None else None
     # the block's sizes that are declared dimensions, named as the model's inputs in the guards it records
-    names = block_failure.sources(first.node, first.module, call, sizes) if spec is not None else {}
+    names = early_limit.sources(first.node, first.module, call, sizes) if spec is not None else {}
     try:
-        with guard_log.renamed(names, block_failure.Limit(names) if job.scan_search else None):
+        with guard_log.renamed(names, early_limit.Limit(names) if job.scan_search else None):
             result, call = _export_block(first, call, job, spec, fallback)
     except guard_log.Stopped as stopped:
-        raise block_failure.limited(first.name, stopped) from None
+        raise early_limit.limited(f"'{first.name}' alone", stopped) from None
     except Exception as err:
         if job.scan_search:
-            block_failure.raise_if_specialised(err, first.name, names)
+            early_limit.raise_if_specialised(err, first.name, names)
         raise
     job.guard.reset()
     box = _block_box(job.box, result.graph_module, first)
@@ -454,7 +464,7 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
         around: Exception | None = None
         try:
             return _capture(job, stubs, qualnames)
-        except block_failure.BlockSpecialised:
+        except early_limit.LimitFound:
             guard.reset()
             raise
         except _AroundBlocks as failed:
@@ -537,7 +547,7 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
             why[group[0].name] = f"its inputs differ from those '{first}' is called with"
     pending = list(groups.values())
     captured: list[_Captured] = []
-    sizes = block_failure.input_sizes(outer, model, prepared_call) if job.dynamic_spec is not None else {}
+    sizes = early_limit.input_sizes(outer, model, prepared_call) if job.dynamic_spec is not None else {}
     while pending:
         wanted = [m for g in pending for m in g] if job.real_values else [g[0] for g in pending]
         recorded = _record_inputs(outer, model, prepared_call, wanted, share=job.real_values)

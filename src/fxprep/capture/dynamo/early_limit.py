@@ -1,16 +1,23 @@
-"""A repeated block's own capture that specialises a declared dimension, said in the model's terms.
+"""A capture that specialises or bounds a declared dimension, stopped and said in the model's terms.
 
-Block reuse (:mod:`.reuse`) captures a repeated block alone, with every dimension that is symbolic
-where the outer graph calls it declared dynamic. When the block's code specialises one that is
-exactly a declared dimension of the model's inputs (a scan's per-step loop over the length: Mamba's
-``for index in range(seq_len)``), the whole-model capture reuse falls back to traces every block
-and fails the same way at the same line, at a cost that grows with depth (a 24-layer Mamba: most of
-its preparation). The shape-general capture (:func:`fxprep.shape_general.capture`) looks for the
-scan in that failure first: it asks for it (``CaptureRequest.scan_search``), the block's guards are
-recorded under the model inputs' names (:func:`sources`, :func:`.guard_log.renamed`), and the
-failure is raised as :class:`BlockSpecialised` instead of the whole model being captured. Only when
-no scan is found there, or the one found does not free the dimension, is the whole model captured,
-and that capture's own failure decides what is dropped or bounded, as before.
+Why: the per-step loop of a scan (Mamba's ``for index in range(seq_len)``, a chunked scan's inner
+loops) ties the graph to the example's length, and tracing it is most of a capture's time (Dynamo
+unrolls it), for a capture the shape-general capture (:func:`fxprep.shape_general.capture`) then
+gives up to look for the scan in its guards (:mod:`.scans`) and capture again with it opaque. Where
+it asks for it (``CaptureRequest.scan_search``), a capture here stops at the first guard that fails
+at a size above the example's of a declared dimension (:class:`Limit`, the ``stop`` of
+:func:`.guard_log.renamed`), or at the violation that ends it, and raises :class:`LimitFound`: the
+guards recorded so far are enough to find the scan. Only when none is found there, or the one found
+does not make the capture succeed, is the model captured again without stopping, and that capture's
+own failure decides what is dropped or bounded, as before.
+
+Two captures stop so: the whole model's (:func:`model_sources`) and, under block reuse
+(:mod:`.reuse`), each repeated block's own, whose inputs' sizes it names after its own arguments
+(``L['args'][0].size()[1]``, ``L['position_embeddings'][0].size()[1]``): each that is, where the outer
+graph calls the block, exactly a declared dimension of the model's inputs is recorded under that
+input's name (:func:`input_sizes`, :func:`sources`), and the whole-model capture reuse would fall
+back to (every block traced, failing the same way at the same line, at a cost that grows with depth)
+does not run.
 """
 
 from __future__ import annotations
@@ -33,13 +40,28 @@ from .shapes import positional_names
 _VIOLATED = re.compile(r"Constraints violated \((.*?)\)!")
 
 
-class BlockSpecialised(RuntimeError):
-    """The capture of a repeated block alone specialised or bounded declared dimensions of the
-    model's inputs: ``sources``, as the model's capture names them (``L['input_ids'].size()[1]``)."""
+class LimitFound(RuntimeError):
+    """A capture (of the model, or of a repeated block alone) specialised or bounded declared
+    dimensions of the model's inputs: ``sources``, as the model's capture names them
+    (``L['input_ids'].size()[1]``)."""
 
-    def __init__(self, block: str, sources: list[str], why: str):
-        super().__init__(f"the capture of '{block}' alone limits {', '.join(sources)} ({why})")
+    def __init__(self, where: str, sources: list[str], why: str):
+        super().__init__(f"the capture of {where} limits {', '.join(sources)} ({why})")
         self.sources = sources
+
+
+def model_sources(model: nn.Module, call: ExampleInputs, dims: dict[str, dict[int, str]]) -> dict[str, str]:
+    """Each way the model's capture may name a declared dimension of its inputs (``dims``, by input
+    name; ``call``: what Dynamo is called with), mapped to ``L['name'].size()[d]``."""
+    positional = positional_names(model, len(call.args))
+    out: dict[str, str] = {}
+    for name, declared in dims.items():
+        spellings = [f"L['{name}']", f"L['kwargs']['{name}']"]
+        if name in positional:
+            spellings.append(f"L['args'][{positional.index(name)}]")
+        for d in declared:
+            out.update({f"{spelling}.size()[{d}]": f"L['{name}'].size()[{d}]" for spelling in spellings})
+    return out
 
 
 def input_sizes(outer: fx.GraphModule, model: nn.Module, prepared_call: ExampleInputs) -> dict[Any, str]:
@@ -103,7 +125,7 @@ def _source_names(path: tuple[Any, ...], positional: list[str]) -> list[str]:
 
 
 def raise_if_specialised(err: BaseException, block: str, names: dict[str, str]) -> None:
-    """Raise :class:`BlockSpecialised` when ``err`` (the failure of ``block``'s own capture) is a
+    """Raise :class:`LimitFound` when ``err`` (the failure of ``block``'s own capture) is a
     constraint violation of sizes that are all declared dimensions of the model's inputs (``names``:
     :func:`sources`); else return, and the caller goes on as before."""
     found = _VIOLATED.search(str(err)) if names else None
@@ -112,7 +134,7 @@ def raise_if_specialised(err: BaseException, block: str, names: dict[str, str]) 
     violated = [s.strip() for s in found.group(1).split(", ") if s.strip()]
     if violated and all(s in names for s in violated):
         why = f"{type(err).__name__}: {first_line(err)}"
-        raise BlockSpecialised(block, list(dict.fromkeys(names[s] for s in violated)), why) from err
+        raise LimitFound(f"'{block}' alone", list(dict.fromkeys(names[s] for s in violated)), why) from err
 
 
 class Limit:
@@ -123,7 +145,7 @@ class Limit:
     there (:class:`.guard_log.Stopped`), returning ``(source, size where it fails, guard)``."""
 
     def __init__(self, names: dict[str, str]):
-        self.declared = set(names.values())
+        self.names = {**{v: v for v in names.values()}, **names}  # a source as recorded -> the model input's
         self.seen: set[str] = set()
 
     def __call__(self, guard: AddedGuard) -> tuple[str, int, str] | None:
@@ -134,8 +156,8 @@ class Limit:
         by_source: dict[str, set[Any]] = {}
         for symbol, named in guard.sources.items():
             for source in named:
-                if source in self.declared:
-                    by_source.setdefault(source, set()).add(symbol)
+                if source in self.names:
+                    by_source.setdefault(self.names[source], set()).add(symbol)
         for source, symbols in by_source.items():
             size = next((guard.hints[s] for s in symbols if s in guard.hints), None)
             past = failing_size(guard, symbols, size) if size is not None else None
@@ -144,10 +166,10 @@ class Limit:
         return None
 
 
-def limited(block: str, stopped: Stopped) -> BlockSpecialised:
-    """The failure of ``block``'s capture ended by :class:`Limit`."""
+def limited(where: str, stopped: Stopped) -> LimitFound:
+    """The failure of a capture (``where``: of the model, or of a block alone) ended by :class:`Limit`."""
     source, past, text = stopped.found
-    return BlockSpecialised(block, [source], f"a guard it adds fails at {past}: {text[:120]}")
+    return LimitFound(where, [source], f"a guard it adds fails at {past}: {text[:120]}")
 
 
-__all__ = ["BlockSpecialised", "input_sizes", "Limit", "limited", "raise_if_specialised", "sources"]
+__all__ = ["LimitFound", "model_sources", "input_sizes", "Limit", "limited", "raise_if_specialised", "sources"]
