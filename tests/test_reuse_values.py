@@ -112,7 +112,8 @@ class _GroupedLayer(nn.Module):
 
 class _CallsItEverywhere(nn.Module):
     """The opaque function is met first at the root, and each layer calls it too: its recorded
-    calls are numbered in the model's order, which a layer captured alone cannot follow."""
+    calls are numbered in the model's order, and a layer captured alone makes its own call at
+    another position (its recording is matched by its input sizes)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -125,16 +126,19 @@ class _CallsItEverywhere(nn.Module):
         return x
 
 
-def test_blocks_calling_a_function_made_opaque_are_captured_with_the_model() -> None:
+def test_blocks_calling_a_function_made_opaque_are_stamped_each_with_its_own_call() -> None:
     torch.manual_seed(0)
     model = _CallsItEverywhere().eval()
     example = (torch.randn(2, 8),)
     whole = fxprep.prepare_model(model, example_inputs=example, reuse_blocks=False, dynamic=False)
     gm = fxprep.prepare_model(model, example_inputs=example, dynamic=False)
     report = fxprep.get_report(gm)
-    assert report.verification.status == "passed" and report.reuse.get("captured", {}) == {}
+    # the first layer takes the opaque call's output (no gradient recorded), the others a sum that has one
+    assert report.verification.status == "passed" and _stamped(report.reuse) == {"layers.1": ["layers.2"]}
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == \
         [n.target for n in whole.graph.nodes if n.op == "call_module"]
+    calls = [gm.get_submodule(f"layers.{i}._groups") for i in range(3)]
+    assert len({id(c) for c in calls}) == 3 and all(c.fn is _groups for c in calls)
     other = torch.randn(2, 8)
     with torch.no_grad():
         torch.testing.assert_close(gm(other), model(other), rtol=0, atol=0)
