@@ -39,6 +39,18 @@ def has_path(root: Any, path: str) -> bool:
     return hasattr(obj, last)
 
 
+def holds(root: nn.Module, path: str) -> bool:
+    """Whether ``root`` has a submodule, parameter or buffer at ``path`` (a method or a plain
+    attribute there does not count: a container fxprep makes may take that name)."""
+    for find in (root.get_submodule, root.get_parameter, root.get_buffer):
+        try:
+            find(path)
+            return True
+        except AttributeError:
+            continue
+    return False
+
+
 def install(holder: nn.Module, path: str, obj: Any) -> None:
     """Put ``obj`` at ``path`` in ``holder``, creating plain containers on the way.
 

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from ...inputs import ExampleInputs
 from ...passes import dynamo_cleanup
-from ...paths import get_path
+from ...paths import get_path, holds
 from ..common import LeafPolicy, graph_module
 from ..sites import Site
 from .cond import relift_conds
@@ -197,13 +197,7 @@ def _free_path(holder: _Holder, model: nn.Module, path: str) -> bool:
         return False
     except AttributeError:
         pass
-    for find in (model.get_submodule, model.get_parameter, model.get_buffer):
-        try:
-            find(path)
-            return False
-        except AttributeError:
-            continue
-    return True
+    return not holds(model, path)
 
 
 def _reorder_like(gm: fx.GraphModule, model: nn.Module) -> None:

@@ -72,7 +72,6 @@ from torch.utils import _pytree as pytree
 from ... import decisions
 from ...diagnose import first_line, stopped_at_data_guard
 from ...inputs import ExampleInputs, same_layout
-from ...paths import get_path
 from ...runs import SEED, preserved_state
 from ..common import LeafPolicy
 from ..sites import OpaqueFunction, OpaqueMethod
@@ -99,6 +98,7 @@ from .stamp import (
     block_output_signature,
     converted_block,
     foreign_attributes,
+    modules_not_of,
     names_free,
 )
 from .stubs import OtherOutput, Stubs
@@ -402,19 +402,10 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
 
 def _opaque_parts(gm: fx.GraphModule, first: nn.Module) -> dict[str, nn.Module]:
     """The modules calling an opaque method or function that re-lifting placed in the block graph
-    ``gm`` (captured from ``first``), by target: each instance the graph is stamped for gets its own."""
-    parts: dict[str, nn.Module] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        module = gm.get_submodule(str(node.target))
-        try:
-            own = get_path(first, str(node.target)) is module  # an opaque module of the block: the instance's own
-        except AttributeError:
-            own = False
-        if isinstance(module, (OpaqueMethod, OpaqueFunction)) and not own:
-            parts[str(node.target)] = module
-    return parts
+    ``gm`` (captured from ``first``), by target: each instance the graph is stamped for gets its own.
+    (An opaque module of the block is the instance's own, stamped as any.)"""
+    return {target: module for target, module in modules_not_of(gm, first).items()
+            if isinstance(module, (OpaqueMethod, OpaqueFunction))}
 
 
 def _block_box(box: BlackBox | None, dgm: fx.GraphModule, first: Member) -> BlackBox | None:

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...paths import get_path, has_path
+from ...paths import get_path, has_path, holds
 from ..common import graph_module
 from ..sites import OpaqueFunction, OpaqueMethod
 from .blocks import call_inputs, freeze, shape_kind
@@ -255,20 +255,28 @@ def converted_block(block: fx.GraphModule, convert: Any,
     converted = graph_module(block, graph, type(block).__name__)
     converted.meta.update(block.meta)
     convert(converted, first)
+    made = modules_not_of(converted, block)
+    if any(module._modules for module in made.values()):
+        return None
+    return converted, made
+
+
+def modules_not_of(gm: fx.GraphModule, owner: nn.Module) -> dict[str, nn.Module]:
+    """The modules ``gm`` calls that are not ``owner``'s own at the same path, by target: those a
+    pass or the re-lifting made in a block graph (captured from ``owner``), which each instance it
+    is stamped for gets a copy of."""
     made: dict[str, nn.Module] = {}
-    for node in converted.graph.nodes:
+    for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
-        module = converted.get_submodule(str(node.target))
+        module = gm.get_submodule(str(node.target))
         try:
-            own = block.get_submodule(str(node.target)) is module
+            own = get_path(owner, str(node.target)) is module
         except AttributeError:
             own = False
         if not own:
-            if module._modules:
-                return None
             made[str(node.target)] = module
-    return converted, made
+    return made
 
 
 def names_free(made: dict[str, nn.Module], instances: list[nn.Module]) -> bool:
@@ -283,13 +291,7 @@ def _taken(instance: nn.Module, target: str, module: nn.Module) -> bool:
     container fxprep makes: only a module, parameter or buffer of the user's there takes the name."""
     if not isinstance(module, (OpaqueMethod, OpaqueFunction)):
         return has_path(instance, target)
-    for find in (instance.get_submodule, instance.get_parameter, instance.get_buffer):
-        try:
-            find(target)
-            return True
-        except AttributeError:
-            continue
-    return False
+    return holds(instance, target)
 
 
 def _tensor_names(root: nn.Module) -> dict[int, str]:
