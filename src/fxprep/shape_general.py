@@ -43,8 +43,8 @@ from .inputs import ExampleInputs
 from .report import Report
 from .runs import preserved_state
 
-# (capture example, dynamic dimensions, sites kept opaque, whether a repeated block's own capture that
-# specialises a dimension fails the capture for the scan search: CaptureRequest.scan_search)
+# (capture example, dynamic dimensions, sites kept opaque, whether the capture stops at the first guard
+# that limits a declared dimension, for the scan search: CaptureRequest.scan_search)
 # -> the capture and its attempts
 Capture = Callable[[ExampleInputs, Any, list[Any], bool], tuple["CaptureResult | None", list[CaptureAttempt]]]
 # (the guards of a failed capture, the declared symbols it limited, the proposal, the sites taken) -> new scans
@@ -81,10 +81,11 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
     ``proposal.dropped``), each range it needs is declared, and the capture retried. Before that,
     ``scans_of`` may name per-step loops behind the guards that limit them (:mod:`.capture.dynamo.scans`):
     the capture is tried with those opaque, and they are kept where that frees a dimension or widens
-    a range. They are looked for first in a repeated block's own capture, when that fails
-    (``search``: :mod:`.capture.dynamo.early_limit`); the whole model is captured only where none is
-    found there or the one found does not make the capture succeed. Raises :class:`NotShapeGeneral`
-    when no dimension is left or the capture fails for another reason."""
+    a range. They are looked for first in a capture stopped at the first guard that limits a
+    declared dimension (``search``: :mod:`.capture.dynamo.early_limit`; the model's, or a repeated
+    block's own); the capture runs to the end only where none is found there or the one found leaves
+    the dimension specialised. Raises :class:`NotShapeGeneral` when no dimension is left or the
+    capture fails for another reason."""
     current: autodims.Proposal | None = proposal
     before: tuple[autodims.Proposal, BaseException | None, Any, Any] | None = None  # the failure scans try to pass
     rounds, refused = 0, list[Any]()  # scans tried that did not help are not tried again

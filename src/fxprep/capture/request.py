@@ -48,10 +48,10 @@ class CaptureRequest:
     dynamic; the shape-general capture then tries static shapes) instead of making a part opaque.
     ``opaque``: sites (:class:`~fxprep.capture.sites.Site`) Dynamo calls without tracing into from the
     start, on every Dynamo route (a scan kept out of the graph so that the length it loops over stays
-    dynamic: :mod:`fxprep.capture.dynamo.scans`). ``scan_search``: a repeated block whose own capture
-    (block reuse) specialises a declared dimension fails the capture with that block's guards, for
-    the shape-general capture to look for a scan in (:mod:`fxprep.capture.dynamo.early_limit`),
-    instead of the whole model being captured.
+    dynamic: :mod:`fxprep.capture.dynamo.scans`). ``scan_search``: the capture (the model's, or a repeated
+    block's own under block reuse) stops at the first guard that limits a declared dimension, for
+    the shape-general capture to look for a scan in the guards so far
+    (:mod:`fxprep.capture.dynamo.early_limit`), instead of tracing on and capturing the whole model.
     """
 
     model: nn.Module
