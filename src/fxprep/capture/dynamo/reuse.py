@@ -328,7 +328,7 @@ class ReuseJob:
     real_values: bool = False
     # the outer capture traced from a root whose ``**kwargs`` is the trace's own (:func:`.export.fresh_kwargs_root`)
     fresh_kwargs: bool = False
-    # a block whose own capture specialises a declared dimension fails the capture (:mod:`.early_limit`)
+    # a block's own capture stops at the first guard limiting a declared dimension (:mod:`.early_limit`)
     scan_search: bool = False
 
 
