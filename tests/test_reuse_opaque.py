@@ -3,7 +3,7 @@ under dynamic shapes"): a scan kept opaque so that the length stays dynamic
 (``fxprep.capture.dynamo.scans``) sits in every layer of a state-space model, and an excluded class in
 every layer of an LLM. Each block is captured once with its parts as calls and stamped out, every copy
 calling its own instance's part; a block's own capture that specialises the length is where the scan
-is looked for, without capturing the whole model first (``fxprep.capture.dynamo.block_failure``).
+is looked for, without capturing the whole model first (``fxprep.capture.dynamo.early_limit``).
 """
 
 from __future__ import annotations
@@ -169,3 +169,53 @@ def test_mamba_layers_are_captured_once_with_their_scan(monkeypatch: Any) -> Non
                 expected = model(input_ids=other, use_cache=False).logits
                 torch.testing.assert_close(gm(input_ids=other)["logits"], expected, rtol=0, atol=0)
     assert whole == []  # the scan was found in the layer's own capture
+
+
+def test_the_layer_after_an_excluded_layer_is_the_twin_of_the_others() -> None:
+    """An excluded layer's output has a gradient in eager (its own weights give it one): the graph's
+    stand-in for it has one too, so the next layer is called as its twins are and stamped with them
+    (it was captured apart, 'its inputs differ')."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 96, (1, 12))
+    gm = fxprep.prepare_model(model, modules_to_exclude=[model.model.layers[0]], example_inputs={"input_ids": ids},
+                              progress=False)
+    report = fxprep.get_report(gm)
+    assert report.verification.status == "passed"
+    assert _stamped(gm) == {"model.layers.1": [f"model.layers.{i}" for i in range(2, 5)]}
+    assert gm.get_submodule("model.layers.0") is model.model.layers[0]
+    other = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(gm(other).logits, model(other).logits, rtol=0, atol=0)
+
+
+class _Halved(nn.Module):
+    """Updates the output of an excluded module in place: fine in eager, where that output was made by
+    an operation; a stand-in made as a leaf with a gradient would refuse it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        h.mul_(0.5)
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+
+
+def test_an_excluded_modules_output_updated_in_place_traces_as_in_eager() -> None:
+    torch.manual_seed(0)
+    model = _Halved().eval()
+    gm = fxprep.prepare_model(model, modules_to_exclude=[model.first], example_inputs=(torch.randn(2, 8),),
+                              progress=False)
+    report = fxprep.get_report(gm)
+    assert report.tracer == "dynamo" and report.verification.status == "passed"  # not fx's fallback
+    assert gm.get_submodule("first") is model.first
+    _same(gm, model, torch.randn(3, 8))

@@ -133,8 +133,9 @@ def test_blocks_calling_a_function_made_opaque_are_stamped_each_with_its_own_cal
     whole = fxprep.prepare_model(model, example_inputs=example, reuse_blocks=False, dynamic=False)
     gm = fxprep.prepare_model(model, example_inputs=example, dynamic=False)
     report = fxprep.get_report(gm)
-    # the first layer takes the opaque call's output (no gradient recorded), the others a sum that has one
-    assert report.verification.status == "passed" and _stamped(report.reuse) == {"layers.1": ["layers.2"]}
+    # every layer is called with a tensor that has a gradient (the capture's inputs have one, so the first
+    # layer's, the opaque call's output, has one too, as in eager): one capture, stamped for the other two
+    assert report.verification.status == "passed" and _stamped(report.reuse) == {"layers.0": ["layers.1", "layers.2"]}
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == \
         [n.target for n in whole.graph.nodes if n.op == "call_module"]
     calls = [gm.get_submodule(f"layers.{i}._groups") for i in range(3)]

@@ -72,9 +72,14 @@ class Unbacked:
 
 def _fake_outputs(rec: Recorded, args: tuple[Any, ...], kwargs: dict[str, Any], unbacked: Unbacked) -> tuple[Any, ...]:
     """Fake tensors like ``rec``'s outputs, sized from the call's inputs where the eager runs say
-    the size is an input's, with fresh unbacked sizes where it followed the data."""
+    the size is an input's, with fresh unbacked sizes where it followed the data, and with a
+    gradient where eager gives them one."""
     fake_mode = torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs)))
     inputs = [v for v in pytree.tree_leaves((args, kwargs))]
+    # an output has a gradient as in eager: from the part's own parameters (recorded), or from an input
+    # that has one (a floating output of a part is taken to follow its inputs); made by an operation
+    # (clone), not a leaf, so that in-place updates of it downstream trace as they run eagerly
+    grad = torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs)
     known: dict[tuple[int, int | None], Any] = {}
     for k, value in enumerate(inputs):
         shape = rec.inputs[k] if k < len(rec.inputs) else None
@@ -105,9 +110,10 @@ def _fake_outputs(rec: Recorded, args: tuple[Any, ...], kwargs: dict[str, Any], 
                 known[(size, second)] = symbol
                 sizes.append(symbol)
         if all(isinstance(s, int) for s in sizes) and meta.stride is not None:
-            out.append(torch.empty_strided(sizes, meta.stride, dtype=meta.dtype, device=meta.device))
+            made = torch.empty_strided(sizes, meta.stride, dtype=meta.dtype, device=meta.device)
         else:
-            out.append(torch.empty(sizes, dtype=meta.dtype, device=meta.device))
+            made = torch.empty(sizes, dtype=meta.dtype, device=meta.device)
+        out.append(made.requires_grad_().clone() if meta.requires_grad or (grad and made.is_floating_point()) else made)
     return tuple(out)
 
 
