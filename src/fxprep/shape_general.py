@@ -62,6 +62,22 @@ class Elsewhere:
     attempts: list[CaptureAttempt]
 
 
+@dataclasses.dataclass
+class _Tried:
+    """A capture that a round of scans newly kept opaque must improve on (:func:`capture`):
+    ``proposal`` without them, and what that capture left specialised (``found``) and bounded
+    (``ranges``). ``stopped``: it was stopped at the first limiting guard (``err`` is then the
+    :class:`LimitFound`, its sources count as specialised), so where the scans do not help, the
+    capture without stopping decides what to drop or bound; else ``err`` is its failure, taken up
+    again as it was."""
+
+    proposal: autodims.Proposal
+    err: BaseException | None
+    found: dict[Any, str]
+    ranges: dict[str, Any]
+    stopped: bool
+
+
 class NotShapeGeneral(Exception):
     """The automatically declared dimensions did not hold (capture or verification): prepare with
     static shapes instead. Not an FxprepError: it never reaches the user. ``reference``: the
@@ -87,7 +103,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
     the dimension specialised. Raises :class:`NotShapeGeneral` when no dimension is left or the
     capture fails for another reason."""
     current: autodims.Proposal | None = proposal
-    before: tuple[autodims.Proposal, BaseException | None, Any, Any] | None = None  # the failure scans try to pass
+    before: _Tried | None = None  # the failure scans try to pass
     rounds, refused = 0, list[Any]()  # scans tried that did not help are not tried again
     # captures stop at the first guard limiting a declared dimension (.capture.dynamo.early_limit) until
     # a scan search in such a stopped capture's guards finds nothing that makes the capture succeed
@@ -105,29 +121,31 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
         err = next((a.exception for a in reversed(attempts) if a.exception is not None), None)
         if isinstance(err, LimitFound) and scans_of is not None:  # a capture stopped at a limit
             rounds += 1
-            new = scans_of(log, _declared(err.sources, current), current,
-                           [site for scan in current.scans for site in scan.sites] + refused)
+            # the guard it stopped at was found limiting already: the scan search starts from it alone
+            new = scans_of(GuardLog([err.guard]) if err.guard is not None else log, _declared(err.sources, current),
+                           current, [site for scan in current.scans for site in scan.sites] + refused)
             if new:  # the dimensions it stopped at count as specialised, for judging the scans
-                before = (current, None, {key: err.sources[0] for key in _keys(err.sources, current)}, {})
+                before = _Tried(current, err, {key: err.sources[0] for key in _keys(err.sources, current)}, {}, True)
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
             else:  # no scan there: the capture without stopping says what to drop or bound
                 stopping = False
             continue
         found, ranges = violation.findings(err, current) if err is not None else ({}, {})
         if before is not None:  # the capture with new scans opaque
-            if not _freer(found, ranges, before[2], before[3]):  # they did not help: traced, as before
-                refused.extend(site for scan in current.scans if scan not in before[0].scans for site in scan.sites)
-                if before[1] is None:  # found in a stopped capture: the capture without stopping decides
-                    current, before, stopping = before[0], None, False
+            if not _freer(found, ranges, before.found, before.ranges):  # they did not help: traced, as before
+                refused.extend(site for scan in current.scans if scan not in before.proposal.scans
+                               for site in scan.sites)
+                if before.stopped:  # the capture without stopping decides
+                    current, before, stopping = before.proposal, None, False
                     continue
-                current, err, found, ranges = before
+                current, err, found, ranges = before.proposal, before.err, before.found, before.ranges
             before = None
         elif scans_of is not None and (found or ranges) and rounds < MAX_SCAN_ROUNDS:
             rounds += 1
             limited = {current.dynamic[n][d] for n, d in found if d in current.dynamic.get(n, {})} | set(ranges)
             new = scans_of(log, limited, current, [site for scan in current.scans for site in scan.sites] + refused)
             if new:
-                before = (current, err, found, ranges)
+                before = _Tried(current, err, found, ranges, False)
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
                 continue
         if current.explicit and found:  # the user declared them: not dropped behind their back

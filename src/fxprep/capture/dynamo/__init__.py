@@ -170,7 +170,7 @@ def _stopping_at_limits(request: CaptureRequest, call: ExampleInputs) -> Iterato
         return
     names = early_limit.model_sources(request.model, call, dims)
     try:
-        with guard_log.renamed(None, early_limit.Limit(names)):
+        with guard_log.stopping(early_limit.Limit(names)):
             yield
     except guard_log.Stopped as stopped:
         raise early_limit.limited("the model", stopped) from None

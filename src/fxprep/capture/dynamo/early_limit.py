@@ -6,7 +6,7 @@ unrolls it), for a capture the shape-general capture (:func:`fxprep.shape_genera
 gives up to look for the scan in its guards (:mod:`.scans`) and capture again with it opaque. Where
 it asks for it (``CaptureRequest.scan_search``), a capture here stops at the first guard that fails
 at a size above the example's of a declared dimension (:class:`Limit`, the ``stop`` of
-:func:`.guard_log.renamed`), or at the violation that ends it, and raises :class:`LimitFound`: the
+:func:`.guard_log.stopping` or :func:`.guard_log.renamed`), or at the violation that ends it, and raises :class:`LimitFound`: the
 guards recorded so far are enough to find the scan. Only when none is found there, or the one found
 does not make the capture succeed, is the model captured again without stopping, and that capture's
 own failure decides what is dropped or bounded, as before.
@@ -43,11 +43,13 @@ _VIOLATED = re.compile(r"Constraints violated \((.*?)\)!")
 class LimitFound(RuntimeError):
     """A capture (of the model, or of a repeated block alone) specialised or bounded declared
     dimensions of the model's inputs: ``sources``, as the model's capture names them
-    (``L['input_ids'].size()[1]``)."""
+    (``L['input_ids'].size()[1]``). ``guard``: the guard the capture was stopped at (:class:`Limit`),
+    already found limiting, where there is one (not for a capture ended by a constraint violation)."""
 
-    def __init__(self, where: str, sources: list[str], why: str):
+    def __init__(self, where: str, sources: list[str], why: str, guard: AddedGuard | None = None):
         super().__init__(f"the capture of {where} limits {', '.join(sources)} ({why})")
         self.sources = sources
+        self.guard = guard
 
 
 def model_sources(model: nn.Module, call: ExampleInputs, dims: dict[str, dict[int, str]]) -> dict[str, str]:
@@ -148,7 +150,7 @@ class Limit:
         self.names = {**{v: v for v in names.values()}, **names}  # a source as recorded -> the model input's
         self.seen: set[str] = set()
 
-    def __call__(self, guard: AddedGuard) -> tuple[str, int, str] | None:
+    def __call__(self, guard: AddedGuard) -> tuple[str, int, AddedGuard] | None:
         text = str(guard.expr)
         if not guard.stack or text in self.seen:
             return None
@@ -162,14 +164,14 @@ class Limit:
             size = next((guard.hints[s] for s in symbols if s in guard.hints), None)
             past = failing_size(guard, symbols, size) if size is not None else None
             if past is not None:
-                return source, past, text
+                return source, past, guard
         return None
 
 
 def limited(where: str, stopped: Stopped) -> LimitFound:
     """The failure of a capture (``where``: of the model, or of a block alone) ended by :class:`Limit`."""
-    source, past, text = stopped.found
-    return LimitFound(where, [source], f"a guard it adds fails at {past}: {text[:120]}")
+    source, past, guard = stopped.found
+    return LimitFound(where, [source], f"a guard it adds fails at {past}: {str(guard.expr)[:120]}", guard)
 
 
 __all__ = ["LimitFound", "model_sources", "input_sizes", "Limit", "limited", "raise_if_specialised", "sources"]

@@ -72,17 +72,18 @@ def _name(source: Any) -> str:
 
 @dataclass
 class _Block:
-    names: dict[str, str] | None  # None: the model's own capture, its sources as they are
+    names: dict[str, str] | None  # None: the model's own capture, its sources as they are (:func:`stopping`)
     added: GuardLog
     stop: Callable[[AddedGuard], Any] | None
 
 
-_IN_BLOCK: list[_Block] = []  # the block captures running on this thread, innermost last (:func:`renamed`)
+_IN_BLOCK: list[_Block] = []  # the captures running on this thread, innermost last (:func:`renamed`, :func:`stopping`)
 IN_BLOCK = "block:"  # before a block's own source name that is no model input's size
 
 
 class Stopped(BaseException):
-    """Raised from inside Dynamo's trace when a guard it adds is one :func:`renamed`'s ``stop`` names
+    """Raised from inside Dynamo's trace when a guard it adds is one the ``stop`` of :func:`renamed` or
+    :func:`stopping` names
     (a BaseException: model and Dynamo code that catches Exceptions lets it through, and cleans up
     in its ``finally`` blocks as for an interrupt). ``found``: what ``stop`` returned."""
 
@@ -92,7 +93,7 @@ class Stopped(BaseException):
 
 
 @contextlib.contextmanager
-def renamed(names: dict[str, str] | None, stop: Callable[[AddedGuard], Any] | None = None) -> Iterator[GuardLog]:
+def renamed(names: dict[str, str], stop: Callable[[AddedGuard], Any] | None = None) -> Iterator[GuardLog]:
     """Within (a repeated block's own capture), a guard's source named in ``names`` is recorded
     under the model input's name it maps to; any other is marked :data:`IN_BLOCK` and its example
     value left out, so that a block's argument named like a model input (``x``) is not taken for it,
@@ -100,9 +101,21 @@ def renamed(names: dict[str, str] | None, stop: Callable[[AddedGuard], Any] | No
     thread, read in the guards it adds (captures hold a global lock). Yields the guards recorded
     within (none where no :func:`recording` runs). ``stop(guard)``: asked of each guard recorded
     within; a value it returns ends the capture at once with :class:`Stopped` (the rest of a trace
-    already known to be given up can take most of its time: a chunked scan's inner loops).
-    ``names`` None: the model's own capture, nothing renamed or marked (a stop alone)."""
-    block = _Block(names, GuardLog(), stop)
+    already known to be given up can take most of its time: a chunked scan's inner loops)."""
+    with _within(_Block(names, GuardLog(), stop)) as added:
+        yield added
+
+
+@contextlib.contextmanager
+def stopping(stop: Callable[[AddedGuard], Any]) -> Iterator[GuardLog]:
+    """Within (the model's own capture), ``stop`` is asked of each guard as in :func:`renamed`, and the
+    guards' sources are recorded as they are: they are the model's inputs already."""
+    with _within(_Block(None, GuardLog(), stop)) as added:
+        yield added
+
+
+@contextlib.contextmanager
+def _within(block: _Block) -> Iterator[GuardLog]:
     _IN_BLOCK.append(block)
     try:
         yield block.added
@@ -161,4 +174,4 @@ def recording() -> Iterator[GuardLog]:
         ShapeEnv._log_guard = original  # type: ignore[method-assign]
 
 
-__all__ = ["AddedGuard", "GuardLog", "Stopped", "recording", "renamed"]
+__all__ = ["AddedGuard", "GuardLog", "Stopped", "recording", "renamed", "stopping"]

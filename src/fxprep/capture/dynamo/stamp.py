@@ -121,8 +121,8 @@ class Stamper:
         self.objects: dict[str, Any] = {}  # get_attr target -> object, for targets stamped in
         self.constants: list[str] = list(outer.meta.get("fxprep_constants", []))
         self.taken: set[str] = {str(n.target) for n in self.graph.nodes if n.op == "get_attr"}
-        self.added: dict[str, nn.Module] = {}  # call_module target -> a module a pass made in a block
-        self.placed_for: dict[str, nn.Module] = {}  # call_module target in ``added`` -> the instance it is for
+        # call_module target -> a module a pass made in a block, and the instance it is placed for
+        self.added: dict[str, tuple[nn.Module, nn.Module]] = {}
         self.tensors: dict[int, dict[int, str]] = {}  # id(first instance) -> its tensors' paths
 
     def inline(self, call: fx.Node, block: fx.GraphModule, first: nn.Module, prefix: str,
@@ -171,15 +171,14 @@ class Stamper:
              tensors: dict[int, str]) -> None:
         # the name the pass chose in the first instance must be free in this one too (on the whole
         # graph the pass would have chosen another)
-        if qual in self.added and self.placed_for.get(qual) is instance:
+        if qual in self.added and self.added[qual][1] is instance:
             return  # the instance's second call: the module placed for its first
         if qual in self.added or _taken(instance, target, module):
             raise StampError(f"'{qual}' is taken: a module made in the block cannot be placed there")
         new = module if instance is first else _instance_copy(module, instance, tensors)
         if isinstance(new, OpaqueMethod):
             _rebind(new, first, instance, qual[:-len(target) - 1])
-        self.added[qual] = new
-        self.placed_for[qual] = instance
+        self.added[qual] = (new, instance)
 
     def _attr(self, target: str, block: fx.GraphModule, first: nn.Module, prefix: str, instance: nn.Module) -> str:
         obj = get_path(block, target)
@@ -207,9 +206,9 @@ class Stamper:
         holder = _Holder()
         for node in self.graph.nodes:
             if node.op == "call_module":
-                module = self.added.get(str(node.target))
+                placed = self.added.get(str(node.target))
                 try:
-                    module = self.model.get_submodule(str(node.target)) if module is None else module
+                    module = self.model.get_submodule(str(node.target)) if placed is None else placed[0]
                 except AttributeError:
                     # the module calling an opaque method, placed by the outer re-lifting (relift.place_wrappers)
                     module = _outer_module(self.outer, str(node.target))
