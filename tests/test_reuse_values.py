@@ -216,7 +216,7 @@ def test_every_member_recorded_shares_one_copy_of_an_input_it_receives_unchanged
     """When values are decided, every member's inputs are recorded (to check its decisions): a
     tensor several members receive unchanged is copied once, not once per layer (a mask of
     seq x seq at real size), and one changed in place in between gets a copy of its own."""
-    from fxprep.capture.dynamo.reuse import Member, _record_inputs
+    from fxprep.capture.dynamo.block_calls import Member, record_inputs
     from fxprep.inputs import ExampleInputs
 
     class Leaves(fx.Tracer):
@@ -229,12 +229,12 @@ def test_every_member_recorded_shares_one_copy_of_an_input_it_receives_unchanged
     members = [Member(node, str(node.target), model.get_submodule(str(node.target)), 0) for node in calls]
     mask = torch.randn(4, 4)
     call = ExampleInputs((torch.randn(4, 4), mask), {})
-    shared = _record_inputs(outer, model, call, members, share=True)
+    shared = record_inputs(outer, model, call, members, share=True)
     masks = [shared[(id(m.module), 0)][0][1] for m in members]
     assert masks[0] is masks[1] and masks[2] is not masks[1]
     torch.testing.assert_close(masks[1], mask, rtol=0, atol=0)  # the caller's tensor is left alone
     torch.testing.assert_close(masks[2], mask * 2, rtol=0, atol=0)
-    apart = _record_inputs(outer, model, call, members)
+    apart = record_inputs(outer, model, call, members)
     assert apart[(id(members[0].module), 0)][0][1] is not apart[(id(members[1].module), 0)][0][1]
 
 

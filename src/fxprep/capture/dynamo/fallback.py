@@ -117,7 +117,7 @@ def capture_dynamo_leaves(request: CaptureRequest, first_error: BaseException | 
     model, handled = request.model, request.handled
     records = {} if request.records is None else request.records
     # block reuse keeps the opaque parts out of the blocks (blocks.groups_apart_from), and each block decides
-    # its own values read from data (reuse.decided_otherwise); the block pass belongs to the whole-model capture
+    # its own values read from data (block_calls.decided_otherwise); the block pass belongs to the whole-model capture
     request = request.replace(records=records, block_pass=None)
     capture_call, _ = request.calls()
     sites: list[Site] = []

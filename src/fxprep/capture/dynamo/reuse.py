@@ -14,7 +14,7 @@ class with the same configuration; capture time grows with depth. Here, instead:
 3. The calls are grouped: same block signature and same input specs at the call
    (:func:`.blocks.input_key`). The first call of a group is captured on its own, with Dynamo, on
    the inputs it really receives (recorded by one run of the outer graph that stops as soon as
-   they are all seen: :func:`_record_inputs`); its guards are evaluated for the others
+   they are all seen: :func:`.block_calls.record_inputs`); its guards are evaluated for the others
    (:func:`.blocks.guard_differences`). Those it does not hold for form new groups, captured in a
    next round. Layer-index-dependent code (Gemma's sliding-window layers, a MoE layer every k-th
    layer, ``self.layer_idx`` in a branch) ends up in groups of its own this way.
@@ -32,7 +32,7 @@ group, and the stub never copies a parameter (fake copies hold no data).
 Under dynamic shapes (``dynamic=``, or the batch and sequence dimensions found automatically) the
 outer capture declares the model's dynamic dimensions, the stubs' fake outputs carry the symbolic
 sizes, and each block is captured with every dimension that is symbolic at its call declared
-dynamic (:func:`_block_spec`); shapes are compared with their symbolic sizes as "any"
+dynamic (:func:`.block_calls.block_spec`); shapes are compared with their symbolic sizes as "any"
 (:func:`.blocks.shape_kind`), since each capture names its symbols afresh. A stand-in's output is
 then tied to an input's symbolic sizes by a static run (:mod:`.tied`), and each tie is proven in the
 block's own graph, with the block's shape guards, before anything is stamped; a tie that does not
@@ -59,27 +59,21 @@ before the whole model is captured.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from ... import decisions
 from ...diagnose import first_line, stopped_at_data_guard
-from ...inputs import ExampleInputs, same_layout
-from ...runs import SEED, preserved_state
+from ...inputs import ExampleInputs
 from ..common import LeafPolicy
 from ..sites import OpaqueFunction, OpaqueMethod
 from . import early_limit, guard_log
+from .block_calls import Member, block_call, block_spec, decided_otherwise, record_inputs
 from .blocks import (
     beside_parts,
-    call_inputs,
-    freeze,
     groups_apart_from,
     guard_differences,
     guard_key,
@@ -106,16 +100,6 @@ from .tied import disproof
 
 BlockPass = Callable[[fx.GraphModule, nn.Module], Any]  # (block graph, its first instance) -> rewritten in place
 REUSE_META = "fxprep_reuse"
-
-
-@dataclass
-class Member:
-    """One call of a block instance in the outer graph."""
-
-    node: fx.Node
-    name: str
-    module: nn.Module
-    k: int  # which call of this instance (0 for the first)
 
 
 @dataclass
@@ -146,119 +130,6 @@ def _names(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:2])}, ... {names[-1]} ({len(names)})"
 
 
-class _Recorded(BaseException):
-    """Stops the recording run once every wanted input is seen (not an Exception: model code that
-    catches those must not swallow it)."""
-
-
-def _record_inputs(outer: fx.GraphModule, model: nn.Module, call: ExampleInputs,
-                   wanted: list[Member], share: bool = False) -> dict[tuple[int, int], Any]:
-    """The ``(args, kwargs)`` each wanted call really receives, from one run of the outer graph
-    (which calls the blocks as modules) that stops as soon as the last of them is seen. ``share``:
-    a tensor several calls receive unchanged is copied once (every member is recorded when values
-    are decided: one copy of the mask, not one per layer); their users then copy before running.
-
-    Why the captured graph and not the model: code may take another path under Dynamo than
-    eagerly (transformers builds an explicit attention mask when compiling, ``None`` eagerly), and
-    the block must be captured on what it receives in the graph."""
-    want = {(id(m.module), m.k) for m in wanted}
-    counts: dict[int, int] = {}
-    got: dict[tuple[int, int], Any] = {}
-    # one copy of a tensor several wanted calls receive unchanged (a mask, rotary tables: every
-    # layer's, when values are decided); the original is held so that its id is not reused
-    kept: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        seen = kept.get(id(t)) if share else None
-        if seen is not None and seen[1] == t._version:
-            return seen[2]
-        copy = same_layout(t)
-        if share:
-            kept[id(t)] = (t, t._version, copy)
-        return copy
-
-    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        k = counts.get(id(module), 0)
-        counts[id(module)] = k + 1
-        if (id(module), k) in want:
-            got[(id(module), k)] = pytree.tree_map_only(torch.Tensor, keep, (tuple(args), dict(kwargs)))
-            if len(got) == len(want):
-                raise _Recorded
-
-    handles = [m.module.register_forward_pre_hook(pre, with_kwargs=True) for m in wanted]
-    fresh = call.fresh_copy()
-    try:
-        with preserved_state(model), torch.no_grad():
-            torch.manual_seed(SEED)
-            outer(*fresh.args, **fresh.kwargs)
-    except _Recorded:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-    missing = [m.name for m in wanted if (id(m.module), m.k) not in got]
-    if missing:
-        raise RuntimeError(f"the captured graph did not call {', '.join(missing[:3])}")
-    return got
-
-
-def _block_call(member: Member, recorded: Any) -> ExampleInputs:
-    """The recorded inputs, requiring grad exactly where the outer capture's values did."""
-    flat, spec = call_inputs(member.node)
-    rec_flat, rec_spec = pytree.tree_flatten(recorded)
-    if str(spec) != str(rec_spec) or len(flat) != len(rec_flat):
-        raise RuntimeError(f"the inputs of '{member.name}' recorded eagerly do not match the captured call")
-    out = []
-    for node, value in zip(flat, rec_flat):
-        if isinstance(node, fx.Node) != isinstance(value, torch.Tensor) or (
-                not isinstance(node, fx.Node) and freeze(node) != freeze(value)):
-            raise RuntimeError(f"the inputs of '{member.name}' recorded eagerly do not match the captured call")
-        if isinstance(value, torch.Tensor) and isinstance(node, fx.Node):
-            ev = node.meta.get("example_value")
-            grad = bool(getattr(ev, "requires_grad", False)) and (value.is_floating_point() or value.is_complex())
-            if grad != value.requires_grad:
-                value = value.detach().requires_grad_(grad)
-        out.append(value)
-    args, kwargs = pytree.tree_unflatten(out, rec_spec)
-    return ExampleInputs(tuple(args), dict(kwargs))
-
-
-def _block_spec(member: Member, call: ExampleInputs, *, declared_only: bool = False) -> dict[str, Any] | None:
-    """Dynamo's ``dynamic_shapes`` for capturing ``member`` alone on ``call`` (its recorded inputs):
-    every dimension that is symbolic where the outer graph calls it is ``Dim.DYNAMIC`` (relations
-    between them, such as a mask's last size being the sequence length, Dynamo finds itself; a
-    dimension the block's code specialises fails the capture, and reuse falls back). None when
-    every size there is static. Not only under declared dimensions: where values read from data are
-    decided (:mod:`.values`), a size computed from them stays symbolic in the outer graph (the number
-    of Pixtral's patches, from the image sizes), and a block captured static on the example's size
-    would return another shape than its stand-in did there (reuse then gave up). ``declared_only``:
-    only the dimensions whose sizes follow the declared ones (a backed symbol in them), not those
-    made from values read from data alone."""
-    from torch.export import Dim
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    def wanted(size: Any) -> bool:
-        if type(size) is int:
-            return False
-        return not declared_only or bool(size.node.expr.free_symbols - free_unbacked_symbols(size))
-
-    flat, _ = call_inputs(member.node)
-    dims: list[Any] = []
-    for leaf in flat:
-        ev = leaf.meta.get("example_value") if isinstance(leaf, fx.Node) else None
-        if isinstance(ev, torch.Tensor):
-            symbolic = {d: Dim.DYNAMIC for d, s in enumerate(ev.shape) if wanted(s)}
-            dims.append(symbolic or None)
-        else:
-            dims.append(None)
-    if not any(dims):
-        return None
-    _, rec_spec = pytree.tree_flatten((call.args, call.kwargs))
-    args, kwargs = pytree.tree_unflatten(dims, rec_spec)
-    bound = inspect.signature(member.module.forward).bind(*args, **kwargs)
-    return dict(bound.arguments)
-
-
 def _export_block(first: Member, call: ExampleInputs, job: ReuseJob, spec: dict[str, Any] | None,
                   fallback: dict[str, Any] | None) -> tuple[Any, ExampleInputs]:
     """Dynamo's capture of ``first`` alone on ``call`` with ``spec``'s dynamic dimensions, retried
@@ -282,24 +153,6 @@ def _export_block(first: Member, call: ExampleInputs, job: ReuseJob, spec: dict[
         job.box.rewind()
     call = call.fresh_copy(keep_strides=True)  # new tensors: the first attempt marked these dynamic
     return dynamo_export(first.module, call, job.target.route, fallback, real_values=job.real_values), call
-
-
-def decided_otherwise(gm: fx.GraphModule, first: Member, member: Member, recorded: dict[tuple[int, int], Any]) -> str | None:
-    """Why the graph captured from ``first``, whose values read from data were decided from its
-    inputs, does not hold for ``member``: the check that fails on ``member``'s recorded inputs
-    (Qwen2.5-VL's vision blocks split by window in most layers and by image in the full-attention
-    ones), or None when it runs. The weights are ``first``'s; the checks follow the inputs."""
-    call = _block_call(member, recorded[(id(member.module), member.k)]).fresh_copy(keep_strides=True)  # shared
-    with preserved_state(first.module), torch.no_grad():
-        try:
-            gm(*call.args, **call.kwargs)
-        except Exception as err:  # noqa: BLE001 - any failure keeps the member apart
-            node = decisions.failed_node(gm, err)
-            if node is None:
-                return f"{type(err).__name__}: {first_line(err)}"
-            where = decisions.location(node) or "the model's code"
-            return f"'{decisions.expression(node)}' fails, decided at {where}"
-    return None
 
 
 @dataclass
@@ -340,11 +193,11 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
     first's). ``sizes``: the model inputs' sizes in the outer graph (:func:`.early_limit.input_sizes`)."""
     first = group[0]
     route = job.target.route
-    call = _block_call(first, recorded[(id(first.module), first.k)])
+    call = block_call(first, recorded[(id(first.module), first.k)])
     if job.real_values:
-        call = call.fresh_copy(keep_strides=True)  # its tensors may be shared with the other members' (_record_inputs)
-    spec = _block_spec(first, call)
-    fallback = _block_spec(first, call, declared_only=True) if spec is not None else None
+        call = call.fresh_copy(keep_strides=True)  # its tensors may be shared with the other members' (block_calls.record_inputs)
+    spec = block_spec(first, call)
+    fallback = block_spec(first, call, declared_only=True) if spec is not None else None
     # the block's sizes that are declared dimensions, named as the model's inputs in the guards it records
     names = early_limit.sources(first.node, first.module, call, sizes) if spec is not None else {}
     try:
@@ -434,7 +287,7 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
     once on each repeated block's graph before it is stamped out (the work of a pass that goes
     node by node then does not grow with depth); it must give what it gives on the whole graph.
     ``job.dynamic_spec``: the model's dynamic dimensions (Dynamo's ``dynamic_shapes``); each block is then
-    captured with the dimensions that are symbolic at its call dynamic too (:func:`_block_spec`)."""
+    captured with the dimensions that are symbolic at its call dynamic too (:func:`.block_calls.block_spec`)."""
     model, policy, guard, notes = job.target.model, job.target.policy, job.guard, job.target.notes
     sites = job.box.sites if job.box else []
     descend: set[int] = set()
@@ -541,7 +394,7 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
     sizes = early_limit.input_sizes(outer, model, prepared_call) if job.dynamic_spec is not None else {}
     while pending:
         wanted = [m for g in pending for m in g] if job.real_values else [g[0] for g in pending]
-        recorded = _record_inputs(outer, model, prepared_call, wanted, share=job.real_values)
+        recorded = record_inputs(outer, model, prepared_call, wanted, share=job.real_values)
         guard.reset()
         next_round: list[list[Member]] = []
         for group in pending:
