@@ -315,3 +315,30 @@ def test_the_perturbed_recording_run_stops_after_the_last_opaque_call() -> None:
     records = record_sites(model, ExampleInputs((torch.randn(3, 8),), {}), [site])
     assert len(records[site]) == 1 and records[site][0].inputs2 == [(3, 8)]  # the perturbed run got there
     assert calls == [3]  # the first run went through the whole model, the second stopped
+
+
+def test_an_opaque_parts_real_value_laid_out_as_its_fake_is_a_real_tensor() -> None:
+    """Under real values (the values capture), an opaque part's fake output with a symbolic size is
+    contiguous, and its real value is made so too. That copy was made under the fake mode, so the
+    'real' value was a fake tensor, and an operation meeting it beside an expanded real tensor
+    failed (Qwen3.5's rotary multiply after its scan: "more than one element of the written-to tensor
+    refers to a single memory location"), which made that function opaque too."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from fxprep.capture.dynamo.opaque import _propagate_real
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    mode.propagate_real_tensors = True
+    x = torch.randn(2, 5, 3)
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    fake_x = mode.from_tensor(x, symbolic_context=context)
+    fake_x.real_tensor = x
+    transposed = torch.randn(5, 2, 3).transpose(0, 1)  # what the part returns: a view, not contiguous
+    with mode:  # as Dynamo calls the part: inside its fake mode
+        out = torch.empty(2, fake_x.shape[1], 3)
+        _propagate_real((out,), lambda args, kwargs: (transposed,), (fake_x,), {})
+    assert isinstance(out.shape[1], torch.SymInt)
+    assert type(out.real_tensor) is torch.Tensor and not isinstance(out.real_tensor, FakeTensor)
+    assert out.real_tensor.is_contiguous()
+    torch.testing.assert_close(out.real_tensor, transposed, rtol=0, atol=0)

@@ -227,6 +227,30 @@ def test_a_vlm_with_opaque_parts_keeps_the_prompt_length_free(name: str, tracer:
         gm(**{k: torch.cat([v, v]) for k, v in inputs.items()})
 
 
+def test_a_vlm_whose_linear_attention_scans_in_chunks_keeps_the_length_free_past_one_chunk() -> None:
+    # Qwen3.5: its vision sizes are decided from data (the values capture), and its linear-attention
+    # layer's chunked scan ties the length to one chunk of 64 tokens when traced. The scan is kept
+    # opaque in the values capture too; it was left traced there (its fake output's real value, made
+    # contiguous under the fake mode, was itself a fake tensor, and the rotary multiply after it failed),
+    # and the prompt stayed <= 64 tokens
+    torch.manual_seed(0)
+    model, inputs = _builder("qwen3_5")()
+    gm = fxprep.prepare_model(model, example_inputs=inputs)
+    report = fxprep.get_report(gm)
+    assert report.verification.status == "passed" and report.tracer == "dynamo+values"
+    scan = "model.language_model.layers.0.linear_attn.torch_chunk_gated_delta_rule"
+    assert set(report.leaves) == {"model.visual.get_vision_interpolation_indices_and_weights", "model.get_rope_index",
+                                  scan}
+    assert report.leaves[scan].startswith("opaque: a loop over 'seq'")
+    text = report.to_text()
+    assert "Shape-general: the dimensions input_ids dim 1 (seq)" in text and "'seq' is dynamic" not in text
+    for call in (_prompt(inputs, 3, 1), _prompt(inputs, -2, 2), _prompt(inputs, 90, 3)):  # 110 tokens: two chunks
+        with torch.no_grad():
+            eager = model(**call, use_cache=False).logits
+            prepared = gm(**call)[0]
+        torch.testing.assert_close(prepared, eager, rtol=1e-5, atol=1e-5)
+
+
 class _FixedHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(x.shape[0], 8 * x.shape[-1])  # fixes the sequence at 8

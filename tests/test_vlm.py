@@ -63,7 +63,9 @@ MORE: dict[str, tuple[str, set[str], tuple[str, ...]]] = {
     "llava_next": ("dynamo+leaves", {"model.image_size_to_num_patches", "model.get_anyres_image_grid_shape",
                                      "model.pack_image_features"}, ()),
     "qwen3_vl_moe": ("dynamo+values", {"model.visual.get_vision_interpolation_indices_and_weights", "model.get_rope_index"}, ()),
-    "qwen3_5": ("dynamo+values", {"model.visual.get_vision_interpolation_indices_and_weights", "model.get_rope_index"}, ()),
+    # as Qwen3-VL, and its linear-attention layer's chunked scan runs eagerly so that the length stays free
+    "qwen3_5": ("dynamo+values", {"model.visual.get_vision_interpolation_indices_and_weights", "model.get_rope_index",
+                                  "model.language_model.layers.0.linear_attn.torch_chunk_gated_delta_rule"}, ()),
     "glm4v": ("dynamo+values", {"model.get_rope_index"}, ()),
     "llava_onevision": ("dynamo+leaves", {"model.image_size_to_num_patches", "model.get_anyres_image_grid_shape",
                                           "model.unpad_image"}, ()),

@@ -290,12 +290,14 @@ NOT_TRIED = ("the static capture was not Dynamo's (with parts opaque, or decidin
              "capture with the dimensions declared was tried")
 
 
-def taken(tracer: str) -> str:
-    """The report's note on a shape-general capture the static fallback's tracer made (:func:`fallback`)."""
+def taken(tracer: str, scans: bool = False) -> str:
+    """The report's note on a shape-general capture the static fallback's tracer made (:func:`fallback`;
+    ``scans``: per-step loops were kept opaque in it, each said in a note of its own)."""
     how = "deciding values read from data from the example" if tracer == VALUES_TRACER else "with parts opaque"
     checks = ": every decision is checked in the graph at each call" if tracer == VALUES_TRACER else ""
+    loops = ", but the per-step loops said below" if scans else ""
     return (f"Captured {how} (tracer {tracer}), a second time with the found dimensions declared dynamic (no part "
-            f"opaque that the first capture, with static shapes, did not make opaque too){checks}.")
+            f"opaque that the first capture, with static shapes, did not make opaque too{loops}){checks}.")
 
 
 def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[CaptureAttempt], tracer: str,
@@ -308,9 +310,11 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
     index and Llava-NeXT's anyres helpers are opaque either way; their outputs sized like their
     inputs follow the declared sizes in the opaque call's fake outputs, and the verification on a
     second size checks it). A dimension the model's code specialises, or a range it needs, revises
-    the dimensions as for the first shape-general capture (:func:`capture`: Qwen3.5's chunked scan
-    holds the length maybe-dynamic only). Its attempts are appended to ``attempts``; the capture and
-    the proposal it kept, or None and why."""
+    the dimensions as for the first shape-general capture (:func:`capture`), and as there a per-step
+    loop behind the guard that limits it is kept opaque where that frees the dimension (Qwen3.5's VLM:
+    its chunked scan, :mod:`.capture.dynamo.scans`); the only parts opaque here that the static
+    capture did not make opaque. Its attempts are appended to ``attempts``; the capture and the
+    proposal it kept, or None and why."""
     from .capture.dynamo import values
 
     assert request.example is not None, "the shape-general capture needs example inputs"
@@ -333,12 +337,12 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
         return result, [attempt]
 
     try:
-        # no scans here: with parts opaque and values decided from data, a scan kept opaque made the layers
-        # after it opaque too (Qwen3.5's VLM: its rotary embedding), so this capture keeps its loops traced
-        result, _, found = capture(request.model, request.example, elsewhere.proposal, run, tracer=tracer)
+        # scans as for the first shape-general capture: Qwen3.5's VLM keeps its chunked scan opaque here
+        result, _, found = capture(request.model, request.example, elsewhere.proposal, run, tracer=tracer,
+                                   scans_of=scans_finder(request))
     except NotShapeGeneral as err:
         return None, None, why_not[-1] if why_not else f"capturing {how} with them declared failed too ({err})"
-    result.notes.append(taken(tracer))
+    result.notes.append(taken(tracer, bool(found.scans)))
     return result, found, ""
 
 

@@ -172,8 +172,12 @@ def _propagate_real(fake: tuple[Any, ...], run: Any, args: tuple[Any, ...], kwar
                 break
         else:
             # a fake with a symbolic size was made contiguous (_fake_outputs): its real value must be laid out
-            # alike, or a view the fake allows fails on the real one (Qwen3.5's scan returns a transposed view)
-            out.real_tensor = value.contiguous() if sizes and not value.is_contiguous() else value
+            # alike, or a view the fake allows fails on the real one (Qwen3.5's scan returns a transposed view);
+            # copied outside the fake mode, whose copy would be a fake tensor (a fake's real value must be real)
+            if sizes and not value.is_contiguous():
+                with unset_fake_temporarily():
+                    value = value.contiguous()
+            out.real_tensor = value
             for size, real_size in sizes:
                 expr = size.node.expr
                 if shape_env is not None and expr.is_Symbol and free_unbacked_symbols(size) and \
