@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -191,6 +192,46 @@ def test_the_layer_after_an_excluded_layer_is_the_twin_of_the_others() -> None:
     other = torch.randint(0, 96, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(gm(other).logits, model(other).logits, rtol=0, atol=0)
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.relu(self.lin(h))
+
+
+class _FirstThenLayers(nn.Module):
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.frozen = frozen
+        self.first = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.layers = nn.ModuleList(_Residual() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+            h = self.first(x)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_an_excluded_modules_output_has_a_gradient_where_the_traced_modules_has(frozen: bool) -> None:
+    """The blocks after a module are grouped the same whether that module is excluded or traced:
+    its output has a gradient in the graph exactly where it has one eagerly (none when the model
+    calls it under its own no_grad: then the first block is called otherwise than the next two)."""
+    torch.manual_seed(0)
+    model = _FirstThenLayers(frozen).eval()
+    example = (torch.randn(2, 8),)
+    traced = fxprep.prepare_model(model, example_inputs=example, progress=False)
+    excluded = fxprep.prepare_model(model, modules_to_exclude=[model.first], example_inputs=example, progress=False)
+    expected = {"layers.1": ["layers.2"]} if frozen else {"layers.0": ["layers.1", "layers.2"]}
+    assert _stamped(traced) == _stamped(excluded) == expected
+    assert fxprep.get_report(excluded).verification.status == "passed"
+    _same(excluded, model, torch.randn(3, 8))
 
 
 class _Halved(nn.Module):

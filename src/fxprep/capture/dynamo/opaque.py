@@ -70,16 +70,23 @@ class Unbacked:
     values: dict[Any, tuple[int, int | None]] = field(default_factory=dict)
 
 
-def _fake_outputs(rec: Recorded, args: tuple[Any, ...], kwargs: dict[str, Any], unbacked: Unbacked) -> tuple[Any, ...]:
+def _fake_outputs(rec: Recorded, args: tuple[Any, ...], kwargs: dict[str, Any], unbacked: Unbacked,
+                  own_grad: bool = False) -> tuple[Any, ...]:
     """Fake tensors like ``rec``'s outputs, sized from the call's inputs where the eager runs say
-    the size is an input's, with fresh unbacked sizes where it followed the data, and with a
-    gradient where eager gives them one."""
+    the size is an input's, with fresh unbacked sizes where it followed the data.
+
+    A floating-point output has a gradient where eager would give it one: in the grad mode Dynamo
+    traces the call in (the model's own ``no_grad`` regions included), when an input has one or the
+    part has parameters that do (``own_grad``: an excluded layer's weights). An excluded layer's
+    output without one in the graph made the layer after it another call than its twins, and block
+    reuse captured it apart. It is made by an operation (a clone), not a leaf, so that an in-place
+    update of it downstream traces as it runs eagerly. An output computed from neither (a mask from
+    the hidden states' dtype alone) gets one too, where eager gives none; it is the same for every
+    call of the part, so twins stay twins, and no operation in the graph depends on it."""
     fake_mode = torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs)))
     inputs = [v for v in pytree.tree_leaves((args, kwargs))]
-    # an output has a gradient as in eager: from the part's own parameters (recorded), or from an input
-    # that has one (a floating output of a part is taken to follow its inputs); made by an operation
-    # (clone), not a leaf, so that in-place updates of it downstream trace as they run eagerly
-    grad = torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs)
+    grad = torch.is_grad_enabled() and (own_grad or any(isinstance(v, torch.Tensor) and v.requires_grad
+                                                        for v in inputs))
     known: dict[tuple[int, int | None], Any] = {}
     for k, value in enumerate(inputs):
         shape = rec.inputs[k] if k < len(rec.inputs) else None
@@ -113,7 +120,7 @@ def _fake_outputs(rec: Recorded, args: tuple[Any, ...], kwargs: dict[str, Any], 
             made = torch.empty_strided(sizes, meta.stride, dtype=meta.dtype, device=meta.device)
         else:
             made = torch.empty(sizes, dtype=meta.dtype, device=meta.device)
-        out.append(made.requires_grad_().clone() if meta.requires_grad or (grad and made.is_floating_point()) else made)
+        out.append(made.requires_grad_().clone() if grad and (made.is_floating_point() or made.is_complex()) else made)
     return tuple(out)
 
 
@@ -237,16 +244,17 @@ def _run_opaque(real: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 class SiteCall:
     """The allow-in-graph function and the shim of one site, for one capture attempt."""
 
-    def __init__(self, site: Site, records: list[Recorded], real: Any, unbacked: Unbacked):
+    def __init__(self, site: Site, records: list[Recorded], real: Any, unbacked: Unbacked, own_grad: bool):
         self.site = site
         self.records = records
         self.real = real
         self.unbacked = unbacked
+        self.own_grad = own_grad  # the part has parameters with a gradient (:func:`_fake_outputs`)
         self.count = [0]
         self.function = self._make_function()
 
     def _make_function(self) -> Any:
-        records, real, unbacked = self.records, self.real, self.unbacked
+        records, real, unbacked, own_grad = self.records, self.real, self.unbacked, self.own_grad
 
         def run(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
             args, kwargs = mutable((args, kwargs))
@@ -258,7 +266,7 @@ class SiteCall:
 
         def opaque_call(index: int, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
             if _is_fake((args, kwargs)):
-                fake = _fake_outputs(_matching(records, index, args, kwargs), args, kwargs, unbacked)
+                fake = _fake_outputs(_matching(records, index, args, kwargs), args, kwargs, unbacked, own_grad)
                 _propagate_real(fake, functools.partial(run, index), args, kwargs)
                 return fake
             return run(index, args, kwargs)
@@ -286,6 +294,13 @@ class SiteCall:
         return shim
 
 
+def _own_grad(site: Site, model: nn.Module) -> bool:
+    """Whether the module a site belongs to (the excluded module, or the owner of a method) has a
+    parameter with a gradient; a function has none of its own."""
+    owner = site.owner(model) if site.func is None else None
+    return isinstance(owner, nn.Module) and any(p.requires_grad for p in owner.parameters())
+
+
 class BlackBox:
     """The opaque sites of one capture: their recordings, and the calls installed during capture."""
 
@@ -299,7 +314,8 @@ class BlackBox:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Every site patched with its shim (fresh functions and call counters each time)."""
-        calls = [SiteCall(s, self.records[s], real_callable(s, self.model), self.unbacked) for s in self.sites]
+        calls = [SiteCall(s, self.records[s], real_callable(s, self.model), self.unbacked, _own_grad(s, self.model))
+                 for s in self.sites]
         self.calls = {c.function: c for c in calls}
         with patched(self.model, {c.site: c.shim() for c in calls}, classes=True):
             yield

@@ -31,15 +31,12 @@ _CONSTANT_LEAVES = (type(None), bool, int, float, str, complex, torch.dtype, tor
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """A tensor an opaque part returned in the eager run: enough to make a fake one like it.
-    ``requires_grad``: whether it had a gradient from the part's own parameters (recorded with the
-    part run in the capture's grad mode, its inputs as the eager run gave them, :func:`record_sites`)."""
+    """A tensor an opaque part returned in the eager run: enough to make a fake one like it."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
     stride: tuple[int, ...] | None
-    requires_grad: bool = False
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorMeta:
@@ -47,7 +44,7 @@ class TensorMeta:
             stride: tuple[int, ...] | None = tuple(t.stride())
         except Exception:  # noqa: BLE001 - sparse and other layouts have no strides
             stride = None
-        return cls(tuple(t.shape), t.dtype, t.device, stride, t.requires_grad)
+        return cls(tuple(t.shape), t.dtype, t.device, stride)
 
 
 @dataclass
@@ -196,16 +193,8 @@ def record_sites(model: nn.Module, call: ExampleInputs, sites: list[Site]) -> di
 
     The perturbed run stops as soon as each site has been called as often as in the first run:
     only those calls are compared, and the rest of the forward (a detector's mask head, after the
-    proposals were filtered) would be run for nothing.
-
-    The model runs without gradients (no activations kept for a backward), each part in the grad
-    mode the capture will have: its outputs then say whether the part's own parameters give them a
-    gradient (an excluded layer's output has one in eager, and the layer after it, called with a
-    tensor without one in the graph, would not be the twin of the layers after that one; block
-    reuse would capture it apart). What follows from its inputs' gradients is added at capture time
-    (:func:`.opaque._fake_outputs`), where they are known."""
+    proposals were filtered) would be run for nothing."""
     runs: list[dict[Site, list[Recorded]]] = []
-    grad = torch.is_grad_enabled()
     for k, inputs in enumerate((call, perturbed(call))):
         found: dict[Site, list[Recorded]] = {site: [] for site in sites}
         wanted = {site: len(calls) for site, calls in runs[0].items()} if runs else None
@@ -213,8 +202,7 @@ def record_sites(model: nn.Module, call: ExampleInputs, sites: list[Site]) -> di
         def recorder(site: Site, real: Any, found: dict[Site, list[Recorded]] = found,
                      wanted: dict[Site, int] | None = wanted) -> Any:
             def recording(*args: Any, **kwargs: Any) -> Any:
-                with torch.set_grad_enabled(grad):
-                    out = real(*args, **kwargs)
+                out = real(*args, **kwargs)
                 found[site].append(_recorded(args, kwargs, out))
                 if wanted is not None and all(len(found[s]) >= n for s, n in wanted.items()):
                     raise _Enough
