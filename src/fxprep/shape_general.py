@@ -72,7 +72,7 @@ class _Tried:
     again as it was."""
 
     proposal: autodims.Proposal
-    err: BaseException | None
+    err: BaseException
     found: dict[Any, str]
     ranges: dict[str, Any]
     stopped: bool
@@ -144,7 +144,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             rounds += 1
             limited = {current.dynamic[n][d] for n, d in found if d in current.dynamic.get(n, {})} | set(ranges)
             new = scans_of(log, limited, current, [site for scan in current.scans for site in scan.sites] + refused)
-            if new:
+            if new and err is not None:  # found or ranges come from a failure: there is one
                 before = _Tried(current, err, found, ranges, False)
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
                 continue

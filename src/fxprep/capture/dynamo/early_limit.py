@@ -6,10 +6,11 @@ unrolls it), for a capture the shape-general capture (:func:`fxprep.shape_genera
 gives up to look for the scan in its guards (:mod:`.scans`) and capture again with it opaque. Where
 it asks for it (``CaptureRequest.scan_search``), a capture here stops at the first guard that fails
 at a size above the example's of a declared dimension (:class:`Limit`, the ``stop`` of
-:func:`.guard_log.stopping` or :func:`.guard_log.renamed`), or at the violation that ends it, and raises :class:`LimitFound`: the
-guards recorded so far are enough to find the scan. Only when none is found there, or the one found
-does not make the capture succeed, is the model captured again without stopping, and that capture's
-own failure decides what is dropped or bounded, as before.
+:func:`.guard_log.stopping` or :func:`.guard_log.renamed`), or at the violation that ends it, and
+raises :class:`LimitFound`: the guard it stopped at is where the scan search starts. Only when
+none is found there, or the one found does not make the capture succeed, is the model captured
+again without stopping, and that capture's own failure decides what is dropped or bounded, as
+before.
 
 Two captures stop so: the whole model's (:func:`model_sources`) and, under block reuse
 (:mod:`.reuse`), each repeated block's own, whose inputs' sizes it names after its own arguments
