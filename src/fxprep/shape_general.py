@@ -66,16 +66,19 @@ class Elsewhere:
 class _Tried:
     """A capture that a round of scans newly kept opaque must improve on (:func:`capture`):
     ``proposal`` without them, and what that capture left specialised (``found``) and bounded
-    (``ranges``). ``stopped``: it was stopped at the first limiting guard (``err`` is then the
-    :class:`LimitFound`, its sources count as specialised), so where the scans do not help, the
-    capture without stopping decides what to drop or bound; else ``err`` is its failure, taken up
-    again as it was."""
+    (``ranges``), and its failure ``err``. Where that is a :class:`LimitFound` (:attr:`stopped`),
+    the capture was stopped at the first limiting guard, whose sources count as specialised, so where
+    the scans do not help, the capture without stopping decides what to drop or bound; else ``err``
+    is taken up again as it was."""
 
     proposal: autodims.Proposal
     err: BaseException
     found: dict[Any, str]
     ranges: dict[str, Any]
-    stopped: bool
+
+    @property
+    def stopped(self) -> bool:
+        return isinstance(self.err, LimitFound)
 
 
 class NotShapeGeneral(Exception):
@@ -125,7 +128,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             new = scans_of(GuardLog([err.guard]) if err.guard is not None else log, _declared(err.sources, current),
                            current, [site for scan in current.scans for site in scan.sites] + refused)
             if new:  # the dimensions it stopped at count as specialised, for judging the scans
-                before = _Tried(current, err, {key: err.sources[0] for key in _keys(err.sources, current)}, {}, True)
+                before = _Tried(current, err, {key: err.sources[0] for key in _keys(err.sources, current)}, {})
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
             else:  # no scan there: the capture without stopping says what to drop or bound
                 stopping = False
@@ -145,7 +148,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             limited = {current.dynamic[n][d] for n, d in found if d in current.dynamic.get(n, {})} | set(ranges)
             new = scans_of(log, limited, current, [site for scan in current.scans for site in scan.sites] + refused)
             if new and err is not None:  # found or ranges come from a failure: there is one
-                before = _Tried(current, err, found, ranges, False)
+                before = _Tried(current, err, found, ranges)
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
                 continue
         if current.explicit and found:  # the user declared them: not dropped behind their back

@@ -50,7 +50,7 @@ class CaptureRequest:
     start, on every Dynamo route (a scan kept out of the graph so that the length it loops over stays
     dynamic: :mod:`fxprep.capture.dynamo.scans`). ``scan_search``: the capture (the model's, or a repeated
     block's own under block reuse) stops at the first guard that limits a declared dimension, for
-    the shape-general capture to look for a scan in the guards so far
+    the shape-general capture to look for a scan from that guard
     (:mod:`fxprep.capture.dynamo.early_limit`), instead of tracing on and capturing the whole model.
     """
 
