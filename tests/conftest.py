@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +25,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("fuzz counts")
         for line in lines:
             terminalreporter.write_line(str(line))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Where FXPREP_TEST_STATUS names a directory (``.ci/run`` does), each process running tests writes
+    the test it starts there (pid, start time, test id), one file per process: CI's heartbeat prints
+    them, so a run cut off at its time limit says which tests were running and for how long."""
+    status = os.environ.get("FXPREP_TEST_STATUS")
+    if status and Path(status).is_dir():
+        name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        Path(status, name).write_text(f"{os.getpid()} {int(time.time())} {item.nodeid}\n")
 
 
 @pytest.fixture

@@ -393,7 +393,9 @@ _POOLS = copy.deepcopy((GUARD_DTYPES, GUARD_SHAPES))
 def mutate_guard(data: st.DataObject, docs: dict[str, Any], log: list[str]) -> None:
     """One edit of the manifest's input guard: an example's dtype or shape, or the tree around it."""
     manifest = docs[io.MANIFEST]
-    params = manifest.get("input_guard", {}).get("params") if isinstance(manifest, dict) else None
+    # an earlier edit of the same example may have replaced the manifest or its guard with any value
+    guard = manifest.get("input_guard") if isinstance(manifest, dict) else None
+    params = guard.get("params") if isinstance(guard, dict) else None
     if not isinstance(params, dict) or not params:
         return
     name = data.draw(st.sampled_from(sorted(params)), label="guard param")
