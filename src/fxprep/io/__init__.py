@@ -129,8 +129,9 @@ def _save(
     tensors = contiguous_unshared(writer.tensors)
     report = getattr(gm, "fxprep_report", None)
     guard = getattr(gm, INPUT_SPEC, None)
-    selfcheck.check_budget(gm, guard, f"cannot save to {directory}", saving=True)  # what load would refuse
-    self_check = selfcheck.record(gm, guard)
+    where = f"cannot save to {directory}"
+    selfcheck.check_budget(gm, guard, where, saving=True)  # what load would refuse
+    self_check = selfcheck.record(gm, guard, where, saving=True)
     target = Path(directory)
     with staged(target, overwrite) as fresh:
         try:

@@ -23,8 +23,8 @@ per layer at 4096 tokens: 4 GiB summed over 32 layers, for nothing allocated). A
 allocations (a causal mask, rotary positions) are a few MB.
 
 What this does not bound: tensors computed *from* these (a thousand additions of one allowed tensor,
-all returned). The budget bounds what a save declares, not the peak memory of the forward it
-describes, which is what running the model costs anyway.
+all returned, or a layer applied to the largest probe the budget allows). The forward budget does,
+while the self-check runs, node by node before each node runs (:mod:`.peak`).
 """
 
 from __future__ import annotations

@@ -144,7 +144,10 @@ def tensor_record(t: torch.Tensor) -> dict[str, Any]:
 # guard together, as drawn), checked from the declared shapes before anything is allocated; tensors
 # and constants are bounded by the weights file itself (safetensors refuses a header whose offsets
 # pass its end, and every slot's declared dtype and shape must match the tensor read).
-LIMITS = {"json_bytes": 256 * 2**20, "depth": 100, "values": 20_000_000, "entries": 2_000_000, "probe_bytes": 4 * 2**30}
+# forward_bytes: what the self-check's forward may hold at once beyond the module's own weights
+# (io/peak.py: each node is run on fake tensors first, and does not run past it).
+LIMITS = {"json_bytes": 256 * 2**20, "depth": 100, "values": 20_000_000, "entries": 2_000_000, "probe_bytes": 4 * 2**30,
+          "forward_bytes": 8 * 2**30}
 
 
 def regular_file(path: Path) -> os.stat_result:

@@ -21,7 +21,7 @@ from ..errors import SerializationError
 from . import allowlist
 
 
-def _autocast_role(node: fx.Node, root: nn.Module) -> tuple[str, Any] | None:
+def autocast_role(node: fx.Node, root: nn.Module) -> tuple[str, Any] | None:
     """("enter", None) or ("exit", the value it closes) for an autocast enter/exit call, as a function
     call or as an op module calling one (the functional → module pass makes them ``Functional`` ops)."""
     if node.op == "call_function":
@@ -50,7 +50,7 @@ def check_state_regions(graph: fx.Graph, root: nn.Module) -> None:
     leaving it would switch autocast on for the rest of the process at its first call (the user's
     later float32 ``mm`` returning bfloat16)."""
     enters: dict[fx.Node, int] = {}
-    roles = {node: _autocast_role(node, root) for node in graph.nodes}
+    roles = {node: autocast_role(node, root) for node in graph.nodes}
     for node, role in roles.items():
         if role is None:
             continue

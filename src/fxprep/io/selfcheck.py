@@ -43,7 +43,7 @@ from .. import guard
 from ..errors import InputMismatch, SerializationError
 from ..guard import InputSpec
 from ..runs import SEED, preserved_state
-from . import allowlist, budget
+from . import allowlist, budget, peak
 from .format import LIMITS
 
 _NO_EXAMPLE = {"run": "none", "why": "no example inputs recorded"}
@@ -59,13 +59,17 @@ class _Stopped(Exception):
         self.node, self.error = node, error
 
 
-class _Interpreter(fx.Interpreter):
-    """fx's interpreter, remembering which node failed."""
+class _Interpreter(peak.Bounded):
+    """fx's interpreter within the forward budget (:class:`.peak.Bounded`), remembering which node
+    failed."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, LIMITS["forward_bytes"])
 
     def run_node(self, n: fx.Node) -> Any:
         try:
             return super().run_node(n)
-        except _Stopped:
+        except (_Stopped, peak.ForwardTooLarge):
             raise
         except Exception as err:  # noqa: BLE001 - any failure of a node is what is recorded
             raise _Stopped(n.name, err) from err
@@ -185,9 +189,25 @@ def _device(gm: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def record(gm: fx.GraphModule, spec: InputSpec | None) -> dict[str, Any]:
+def record(gm: fx.GraphModule, spec: InputSpec | None, where: str, saving: bool = False) -> dict[str, Any]:
     """What the probe run of ``gm`` gives (JSON data for the manifest). Both callers (``save`` and
-    :func:`check`) have run :func:`check_budget` first: the probe inputs fit the whole-load budget."""
+    :func:`check`) have run :func:`check_budget` first: the probe inputs fit the whole-load budget.
+    A node that would take the run past the forward budget (:mod:`.peak`) is a SerializationError
+    (``where`` says which save, ``saving`` whether it is being written), not a recorded stop: its
+    memory was never allocated, and a save whose self-check cannot run within the budget on the
+    loading side must not be written."""
+    try:
+        return _record(gm, spec)
+    except peak.ForwardTooLarge as err:
+        why = ("load would refuse it: save a module prepared with smaller example inputs" if saving
+               else "the file was edited (its input guard or graph)")
+        raise SerializationError(
+            f"{where}: run on its probe input (the example's shapes), node {err.node!r} would need {err.need:,} bytes "
+            f"with {err.live:,} already in use, more than any fxprep save's self-check ({err.limit:,}: the forward "
+            f"budget, fxprep.io.format.LIMITS['forward_bytes']); {why}. It did not run.") from None
+
+
+def _record(gm: fx.GraphModule, spec: InputSpec | None) -> dict[str, Any]:
     if spec is None:
         return dict(_NO_EXAMPLE)
     device = _device(gm)
@@ -210,12 +230,9 @@ def record(gm: fx.GraphModule, spec: InputSpec | None) -> dict[str, Any]:
             if len(names) != len(placeholders) or set(names) - set(kwargs):
                 raise _Stopped("input guard", TypeError(f"the forward takes {names}, the guard describes {list(kwargs)}"))
             args = [kwargs[name] for name in names]
-            try:
-                outputs = gm.forward(*args)  # the generated code: fast
-            except Exception:  # noqa: BLE001 - run again node by node, to say where
-                torch.manual_seed(SEED)
-                _Interpreter(gm).run(*args)
-                raise
+            outputs = _Interpreter(gm).run(*args)
+        except peak.ForwardTooLarge:
+            raise
         except _Stopped as stop:
             return {**result, "run": "stopped", "node": stop.node, "error": type(stop.error).__name__,
                     "detail": str(stop.error)[:300]}
@@ -314,7 +331,7 @@ def check(gm: fx.GraphModule, spec: InputSpec | None, saved: Any, where: str) ->
             or (saved.get("run") != "none" and not _known_device(saved.get("device")))):
         raise SerializationError(f"{where} has no valid self_check record (written by every fxprep.save): "
                                  f"the manifest was edited or damaged.")
-    now = record(gm, spec)
+    now = record(gm, spec, where)
     problem = None
     if now.get("run") != saved.get("run"):
         problem = "differs"
