@@ -16,6 +16,10 @@ drops it, to the node's peak. When what is alive now plus that peak passes ``lim
 not run: :class:`ForwardTooLarge` names it. A node the fake run cannot follow (an op whose output
 size depends on values, such as ``nonzero``) runs for real and is counted after it ran.
 
+The fake run is a run of the node's code: a module's forward hooks see it too (with fake tensors),
+and at ``save``, where the graph holds the user's own modules, their parameters are swapped for fake
+ones for its length (``functional_call`` puts them back). Loaded modules have no hooks.
+
 What is counted: every tensor alive between nodes (the probe included, for the whole run: its caller
 holds it), not the module's own
 parameters and buffers (a model's size is what its user loads anyway), and each node's peak of
