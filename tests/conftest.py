@@ -15,9 +15,10 @@ from fxprep.cli.demo import ModelWithReusedReLU
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Print what the fuzzers tried in this run (the tamper, index and model fuzzers draw anew each
-    run: their counts are part of the CI log). A test reports its line as the user property "summary",
-    which pytest-xdist carries from the workers, where ``print`` is captured."""
+    """Print what the fuzzers tried in this run (their counts are part of the CI log; the tamper
+    fuzzer draws anew each run, the index and model fuzzers too except where the ``CI`` variable is
+    set, which makes hypothesis load its derandomized "ci" profile). A test reports its line as the
+    user property "summary", which pytest-xdist carries from the workers, where ``print`` is captured."""
     lines = [value for outcome in ("passed", "failed") for report in terminalreporter.stats.get(outcome, [])
              if getattr(report, "when", "call") == "call"
              for name, value in getattr(report, "user_properties", []) if name == "summary"]
