@@ -24,7 +24,7 @@ allocations (a causal mask, rotary positions) are a few MB.
 
 What this does not bound: tensors computed *from* these (a thousand additions of one allowed tensor,
 all returned, or a layer applied to the largest probe the budget allows). The forward budget does,
-while the self-check runs, node by node before each node runs (:mod:`.peak`).
+while the self-check runs, op by op before each op runs (:mod:`.peak`).
 """
 
 from __future__ import annotations

@@ -145,9 +145,11 @@ def tensor_record(t: torch.Tensor) -> dict[str, Any]:
 # and constants are bounded by the weights file itself (safetensors refuses a header whose offsets
 # pass its end, and every slot's declared dtype and shape must match the tensor read).
 # forward_bytes: what the self-check's forward may hold at once beyond the module's own weights
-# (io/peak.py: each node is run on fake tensors first, and does not run past it).
+# (io/peak.py: each aten op is run on fake tensors first, and does not run past it); forward_tensors:
+# how many tensors its ops may have made that are alive at once (~640 bytes each, views too: a real
+# forward holds thousands; x.unbind() of a 2**28-element probe would make 2**28).
 LIMITS = {"json_bytes": 256 * 2**20, "depth": 100, "values": 20_000_000, "entries": 2_000_000, "probe_bytes": 4 * 2**30,
-          "forward_bytes": 8 * 2**30}
+          "forward_bytes": 8 * 2**30, "forward_tensors": 1_000_000}
 
 
 def regular_file(path: Path) -> os.stat_result:

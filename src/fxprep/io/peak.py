@@ -1,70 +1,77 @@
-"""The memory a loaded graph's forward takes, bounded node by node before each node runs.
+"""The memory a loaded graph's forward takes, bounded op by op before each op runs.
 
 ``load`` runs the loaded module once on a probe shaped like its example (:mod:`.selfcheck`). The probe
 inputs fit the whole-load budget (:mod:`.budget`, counted from the declared shapes), but what the
 forward computes from them does not follow from their size: an edited input guard can describe a
 probe of 2**28 token ids for a model whose embedding makes 8 bytes x its width of each, and every
 layer after it as much again. Counting that before the run would need each op's output size, which
-is what running the graph on fake tensors gives (``torch._subclasses.FakeTensorMode``: shapes,
-dtypes and devices, no data, nothing allocated).
+is what running the op on fake tensors gives (``torch._subclasses.FakeTensorMode``: shapes, dtypes
+and devices, no data, nothing allocated).
 
-So :class:`Bounded` runs the graph node by node, in lockstep: before a node runs for real, it runs on
-fake copies of its real inputs (a module's own parameters and buffers made fake too, through
-``torch.func.functional_call``, so that the fake run writes nothing into the real module), and a
-dispatch mode (:class:`_Allocations`) follows every tensor the node's ops make, freed when Python
-drops it, to the node's peak. When what is alive now plus that peak passes ``limit``, the node does
-not run: :class:`ForwardTooLarge` names it. A node the fake run cannot follow (an op whose output
-size depends on values, such as ``nonzero``) runs for real and is counted after it ran.
+So :class:`Bounded` runs the graph with a dispatch mode (:class:`_Budget`) that sees every aten op
+the forward calls, below whatever Python code called it, and before the op runs, runs it alone on
+fake copies of its inputs: the bytes of the new storages it would return are its need. When what is
+alive (the probe, and every tensor an op made that Python still holds) plus that need passes
+``limit``, the op does not run and :class:`ForwardTooLarge` names the graph node it belongs to.
+Each op's fake run is separate from its real run, so nothing runs twice that is not an aten op: a
+module's hooks, an autocast region's enter and exit, Python code of any kind run once, on the real
+tensors.
 
-The fake run is a run of the node's code: a module's forward hooks see it too (with fake tensors),
-and at ``save``, where the graph holds the user's own modules, their parameters are swapped for fake
-ones for its length (``functional_call`` puts them back). Loaded modules have no hooks.
+Each tensor an op returns costs memory beyond its storage, a view too (~640 bytes each on CPython:
+``x.unbind()`` of 2**28 elements would make 170 GB of views of a 1 GiB tensor), so the tensors ops
+made that are alive are counted as well, up to ``max_tensors``; an op that splits a tensor into
+pieces is refused before it runs (or runs on fake tensors) by the number of pieces its arguments
+ask for (:func:`_pieces`). ``tolist`` is no aten op (it reads the values directly): its node is
+checked for the Python objects it would make (:data:`LIST_ITEM_BYTES` an element). A view makes no
+storage: its need is 0 without a fake run.
 
-What is counted: every tensor alive between nodes (the probe included, for the whole run: its caller
-holds it), not the module's own
-parameters and buffers (a model's size is what its user loads anyway), and each node's peak of
-tensors made inside it. Not counted: an op's scratch memory inside one kernel.
+An op whose output size depends on values (``nonzero``, ``unique``, ``masked_select``, indexing
+with a mask) cannot run on fake tensors; its need is bounded from its inputs instead
+(:func:`_data_bound`): each such op selects from its inputs, so each result has at most one int64
+index per element and dimension of its largest input, except ``bincount`` and ``repeat_interleave``,
+whose sizes are read from their real inputs (the largest value, the sum of the repeats). An op with
+no fake kernel at all runs, and is counted after it ran.
+
+What is counted: the probe (its caller holds it for the whole run) and every storage an op makes,
+until Python drops the last tensor on it; not the module's own parameters and buffers (a model's
+size is what its user loads anyway, and no op makes them), nor an op's scratch memory inside one
+kernel.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .regions import autocast_role
+aten = torch.ops.aten
 
-# FakeTensorMode logs an op whose meta kernel raises (a node given the wrong shapes) as an error; the
-# real run then stops at that node and says so itself.
+# FakeTensorMode logs an op whose meta kernel raises (an op given the wrong shapes) as an error; the
+# real op then raises itself, and the self-check records where.
 _FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 
 
-@contextlib.contextmanager
-def _quiet(logger: logging.Logger) -> Iterator[None]:
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+# What one element of ``tolist``'s result takes: a float object and the list's pointer to it (31 bytes
+# measured a float element, 24 an int; 2-core CPU, CPython 3.11).
+LIST_ITEM_BYTES = 32
 
 
 class ForwardTooLarge(Exception):
-    """Running ``node`` would take the forward past ``limit`` bytes (``live`` alive before it,
-    ``need`` its own peak; ``need`` is what it made where it ran before it could be counted)."""
+    """Running ``node`` would take the forward past ``limit`` (in ``unit``: "bytes", or "tensors"
+    alive); ``live`` alive before its op, ``need`` what the op makes (for an op counted after it ran,
+    what it made)."""
 
-    def __init__(self, node: str, live: int, need: int, limit: int):
-        super().__init__(f"node {node!r} would need {need:,} bytes with {live:,} alive, more than {limit:,}")
-        self.node, self.live, self.need, self.limit = node, live, need, limit
+    def __init__(self, node: str, live: int, need: int, limit: int, unit: str = "bytes"):
+        super().__init__(f"node {node!r} would need {need:,} {unit} with {live:,} alive, more than {limit:,}")
+        self.node, self.live, self.need, self.limit, self.unit = node, live, need, limit, unit
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
@@ -76,105 +83,168 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
-class _Allocations(TorchDispatchMode):
-    """The peak bytes of the storages that ops make while it is active, each freed when the last
-    tensor that holds it is garbage (a view or an in-place result shares its input's storage and is
-    not counted again)."""
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
-    def __init__(self) -> None:
+
+def _new_bytes(out: Any, inputs: Any) -> int:
+    """Bytes of the distinct storages in ``out`` that none of ``inputs`` has (a view or an in-place
+    result shares its input's storage: nothing new)."""
+    old = {s[0] for t in _tensors(inputs) if (s := _storage(t)) is not None}
+    new = {s[0]: s[1] for t in _tensors(out) if (s := _storage(t)) is not None and s[0] not in old}
+    return sum(new.values())
+
+
+def _data_bound(func: Any, args: tuple, kwargs: dict) -> int:
+    """An upper bound of the bytes an op whose output size depends on values makes (its fake run
+    raised DynamicOutputShapeException). ``bincount`` makes max(input) + 1 counts, ``repeat_interleave``
+    sum(repeats) indices: read from the real inputs. Every other such op selects from its inputs
+    (``nonzero``, ``unique``, ``masked_select``, mask indexing): per result, at most one 8-byte value
+    per element and dimension of its largest input."""
+    if func.overloadpacket is aten.bincount:
+        x, minlength = args[0], (args[2] if len(args) > 2 else kwargs.get("minlength", 0))
+        return 8 * max(int(x.max()) + 1 if x.numel() else 0, int(minlength))
+    if func is aten.repeat_interleave.Tensor:
+        return 8 * max(int(args[0].sum()), 0)
+    largest = max((t.numel() * max(t.dim(), 1) * max(t.element_size(), 8) for t in _tensors((args, kwargs))), default=0)
+    return len(func._schema.returns) * largest
+
+
+@functools.cache
+def _is_view(func: Any) -> bool:
+    """Whether an aten op returns a view of its first argument (its schema says so: ``Tensor(a)``)."""
+    arguments = func._schema.arguments
+    alias = arguments[0].alias_info if arguments else None
+    return alias is not None and not alias.is_write
+
+
+def _pieces(func: Any, args: tuple, kwargs: dict) -> int:
+    """How many tensors an op that splits its input returns, from its arguments (before it runs: the
+    fake run would make as many fake tensors); 1 for any other op (a list of sizes written in the
+    graph is as long as the graph allows)."""
+    if func.overloadpacket in (aten.unbind, aten.unbind_copy):
+        x, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+        return int(x.shape[dim]) if x.dim() and -x.dim() <= dim < x.dim() else 1
+    if func in (aten.split.Tensor, aten.unsafe_split.Tensor, aten.split_copy.Tensor):
+        x, size = args[0], args[1]
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+        if not x.dim() or not -x.dim() <= dim < x.dim() or size <= 0:
+            return 1
+        return max(-(-int(x.shape[dim]) // int(size)), 1)
+    return 1
+
+
+class _Budget(TorchDispatchMode):
+    """Refuses an op whose outputs would take what is alive past ``limit`` (see the module's
+    docstring), and follows every storage an op makes until the last tensor holding it is garbage.
+    ``held`` bytes are alive throughout (the probe); ``node`` is the graph node now running. At most
+    ``max_tensors`` tensors made by ops are alive at once."""
+
+    def __init__(self, limit: int, held: int, max_tensors: int) -> None:
         super().__init__()
+        self.limit, self.held, self.max_tensors = limit, held, max_tensors
+        self.node = ""
         self.live = 0
-        self.peak = 0
-        self._held: dict[int, list[int]] = {}  # storage key -> [bytes, tensors holding it]
+        self.tensors = 0
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self._storages: dict[int, list[int]] = {}  # storage key -> [bytes, tensors holding it]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = {s[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and (s := _storage(t))}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None and s[0] not in inputs:
-                self._hold(t, *s)
+        kwargs = kwargs or {}
+        pieces = _pieces(func, args, kwargs)
+        if self.tensors + pieces > self.max_tensors:
+            raise ForwardTooLarge(self.node, self.tensors, pieces, self.max_tensors, "tensors")
+        need = self._need(func, args, kwargs)
+        self.check(need)
+        before = self.live
+        out = func(*args, **kwargs)
+        self._follow(out, args, kwargs)
+        if need is None and self.held + self.live > self.limit:
+            raise ForwardTooLarge(self.node, self.held + before, self.live - before, self.limit)
+        if self.tensors > self.max_tensors:  # pieces made op by op (tensor_split's slices)
+            raise ForwardTooLarge(self.node, self.tensors - 1, 1, self.max_tensors, "tensors")
         return out
 
-    def _hold(self, t: torch.Tensor, key: int, nbytes: int) -> None:
-        held = self._held.get(key)
-        if held is None:
-            held = self._held[key] = [nbytes, 0]
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        held[1] += 1
-        weakref.finalize(t, self._release, key)
+    def check(self, need: int | None) -> None:
+        """Refuse ``need`` more bytes where they would take what is alive past the limit."""
+        if need is not None and self.held + self.live + need > self.limit:
+            raise ForwardTooLarge(self.node, self.held + self.live, need, self.limit)
 
-    def _release(self, key: int) -> None:
-        held = self._held[key]
-        held[1] -= 1
-        if held[1] == 0:
-            self.live -= held[0]
-            del self._held[key]
-
-
-class Bounded(fx.Interpreter):
-    """fx's interpreter, refusing to run a node that would take the live tensors past ``limit``
-    bytes (see the module's docstring). The module's own state is not counted."""
-
-    def __init__(self, gm: fx.GraphModule, limit: int):
-        super().__init__(gm)
-        self.limit = limit
-        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
-        self.state = {s[0] for t in (*gm.parameters(), *gm.buffers()) if (s := _storage(t)) is not None}
-        self.inputs: tuple[Any, ...] = ()
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        self.inputs = args  # the caller holds them for the whole run: alive throughout
+    def _need(self, func: Any, args: tuple, kwargs: dict) -> int | None:
+        """What ``func`` makes, from its run on fake copies of the inputs (a view: nothing); None where
+        it has no fake kernel."""
+        if _is_view(func):
+            return 0
+        level = _FAKE_LOG.level
+        _FAKE_LOG.setLevel(logging.CRITICAL)
         try:
-            return super().run(*args, **kwargs)
-        finally:
-            self.inputs = ()
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n.op in ("placeholder", "output"):
-            return super().run_node(n)
-        if n.op == "get_attr":  # the module's own state, whatever its kind
-            value = super().run_node(n)
-            self.state |= {s[0] for t in tree_leaves(value) if isinstance(t, torch.Tensor) and (s := _storage(t))}
-            return value
-        live = self._live()
-        # an autocast enter or exit sets process state: run once only (its fake run would enter twice)
-        need = None if autocast_role(n, self.module) is not None else self._fake_peak(n)
-        if need is not None and live + need > self.limit:
-            raise ForwardTooLarge(n.name, live, need, self.limit)
-        value = super().run_node(n)
-        if need is None and (after := self._live(value)) > self.limit:
-            raise ForwardTooLarge(n.name, live, after - live, self.limit)
-        return value
-
-    def _live(self, extra: Any = None) -> int:
-        """Bytes of the distinct storages alive in the environment (and in ``extra``), state excepted."""
-        seen: dict[int, int] = {}
-        for t in tree_leaves((list(self.env.values()), self.inputs, extra)):
-            if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None and s[0] not in self.state:
-                seen[s[0]] = s[1]
-        return sum(seen.values())
-
-    def _fake_peak(self, n: fx.Node) -> int | None:
-        """The peak bytes node ``n`` makes, run on fake copies of its inputs; None where the fake run
-        cannot follow it."""
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        counter = _Allocations()
-        try:
-            with _quiet(_FAKE_LOG), self.fake, torch.no_grad():
-                args, kwargs = tree_map(self._faked, (args, kwargs))
-                with counter:
-                    if n.op == "call_module":
-                        module = self.fetch_attr(str(n.target))
-                        state = {name: self._faked(t) for name, t in
-                                 (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))}
-                        out = torch.func.functional_call(module, state, tuple(args), kwargs, strict=False)
-                    else:
-                        out = getattr(self, n.op)(n.target, args, kwargs)
-                    del out
-        except Exception:  # noqa: BLE001 - any op the fake run cannot follow: the real run is counted after
+            with self.fake:
+                fake_args, fake_kwargs = tree_map(self._faked, (args, kwargs))
+                return _new_bytes(func(*fake_args, **fake_kwargs), (fake_args, fake_kwargs))
+        except DynamicOutputShapeException:
+            return _data_bound(func, args, kwargs)
+        except Exception:  # noqa: BLE001 - any op the fake run cannot follow: counted after it ran
             return None
-        return counter.peak
+        finally:
+            _FAKE_LOG.setLevel(level)
 
     def _faked(self, value: Any) -> Any:
         return self.fake.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    def _follow(self, out: Any, args: tuple, kwargs: dict) -> None:
+        """Hold each output tensor's storage: a new one adds its bytes; a view of one already held
+        holds it longer; a view of an input the op was given (the probe, the module's state) is not
+        counted; an in-place op's result, the input object itself, is not a new tensor."""
+        given = _tensors((args, kwargs))
+        inputs, objects = {s[0] for t in given if (s := _storage(t)) is not None}, {id(t) for t in given}
+        for t in _tensors(out):
+            if id(t) in objects:
+                continue
+            s = _storage(t)
+            key = None if s is None or (s[0] in inputs and s[0] not in self._storages) else s[0]
+            if s is not None and key is not None:
+                held = self._storages.get(key)
+                if held is None:
+                    held = self._storages[key] = [s[1], 0]
+                    self.live += s[1]
+                held[1] += 1
+            self.tensors += 1
+            weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int | None) -> None:
+        self.tensors -= 1
+        if key is None:
+            return
+        held = self._storages[key]
+        held[1] -= 1
+        if held[1] == 0:
+            self.live -= held[0]
+            del self._storages[key]
+
+
+class Bounded(fx.Interpreter):
+    """fx's interpreter, refusing to run an op that would take the tensors alive past ``limit``
+    bytes (see the module's docstring). The module's own state is not counted."""
+
+    def __init__(self, gm: fx.GraphModule, limit: int, max_tensors: int):
+        super().__init__(gm)
+        self.limit, self.max_tensors = limit, max_tensors
+        self.budget: _Budget | None = None
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        held = {s[0]: s[1] for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None}
+        self.budget = _Budget(self.limit, sum(held.values()), self.max_tensors)
+        try:
+            with self.budget:
+                return super().run(*args, **kwargs)
+        finally:
+            self.budget = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        if self.budget is not None:
+            self.budget.node = n.name
+            if (n.op, n.target) in (("call_method", "tolist"), ("call_function", torch.Tensor.tolist)) and n.args:
+                x = self.env.get(n.args[0]) if isinstance(n.args[0], fx.Node) else None
+                if isinstance(x, torch.Tensor):  # Python objects, made without an aten op
+                    self.budget.check(x.numel() * LIST_ITEM_BYTES)
+        return super().run_node(n)

@@ -64,7 +64,7 @@ class _Interpreter(peak.Bounded):
     failed."""
 
     def __init__(self, gm: fx.GraphModule):
-        super().__init__(gm, LIMITS["forward_bytes"])
+        super().__init__(gm, LIMITS["forward_bytes"], LIMITS["forward_tensors"])
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -192,19 +192,29 @@ def _device(gm: torch.nn.Module) -> torch.device:
 def record(gm: fx.GraphModule, spec: InputSpec | None, where: str, saving: bool = False) -> dict[str, Any]:
     """What the probe run of ``gm`` gives (JSON data for the manifest). Both callers (``save`` and
     :func:`check`) have run :func:`check_budget` first: the probe inputs fit the whole-load budget.
-    A node that would take the run past the forward budget (:mod:`.peak`) is a SerializationError
-    (``where`` says which save, ``saving`` whether it is being written), not a recorded stop: its
-    memory was never allocated, and a save whose self-check cannot run within the budget on the
-    loading side must not be written."""
+    An op that would take the run past the forward budget (:mod:`.peak`) is a :func:`_past_budget`
+    error, not a recorded stop: its memory was never allocated, and a save whose self-check cannot
+    run within the budget on the loading side must not be written."""
     try:
         return _record(gm, spec)
     except peak.ForwardTooLarge as err:
-        why = ("load would refuse it: save a module prepared with smaller example inputs" if saving
-               else "the file was edited (its input guard or graph)")
-        raise SerializationError(
-            f"{where}: run on its probe input (the example's shapes), node {err.node!r} would need {err.need:,} bytes "
-            f"with {err.live:,} already in use, more than any fxprep save's self-check ({err.limit:,}: the forward "
-            f"budget, fxprep.io.format.LIMITS['forward_bytes']); {why}. It did not run.") from None
+        found = (f"would need {err.need:,} bytes with {err.live:,} already in use" if err.unit == "bytes" else
+                 f"would make {err.need:,} tensors with {err.live:,} already alive")
+        raise _past_budget(where, saving, f"run on its probe input (the example's shapes), node {err.node!r} {found}",
+                           f"forward_{err.unit}", "It did not run.") from None
+
+
+def _past_budget(where: str, saving: bool, found: str, limit: str, done: str) -> SerializationError:
+    """The error for a save past ``LIMITS[limit]``, which every load enforces: at ``save`` (``saving``),
+    that loading would refuse it and how to save one that would not; at ``load``, that the file was
+    edited after it was saved (save never writes one past it)."""
+    name = {"probe_bytes": "whole-load budget", "forward_bytes": "forward budget",
+            "forward_tensors": "forward budget of tensors"}[limit]
+    why = ("load would refuse it: save a module prepared with smaller example inputs or sizes" if saving
+           else "the file was edited (its input guard or graph)")
+    unit = limit.rpartition("_")[2]
+    return SerializationError(f"{where}: {found}, more than any fxprep save's {name} allows ({LIMITS[limit]:,} "
+                              f"{unit}, fxprep.io.format.LIMITS[{limit!r}]); {why}. {done}")
 
 
 def _record(gm: fx.GraphModule, spec: InputSpec | None) -> dict[str, Any]:
@@ -317,11 +327,8 @@ def check_budget(gm: fx.GraphModule, spec: InputSpec | None, where: str, saving:
         f"node {node!r} ({what} with literal sizes) would {'expand to' if what in budget.VIEWS else 'allocate'} "
         f"{size:,} bytes" for node, what, size in biggest]
     more = f" (and {len(made) - 3} more node(s))" if len(made) > 3 else ""
-    why = ("load would refuse it: save a module prepared with smaller example inputs or sizes" if saving
-           else "the file was edited")
-    raise SerializationError(
-        f"{where}: {'; '.join(parts)}{more}: {total:,} bytes in all, more than any fxprep save's "
-        f"({LIMITS['probe_bytes']:,}: the whole-load budget, fxprep.io.format.LIMITS); {why}. Nothing was allocated.")
+    raise _past_budget(where, saving, f"{'; '.join(parts)}{more}: {total:,} bytes in all", "probe_bytes",
+                       "Nothing was allocated.")
 
 
 def check(gm: fx.GraphModule, spec: InputSpec | None, saved: Any, where: str) -> None:
