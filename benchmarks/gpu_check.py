@@ -12,7 +12,11 @@ Prints, with random weights built from configs (no hub):
 2. the 7B shape on ``meta``: fxprep static, fxprep dynamic (batch + sequence), and non-strict
    ``torch.export`` with the same dynamic dimensions, timed in the same run;
 3. forward ratios prepared / eager: the launch-bound 8-layer Llama (hidden 1024, bs 1, 64 tokens)
-   and long-sequence attention (4 layers of 7B width at 8192 tokens; 256 with --tiny).
+   and long-sequence attention (4 layers of 7B width at 8192 tokens; 256 with --tiny);
+4. ``fxprep.save`` of the launch-bound Llama prepared on the device (its self-check runs there,
+   within the forward budget of ``fxprep.io.peak``) and ``fxprep.load``: seconds, the device's peak
+   during save against the weights, and max |diff| of the loaded module (moved to the device) vs
+   the prepared one.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -206,6 +211,33 @@ def forward_rows(tiny: bool, device: str) -> list[list[str]]:
     return rows
 
 
+def save_rows(tiny: bool, device: str) -> list[list[str]]:
+    torch.manual_seed(0)
+    cfg = llama_config(tiny, layers=8, hidden=1024 if not tiny else 64)
+    with torch.device(device):
+        model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(3, cfg.vocab_size, (1, 64), device=device)
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": ids})
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    cuda = device.startswith("cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        fxprep.save(gm, Path(tmp) / "llama")
+        saved = time.perf_counter() - start
+        peak = f"{(weights + torch.cuda.max_memory_allocated() - before) / weights:.2f}x" if cuda else "-"
+        start = time.perf_counter()
+        loaded = fxprep.load(Path(tmp) / "llama")
+        took = time.perf_counter() - start
+    loaded.to(device)
+    with torch.no_grad():
+        diff = float((first_tensor(loaded(input_ids=ids)).float() - first_tensor(gm(input_ids=ids)).float()).abs().max())
+    return [[f"Llama 8 x {cfg.hidden_size}, bf16, ids 1x64, on {device}", f"{saved:.2f}", peak, f"{took:.2f}", f"{diff:.3g}"]]
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -261,6 +293,13 @@ def main() -> None:
     except Exception as err:  # noqa: BLE001 - reported in the table
         forward = [failed_row(["forward"], err, 4)]
     print(table(["forward, bf16", "eager ms", "prepared ms", "prepared / eager"], forward))
+    print()
+    try:
+        saves = save_rows(args.tiny, device)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        saves = [failed_row(["save"], err, 5)]
+    print(table(["save and load", "save s", "peak / weights during save (device)", "load s",
+                 "max |diff| loaded vs prepared"], saves))
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
 

@@ -22,3 +22,5 @@ def test_gpu_check_tiny_runs() -> None:
     for row in equivalence:  # verification passed and the attention calls equal eager's, every model and dtype
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[4] == "passed" and cells[5] == "yes", row
+    saves = [r for r in rows if r.startswith("| Llama 8 x")]
+    assert len(saves) == 1 and saves[0].strip("| ").endswith("| 0"), saves  # the loaded module computes the same
