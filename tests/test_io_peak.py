@@ -126,8 +126,10 @@ def test_an_op_the_fake_run_cannot_size_is_bounded_by_its_input(tmp_path, monkey
     monkeypatch.setitem(io_format.LIMITS, "forward_bytes", 112 * 1024)
     assert io.load(directory) is not None
     monkeypatch.setitem(io_format.LIMITS, "forward_bytes", 48 * 1024)
-    with pytest.raises(SerializationError, match=r"node 'nonzero' would need 65,536 bytes with 20,480 already in use"):
+    with _RealCalls() as calls, pytest.raises(SerializationError, match=r"node 'nonzero' would need 65,536 bytes with "
+                                                                        r"20,480 already in use"):
         io.load(directory)
+    assert "gt" in calls.names and "nonzero" not in calls.names  # refused before it ran
 
 
 class _ValueSized(nn.Module):
