@@ -65,13 +65,14 @@ LIST_ITEM_BYTES = 32
 
 
 class ForwardTooLarge(Exception):
-    """Running ``node`` would take the forward past ``limit`` (in ``unit``: "bytes", or "tensors"
-    alive); ``live`` alive before its op, ``need`` what the op makes (for an op counted after it ran,
-    what it made)."""
+    """Running ``node`` would take the forward past ``limit``: bytes alive, or with ``tensors`` set,
+    tensors alive; ``live`` alive before its op, ``need`` what the op makes (for an op counted after
+    it ran, what it made)."""
 
-    def __init__(self, node: str, live: int, need: int, limit: int, unit: str = "bytes"):
+    def __init__(self, node: str, live: int, need: int, limit: int, tensors: bool = False):
+        unit = "tensors" if tensors else "bytes"
         super().__init__(f"node {node!r} would need {need:,} {unit} with {live:,} alive, more than {limit:,}")
-        self.node, self.live, self.need, self.limit, self.unit = node, live, need, limit, unit
+        self.node, self.live, self.need, self.limit, self.tensors = node, live, need, limit, tensors
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
@@ -87,12 +88,16 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def _storages(tree: Any) -> dict[int, int]:
+    """Storage key -> bytes, for the distinct storages of the tensors in ``tree``."""
+    return {s[0]: s[1] for t in _tensors(tree) if (s := _storage(t)) is not None}
+
+
 def _new_bytes(out: Any, inputs: Any) -> int:
     """Bytes of the distinct storages in ``out`` that none of ``inputs`` has (a view or an in-place
     result shares its input's storage: nothing new)."""
-    old = {s[0] for t in _tensors(inputs) if (s := _storage(t)) is not None}
-    new = {s[0]: s[1] for t in _tensors(out) if (s := _storage(t)) is not None and s[0] not in old}
-    return sum(new.values())
+    old = _storages(inputs)
+    return sum(size for key, size in _storages(out).items() if key not in old)
 
 
 def _data_bound(func: Any, args: tuple, kwargs: dict) -> int:
@@ -153,7 +158,7 @@ class _Budget(TorchDispatchMode):
         kwargs = kwargs or {}
         pieces = _pieces(func, args, kwargs)
         if self.tensors + pieces > self.max_tensors:
-            raise ForwardTooLarge(self.node, self.tensors, pieces, self.max_tensors, "tensors")
+            raise ForwardTooLarge(self.node, self.tensors, pieces, self.max_tensors, tensors=True)
         need = self._need(func, args, kwargs)
         self.check(need)
         before = self.live
@@ -162,7 +167,7 @@ class _Budget(TorchDispatchMode):
         if need is None and self.held + self.live > self.limit:
             raise ForwardTooLarge(self.node, self.held + before, self.live - before, self.limit)
         if self.tensors > self.max_tensors:  # pieces made op by op (tensor_split's slices)
-            raise ForwardTooLarge(self.node, self.tensors - 1, 1, self.max_tensors, "tensors")
+            raise ForwardTooLarge(self.node, self.tensors - 1, 1, self.max_tensors, tensors=True)
         return out
 
     def check(self, need: int | None) -> None:
@@ -175,8 +180,6 @@ class _Budget(TorchDispatchMode):
         it has no fake kernel."""
         if _is_view(func):
             return 0
-        level = _FAKE_LOG.level
-        _FAKE_LOG.setLevel(logging.CRITICAL)
         try:
             with self.fake:
                 fake_args, fake_kwargs = tree_map(self._faked, (args, kwargs))
@@ -185,8 +188,6 @@ class _Budget(TorchDispatchMode):
             return _data_bound(func, args, kwargs)
         except Exception:  # noqa: BLE001 - any op the fake run cannot follow: counted after it ran
             return None
-        finally:
-            _FAKE_LOG.setLevel(level)
 
     def _faked(self, value: Any) -> Any:
         return self.fake.from_tensor(value) if isinstance(value, torch.Tensor) else value
@@ -195,8 +196,7 @@ class _Budget(TorchDispatchMode):
         """Hold each output tensor's storage: a new one adds its bytes; a view of one already held
         holds it longer; a view of an input the op was given (the probe, the module's state) is not
         counted; an in-place op's result, the input object itself, is not a new tensor."""
-        given = _tensors((args, kwargs))
-        inputs, objects = {s[0] for t in given if (s := _storage(t)) is not None}, {id(t) for t in given}
+        inputs, objects = _storages((args, kwargs)), {id(t) for t in _tensors((args, kwargs))}
         for t in _tensors(out):
             if id(t) in objects:
                 continue
@@ -232,13 +232,15 @@ class Bounded(fx.Interpreter):
         self.budget: _Budget | None = None
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        held = {s[0]: s[1] for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None}
-        self.budget = _Budget(self.limit, sum(held.values()), self.max_tensors)
+        self.budget = _Budget(self.limit, sum(_storages((args, kwargs)).values()), self.max_tensors)
+        level = _FAKE_LOG.level
+        _FAKE_LOG.setLevel(logging.CRITICAL)
         try:
             with self.budget:
                 return super().run(*args, **kwargs)
         finally:
             self.budget = None
+            _FAKE_LOG.setLevel(level)
 
     def run_node(self, n: fx.Node) -> Any:
         if self.budget is not None:

@@ -198,10 +198,11 @@ def record(gm: fx.GraphModule, spec: InputSpec | None, where: str, saving: bool 
     try:
         return _record(gm, spec)
     except peak.ForwardTooLarge as err:
-        found = (f"would need {err.need:,} bytes with {err.live:,} already in use" if err.unit == "bytes" else
-                 f"would make {err.need:,} tensors with {err.live:,} already alive")
+        found = (f"would make {err.need:,} tensors with {err.live:,} already alive" if err.tensors else
+                 f"would need {err.need:,} bytes with {err.live:,} already in use")
+        limit = "forward_tensors" if err.tensors else "forward_bytes"
         raise _past_budget(where, saving, f"run on its probe input (the example's shapes), node {err.node!r} {found}",
-                           f"forward_{err.unit}", "It did not run.") from None
+                           limit, "It did not run.") from None
 
 
 def _past_budget(where: str, saving: bool, found: str, limit: str, done: str) -> SerializationError:
