@@ -12,7 +12,9 @@ Prints, with random weights built from configs (no hub):
 2. the 7B shape on ``meta``: fxprep static, fxprep dynamic (batch + sequence), and non-strict
    ``torch.export`` with the same dynamic dimensions, timed in the same run;
 3. forward ratios prepared / eager: the launch-bound 8-layer Llama (hidden 1024, bs 1, 64 tokens)
-   and long-sequence attention (4 layers of 7B width at 8192 tokens; 256 with --tiny);
+   and long-sequence attention (4 layers of 7B width at 8192 tokens; 256 with --tiny), with each
+   one's host time (until the call returns, before synchronising: where it is the wall time, the
+   forward waits on Python; ``benchmarks/launch_profile.py`` then says where);
 4. ``fxprep.save`` of the launch-bound Llama prepared on the device (its self-check runs there,
    within the forward budget of ``fxprep.io.peak``) and ``fxprep.load``: seconds, the device's peak
    during save against the weights, and max |diff| of the loaded module (moved to the device) vs
@@ -170,22 +172,28 @@ def meta_rows(tiny: bool) -> list[list[str]]:
     return rows
 
 
-def _times(eager: Any, prepared: Any, device: str, repeat: int) -> tuple[float, float]:
-    """Median seconds of ``eager()`` and ``prepared()``, called in turn ``repeat`` times each: timed
-    one block after the other, a shared CPU's drift decided the ratio (1.04x to 1.16x over three
-    runs of the launch-bound row where alternating calls gave 1.006x to 1.028x)."""
-    times: tuple[list[float], list[float]] = ([], [])
+def _times(eager: Any, prepared: Any, device: str, repeat: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Median (wall, host) seconds of ``eager()`` and of ``prepared()``, called in turn ``repeat``
+    times each: timed one block after the other, a shared CPU's drift decided the ratio (1.04x to
+    1.16x over three runs of the launch-bound row where alternating calls gave 1.006x to 1.028x).
+    Host time ends when the call returns, before the device is synchronised: where it is close to
+    the wall time, the forward waits on Python, and the difference between the two is the host's."""
+    walls: tuple[list[float], list[float]] = ([], [])
+    hosts: tuple[list[float], list[float]] = ([], [])
+    cuda = device.startswith("cuda")
     for _ in range(repeat):
-        for fn, out in ((eager, times[0]), (prepared, times[1])):
-            if device.startswith("cuda"):
+        for i, fn in enumerate((eager, prepared)):
+            if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
             with torch.no_grad():
                 fn()
-            if device.startswith("cuda"):
+            hosts[i].append(time.perf_counter() - start)
+            if cuda:
                 torch.cuda.synchronize()
-            out.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+            walls[i].append(time.perf_counter() - start)
+    return ((statistics.median(walls[0]), statistics.median(hosts[0])),
+            (statistics.median(walls[1]), statistics.median(hosts[1])))
 
 
 def forward_rows(tiny: bool, device: str) -> list[list[str]]:
@@ -204,9 +212,10 @@ def forward_rows(tiny: bool, device: str) -> list[list[str]]:
                 model(input_ids=ids, use_cache=False)
                 gm(input_ids=ids)
         repeat = 100 if tiny else 30
-        eager, mine = _times(lambda m=model, i=ids: m(input_ids=i, use_cache=False),
-                             lambda g=gm, i=ids: g(input_ids=i), device, repeat)
-        rows.append([label, f"{eager * 1e3:.2f}", f"{mine * 1e3:.2f}", f"{mine / eager:.3f}"])
+        (eager, eager_host), (mine, mine_host) = _times(lambda m=model, i=ids: m(input_ids=i, use_cache=False),
+                                                        lambda g=gm, i=ids: g(input_ids=i), device, repeat)
+        rows.append([label, f"{eager * 1e3:.2f}", f"{mine * 1e3:.2f}", f"{mine / eager:.3f}",
+                     f"{eager_host * 1e3:.2f}", f"{mine_host * 1e3:.2f}"])
         del gm, model
     return rows
 
@@ -291,8 +300,9 @@ def main() -> None:
     try:
         forward = forward_rows(args.tiny, device)
     except Exception as err:  # noqa: BLE001 - reported in the table
-        forward = [failed_row(["forward"], err, 4)]
-    print(table(["forward, bf16", "eager ms", "prepared ms", "prepared / eager"], forward))
+        forward = [failed_row(["forward"], err, 6)]
+    print(table(["forward, bf16", "eager ms", "prepared ms", "prepared / eager", "eager host ms", "prepared host ms"],
+                forward))
     print()
     try:
         saves = save_rows(args.tiny, device)

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import copy
 import pickle
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch
 import torch.fx as fx
 import torchvision
 from torch import nn
 
 import fxprep
+from fxprep.ops import BoundOp
 
 
 @contextmanager
@@ -126,3 +129,128 @@ def test_swapped_modules_are_the_ones_called() -> None:
         gm.recompile()
         assert torch.equal(gm(x), base)
         assert any(n.target == "layer2.0.extra" for n in gm.graph.nodes)
+
+
+# --- op modules called without nn.Module.__call__'s frames --------------------------------------
+
+@contextmanager
+def op_module_calls() -> Iterator[list[str]]:
+    """The op modules (``BoundOp``) that went through ``nn.Module._call_impl`` inside the block."""
+    calls: list[str] = []
+    impl = nn.Module._call_impl.__code__
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is impl and isinstance(frame.f_locals.get("self"), BoundOp):
+            calls.append(type(frame.f_locals["self"]).__name__)
+
+    sys.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(None)
+
+
+def _reference(gm: fx.GraphModule) -> fx.GraphModule:
+    """fx's own code over the same modules (every call through ``nn.Module.__call__``)."""
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def test_op_modules_skip_module_call_when_nothing_would_run_there() -> None:
+    model, x, gm = _resnet()
+    assert sum(isinstance(m, BoundOp) for m in gm.modules()) == 8  # the residual adds
+    with torch.no_grad(), op_module_calls() as calls:
+        got = gm(x)
+    assert calls == []
+    with torch.no_grad(), op_module_calls() as calls:
+        want = _reference(gm)(x)
+    assert len(calls) == 8 and torch.equal(got, want) and torch.equal(got, model(x))
+
+
+class Subtract(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a - b
+
+
+def _double_second(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0], args[1] * 2)
+
+
+def test_hooks_and_patches_on_op_modules_take_the_module_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every way a toolkit changes what an op module's call does is honoured: the prepared forward
+    computes what fx's code computes over the same modules, and the call goes through ``__call__``."""
+    _, x, gm = _resnet()
+    op = gm.get_submodule("layer2.1.add")
+    with torch.no_grad():
+        base = gm(x)
+
+    def check(expect_changed: bool = True, called: int = 1) -> None:
+        with torch.no_grad(), op_module_calls() as calls:
+            got = gm(x)
+        with torch.no_grad():
+            assert torch.equal(got, _reference(gm)(x))
+        assert calls == ["Add"] * called
+        assert not torch.equal(got, base) if expect_changed else torch.equal(got, base)
+
+    seen: list[str] = []
+    for register in (op.register_forward_pre_hook, op.register_forward_hook):
+        hook = (lambda m, a: _double_second(m, a)) if register == op.register_forward_pre_hook else (lambda m, a, out: out * 2)
+        handle = register(hook)
+        check()
+        handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda m, a, out: seen.append(type(m).__name__))
+    check(expect_changed=False, called=8)  # a global hook: every op module's call
+    handle.remove()
+    assert "Add" in seen
+    handle = op.register_full_backward_hook(lambda m, gi, go: None)
+    check(expect_changed=False)
+    handle.remove()
+    # a forward replaced on the instance, on the class (all eight adds); a compiled call (Module.compile())
+    with monkeypatch.context() as patch:
+        patch.setitem(op.__dict__, "forward", lambda a, b: a + 2 * b)
+        check()
+    with monkeypatch.context() as patch:
+        patch.setattr(type(op), "forward", lambda self, a, b: a - b)
+        check(called=8)
+    with monkeypatch.context() as patch:
+        patch.setattr(op, "_compiled_call_impl", lambda a, b: op._call_impl(a, 2 * b))
+        check()
+    with torch.no_grad(), op_module_calls() as calls:
+        assert torch.equal(gm(x), base)
+    assert calls == []
+    # swapped for a module that is no op module: a scripted one (reading its class's forward raises)
+    gm.get_submodule("layer2.1")._modules["add"] = torch.jit.script(Subtract())
+    check(called=0)
+
+
+def test_tracers_and_compilers_see_op_modules_called() -> None:
+    """fx re-tracing, torch.jit.trace (AIMET's connected graph), torch.export and torch.compile
+    see each op module's call as they do in fx's code."""
+    _, x, gm = _resnet()
+    adds = [n for n, m in gm.named_modules() if isinstance(m, BoundOp)]
+    class OpLeaves(fx.Tracer):  # what AIMET, torch.ao and NNCF's fx tracers do with modules they know
+        def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
+            return isinstance(m, BoundOp) or super().is_leaf_module(m, qualified_name)
+
+    graph = OpLeaves().trace(gm)
+    assert [n.target for n in graph.nodes if n.op == "call_module" and n.target in adds] == adds
+    assert str(fx.symbolic_trace(gm).graph) == str(fx.symbolic_trace(_reference(gm)).graph)
+    with torch.no_grad():
+        scopes = {n.scopeName() for n in torch.jit.trace(gm, x).inlined_graph.nodes()}
+    assert {f"__module.{name}" for name in adds} <= scopes
+    exported = torch.export.export(gm, (x,), strict=True)
+    stacks = [list(n.meta.get("nn_module_stack", {}).values()) for n in exported.graph.nodes]
+    assert {name for name in adds} <= {path for stack in stacks for path, _ in stack}
+    graphs: list[fx.GraphModule] = []
+
+    def backend(g: fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(g)
+        return g.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(gm, backend=backend)
+    with torch.no_grad():
+        for _ in range(2):  # no guard of the fast path fails between calls: compiled once
+            assert torch.equal(compiled(x), gm(x))
+    assert len(graphs) == 1
+    dynamo_paths = {str(v[0]) for n in graphs[0].graph.nodes for v in (n.meta.get("nn_module_stack") or {}).values()}
+    assert all(any(p.endswith(name) for p in dynamo_paths) for name in adds)
