@@ -51,6 +51,10 @@ def main() -> None:
     device = "cpu" if args.cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --cpu")
+    if device == "cpu" and not torch.cuda.is_available():
+        # transformers' eager forward asks torch.cuda.is_current_stream_capturing() per call; without a
+        # CUDA driver that raises inside (~100 us, caught): a cost a GPU machine's eager does not have
+        torch.cuda.is_current_stream_capturing = lambda: False
     hidden, heads = (64, 4) if args.cpu else (1024, 16)
     cfg = tf.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=8,
                          num_attention_heads=heads, num_key_value_heads=heads, vocab_size=32000)

@@ -254,3 +254,48 @@ def test_tracers_and_compilers_see_op_modules_called() -> None:
     assert len(graphs) == 1
     dynamo_paths = {str(v[0]) for n in graphs[0].graph.nodes for v in (n.meta.get("nn_module_stack") or {}).values()}
     assert all(any(p.endswith(name) for p in dynamo_paths) for name in adds)
+
+
+def test_each_module_on_the_way_is_looked_up_once_per_call() -> None:
+    """A parent module is bound to a local by the first line under it: every later lookup is one step."""
+    model, x, gm = _resnet()
+    namespace = type(gm).forward.__globals__
+    original = namespace["_fxprep_child"]
+    steps: list[int] = []
+
+    def counting(parent: Any, names: tuple[str, ...]) -> Any:
+        steps.append(len(names))
+        return original(parent, names)
+
+    namespace["_fxprep_child"] = counting
+    try:
+        with torch.no_grad():
+            assert torch.equal(gm(x), model(x))
+    finally:
+        namespace["_fxprep_child"] = original
+    # resnet18: the 4 layers, their 8 blocks and 3 downsample containers bound once each
+    assert set(steps) == {1} and len(steps) > 60
+
+
+class Collide(nn.Module):
+    """A value named like a local of the rewritten forward (Dynamo names nodes after variables)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _fxprep_m0 = self.block[0](x)
+        y = self.lin(_fxprep_m0)
+        return self.block[1](y) + torch.sigmoid(y)
+
+
+def test_a_node_named_like_the_rewrites_locals_keeps_fxs_code() -> None:
+    torch.manual_seed(0)
+    model = Collide().eval()
+    x = torch.randn(2, 4)
+    gm = fxprep.prepare_model(model, example_inputs=x)
+    assert "_fxprep_m0" in [n.name for n in gm.graph.nodes]
+    with torch.no_grad():
+        assert torch.equal(gm(x), model(x))

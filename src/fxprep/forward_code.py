@@ -7,32 +7,40 @@ Python's own lookup fails first, then torch's fallback runs in Python): ~1.3 us 
 model reaches most of them one step from its own ``self``: on small-op-dense models
 (mobilenet_v3_small, a small Llama) the chains alone cost 7-13% of the forward.
 
-:func:`fast_source` rewrites each chain as ``_fxprep_child(self._modules['layer1'], ('0', 'conv1'))``
-(one call per chain, each step as follows):
+:func:`fast_source` rewrites each chain as ``_fxprep_child(_fxprep_m1, ('conv1',))``: each module
+on the way is looked up once per call, by the first line under it, which binds it to a local
+(``_fxprep_child((_fxprep_m1 := _fxprep_child((_fxprep_m0 := self._modules['layer1']), ('0',))),
+('conv1',))``); every later line steps once from that local (fx's code is straight-line, so the
+binding line runs first). Each step:
 
-* a step from a plain ``nn.Module`` (the containers ``GraphModule`` builds for the paths of its
-  targets) is a dict read of its ``_modules``: for that class, ``getattr`` gives nothing else
-  (names that are attributes of ``nn.Module`` itself, ``eval`` say, keep fx's chain);
-* a step from anything else (a user's module, or a wrapper a toolkit put in a container's place:
-  AIMET's ONNX markers forward ``__getattr__`` to the module they wrap) is ``getattr``, as fx has it.
+* from a plain ``nn.Module`` (the containers ``GraphModule`` builds for the paths of its targets) is
+  a dict read of its ``_modules``: for that class, ``getattr`` gives nothing else (names that are
+  attributes of ``nn.Module`` itself, ``eval`` say, keep fx's chain);
+* from anything else (a user's module, or a wrapper a toolkit put in a container's place: AIMET's
+  ONNX markers forward ``__getattr__`` to the module they wrap) is ``getattr``, as fx has it.
 
-So the lookup is decided at each call, never cached, and stays live: every way of replacing a
-submodule (``setattr``, ``add_module``, torch.ao's ``parent._modules[name] = new``) writes
-``_modules``, and a toolkit that swaps a leaf gets its new module called. The last step of a
-``get_attr`` (a parameter, buffer or constant) stays an ordinary attribute access, so symbolic
-tracers that hook parameter access still see it. A chain is rewritten only if it resolves to the
-object fx's chain gives at compile time.
+So the lookup is decided at each call, never cached across calls, and stays live: every way of
+replacing a submodule (``setattr``, ``add_module``, torch.ao's ``parent._modules[name] = new``)
+writes ``_modules``, and a toolkit that swaps a module gets the new one called from the next call
+on. The last step of a ``get_attr`` (a parameter, buffer or constant) stays an ordinary attribute
+access, so symbolic tracers that hook parameter access still see it. A chain is rewritten only if it
+resolves to the object fx's chain gives at compile time; a graph with a node named like the
+rewrite's locals (``_fxprep_...``) keeps fx's code.
 
 A call of one of fxprep's op modules (:class:`~fxprep.ops.BoundOp`: ``add``, ``matmul``, ``sdpa``,
-an LLM graph has ~27 a layer) is written ``_fxprep_op(<chain>, a, b)``: where ``nn.Module.__call__``
-would do nothing but call ``forward`` (no hooks of any kind, no module-level or global patch of
-``__call__``, no ``forward`` replaced on the instance or class, not compiled, not under
-``torch.compile``/``torch.export``, a symbolic tracer or ``torch.jit.trace``),
-:func:`call_op` calls the op's bound call directly, skipping the three Python frames of
-``_wrapped_call_impl``/``_call_impl``/``forward``: ~0.5 us a call, ~3% of a launch-bound forward
-(an 8-layer Llama, bf16, 16 tokens, on a 2-core CPU with torch 2.11 and 2.14). Each of those conditions is checked at every
-call, so a toolkit that hooks, wraps or swaps an op module (AIMET's QuantSim, torch.ao's observers,
-NNCF's pre-hooks, fx and Dynamo re-tracing) gets ``module(*args)`` exactly as fx's code has it.
+~27 a Llama layer) is written ``_fxprep_op(<module>, _fxprep_fast, a, b)``: where
+``nn.Module.__call__`` would do nothing but call ``forward``, :func:`call_op` calls the op's bound
+call directly, skipping the three Python frames of ``_wrapped_call_impl``/``_call_impl``/
+``forward``. What could make that call do more is checked: per forward, once, by
+:func:`fast_calls` (``torch.compile``/``torch.export``, a tracer's patch of ``nn.Module.__call__``,
+global module hooks, ``torch.jit.trace``); per call, on the module (its hooks, ``__call__`` or
+``forward`` replaced on its class or instance, ``Module.compile()``). So a toolkit that hooks,
+wraps or swaps an op module (AIMET's QuantSim, torch.ao's observers, NNCF's pre-hooks, fx and
+Dynamo re-tracing) gets ``module(*args)`` exactly as fx's code has it.
+
+Measured with both (an 8-layer Llama, hidden 64, bf16, 16 tokens, one thread of a 2-core CPU,
+200 alternating rounds, transformers' CPU-only CUDA-capture probe taken out of eager): the prepared
+forward went from 1.02x-1.035x eager to 0.96x-0.97x, on torch 2.11 and 2.14.
 
 ``gm.code`` (what ``print(gm)`` shows, what :func:`fxprep.save` writes for reading) stays fx's
 readable text; only the compiled ``forward`` uses the rewritten one, with the same lines in the same
@@ -53,6 +61,8 @@ from fxprep.ops import BoundOp
 
 HELPER = "_fxprep_child"
 OP_HELPER = "_fxprep_op"
+FAST_HELPER = "_fxprep_fast_calls"
+LOCAL = "_fxprep_"  # the locals the rewritten forward binds start with it (no node of the graph may)
 
 
 def child(parent: Any, names: tuple[str, ...]) -> Any:
@@ -65,22 +75,32 @@ def child(parent: Any, names: tuple[str, ...]) -> Any:
 
 _MODULE_CALL = nn.Module._wrapped_call_impl  # what nn.Module.__call__ is, unless something patched it
 _BOUND_FORWARD = BoundOp.forward
-_GLOBAL_HOOKS = (_module._global_forward_pre_hooks, _module._global_forward_hooks,
-                 _module._global_backward_pre_hooks, _module._global_backward_hooks)
 _is_compiling = torch.compiler.is_compiling  # Dynamo folds this call to True: nothing after it is traced
 _tracing_state = torch._C._get_tracing_state
 
 
-def call_op(module: Any, *args: Any) -> Any:
+def fast_calls() -> bool:
+    """Whether, for the forward about to run, nothing outside an op module would make
+    ``nn.Module.__call__`` do more than call ``forward``: not under ``torch.compile`` or
+    ``torch.export``, no tracer's patch of ``nn.Module.__call__``, no global module hook, not under
+    ``torch.jit.trace``. Asked once per forward (by its first op call): none of these changes inside
+    a forward."""
+    return (not _is_compiling() and nn.Module.__call__ is _MODULE_CALL
+            and not (_module._global_forward_pre_hooks or _module._global_forward_hooks
+                     or _module._global_backward_pre_hooks or _module._global_backward_hooks)
+            and not _tracing_state())
+
+
+def call_op(module: Any, fast: bool, *args: Any) -> Any:
     """``module(*args)`` for an op module: its bound call directly where ``nn.Module.__call__`` would
-    call nothing but its ``forward`` (see the module docstring); ``module(*args)`` otherwise."""
+    call nothing but its ``forward`` (``fast`` from :func:`fast_calls`, and nothing on the module
+    itself: see the module docstring); ``module(*args)`` otherwise."""
     # isinstance first: a class attribute read can run code (a ScriptModule's forward raises)
-    if (not _is_compiling() and isinstance(module, BoundOp) and type(module).forward is _BOUND_FORWARD
-            and type(module).__call__ is _MODULE_CALL
-            and module._compiled_call_impl is None and "forward" not in module.__dict__
+    if (fast and isinstance(module, BoundOp) and type(module).forward is _BOUND_FORWARD
+            and type(module).__call__ is _MODULE_CALL and module._compiled_call_impl is None
+            and "forward" not in module.__dict__
             and not (module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
-                     or module._backward_hooks or any(_GLOBAL_HOOKS))
-            and not _tracing_state()):
+                     or module._backward_hooks)):
         return module._call(args)
     return module(*args)
 
@@ -92,11 +112,35 @@ def _is_op(node: fx.Node, module: Any) -> bool:
             and type(module).forward is _BOUND_FORWARD)
 
 
-def _chain(path: list[str]) -> str:
-    # one call with a constant tuple: the forward of an 80-layer LLM compiles ~1.5x faster than
-    # with a call per step, and runs no slower
-    head = f"self._modules[{path[0]!r}]"
-    return f"{HELPER}({head}, {tuple(path[1:])!r})" if len(path) > 1 else head
+class _Writer:
+    """The expressions of one rewritten forward. Each module a node's target is reached through is
+    looked up once per call: the first line under it binds it to a local (``(_fxprep_m3 := ...)``),
+    later lines step from that local; the first op call binds ``_fxprep_fast`` (:func:`fast_calls`).
+    fx's code is straight-line, nodes in order, so a local is bound on a line before every line
+    using it (an expression is asked for only once its line is known to be rewritten)."""
+
+    def __init__(self) -> None:
+        self.bound: dict[tuple[str, ...], str] = {}
+        self.fast = False
+
+    def module(self, path: tuple[str, ...]) -> str:
+        if path in self.bound:
+            return self.bound[path]
+        if len(path) == 1:
+            return f"self._modules[{path[0]!r}]"
+        parent = path[:-1]
+        name = self.bound.get(parent)
+        if name is not None:
+            return f"{HELPER}({name}, {path[-1:]!r})"
+        inner = self.module(parent)
+        name = self.bound[parent] = f"{LOCAL}m{len(self.bound)}"
+        return f"{HELPER}(({name} := {inner}), {path[-1:]!r})"
+
+    def fast_flag(self) -> str:
+        if self.fast:
+            return f"{LOCAL}fast"
+        self.fast = True
+        return f"({LOCAL}fast := {FAST_HELPER}())"
 
 
 def _resolve(root: nn.Module, path: list[str], step: Any) -> Any:
@@ -109,9 +153,10 @@ def _resolve(root: nn.Module, path: list[str], step: Any) -> Any:
     return current
 
 
-def _fast_target(root: fx.GraphModule, node: fx.Node) -> tuple[str, bool] | None:
-    """The rewritten expression for ``node``'s target and whether it is an op module's (called by
-    :func:`call_op`), or ``None`` to keep fx's."""
+def _fast_target(root: fx.GraphModule, node: fx.Node) -> tuple[tuple[str, ...], str | None, bool] | None:
+    """For a node whose target the rewritten code can reach: the module path, the attribute read from
+    it (a ``get_attr``; None for a ``call_module``) and whether the call is an op module's (called by
+    :func:`call_op`). ``None`` keeps fx's expression."""
     path = str(node.target).split(".")
     modules = path if node.op == "call_module" else path[:-1]
     if not modules or hasattr(type(root), modules[0]) or any(hasattr(nn.Module, n) for n in modules[1:]):
@@ -124,8 +169,8 @@ def _fast_target(root: fx.GraphModule, node: fx.Node) -> tuple[str, bool] | None
     if found is None or found is not _resolve(root, modules, getattr):
         return None
     if node.op == "call_module":
-        return _chain(modules), _is_op(node, found)
-    return _format_target(_chain(modules), path[-1]), False
+        return tuple(modules), None, _is_op(node, found)
+    return tuple(modules), path[-1], False
 
 
 def fast_source(gm: fx.GraphModule, code: str) -> str:
@@ -133,11 +178,14 @@ def fast_source(gm: fx.GraphModule, code: str) -> str:
 
     Each node's line is found by its name (fx starts it with ``<name> = ``) and only the target
     expression right after that is replaced; a line that does not read as expected is left alone."""
+    if any(node.name.startswith(LOCAL) for node in gm.graph.nodes):
+        return code  # a node named like the locals the rewrite binds: fx's code as it is
     lines = code.split("\n")
     where: dict[str, int] = {}
     for i, line in enumerate(lines):
         head = line.lstrip().split(" ", 1)[0]
         where.setdefault(head, i)
+    writer = _Writer()
     for node in gm.graph.nodes:
         if node.op not in ("call_module", "get_attr") or not isinstance(node.target, str):
             continue
@@ -145,7 +193,7 @@ def fast_source(gm: fx.GraphModule, code: str) -> str:
         target = _fast_target(gm, node) if i is not None else None
         if target is None:
             continue
-        new, op = target
+        modules, attribute, op = target
         old = " = " + _format_target("self", node.target)
         line = lines[i]
         at = line.find(old)
@@ -153,6 +201,10 @@ def fast_source(gm: fx.GraphModule, code: str) -> str:
         follows = line[end:end + 1]
         if at < 0 or (follows != "(" if node.op == "call_module" else follows not in ("", ";")):
             continue
-        # an op's call: "x = _fxprep_op(<chain>, a, b)" (its "(" taken over; no arguments leaves "(<chain>, )")
-        lines[i] = line[:at] + " = " + (f"{OP_HELPER}({new}, " + line[end + 1:] if op else new + line[end:])
+        new = writer.module(modules)
+        if attribute is not None:
+            new = _format_target(new, attribute)
+        elif op:  # "x = _fxprep_op(<module>, <fast>, a, b)": the call's "(" taken over
+            new, end = f"{OP_HELPER}({new}, {writer.fast_flag()}, ", end + 1
+        lines[i] = line[:at] + " = " + new + line[end:]
     return "\n".join(lines)
