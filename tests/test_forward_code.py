@@ -134,13 +134,13 @@ def test_swapped_modules_are_the_ones_called() -> None:
 # --- op modules called without nn.Module.__call__'s frames --------------------------------------
 
 @contextmanager
-def op_module_calls() -> Iterator[list[str]]:
-    """The op modules (``BoundOp``) that went through ``nn.Module._call_impl`` inside the block."""
+def module_calls(only: type = nn.Module) -> Iterator[list[str]]:
+    """The modules (of class ``only``) that went through ``nn.Module._call_impl`` inside the block."""
     calls: list[str] = []
     impl = nn.Module._call_impl.__code__
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is impl and isinstance(frame.f_locals.get("self"), BoundOp):
+        if event == "call" and frame.f_code is impl and isinstance(frame.f_locals.get("self"), only):
             calls.append(type(frame.f_locals["self"]).__name__)
 
     sys.setprofile(profile)
@@ -150,20 +150,39 @@ def op_module_calls() -> Iterator[list[str]]:
         sys.setprofile(None)
 
 
+def op_module_calls() -> Any:
+    """The op modules (``BoundOp``) that went through ``nn.Module._call_impl`` inside the block."""
+    return module_calls(BoundOp)
+
+
 def _reference(gm: fx.GraphModule) -> fx.GraphModule:
     """fx's own code over the same modules (every call through ``nn.Module.__call__``)."""
     return fx.GraphModule(gm, copy.deepcopy(gm.graph))
 
 
-def test_op_modules_skip_module_call_when_nothing_would_run_there() -> None:
+def test_modules_skip_module_call_when_nothing_would_run_there() -> None:
     model, x, gm = _resnet()
     assert sum(isinstance(m, BoundOp) for m in gm.modules()) == 8  # the residual adds
-    with torch.no_grad(), op_module_calls() as calls:
+    with torch.no_grad(), module_calls() as calls:
         got = gm(x)
-    assert calls == []
-    with torch.no_grad(), op_module_calls() as calls:
+    assert calls == [type(gm).__name__]  # the prepared module's own call; no leaf, no op module
+    with torch.no_grad(), module_calls() as calls:
         want = _reference(gm)(x)
-    assert len(calls) == 8 and torch.equal(got, want) and torch.equal(got, model(x))
+    assert calls.count("Add") == 8 and calls.count("Conv2d") == 20
+    assert torch.equal(got, want) and torch.equal(got, model(x))
+
+
+def test_hooks_on_leaves_take_the_module_call() -> None:
+    _, x, gm = _resnet()
+    conv = gm.get_submodule("layer1.0.conv1")
+    with torch.no_grad():
+        base = gm(x)
+        handle = conv.register_forward_hook(lambda m, a, out: out * 2)
+        with module_calls(nn.Conv2d) as calls:
+            got = gm(x)
+        assert calls == ["Conv2d"] and torch.equal(got, _reference(gm)(x)) and not torch.equal(got, base)
+        handle.remove()
+        assert torch.equal(gm(x), base)
 
 
 class Subtract(nn.Module):
@@ -204,13 +223,14 @@ def test_hooks_and_patches_on_op_modules_take_the_module_call(monkeypatch: pytes
     handle = op.register_full_backward_hook(lambda m, gi, go: None)
     check(expect_changed=False)
     handle.remove()
-    # a forward replaced on the instance, on the class (all eight adds); a compiled call (Module.compile())
+    # a forward replaced on the instance, on the class (all eight adds): that forward is called, as
+    # nn.Module.__call__ would (without its frames); a compiled call (Module.compile()) takes __call__
     with monkeypatch.context() as patch:
         patch.setitem(op.__dict__, "forward", lambda a, b: a + 2 * b)
-        check()
+        check(called=0)
     with monkeypatch.context() as patch:
         patch.setattr(type(op), "forward", lambda self, a, b: a - b)
-        check(called=8)
+        check(called=0)
     with monkeypatch.context() as patch:
         patch.setattr(op, "_compiled_call_impl", lambda a, b: op._call_impl(a, 2 * b))
         check()

@@ -27,20 +27,20 @@ access, so symbolic tracers that hook parameter access still see it. A chain is 
 resolves to the object fx's chain gives at compile time; a graph with a node named like the
 rewrite's locals (``_fxprep_...``) keeps fx's code.
 
-A call of one of fxprep's op modules (:class:`~fxprep.ops.BoundOp`: ``add``, ``matmul``, ``sdpa``,
-~27 a Llama layer) is written ``_fxprep_op(<module>, _fxprep_fast, a, b)``: where
-``nn.Module.__call__`` would do nothing but call ``forward``, :func:`call_op` calls the op's bound
-call directly, skipping the three Python frames of ``_wrapped_call_impl``/``_call_impl``/
-``forward``. What could make that call do more is checked: per forward, once, by
-:func:`fast_calls` (``torch.compile``/``torch.export``, a tracer's patch of ``nn.Module.__call__``,
-global module hooks, ``torch.jit.trace``); per call, on the module (its hooks, ``__call__`` or
-``forward`` replaced on its class or instance, ``Module.compile()``). So a toolkit that hooks,
-wraps or swaps an op module (AIMET's QuantSim, torch.ao's observers, NNCF's pre-hooks, fx and
-Dynamo re-tracing) gets ``module(*args)`` exactly as fx's code has it.
+A module call with positional arguments (every leaf, and fxprep's op modules: ``add``, ``matmul``,
+``sdpa``, ~27 a Llama layer) is written ``_fxprep_call(<module>, _fxprep_fast, a, b)``: where
+``nn.Module.__call__`` would do nothing but call ``forward``, :func:`call_module` calls ``forward``
+itself (an op module's bound call), skipping ``_wrapped_call_impl``/``_call_impl``. What could make
+that call do more is checked: per forward, once, by :func:`fast_calls` (``torch.compile``/
+``torch.export``, a tracer's patch of ``nn.Module.__call__``, global module hooks,
+``torch.jit.trace``); per call, on the module (its hooks, ``__call__`` replaced on its class,
+``Module.compile()``; for the op shortcut, ``forward`` replaced on its class or instance). So a
+toolkit that hooks, wraps or swaps a module (AIMET's QuantSim, torch.ao's observers, NNCF's
+pre-hooks, fx and Dynamo re-tracing) gets ``module(*args)`` exactly as fx's code has it.
 
-Measured with both (an 8-layer Llama, hidden 64, bf16, 16 tokens, one thread of a 2-core CPU,
-200 alternating rounds, transformers' CPU-only CUDA-capture probe taken out of eager): the prepared
-forward went from 1.02x-1.035x eager to 0.96x-0.97x, on torch 2.11 and 2.14.
+Measured (an 8-layer Llama, hidden 64, bf16, 16 tokens, one thread of a 2-core CPU, 200 alternating
+rounds, transformers' CPU-only CUDA-capture probe taken out of eager): the prepared forward went
+from 1.02x-1.045x eager to 0.93x-0.98x, on torch 2.11 and 2.14 (``benchmarks/README.md``).
 
 ``gm.code`` (what ``print(gm)`` shows, what :func:`fxprep.save` writes for reading) stays fx's
 readable text; only the compiled ``forward`` uses the rewritten one, with the same lines in the same
@@ -60,7 +60,7 @@ from torch.nn.modules import module as _module
 from fxprep.ops import BoundOp
 
 HELPER = "_fxprep_child"
-OP_HELPER = "_fxprep_op"
+CALL_HELPER = "_fxprep_call"
 FAST_HELPER = "_fxprep_fast_calls"
 LOCAL = "_fxprep_"  # the locals the rewritten forward binds start with it (no node of the graph may)
 
@@ -83,39 +83,32 @@ def fast_calls() -> bool:
     """Whether, for the forward about to run, nothing outside an op module would make
     ``nn.Module.__call__`` do more than call ``forward``: not under ``torch.compile`` or
     ``torch.export``, no tracer's patch of ``nn.Module.__call__``, no global module hook, not under
-    ``torch.jit.trace``. Asked once per forward (by its first op call): none of these changes inside
-    a forward."""
+    ``torch.jit.trace``. Asked once per forward (by its first module call): none of these changes
+    inside a forward."""
     return (not _is_compiling() and nn.Module.__call__ is _MODULE_CALL
             and not (_module._global_forward_pre_hooks or _module._global_forward_hooks
                      or _module._global_backward_pre_hooks or _module._global_backward_hooks)
             and not _tracing_state())
 
 
-def call_op(module: Any, fast: bool, *args: Any) -> Any:
-    """``module(*args)`` for an op module: its bound call directly where ``nn.Module.__call__`` would
-    call nothing but its ``forward`` (``fast`` from :func:`fast_calls`, and nothing on the module
-    itself: see the module docstring); ``module(*args)`` otherwise."""
-    # isinstance first: a class attribute read can run code (a ScriptModule's forward raises)
-    if (fast and isinstance(module, BoundOp) and type(module).forward is _BOUND_FORWARD
-            and type(module).__call__ is _MODULE_CALL and module._compiled_call_impl is None
-            and "forward" not in module.__dict__
+def call_module(module: Any, fast: bool, *args: Any) -> Any:
+    """``module(*args)``, without ``nn.Module.__call__``'s frames where that call would do nothing but
+    call ``forward`` (``fast`` from :func:`fast_calls`, and nothing on the module itself: see the
+    module docstring): an op module's bound call directly, any other module's ``forward``."""
+    if (fast and type(module).__call__ is _MODULE_CALL and module._compiled_call_impl is None
             and not (module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
                      or module._backward_hooks)):
-        return module._call(args)
+        # isinstance first: a class attribute read can run code (a ScriptModule's forward raises)
+        if isinstance(module, BoundOp) and type(module).forward is _BOUND_FORWARD and "forward" not in module.__dict__:
+            return module._call(args)
+        return module.forward(*args)
     return module(*args)
-
-
-def _is_op(node: fx.Node, module: Any) -> bool:
-    """Whether ``node`` calls an op module with positional arguments only (its call is
-    :func:`call_op`'s)."""
-    return (node.op == "call_module" and not node.kwargs and isinstance(module, BoundOp)
-            and type(module).forward is _BOUND_FORWARD)
 
 
 class _Writer:
     """The expressions of one rewritten forward. Each module a node's target is reached through is
     looked up once per call: the first line under it binds it to a local (``(_fxprep_m3 := ...)``),
-    later lines step from that local; the first op call binds ``_fxprep_fast`` (:func:`fast_calls`).
+    later lines step from that local; the first module call binds ``_fxprep_fast`` (:func:`fast_calls`).
     fx's code is straight-line, nodes in order, so a local is bound on a line before every line
     using it (an expression is asked for only once its line is known to be rewritten)."""
 
@@ -155,8 +148,8 @@ def _resolve(root: nn.Module, path: list[str], step: Any) -> Any:
 
 def _fast_target(root: fx.GraphModule, node: fx.Node) -> tuple[tuple[str, ...], str | None, bool] | None:
     """For a node whose target the rewritten code can reach: the module path, the attribute read from
-    it (a ``get_attr``; None for a ``call_module``) and whether the call is an op module's (called by
-    :func:`call_op`). ``None`` keeps fx's expression."""
+    it (a ``get_attr``; None for a ``call_module``) and whether the call is made by
+    :func:`call_module` (a call with positional arguments only). ``None`` keeps fx's expression."""
     path = str(node.target).split(".")
     modules = path if node.op == "call_module" else path[:-1]
     if not modules or hasattr(type(root), modules[0]) or any(hasattr(nn.Module, n) for n in modules[1:]):
@@ -169,7 +162,7 @@ def _fast_target(root: fx.GraphModule, node: fx.Node) -> tuple[tuple[str, ...], 
     if found is None or found is not _resolve(root, modules, getattr):
         return None
     if node.op == "call_module":
-        return tuple(modules), None, _is_op(node, found)
+        return tuple(modules), None, not node.kwargs
     return tuple(modules), path[-1], False
 
 
@@ -193,7 +186,7 @@ def fast_source(gm: fx.GraphModule, code: str) -> str:
         target = _fast_target(gm, node) if i is not None else None
         if target is None:
             continue
-        modules, attribute, op = target
+        modules, attribute, call = target
         old = " = " + _format_target("self", node.target)
         line = lines[i]
         at = line.find(old)
@@ -204,7 +197,7 @@ def fast_source(gm: fx.GraphModule, code: str) -> str:
         new = writer.module(modules)
         if attribute is not None:
             new = _format_target(new, attribute)
-        elif op:  # "x = _fxprep_op(<module>, <fast>, a, b)": the call's "(" taken over
-            new, end = f"{OP_HELPER}({new}, {writer.fast_flag()}, ", end + 1
+        elif call:  # "x = _fxprep_call(<module>, <fast>, a, b)": the call's "(" taken over
+            new, end = f"{CALL_HELPER}({new}, {writer.fast_flag()}, ", end + 1
         lines[i] = line[:at] + " = " + new + line[end:]
     return "\n".join(lines)

@@ -29,7 +29,7 @@ from torch.fx import graph_module
 from torch.fx.experimental import _config as fx_experimental_config
 from torch.fx.graph import PythonCode
 
-from fxprep.forward_code import FAST_HELPER, HELPER, OP_HELPER, call_op, child, fast_calls, fast_source
+from fxprep.forward_code import CALL_HELPER, FAST_HELPER, HELPER, call_module, child, fast_calls, fast_source
 
 from . import decisions, guard
 from .errors import InvalidInput
@@ -116,7 +116,7 @@ class _FastForward:
         self.used = True
         source = fast_source(self.gm, src)
         if source != src:
-            globals = {**globals, HELPER: child, OP_HELPER: call_op, FAST_HELPER: fast_calls}
+            globals = {**globals, HELPER: child, CALL_HELPER: call_module, FAST_HELPER: fast_calls}
         return self.compile_forward(source, globals, co_fields)
 
 
