@@ -24,7 +24,6 @@ Prints, with random weights built from configs (no hub):
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ import transformers as tf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/attention_calls.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _timing import alternating, answer_cuda_capture_probe  # noqa: E402
 from tests.attention_calls import differences, record  # noqa: E402
 
 import fxprep  # noqa: E402
@@ -172,37 +172,10 @@ def meta_rows(tiny: bool) -> list[list[str]]:
     return rows
 
 
-def _times(eager: Any, prepared: Any, device: str, repeat: int) -> tuple[tuple[float, float], tuple[float, float]]:
-    """Median (wall, host) seconds of ``eager()`` and of ``prepared()``, called in turn ``repeat``
-    times each: timed one block after the other, a shared CPU's drift decided the ratio (1.04x to
-    1.16x over three runs of the launch-bound row where alternating calls gave 1.006x to 1.028x).
-    Host time ends when the call returns, before the device is synchronised: where it is close to
-    the wall time, the forward waits on Python, and the difference between the two is the host's."""
-    walls: tuple[list[float], list[float]] = ([], [])
-    hosts: tuple[list[float], list[float]] = ([], [])
-    cuda = device.startswith("cuda")
-    for _ in range(repeat):
-        for i, fn in enumerate((eager, prepared)):
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            with torch.no_grad():
-                fn()
-            hosts[i].append(time.perf_counter() - start)
-            if cuda:
-                torch.cuda.synchronize()
-            walls[i].append(time.perf_counter() - start)
-    return ((statistics.median(walls[0]), statistics.median(hosts[0])),
-            (statistics.median(walls[1]), statistics.median(hosts[1])))
-
-
 def forward_rows(tiny: bool, device: str) -> list[list[str]]:
     cases = [("launch-bound Llama 8 x 1024, bs 1, 64 tokens", dict(layers=8, hidden=1024 if not tiny else 64), 64),
              (f"attention, 4 layers of 7B width, {256 if tiny else 8192} tokens", dict(layers=4), 256 if tiny else 8192)]
-    if device == "cpu" and not torch.cuda.is_available():
-        # transformers' eager forward asks torch.cuda.is_current_stream_capturing() per call; without a
-        # CUDA driver that raises inside (~100 us, caught): a cost a GPU machine's eager does not have
-        torch.cuda.is_current_stream_capturing = lambda: False
+    answer_cuda_capture_probe()
     rows = []
     for label, shape, seq in cases:
         torch.manual_seed(0)
@@ -215,9 +188,9 @@ def forward_rows(tiny: bool, device: str) -> list[list[str]]:
             with torch.no_grad():
                 model(input_ids=ids, use_cache=False)
                 gm(input_ids=ids)
-        repeat = 100 if tiny else 30
-        (eager, eager_host), (mine, mine_host) = _times(lambda m=model, i=ids: m(input_ids=i, use_cache=False),
-                                                        lambda g=gm, i=ids: g(input_ids=i), device, repeat)
+        repeat = 100 if tiny or seq <= 64 else 30  # the launch-bound row's 10 ms forwards: 100 pairs cost 2 s
+        (eager, eager_host), (mine, mine_host) = alternating(lambda m=model, i=ids: m(input_ids=i, use_cache=False),
+                                                             lambda g=gm, i=ids: g(input_ids=i), device.startswith("cuda"), repeat)
         rows.append([label, f"{eager * 1e3:.2f}", f"{mine * 1e3:.2f}", f"{mine / eager:.3f}",
                      f"{eager_host * 1e3:.2f}", f"{mine_host * 1e3:.2f}"])
         del gm, model

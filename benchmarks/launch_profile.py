@@ -4,8 +4,10 @@
     PYTHONPATH=src python benchmarks/launch_profile.py --cpu    # the same on a tiny width, on the CPU
 
 At batch 1 a GPU forward waits on the host: the prepared graph was 1.055x eager on an H200 (10.61 vs
-10.05 ms) where the CPU gives 1.013x. This prints, for eager and prepared: wall and host time per
-forward (host: until the call returns, before synchronising), cProfile's top functions by own time
+10.05 ms) before ``fxprep.forward_code`` (module lookups once per call, ``nn.Module.__call__``
+skipped where it would only call ``forward``), 0.93x-0.95x after. This prints, for eager and
+prepared: wall and host time per forward (host: until the call returns, before synchronising;
+medians of 100 calls each, alternating), cProfile's top functions by own time
 (``nn.Module.__getattr__`` chains and ``_call_impl`` show there), and torch.profiler's top ops by
 self CPU time (kernel launches, synchronisations).
 """
@@ -17,31 +19,16 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _timing import alternating, answer_cuda_capture_probe  # noqa: E402
+
 import fxprep  # noqa: E402
-
-
-def _times(forward: Any, sync: Any, repeat: int = 30) -> tuple[float, float]:
-    """Best of five: (wall, host) seconds per forward."""
-    best_wall = best_host = float("inf")
-    for _ in range(5):
-        sync()
-        start = time.perf_counter()
-        for _ in range(repeat):
-            forward()
-        host = (time.perf_counter() - start) / repeat
-        sync()
-        best_wall = min(best_wall, (time.perf_counter() - start) / repeat)
-        best_host = min(best_host, host)
-    return best_wall, best_host
 
 
 def main() -> None:
@@ -51,10 +38,7 @@ def main() -> None:
     device = "cpu" if args.cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --cpu")
-    if device == "cpu" and not torch.cuda.is_available():
-        # transformers' eager forward asks torch.cuda.is_current_stream_capturing() per call; without a
-        # CUDA driver that raises inside (~100 us, caught): a cost a GPU machine's eager does not have
-        torch.cuda.is_current_stream_capturing = lambda: False
+    answer_cuda_capture_probe()
     hidden, heads = (64, 4) if args.cpu else (1024, 16)
     cfg = tf.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=8,
                          num_attention_heads=heads, num_key_value_heads=heads, vocab_size=32000)
@@ -73,9 +57,10 @@ def main() -> None:
     with torch.no_grad():
         for forward in (*forwards.values(), *forwards.values()):  # warm up
             forward()
-        for name, forward in forwards.items():
-            wall, host = _times(forward, sync)
-            print(f"{name}: wall {wall * 1e3:.2f} ms per forward, host {host * 1e3:.2f} ms")
+        times = alternating(forwards["eager"], forwards["prepared"], device == "cuda", 100)
+        for name, (wall, host) in zip(forwards, times):
+            print(f"{name}: wall {wall * 1e3:.2f} ms per forward, host {host * 1e3:.2f} ms (median of 100, alternating)")
+        print(f"prepared / eager: wall {times[1][0] / times[0][0]:.3f}x, host {times[1][1] / times[0][1]:.3f}x")
         for name, forward in forwards.items():
             profiler = cProfile.Profile()
             profiler.enable()

@@ -206,12 +206,9 @@ def forward_overhead(name: str, rounds: int = 3, per_round: int = 20) -> dict[st
     torch.manual_seed(0)
     if name == "llama4":
         import transformers
+        from _timing import answer_cuda_capture_probe  # imports torch: lazily, as every torch import here
 
-        if not torch.cuda.is_available():
-            # transformers' eager forward asks torch.cuda.is_current_stream_capturing() once per call;
-            # on a machine with no CUDA driver it raises inside and is caught: ~100 us that a GPU
-            # machine does not pay, which made the ratio ~2% kinder to fxprep than fxprep's own cost
-            torch.cuda.is_current_stream_capturing = lambda: False
+        answer_cuda_capture_probe()
 
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,

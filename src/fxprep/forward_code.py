@@ -30,11 +30,11 @@ rewrite's locals (``_fxprep_...``) keeps fx's code.
 A module call with positional arguments (every leaf, and fxprep's op modules: ``add``, ``matmul``,
 ``sdpa``, ~27 a Llama layer) is written ``_fxprep_call(<module>, _fxprep_fast, a, b)``: where
 ``nn.Module.__call__`` would do nothing but call ``forward``, :func:`call_module` calls ``forward``
-itself (an op module's bound call), skipping ``_wrapped_call_impl``/``_call_impl``. What could make
-that call do more is checked: per forward, once, by :func:`fast_calls` (``torch.compile``/
+itself, skipping ``_wrapped_call_impl``/``_call_impl``. What could make that call do more is
+checked: per forward, once, by :func:`fast_calls` (``torch.compile``/
 ``torch.export``, a tracer's patch of ``nn.Module.__call__``, global module hooks,
 ``torch.jit.trace``); per call, on the module (its hooks, ``__call__`` replaced on its class,
-``Module.compile()``; for the op shortcut, ``forward`` replaced on its class or instance). So a
+``Module.compile()``; a ``forward`` replaced on its class or instance is the one called). So a
 toolkit that hooks, wraps or swaps a module (AIMET's QuantSim, torch.ao's observers, NNCF's
 pre-hooks, fx and Dynamo re-tracing) gets ``module(*args)`` exactly as fx's code has it.
 
@@ -57,8 +57,6 @@ from torch import nn
 from torch.fx.graph import _format_target
 from torch.nn.modules import module as _module
 
-from fxprep.ops import BoundOp
-
 HELPER = "_fxprep_child"
 CALL_HELPER = "_fxprep_call"
 FAST_HELPER = "_fxprep_fast_calls"
@@ -74,7 +72,6 @@ def child(parent: Any, names: tuple[str, ...]) -> Any:
 
 
 _MODULE_CALL = nn.Module._wrapped_call_impl  # what nn.Module.__call__ is, unless something patched it
-_BOUND_FORWARD = BoundOp.forward
 _is_compiling = torch.compiler.is_compiling  # Dynamo folds this call to True: nothing after it is traced
 _tracing_state = torch._C._get_tracing_state
 
@@ -94,13 +91,11 @@ def fast_calls() -> bool:
 def call_module(module: Any, fast: bool, *args: Any) -> Any:
     """``module(*args)``, without ``nn.Module.__call__``'s frames where that call would do nothing but
     call ``forward`` (``fast`` from :func:`fast_calls`, and nothing on the module itself: see the
-    module docstring): an op module's bound call directly, any other module's ``forward``."""
+    module docstring): its ``forward``, looked up as ``nn.Module.__call__`` would (so a ``forward``
+    replaced on the instance or the class is the one called)."""
     if (fast and type(module).__call__ is _MODULE_CALL and module._compiled_call_impl is None
             and not (module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
                      or module._backward_hooks)):
-        # isinstance first: a class attribute read can run code (a ScriptModule's forward raises)
-        if isinstance(module, BoundOp) and type(module).forward is _BOUND_FORWARD and "forward" not in module.__dict__:
-            return module._call(args)
         return module.forward(*args)
     return module(*args)
 
