@@ -27,7 +27,7 @@ from torch import nn
 
 import fxprep
 from fxprep.capture import hf_source
-from fxprep.capture.dynamo import autodims, violation
+from fxprep.capture.dynamo import autodims, fallback, violation
 from fxprep.capture.dynamo.fallback import capture_dynamo_leaves
 from fxprep.capture.request import CaptureRequest
 from fxprep.inputs import ExampleInputs
@@ -225,6 +225,32 @@ def test_a_vlm_with_opaque_parts_keeps_the_prompt_length_free(name: str, tracer:
         torch.testing.assert_close(prepared, eager, rtol=1e-5, atol=1e-5)
     with pytest.raises(fxprep.InputMismatch):  # the batch stays: all images' patches or tiles are one tensor
         gm(**{k: torch.cat([v, v]) for k, v in inputs.items()})
+
+
+@pytest.mark.parametrize("name", ["llava_next", "qwen2_vl"])
+def test_the_capture_with_the_length_declared_starts_from_the_static_captures_opaque_parts(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the static capture found its opaque parts one whole-model trace at a time; the capture again
+    # with the length declared makes them opaque from its first trace (Qwen2-VL-2B's shape: 23 -> 16 s
+    # on this CPU), and the report names each with the issue that made it opaque, as before
+    calls: list[tuple[bool, int]] = []  # (length declared, parts opaque) of each whole-model capture
+    real = fallback.capture_dynamo
+
+    def counting(request: CaptureRequest, **kw: Any) -> Any:
+        calls.append((bool(request.dynamic), len(kw.get("opaque") or [])))
+        return real(request, **kw)
+
+    monkeypatch.setattr(fallback, "capture_dynamo", counting)
+    torch.manual_seed(0)
+    model, inputs = _builder(name)()
+    gm = fxprep.prepare_model(model, example_inputs=inputs)
+    report = fxprep.get_report(gm)
+    assert "Shape-general: the dimensions input_ids dim 1 (seq)" in report.to_text()
+    static = [n for declared, n in calls if not declared]
+    assert len(static) > 1 and min(static) < len(report.leaves)  # the static capture found them trace by trace
+    assert [n for declared, n in calls if declared] == [len(report.leaves)]  # one trace, all of them opaque
+    for leaf, why in report.leaves.items():
+        assert why.startswith("opaque: ") and " at " in why and ".py:" in why, (leaf, why)
 
 
 def test_a_vlm_whose_linear_attention_scans_in_chunks_keeps_the_length_free_past_one_chunk() -> None:

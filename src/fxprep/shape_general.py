@@ -328,10 +328,11 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
     def run(call: ExampleInputs, dims: Any, scans: list[Any], _search: bool) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
         dims_request = request.replace(example=call, dynamic=dims, dims_must_hold=True, records={}, opaque=tuple(scans))
         with preserved_state(request.model), restored_attributes(request.model, []):
+            # the static capture's opaque parts opaque from the start: not found again one whole trace each
             if tracer == VALUES_TRACER:
-                result, attempt, sites = values.capture_deciding_values(dims_request)
+                result, attempt, sites = values.capture_deciding_values(dims_request, known=opaque)
             else:
-                result, attempt, sites = capture_dynamo_leaves(dims_request, None)
+                result, attempt, sites = capture_dynamo_leaves(dims_request, None, known=opaque)
         attempts.append(attempt)
         more = [site.qualname for site, _ in sites if site.qualname not in allowed]
         if result is not None and more:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import time
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -99,14 +100,19 @@ def _made_at(issue: Issue, frame: tuple[str, str, int] | None) -> Issue:
                                fix=FIXES[DATA_DEPENDENT_VALUE])
 
 
-def capture_dynamo_leaves(request: CaptureRequest, first_error: BaseException | None, *, real_values: bool = False
+def capture_dynamo_leaves(request: CaptureRequest, first_error: BaseException | None, *, real_values: bool = False,
+                          known: Sequence[tuple[Site, Issue]] = ()
                           ) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
     """Capture ``request`` with Dynamo, making the smallest failing parts opaque until it succeeds.
 
     ``first_error`` is the whole-model Dynamo failure to start from (None: capture first, with
-    nothing opaque). Returns the result (or None), the attempt for the report, and each opaque site
-    with the issue that made it opaque. ``request.handled`` is asked first about each failure
-    (``control_flow="rewrite"`` rewrote the ``if``): True means capture is simply tried again.
+    nothing opaque but ``known``). ``known``: parts made opaque from the first capture on, with the
+    issues that made them opaque in an earlier capture of the same model (as this returns them): a
+    capture again with other shapes declared then need not trace up to each in turn (Qwen2-VL: two
+    whole-model traces of its 60 layers). Returns the result (or None), the attempt for the report,
+    and each opaque site with the issue that made it opaque. ``request.handled`` is asked first
+    about each failure (``control_flow="rewrite"`` rewrote the ``if``): True means capture is
+    simply tried again.
     ``real_values``: each capture decides values read from data from the example
     (:mod:`.values`), so only what Dynamo cannot trace for other reasons is made opaque.
     ``request.records``: the opaque parts' eager recordings, filled here; a request sharing the same
@@ -120,8 +126,12 @@ def capture_dynamo_leaves(request: CaptureRequest, first_error: BaseException | 
     # its own values read from data (block_calls.decided_otherwise); the block pass belongs to the whole-model capture
     request = request.replace(records=records, block_pass=None)
     capture_call, _ = request.calls()
-    sites: list[Site] = []
+    sites: list[Site] = [site for site, _ in known]
     found: list[tuple[Site, Issue, Site | None]] = []
+    firsts: dict[int, Site] = {}  # the sites one failure made opaque share its issue: the first names the others
+    for site, issue in known:
+        head = firsts.setdefault(id(issue), site)
+        found.append((site, issue, None if head is site else head))
     err = first_error
     excluded = excluded_sites(model, request.policy) + list(request.opaque)  # opaque from the start: not found again
     for _ in range(MAX_ROUNDS):

@@ -24,6 +24,7 @@ That is only worth it, and only sound enough, when two things hold, and this mod
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -129,16 +130,19 @@ def broken_on_perturbed(gm: torch.fx.GraphModule, model: nn.Module, call: Exampl
     return None
 
 
-def capture_deciding_values(request: CaptureRequest) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
+def capture_deciding_values(request: CaptureRequest, known: Sequence[tuple[Site, Issue]] = ()
+                            ) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
     """Dynamo with values read from data decided from the example, and the parts it still cannot
     trace for other reasons opaque (:func:`.fallback.capture_dynamo_leaves`: Qwen2-VL's rope index
     groups tokens with ``itertools.groupby``). The result only when its decisions hold on perturbed
     inputs (:func:`broken_on_perturbed`), else the attempt says why. ``request.records``: the eager
-    recordings the fallback already made (a part both make opaque is not run again). The caller
+    recordings the fallback already made (a part both make opaque is not run again). ``known``: parts
+    opaque from the first capture on (:func:`.fallback.capture_dynamo_leaves`). The caller
     protects the model (``capture.fx.restored_attributes``), as around any capture."""
     start = time.perf_counter()
     # every failure is made opaque here: the rewrite's handler belongs to the first fallback capture
-    result, attempt, sites = capture_dynamo_leaves(request.replace(handled=None), None, real_values=True)
+    result, attempt, sites = capture_dynamo_leaves(request.replace(handled=None), None, real_values=True,
+                                                   known=known)
     if result is None:
         return None, attempt, sites
     broken = broken_on_perturbed(result.gm, request.model, request.calls()[1])
