@@ -131,7 +131,7 @@ def test_swapped_modules_are_the_ones_called() -> None:
         assert any(n.target == "layer2.0.extra" for n in gm.graph.nodes)
 
 
-# --- op modules called without nn.Module.__call__'s frames --------------------------------------
+# --- modules called without nn.Module.__call__'s frames -----------------------------------------
 
 @contextmanager
 def module_calls(only: type = nn.Module) -> Iterator[list[str]]:
@@ -148,11 +148,6 @@ def module_calls(only: type = nn.Module) -> Iterator[list[str]]:
         yield calls
     finally:
         sys.setprofile(None)
-
-
-def op_module_calls() -> Any:
-    """The op modules (``BoundOp``) that went through ``nn.Module._call_impl`` inside the block."""
-    return module_calls(BoundOp)
 
 
 def _reference(gm: fx.GraphModule) -> fx.GraphModule:
@@ -203,7 +198,7 @@ def test_hooks_and_patches_on_op_modules_take_the_module_call(monkeypatch: pytes
         base = gm(x)
 
     def check(expect_changed: bool = True, called: int = 1) -> None:
-        with torch.no_grad(), op_module_calls() as calls:
+        with torch.no_grad(), module_calls(BoundOp) as calls:
             got = gm(x)
         with torch.no_grad():
             assert torch.equal(got, _reference(gm)(x))
@@ -234,7 +229,7 @@ def test_hooks_and_patches_on_op_modules_take_the_module_call(monkeypatch: pytes
     with monkeypatch.context() as patch:
         patch.setattr(op, "_compiled_call_impl", lambda a, b: op._call_impl(a, 2 * b))
         check()
-    with torch.no_grad(), op_module_calls() as calls:
+    with torch.no_grad(), module_calls(BoundOp) as calls:
         assert torch.equal(gm(x), base)
     assert calls == []
     # swapped for a module that is no op module: a scripted one (reading its class's forward raises)

@@ -31,11 +31,10 @@ A module call with positional arguments (every leaf, and fxprep's op modules: ``
 ``sdpa``, ~27 a Llama layer) is written ``_fxprep_call(<module>, _fxprep_fast, a, b)``: where
 ``nn.Module.__call__`` would do nothing but call ``forward``, :func:`call_module` calls ``forward``
 itself, skipping ``_wrapped_call_impl``/``_call_impl``. What could make that call do more is
-checked: per forward, once, by :func:`fast_calls` (``torch.compile``/
-``torch.export``, a tracer's patch of ``nn.Module.__call__``, global module hooks,
-``torch.jit.trace``); per call, on the module (its hooks, ``__call__`` replaced on its class,
-``Module.compile()``; a ``forward`` replaced on its class or instance is the one called). So a
-toolkit that hooks, wraps or swaps a module (AIMET's QuantSim, torch.ao's observers, NNCF's
+checked: per forward, once, by :func:`fast_calls` (``torch.compile``/``torch.export``, a tracer's
+patch of ``nn.Module.__call__``, global module hooks, ``torch.jit.trace``); per call, on the module
+(its hooks, ``__call__`` replaced on its class, ``Module.compile()``; a ``forward`` replaced on its
+class or instance is the one called). So a toolkit that hooks, wraps or swaps a module (AIMET's QuantSim, torch.ao's observers, NNCF's
 pre-hooks, fx and Dynamo re-tracing) gets ``module(*args)`` exactly as fx's code has it.
 
 Measured (an 8-layer Llama, hidden 64, bf16, 16 tokens, one thread of a 2-core CPU, 200 alternating
@@ -77,7 +76,7 @@ _tracing_state = torch._C._get_tracing_state
 
 
 def fast_calls() -> bool:
-    """Whether, for the forward about to run, nothing outside an op module would make
+    """Whether, for the forward about to run, nothing outside the modules themselves would make
     ``nn.Module.__call__`` do more than call ``forward``: not under ``torch.compile`` or
     ``torch.export``, no tracer's patch of ``nn.Module.__call__``, no global module hook, not under
     ``torch.jit.trace``. Asked once per forward (by its first module call): none of these changes
