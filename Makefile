@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-oldest test-zoo lint typecheck docs dist bench survey clean
+.PHONY: demo test test-oldest test-llmcompressor test-zoo lint typecheck docs dist bench survey clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(BIN)/python -m ruff check src tests benchmarks
 	$(BIN)/python -m mypy
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_FLAGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_FLAGS) --ignore=tests/llmcompressor
 
 # The smoke subset (tests marked `smoke`) on the oldest supported versions (ci/oldest-requirements.txt),
 # in a second environment. uv installs it from its cache (~/.cache/uv) in seconds once the wheels of
@@ -49,6 +49,22 @@ SMOKE_FILES = $(shell grep -l "mark.smoke" tests/test_*.py)
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST)/bin/python -c "import torch, torchvision, transformers, timm; print('oldest:', 'torch', torch.__version__, 'torchvision', torchvision.__version__, 'transformers', transformers.__version__, 'timm', timm.__version__)"
 	OMP_NUM_THREADS=1 $(OLDEST)/bin/python -m pytest $(PYTEST_FLAGS) -m "smoke and not zoo" $(SMOKE_FILES)
+
+# llm-compressor's tests (tests/llmcompressor: oneshot(..., pipeline="fxprep"), its data-parallel ranks, the
+# hand-off page) in an environment of its own: llmcompressor 0.14 pins torch and transformers below the
+# newest (ci/llmcompressor-requirements.txt). pip, not uv: torch's CPU build is in pip's local wheels folder.
+LLMC := .venv-llmcompressor
+LLMC_STAMP := $(LLMC)/.installed
+$(LLMC_STAMP): pyproject.toml ci/llmcompressor-requirements.txt
+	rm -rf $(LLMC)
+	$(PY) -m venv $(LLMC)
+	$(LLMC)/bin/python -m pip install -q --upgrade pip
+	$(LLMC)/bin/python -m pip install -q -r ci/llmcompressor-requirements.txt -e ".[llmcompressor]"
+	touch $(LLMC_STAMP)
+
+test-llmcompressor: $(LLMC_STAMP)
+	$(LLMC)/bin/python -c "import torch, transformers, llmcompressor, compressed_tensors; print('llmcompressor env:', 'torch', torch.__version__, 'transformers', transformers.__version__, 'llmcompressor', llmcompressor.__version__, 'compressed-tensors', compressed_tensors.__version__)"
+	OMP_NUM_THREADS=1 $(LLMC)/bin/python -m pytest $(PYTEST_FLAGS) tests/llmcompressor
 
 # Two workers for the zoo, then the models of 100M+ parameters one at a time (two of them at once
 # need more than 24 GB). For those, glibc gives every allocation over 64 KB its own mapping, returned
@@ -88,4 +104,4 @@ survey: $(STAMP)
 	$(BIN)/fxprep survey --zoo torchvision --jobs 1 -o docs/survey-torchvision.md
 
 clean:
-	rm -rf $(VENV) $(OLDEST) .venv-dist build dist site *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(OLDEST) $(LLMC) .venv-dist build dist site *.egg-info src/*.egg-info

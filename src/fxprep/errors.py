@@ -92,5 +92,10 @@ class ExportError(FxprepError):
     """Exporting a prepared module (ONNX, torch.export) failed."""
 
 
+class MissingDependency(FxprepError, ImportError):
+    """An optional part of fxprep was used without the package it needs; the message names the
+    ``pip install`` line (the extra) that brings it."""
+
+
 class FxprepWarning(UserWarning):
     """Warnings about behaviour that is valid but likely not what the user wants."""

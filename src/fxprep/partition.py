@@ -29,7 +29,8 @@ import copy
 import fnmatch
 import operator
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -129,6 +130,12 @@ def _scopes(gm: fx.GraphModule) -> dict[str, Any]:
                 found.setdefault(str(node.target), type(gm.get_submodule(str(node.target))))
     found.pop("", None)
     return found
+
+
+def _classes(gm: fx.GraphModule, limit: int = 20) -> list[str]:
+    """The module classes the graph's scopes have (for a message that says what targets exist)."""
+    names = list(dict.fromkeys(c.__name__ for c in _scopes(gm).values() if isinstance(c, type)))
+    return names[:limit] + ([f"... ({len(names) - limit} more)"] if len(names) > limit else [])
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -233,11 +240,11 @@ def _attr(gm: nn.Module, path: str) -> Any:
     return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
-def _segments(gm: fx.GraphModule, blocks: list[str]) -> list[tuple[str, list[str], list[fx.Node]]]:
+def _segments(gm: fx.GraphModule, blocks: list[str], cut: _Cut) -> list[tuple[str, list[str], list[fx.Node]]]:
     """Contiguous pieces of the computing nodes; then each ``get_attr`` (a read Dynamo hoists to the
     top of the graph) joins every stage that uses it (:func:`_place_reads`)."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
-    return _place_reads(gm, _cut(gm, nodes, blocks))
+    return _place_reads(gm, _cut(gm, nodes, blocks, cut))
 
 
 def _place_reads(gm: fx.GraphModule, segments: list[tuple[str, list[str], list[fx.Node]]]
@@ -255,7 +262,23 @@ def _place_reads(gm: fx.GraphModule, segments: list[tuple[str, list[str], list[f
     return [(name, members, reads.get(k, []) + nodes) for k, (name, members, nodes) in enumerate(segments)]
 
 
-def _cut(gm: fx.GraphModule, nodes: list[fx.Node], blocks: list[str]) -> list[tuple[str, list[str], list[fx.Node]]]:
+@dataclass(frozen=True)
+class _Cut:
+    """How blocks make stages: ``per_stage`` consecutive blocks (or interleaved groups) in one stage;
+    the nodes between two stages' blocks join the ``between`` one (``"next"``: unless they read
+    weights, then they are a stage of their own; ``"previous"``: always, and the nodes after the
+    last block too, llm-compressor's sequential pipeline's cut)."""
+
+    per_stage: int = 1
+    between: str = "next"
+
+
+def _stage_name(members: list[str]) -> str:
+    return "+".join(members) if len(members) <= 2 else f"{members[0]}+{len(members) - 1} more"
+
+
+def _cut(gm: fx.GraphModule, nodes: list[fx.Node], blocks: list[str], cut: _Cut
+         ) -> list[tuple[str, list[str], list[fx.Node]]]:
     block_set = set(blocks)
     labels = [_block_of(n, block_set) for n in nodes]
     spans: dict[str, list[int]] = {}
@@ -271,12 +294,20 @@ def _cut(gm: fx.GraphModule, nodes: list[fx.Node], blocks: list[str]) -> list[tu
             intervals.append([start, end, [block]])
     if not intervals:
         return [("all", [], nodes)] if nodes else []
+    if cut.per_stage > 1:
+        chunks = [intervals[k:k + cut.per_stage] for k in range(0, len(intervals), cut.per_stage)]
+        intervals = [[c[0][0], c[-1][1], [b for i in c for b in i[2]]] for c in chunks]
+    if cut.between == "previous":
+        head: list[tuple[str, list[str], list[fx.Node]]] = [("head", [], nodes[:intervals[0][0]])] if intervals[0][0] > 0 else []
+        ends = [i[0] for i in intervals[1:]] + [len(nodes)]
+        return head + [(_stage_name(members), list(members), nodes[start:stop])
+                       for (start, _, members), stop in zip(intervals, ends)]
     out: list[tuple[str, list[str], list[fx.Node]]] = []
     pending: list[fx.Node] = []
     cursor = 0
     for k, (start, end, members) in enumerate(intervals):
         gap = nodes[cursor:start]
-        name = "+".join(members) if len(members) <= 2 else f"{members[0]}+{len(members) - 1} more"
+        name = _stage_name(members)
         if gap and (k == 0 or _reads_weights(gm, gap)):
             out.append(("head" if k == 0 else f"after {out[-1][0]}", [], gap))
         else:
@@ -300,18 +331,33 @@ def _mutated_inputs(node: fx.Node) -> list[fx.Node]:
     return [first] if inplace and isinstance(first, fx.Node) else []
 
 
-def partition(gm: fx.GraphModule, targets: Target | Sequence[Target] | None = None) -> Stages:
+def partition(gm: fx.GraphModule, targets: Target | Sequence[Target] | None = None, *,
+              blocks_per_stage: int = 1, between: Literal["next", "previous"] = "next") -> Stages:
     """``gm`` cut into ordered :class:`Stage` s at its ``targets``: module classes, qualified names
     or glob patterns (``"model.layers.*"``); the outermost matching scopes are the blocks. By
     default, the repeated blocks (:func:`default_blocks`: decoder layers, encoder blocks, ResNet
     bottlenecks). Running the stages in order (``stages(*args, **kwargs)``) is running ``gm``.
-    Nothing is copied: the stages call the user's module objects."""
+    Nothing is copied: the stages call the user's module objects.
+
+    Args:
+        blocks_per_stage: how many consecutive blocks one stage holds (llm-compressor's
+            ``sequential_targets_per_subgraph``).
+        between: where the nodes between two blocks go: ``"next"`` (the next block's stage, or a
+            stage of their own when they read weights) or ``"previous"`` (the block before's stage,
+            the nodes after the last block included: llm-compressor's cut, so that a hook on a module
+            there fires in the same calibration pass as under its own pipeline).
+    """
     if not isinstance(gm, fx.GraphModule):
         raise InvalidInput(f"partition takes a GraphModule (what prepare_model returns), not {type(gm).__name__}.")
+    if isinstance(blocks_per_stage, bool) or not isinstance(blocks_per_stage, int) or blocks_per_stage < 1:
+        raise InvalidInput(f"blocks_per_stage must be an int >= 1, not {blocks_per_stage!r:.80}.")
+    if between not in ("next", "previous"):
+        raise InvalidInput(f'between must be "next" or "previous", not {between!r:.80}.')
     blocks = _blocks(gm, targets)
     if targets is not None and not blocks:
-        raise InvalidInput(f"no module of the graph matches the partition targets {targets!r}.")
-    segments = _segments(gm, blocks)
+        raise InvalidInput(f"no module of the graph matches the partition targets {targets!r}; its module classes: "
+                           f"{', '.join(_classes(gm))}.")
+    segments = _segments(gm, blocks, _Cut(blocks_per_stage, between))
     output = next(n for n in gm.graph.nodes if n.op == "output")
     final = output.all_input_nodes
     last_use: dict[fx.Node, int] = {}

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import types
@@ -33,6 +34,7 @@ from torch import nn
 from ... import heap
 from ...inputs import ExampleInputs
 from ...threads import GLOBAL_LOCK, confined, quiet_logs
+from .recording import ORIGINAL_CLASS
 from .shapes import hints
 
 ROUTES = ("auto", "flag", "regroup")
@@ -251,7 +253,7 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
         patches["capture_dynamic_output_shape_ops"] = True
     real = _real_value_propagation() if real_values else contextlib.nullcontext()
     root = fresh_kwargs_root(model) if fresh_kwargs else contextlib.nullcontext()
-    with GLOBAL_LOCK, dynamo.config.patch(**patches), real, root, DynamoGlobalState(), DynamoCacheScope(), \
+    with GLOBAL_LOCK, dynamo.config.patch(**patches), instance_forward_as_class(model), real, root, DynamoGlobalState(), DynamoCacheScope(), \
             unguarded_kernel_choice(), violations_kept():
         result = dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
     heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.heap)
@@ -350,6 +352,58 @@ def quiet_guard_logs() -> Iterator[None]:
     a block captured static after its dynamic attempt) it is not something for the user's terminal."""
     with quiet_logs("torch._guards", below=logging.CRITICAL):
         yield
+
+
+@contextlib.contextmanager
+def instance_forward_as_class(model: nn.Module) -> Iterator[None]:
+    """A root whose ``forward`` is an attribute of the instance (accelerate's hooks and
+    compressed-tensors' offloading wrap it there) traced from a one-off subclass whose ``forward``
+    calls it, the instance attribute set aside meanwhile.
+
+    Why: Dynamo takes a module whose instance has a ``forward`` attribute for a monkey-patched one and
+    traces the attribute as a plain function, with the module's tensors as inputs of the graph that
+    no argument of the call matches ("rewrite_signature: cannot trace optional function input").
+    The wrapper still runs (traced) and the user's object is as it was after."""
+    wrapper = model.__dict__.get("forward")
+    if wrapper is None:
+        yield
+        return
+    cls = type(model)
+    func, bound = _unbound(wrapper, model)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # the wrapper called with the traced root as its own argument, so that Dynamo reaches the
+        # model's modules from the root (their names in its graph), not from a closure
+        return func(self, *bound, *args, **kwargs)
+
+    # the parameters the wrapper shows (its __wrapped__'s: Dynamo matches a dynamic-shapes spec by name)
+    shown = inspect.signature(wrapper)
+    own = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = shown.replace(parameters=[own, *shown.parameters.values()])  # type: ignore[attr-defined]
+    namespace = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                 ORIGINAL_CLASS: cls}
+    del model.__dict__["forward"]
+    model.__class__ = type(cls.__name__, (cls,), namespace)
+    try:
+        yield
+    finally:
+        model.__class__ = cls
+        model.__dict__["forward"] = wrapper
+
+
+def _unbound(wrapper: Any, model: nn.Module) -> tuple[Any, tuple[Any, ...]]:
+    """``(function, leading arguments)`` such that ``function(model, *leading, ...)`` is
+    ``wrapper(...)``: a method bound to ``model``, or a ``functools.partial`` over it (accelerate's
+    hooked forward); anything else is called as it is."""
+    if isinstance(wrapper, types.MethodType) and wrapper.__self__ is model:
+        return wrapper.__func__, ()
+    if isinstance(wrapper, functools.partial) and wrapper.args and wrapper.args[0] is model and not wrapper.keywords:
+        return wrapper.func, tuple(wrapper.args[1:])
+
+    def call(_self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return wrapper(*args, **kwargs)
+
+    return call, ()
 
 
 @contextlib.contextmanager

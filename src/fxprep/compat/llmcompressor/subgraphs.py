@@ -1,0 +1,311 @@
+"""fxprep's stages as llm-compressor's subgraphs: :func:`fxprep_subgraphs` in place of its
+``trace_subgraphs``.
+
+llm-compressor's sequential pipeline needs the model as subgraphs, each with ``input_names``,
+``consumed_names``, ``forward(model, **inputs) -> dict`` and ``submodules(model)``. Its own tracer
+(torch.fx with AST autowrapping) makes them; here fxprep does. The model is captured with every
+module that is not an ancestor of a sequential target kept as one call (the targets themselves, the
+embeddings, the final norm, ``lm_head``), exactly the granularity of llm-compressor's tracer: the
+graph holds only the ancestors' code (the masks, the positions, the loop over the layers), and every
+module a modifier may hook runs eagerly through ``nn.Module.__call__``, so GPTQ's, AWQ's,
+SmoothQuant's and the quantization observers' hooks see the calls eager makes. The capture is
+Dynamo's (fxprep's cascade and diagnosis), shape-general, on a plain twin of the model
+(:mod:`.twin`) and verified against it where the twin holds real weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ... import api
+from ...errors import EquivalenceError, InputMismatch, InvalidInput, TraceFailure
+from ...partition import Stage, Stages, partition
+from ...report import Report
+from .check import Difference, compare_subgraphs
+from .twin import Twin, bind_to_model, plain_twin
+
+
+@dataclass
+class Capture:
+    """What the last :func:`fxprep_subgraphs` made: the prepared graph (bound to the model), its
+    report, the twin it was captured on, and the subgraphs."""
+
+    gm: Any
+    report: Report
+    twin: Twin
+    subgraphs: list[FxprepSubgraph] = field(default_factory=list)
+    check: Difference | None = None  # the stages against the model, where the capture could not verify
+
+
+LAST: list[Capture] = []  # the last capture, for inspection (``last_capture()``)
+
+
+def last_capture() -> Capture | None:
+    """What the last ``pipeline="fxprep"`` run captured: ``.report`` (fxprep's report), ``.gm``."""
+    return LAST[-1] if LAST else None
+
+
+class FxprepSubgraph:
+    """One of fxprep's stages as llm-compressor's sequential pipeline calls a subgraph.
+
+    ``input_names``: the values it reads (for the first, the calibration batch's keys);
+    ``consumed_names``: those no later subgraph reads (the pipeline drops them from its cache);
+    ``forward(model, **inputs)``: the stage run on them, ``{name: value}`` of what later ones read;
+    ``submodules(model)``: the model's modules it calls (the modifiers compress these at its end)."""
+
+    def __init__(self, stage: Stage, model: nn.Module, binder: Stages | None = None,
+                 batch_keys: tuple[str, ...] = (), passes_on: tuple[str, ...] = ()):
+        self.stage = stage
+        self.model = model
+        self.binder = binder  # the first subgraph binds the batch to the graph's inputs
+        self.batch_keys = batch_keys
+        self.passes_on = passes_on  # graph inputs later subgraphs read: the first returns them
+        self.input_names: set[str] = set(batch_keys) if binder is not None else set(stage.inputs)
+        self.consumed_names: set[str] = set()
+
+    @property
+    def name(self) -> str:
+        return self.stage.name
+
+    def __repr__(self) -> str:
+        return f"FxprepSubgraph({self.stage.name!r}, inputs={sorted(self.input_names)})"
+
+    def forward(self, model: nn.Module, **inputs: Any) -> dict[str, Any]:
+        if model is not self.model:
+            raise InvalidInput("this subgraph was made for another model object; capture again for this one.")
+        if self.binder is None:
+            return self.stage(**{n: inputs[n] for n in self.stage.inputs})
+        values = self._bind(inputs)
+        out = self.stage(**{n: values[n] for n in self.stage.inputs})
+        out.update({n: values[n] for n in self.passes_on})
+        return out
+
+    def _bind(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(inputs) - set(self.batch_keys))
+        missing = sorted(set(self.batch_keys) - set(inputs))
+        if unknown or missing:
+            raise InputMismatch(f"the calibration batch has keys {sorted(inputs)}; the graph was captured for "
+                                f"{sorted(self.batch_keys)} (missing {missing}, unknown {unknown}). Every batch of "
+                                "the dataset needs the same columns.")
+        assert self.binder is not None
+        try:
+            return self.binder.bind(**inputs)
+        except TypeError as err:
+            raise InputMismatch(f"the calibration batch does not fit the captured graph's inputs: {err}") from None
+
+    def submodules(self, model: nn.Module, recurse: bool = True) -> list[nn.Module]:
+        """The model's modules this subgraph calls or reads tensors of (fxprep's own op modules left
+        out), with everything under them when ``recurse``, in graph order."""
+        own = {id(m) for m in model.modules()}
+        direct: list[nn.Module] = []
+        for node in self.stage.graph.nodes:
+            if node.op == "call_module":
+                direct.append(self.stage.get_submodule(str(node.target)))
+        direct += list(self.stage.weight_modules.values())
+        out: list[nn.Module] = []
+        seen: set[int] = set()
+        for module in direct:
+            for sub in (module.modules() if recurse else [module]):
+                if id(sub) in own and id(sub) not in seen:
+                    seen.add(id(sub))
+                    out.append(sub)
+        return out
+
+
+ALL = "__ALL__"  # llm-compressor's sequential targets for a model without _no_split_modules
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The items of every ``nn.ModuleList`` of two or more modules of one class (decoder layers,
+    encoder blocks, a VLM's vision blocks), outermost lists only: the sequential targets for a model
+    that declares none. llm-compressor's own pipeline runs such a model as one subgraph."""
+    found: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(t + ".") for t in taken):
+            continue
+        items = list(module.children()) if isinstance(module, nn.ModuleList) else []
+        if len(items) >= 2 and len({type(i) for i in items}) == 1:
+            taken.append(name)
+            found += [(f"{name}.{k}" if name else str(k), item) for k, item in module.named_children()]
+    return found
+
+
+def _ancestors(model: nn.Module, targets: set[int]) -> set[int]:
+    """``id`` of every module that holds a target below it (and is not one): what the graph traces."""
+    found: set[int] = set()
+
+    def holds(module: nn.Module) -> bool:
+        below = [holds(c) for c in module.children()]
+        if any(below) and id(module) not in targets:
+            found.add(id(module))
+        return id(module) in targets or any(below)
+
+    holds(model)
+    return found
+
+
+def _kept_whole(model: nn.Module, ancestors: set[int]) -> list[nn.Module]:
+    """The outermost modules that are not ancestors: each is one call in the graph."""
+    out: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if id(child) in ancestors:
+                walk(child)
+            else:
+                out.append(child)
+
+    walk(model)
+    return list({id(m): m for m in out}.values())
+
+
+def _example(model: nn.Module, sample: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """The calibration batch's entries the model's forward takes, on the twin's device."""
+    params = inspect.signature(type(model).forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    out = {}
+    for key, value in sample.items():
+        if key in params or takes_any:
+            out[key] = value.to(device) if isinstance(value, torch.Tensor) else value
+    return out
+
+
+@contextlib.contextmanager
+def calibration_context(model: nn.Module) -> Iterator[None]:
+    """llm-compressor's calibration context (eager attention, no cache, eval, no grad, ``lm_head``
+    on meta) with quantization and the modifiers' hooks off: what its tracer traces in, and what
+    the pipeline's calibration passes run in but for the hooks."""
+    from llmcompressor.modifiers.utils.hooks import HooksMixin
+    from llmcompressor.utils.helpers import DisableQuantization, calibration_forward_context
+
+    with calibration_forward_context(model), DisableQuantization(model), HooksMixin.disable_hooks():
+        yield
+
+
+def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequential_targets: Any,
+                     ignore: Any = (), targets_per_subgraph: int = 1) -> list[FxprepSubgraph]:
+    """What llm-compressor's ``trace_subgraphs(model, sample_input, sequential_targets, ignore,
+    targets_per_subgraph)`` returns, made by fxprep (see the module docstring).
+
+    Args:
+        model: the model as the pipeline has it (offloading wrappers and hooks in place).
+        sample_input: the first calibration batch (a dict of the model's keyword arguments).
+        sequential_targets: module class names or ``re:`` patterns, as llm-compressor takes them.
+        ignore: llm-compressor's ``tracing_ignore``: the functions its torch.fx tracer must not
+            trace into. Dynamo traces them (they build the masks the layers need), so fxprep does not
+            read it.
+        targets_per_subgraph: how many targets one subgraph holds.
+
+    Raises:
+        InvalidInput: no module matches ``sequential_targets`` (the message lists the model's classes).
+        TraceFailure: fxprep could not capture the model (its diagnosis: module, file:line, fix).
+        EquivalenceError: the graph does not compute what the model does on the sample.
+    """
+    from compressed_tensors.utils.match import match_named_modules
+
+    if sequential_targets in (ALL, [ALL]):  # the model declares no blocks (no _no_split_modules)
+        targets = repeated_blocks(model)
+    else:
+        targets = [(name, module) for name, module in match_named_modules(model, sequential_targets)]
+    if not targets:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise InvalidInput(f"no module of {type(model).__name__} matches sequential_targets={sequential_targets!r}; "
+                           f"its module classes: {', '.join(classes)}.")
+    with calibration_context(model):
+        twin = plain_twin(model)
+        target_ids = {id(twin.twin_of[id(m)]) for _, m in targets}
+        whole = _kept_whole(twin.root, _ancestors(twin.root, target_ids))
+        example = _example(model, sample_input, twin.device)
+        gm = api.prepare_model(twin.root, whole, example_inputs=example, verify=twin.real, progress=False,
+                               name=type(model).__name__)
+    report = api.get_report(gm)
+    _targets_called(gm, [name for name, _ in targets], report)
+    bind_to_model(gm, twin)
+    stages = partition(gm, targets=[name for name, _ in targets], blocks_per_stage=targets_per_subgraph,
+                       between="previous")
+    subgraphs = _subgraphs(stages, model, tuple(example))
+    capture = Capture(gm, report, twin, subgraphs)
+    LAST[:] = [capture]
+    if not twin.real:  # captured on meta stand-ins: checked on the model itself, its weights onloaded as they run
+        capture.check = _check_on_model(model, subgraphs, sample_input, targets)
+    _log(capture)
+    return subgraphs
+
+
+def _targets_called(gm: Any, names: list[str], report: Report) -> None:
+    """Each target must be one call of the graph; one that is not sits inside a part fxprep could not
+    capture and kept whole (the report's diagnosis says why)."""
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    lost = [n for n in names if n not in called]
+    if not lost:
+        return
+    holders = sorted({p for p in report.leaves if any(t == p or t.startswith(p + ".") for t in lost)})
+    where = (f"inside {', '.join(holders)}, which fxprep kept whole ({'; '.join(report.leaves[h] for h in holders)})"
+             if holders else "nowhere in the captured graph")
+    raise TraceFailure(f"the sequential targets {lost[:4]}{' ...' if len(lost) > 4 else ''} are {where}, so the "
+                       f"stages cannot be cut there. Fix the code fxprep names below, or choose sequential_targets "
+                       f"outside that part.\n{report}")
+
+
+def _check_on_model(model: nn.Module, subgraphs: list[FxprepSubgraph], sample: Mapping[str, Any],
+                    targets: list[tuple[str, nn.Module]]) -> Difference | None:
+    """The stages against the model itself on the first batch, every target's inputs and outputs
+    (:func:`.check.compare_subgraphs`); None where the model holds no values (on ``meta``)."""
+    if not _holds_values(model):
+        return None
+    with calibration_context(model):
+        found = compare_subgraphs(model, subgraphs, dict(sample), targets)
+    if not found.equal:
+        raise EquivalenceError(f"fxprep's stages do not reproduce {type(model).__name__} on the first calibration "
+                               f"batch: {found}.", max_abs_diff=found.max_abs_diff)
+    return found
+
+
+def _holds_values(model: nn.Module) -> bool:
+    """Whether every tensor of the model can be had: stored, or on disk behind an offloading
+    wrapper (compressed-tensors' disk cache, accelerate's weights map), not a bare ``meta`` one."""
+    from .twin import stored_tensors
+
+    for module in model.modules():
+        if getattr(module._parameters, "offload_device", None) == "disk":
+            continue
+        hook = getattr(module, "_hf_hook", None)
+        if getattr(hook, "weights_map", None) is not None:
+            continue
+        for mapping in (module._parameters, module._buffers):
+            if any(isinstance(t, torch.Tensor) and t.is_meta for t in stored_tensors(mapping).values()):
+                return False
+    return True
+
+
+def _log(capture: Capture) -> None:
+    from loguru import logger
+
+    report = capture.report
+    checked = (f"verified against the model ({report.verification.status}, max |diff| {report.verification.max_abs_diff})"
+               if capture.twin.real else
+               f"captured on meta stand-ins; stages checked on the model: {capture.check}" if capture.check is not None
+               else "captured on meta stand-ins; not checked (the model's weights are on meta)")
+    logger.info(f"fxprep: {report.model} captured by {report.tracer} in {report.timings.get('total', 0):.2f}s, "
+                f"{len(capture.subgraphs)} subgraphs; {checked}. fxprep.compat.llmcompressor.last_capture().report "
+                "has the whole report.")
+
+
+def _subgraphs(stages: Stages, model: nn.Module, batch_keys: tuple[str, ...]) -> list[FxprepSubgraph]:
+    placeholders = set(stages.placeholders)
+    later = {n for stage in list(stages)[1:] for n in stage.inputs if n in placeholders}
+    out = [FxprepSubgraph(stages[0], model, stages, batch_keys, tuple(sorted(later)))]
+    out += [FxprepSubgraph(stage, model) for stage in list(stages)[1:]]
+    seen: set[str] = set()
+    for sub in reversed(out):  # what no later subgraph reads (llm-compressor's trace_consumed_names)
+        sub.consumed_names = sub.input_names - seen
+        seen |= sub.input_names
+    return out

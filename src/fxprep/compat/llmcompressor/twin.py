@@ -1,0 +1,135 @@
+"""A plain twin of a wrapped model, captured in its place, and the graph bound back to the model.
+
+By the time llm-compressor's pipeline runs, compressed-tensors has wrapped the model: every module's
+``_parameters`` and ``_buffers`` are an ``OffloadCache`` (a mapping that onloads on access), its
+``forward`` an instance attribute that moves the inputs first, quantized layers a second forward
+wrapper; accelerate's hooks do the same for a model loaded with a device map. Dynamo cannot trace
+through them (a data pointer comparison, an exception in the offload wrapper), and they move
+tensors the capture does not need.
+
+:func:`plain_twin` makes a twin of the module tree: each module a new object of the same class with
+the same attributes (its config among them, shared), its tensors in plain dicts, no hooks, its
+class's ``forward``. The twin shares every tensor with the model where all of them are real and on
+one device (nothing is copied); otherwise (weights on disk or ``meta``, or spread over devices) it
+holds ``meta`` tensors of the same shapes and dtypes. :func:`bind_to_model` then puts the model's
+own modules at the paths the graph calls, so at calibration the stages call them, wrappers and the
+modifiers' hooks included. The model itself is never changed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ...errors import PassFailure
+
+# instance attributes the wrappers set (compressed-tensors' offloading, accelerate's hooks): the twin
+# runs its class's forward instead
+_WRAPPER_ATTRIBUTES = ("forward", "_original_forward_func", "_hf_hook", "_old_forward")
+
+
+@dataclass
+class Twin:
+    """``root``: the twin of the model; ``model_of``: ``{id(twin module): the model's module}``;
+    ``device``: where its tensors are (``meta`` when they could not be shared)."""
+
+    root: nn.Module
+    model_of: dict[int, nn.Module]
+    twin_of: dict[int, nn.Module]
+    device: torch.device
+
+    @property
+    def real(self) -> bool:
+        """Whether the twin holds the model's own tensors (a capture on it can be verified)."""
+        return self.device.type != "meta"
+
+
+def stored_tensors(mapping: Any) -> dict[str, Any]:
+    """A module's ``_parameters`` / ``_buffers`` as stored, without onloading: compressed-tensors'
+    ``OffloadCache`` keeps them in ``offloaded_values`` (a ``meta`` tensor for one on disk)."""
+    stored = getattr(mapping, "offloaded_values", None)
+    return dict(stored if isinstance(stored, dict) else mapping)
+
+
+def _devices(model: nn.Module) -> set[torch.device]:
+    found: set[torch.device] = set()
+    for module in model.modules():
+        for mapping in (module._parameters, module._buffers):
+            found |= {t.device for t in stored_tensors(mapping).values() if isinstance(t, torch.Tensor)}
+    return found
+
+
+def plain_twin(model: nn.Module) -> Twin:
+    """The twin of ``model`` (see the module docstring). Modules that appear twice (shared) are
+    twinned once, so the twin shares them the same way."""
+    devices = _devices(model)
+    meta = len(devices) != 1 or next(iter(devices)).type == "meta"
+    memo: dict[int, nn.Module] = {}
+    tensors: dict[int, Any] = {}
+    root = _twin(model, memo, tensors, meta)
+    model_of = {id(twin): module for module in model.modules() for twin in [memo[id(module)]]}
+    device = torch.device("meta") if meta else next(iter(devices))
+    return Twin(root, model_of, dict(memo), device)
+
+
+def _twin(module: nn.Module, memo: dict[int, nn.Module], tensors: dict[int, Any], meta: bool) -> nn.Module:
+    if id(module) in memo:
+        return memo[id(module)]
+    cls = type(module)
+    twin: nn.Module = object.__new__(cls)
+    memo[id(module)] = twin
+    state = dict(module.__dict__)
+    for name in _WRAPPER_ATTRIBUTES:
+        state.pop(name, None)
+    for name, value in list(state.items()):
+        if "hooks" in name and isinstance(value, dict):
+            state[name] = OrderedDict()  # the twin runs with no hook: the capture must not fire the modifiers'
+    state["_parameters"] = {k: _tensor(v, tensors, meta) for k, v in stored_tensors(module._parameters).items()}
+    state["_buffers"] = {k: _tensor(v, tensors, meta) for k, v in stored_tensors(module._buffers).items()}
+    state["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+    state["_modules"] = {k: (None if c is None else _twin(c, memo, tensors, meta)) for k, c in module._modules.items()}
+    twin.__dict__.update(state)
+    return twin
+
+
+def _tensor(value: Any, tensors: dict[int, Any], meta: bool) -> Any:
+    """The model's tensor itself, or (``meta``) one ``meta`` stand-in per tensor object (ties stay ties)."""
+    if not isinstance(value, torch.Tensor) or not meta:
+        return value
+    if id(value) not in tensors:
+        stand_in = torch.empty_like(value, device="meta")
+        if isinstance(value, nn.Parameter):
+            stand_in = nn.Parameter(stand_in, requires_grad=value.requires_grad)
+        tensors[id(value)] = stand_in
+    return tensors[id(value)]
+
+
+def bind_to_model(gm: fx.GraphModule, twin: Twin) -> None:
+    """Put the model's own module at every path ``gm`` calls (``call_module``) or reads a tensor of
+    (``get_attr``) where ``gm`` holds a twin, so the graph runs the model's objects. Only ``gm``'s
+    own tree changes (its containers are the twin's, which nobody else holds)."""
+    paths = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            paths.add(str(node.target))
+        elif node.op == "get_attr":
+            paths.add(str(node.target).rpartition(".")[0])
+    for path in sorted(p for p in paths if p):
+        parts = path.split(".")
+        for depth in range(1, len(parts) + 1):  # outermost first: the rest of the path is then the model's
+            prefix = ".".join(parts[:depth])
+            held = gm.get_submodule(prefix)
+            real = twin.model_of.get(id(held))
+            if real is not None:
+                parent_path, _, leaf = prefix.rpartition(".")
+                parent = gm.get_submodule(parent_path) if parent_path else gm
+                parent._modules[leaf] = real
+                break
+    left = [p for p in paths if p and id(gm.get_submodule(p)) in twin.model_of]
+    if left:
+        raise PassFailure(f"the graph still calls the twin's modules at {sorted(left)[:5]} after binding to the model.")
