@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 VOCAB = 128
 # W4A16's groups are 128 wide: a width of 128 and MLPs of 256 quantize with its groups
 WIDTH = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256)
+             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=1, bos_token_id=3,
+             eos_token_id=2)
 
 
 def tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
@@ -37,7 +38,7 @@ def saved(model: nn.Module, folder: str | None = None, dtype: torch.dtype = torc
     folder = folder or tempfile.mkdtemp(prefix="fxprep-lc-")
     model.save_pretrained(folder)
     tokenizer(model.config.get_text_config().vocab_size).save_pretrained(folder)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return type(model).from_pretrained(folder, dtype=dtype).eval()
 
 
 def causal_lm(model_type: str, dtype: torch.dtype = torch.float32, **config: Any) -> nn.Module:
