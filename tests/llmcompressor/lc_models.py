@@ -41,12 +41,20 @@ def saved(model: nn.Module, folder: str | None = None, dtype: torch.dtype = torc
     return type(model).from_pretrained(folder, dtype=dtype).eval()
 
 
-def causal_lm(model_type: str, dtype: torch.dtype = torch.float32, **config: Any) -> nn.Module:
-    """A tiny ``model_type`` causal LM of width 128 (random weights, seed 0), as a saved checkpoint."""
+def causal_lm_checkpoint(model_type: str, **config: Any) -> str:
+    """A folder holding a tiny ``model_type`` causal LM of width 128 (random weights, seed 0) and a tokenizer."""
     settings = {**WIDTH, **config}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings))
-    return saved(model, dtype=dtype)
+    folder = tempfile.mkdtemp(prefix="fxprep-lc-")
+    model.save_pretrained(folder)
+    tokenizer(settings["vocab_size"]).save_pretrained(folder)
+    return folder
+
+
+def causal_lm(model_type: str, dtype: torch.dtype = torch.float32, **config: Any) -> nn.Module:
+    """A tiny ``model_type`` causal LM of width 128 (random weights, seed 0), loaded from its checkpoint."""
+    return AutoModelForCausalLM.from_pretrained(causal_lm_checkpoint(model_type, **config), dtype=dtype).eval()
 
 
 def built(make: Callable[[], nn.Module], dtype: torch.dtype = torch.float32) -> nn.Module:
