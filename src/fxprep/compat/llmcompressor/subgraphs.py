@@ -42,6 +42,7 @@ class Capture:
     twin: Twin
     subgraphs: list[FxprepSubgraph] = field(default_factory=list)
     check: Difference | None = None  # the stages against the model, where the capture could not verify
+    stood_in: list[str] = field(default_factory=list)  # kept-whole modules that could not run on meta
 
 
 LAST: list[Capture] = []  # the last capture, for inspection (``last_capture()``)
@@ -224,6 +225,11 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
         target_ids = {id(twin.twin_of[id(m)]) for _, m in targets}
         whole = _kept_whole(twin.root, _ancestors(twin.root, target_ids))
         example = _example(model, sample_input, twin.device)
+        stood_in: list[str] = []
+        if not twin.real:
+            names = {id(m): n for n, m in twin.root.named_modules()}
+            for module in whole:
+                module.__dict__["forward"] = _shaped_like_input(module, names[id(module)], stood_in)
         gm = api.prepare_model(twin.root, whole, example_inputs=example, verify=twin.real, progress=False,
                                name=type(model).__name__)
     report = api.get_report(gm)
@@ -232,12 +238,34 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
     stages = partition(gm, targets=[name for name, _ in targets], blocks_per_stage=targets_per_subgraph,
                        between="previous")
     subgraphs = _subgraphs(stages, model, tuple(example))
-    capture = Capture(gm, report, twin, subgraphs)
+    capture = Capture(gm, report, twin, subgraphs, stood_in=stood_in)
     LAST[:] = [capture]
     if not twin.real:  # captured on meta stand-ins: checked on the model itself, its weights onloaded as they run
         capture.check = _check_on_model(model, subgraphs, sample_input, targets)
     _log(capture)
     return subgraphs
+
+
+def _shaped_like_input(module: nn.Module, name: str, stood_in: list[str]) -> Any:
+    """The twin's ``module`` (kept whole, on ``meta``) as the capture runs it for the shapes of what it
+    returns: its own forward, or where that cannot run on ``meta`` (a mixture-of-experts layer's
+    routing reads values: ``nonzero``, ``.item()``) a tensor shaped like its first tensor argument,
+    what a decoder layer returns. Only shapes are taken from it, and the stages are then checked on
+    the model itself where its weights can be had (:func:`_check_on_model`)."""
+    forward = type(module).forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(module, *args, **kwargs)
+        except (RuntimeError, NotImplementedError):
+            first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+            if first is None:
+                raise
+            if name not in stood_in:
+                stood_in.append(name)
+            return torch.empty_like(first)
+
+    return run
 
 
 def _targets_called(gm: Any, names: list[str], report: Report) -> None:
@@ -294,6 +322,9 @@ def _log(capture: Capture) -> None:
                if capture.twin.real else
                f"captured on meta stand-ins; stages checked on the model: {capture.check}" if capture.check is not None
                else "captured on meta stand-ins; not checked (the model's weights are on meta)")
+    if capture.stood_in:
+        checked += (f"; {len(capture.stood_in)} module(s) kept whole could not run on meta ({capture.stood_in[0]}, ...): "
+                    "their outputs were taken to be shaped like their first input")
     logger.info(f"fxprep: {report.model} captured by {report.tracer} in {report.timings.get('total', 0):.2f}s, "
                 f"{len(capture.subgraphs)} subgraphs; {checked}. fxprep.compat.llmcompressor.last_capture().report "
                 "has the whole report.")
