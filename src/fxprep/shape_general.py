@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import progress
 from .capture.common import CaptureAttempt, CaptureResult
-from .capture.dynamo import autodims, guard_log, violation
+from .capture.dynamo import autodims, guard_log, guard_read, violation
 from .capture.dynamo.branches import SIZES, size_branches
 from .capture.dynamo.early_limit import LimitFound
 from .capture.dynamo.export import quiet_guard_logs
@@ -105,7 +106,9 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
     block's own); the capture runs to the end only where none is found there or the one found leaves
     the dimension specialised. Raises :class:`NotShapeGeneral` when no dimension is left or the
     capture fails for another reason."""
-    current: autodims.Proposal | None = proposal
+    # first every dimension maybe-dynamic, the capture kept where its guards hold at every size
+    # (.capture.dynamo.guard_read: one capture); the user's own dimensions are declared as they are
+    current: autodims.Proposal | None = proposal if proposal.explicit else dataclasses.replace(proposal, auto=True)
     before: _Tried | None = None  # the failure scans try to pass
     rounds, refused = 0, list[Any]()  # scans tried that did not help are not tried again
     # captures stop at the first guard limiting a declared dimension (.capture.dynamo.early_limit) until
@@ -117,11 +120,18 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             result, attempts = run(current.capture_example, current.for_export(),
                                    [site for scan in current.scans for site in scan.sites], search)
         if result is not None and result.tracer == tracer:
+            limited = guard_read.limiting(log, current, model, current.capture_example) if current.auto else None
+            if limited is not None:  # declared as Dims again: the violation says what to drop or bound
+                progress.step(f"the dimensions maybe-dynamic do not hold at every size ({limited[:120]})")
+                current = dataclasses.replace(current, auto=False)
+                continue
             for scan in current.scans:
                 for site in scan.sites:
                     result.extra_leaves[site.qualname] = f"opaque: a loop over '{scan.symbol}' at {scan.where}"
             return result, attempts, current
         err = next((a.exception for a in reversed(attempts) if a.exception is not None), None)
+        if current.auto and not (isinstance(err, LimitFound) and scans_of is not None):
+            current = dataclasses.replace(current, auto=False)  # a failure: every next capture as before
         if isinstance(err, LimitFound) and scans_of is not None:  # a capture stopped at a limit
             rounds += 1
             # the guard it stopped at was found limiting already: the scan search starts from it alone
@@ -130,8 +140,8 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             if new:  # the dimensions it stopped at count as specialised, for judging the scans
                 before = _Tried(current, err, {key: err.sources[0] for key in _keys(err.sources, current)}, {})
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
-            else:  # no scan there: the capture without stopping says what to drop or bound
-                stopping = False
+            else:  # no scan there: the capture without stopping says what to drop or bound (its violation)
+                stopping, current = False, dataclasses.replace(current, auto=False)
             continue
         found, ranges = violation.findings(err, current) if err is not None else ({}, {})
         if before is not None:  # the capture with new scans opaque
@@ -139,7 +149,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
                 refused.extend(site for scan in current.scans if scan not in before.proposal.scans
                                for site in scan.sites)
                 if before.stopped:  # the capture without stopping decides
-                    current, before, stopping = before.proposal, None, False
+                    current, before, stopping = dataclasses.replace(before.proposal, auto=False), None, False
                     continue
                 current, err, found, ranges = before.proposal, before.err, before.found, before.ranges
             before = None

@@ -202,16 +202,32 @@ def _function_of(frame: FrameRecord, caller_globals: dict[str, Any]) -> tuple[An
 
 
 def wrapped_codes(fn: Any) -> list[types.CodeType]:
-    """The code objects of ``fn`` and of every function it wraps (``functools.wraps`` chains)."""
+    """The code objects of ``fn`` and of every function it wraps (``functools.wraps`` chains, and the
+    function a hub-kernel function module calls: :func:`_function_module_target`)."""
     codes = []
     seen = 0
     while fn is not None and seen < 16:
         code = getattr(fn, "__code__", None)
         if code is not None:
             codes.append(code)
-        fn = getattr(fn, "__wrapped__", None)
+        fn = getattr(fn, "__wrapped__", None) if code is not None else _function_module_target(fn)
         seen += 1
     return codes
+
+
+def _function_module_target(obj: Any) -> Any:
+    """The function a module-level function module calls, or None. transformers (with the
+    ``kernels`` package) binds a hub-kernel function's name to an ``nn.Module`` instance whose class
+    ``forward`` calls the function it closes over (``func``: the ``functools.wraps`` fallback around
+    the torch code, Mamba-2's ``mamba2_chunk_scan``): that module is what the callers look up."""
+    if not isinstance(obj, nn.Module):
+        return None
+    forward = getattr(type(obj), "forward", None)
+    code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None)
+    if code is None or not cells or "func" not in code.co_freevars:
+        return None
+    target = cells[code.co_freevars.index("func")].cell_contents
+    return target if callable(target) and not isinstance(target, nn.Module) else None
 
 
 _METHOD_CACHE: dict[tuple[type, types.CodeType], str | None] = {}
@@ -238,9 +254,12 @@ def method_name(owner: Any, code: types.CodeType) -> str | None:
     return _METHOD_CACHE[key]
 
 
-def sites_from_frames(frames: list[FrameRecord], model: nn.Module) -> list[Site]:
+def sites_from_frames(frames: list[FrameRecord], model: nn.Module, *, nested: bool = False) -> list[Site]:
     """The sites running in ``frames`` (outermost first), innermost first: a function of the model's
-    code called from the innermost method, then each method of a submodule or helper object."""
+    code called from the innermost method, then each method of a submodule or helper object.
+    ``nested``: each function that function calls on the way too, found where its caller looks it up
+    (Mamba-2's ``mamba2_scan_forward`` reads the layer's parameters; the ``mamba2_chunk_scan`` it
+    calls does not: the per-step loop a scan search wants, :mod:`fxprep.capture.dynamo.scans`)."""
     from ..diagnose import is_user_file
 
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
@@ -268,14 +287,18 @@ def sites_from_frames(frames: list[FrameRecord], model: nn.Module) -> list[Site]
                 found.append(new)
             site, site_globals, function_site = new, frame.globals, None
             continue
-        if (site is not None and function_site is None and owner is None and site_globals is not None
+        if (site is not None and (function_site is None or nested) and owner is None and site_globals is not None
                 and not frame.code.co_name.startswith("<") and is_user_file(frame.code.co_filename)):
             fn_found = _function_of(frame, site_globals)
             if fn_found is not None:
-                fn = fn_found[0]
+                # a function module: the function it calls stands for it (a plain function, named as it)
+                fn = _function_module_target(fn_found[0]) or fn_found[0]
+                fn_found = (fn, fn_found[1])
                 function_site = Site(site.path, frame.code.co_name, None, f"{fn.__module__}.{fn.__qualname__}")
                 FUNCTIONS[function_site] = fn_found
                 found.append(function_site)
+                if nested:  # the next function is looked up where this one looks
+                    site_globals = frame.globals
     return list(reversed(found))
 
 

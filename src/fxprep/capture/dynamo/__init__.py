@@ -138,8 +138,9 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
                 if request.reuse:
                     target.notes.extend(_reuse_notes(model, policy, state))
                 if request.reuse and state.current == "flag":
-                    reused = capture_reusing(ReuseJob(target, call, guard, request.block_pass, spec, box, real_values,
-                                                      state.fresh_kwargs, request.scan_search))
+                    with _stopping_at_limits(request, call):  # the outer capture's own guards (a block's: its own stop)
+                        reused = capture_reusing(ReuseJob(target, call, guard, request.block_pass, spec, box,
+                                                          real_values, state.fresh_kwargs, request.scan_search))
                 if reused is not None:
                     gm, extra = reused
                 else:
@@ -163,7 +164,8 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
 @contextlib.contextmanager
 def _stopping_at_limits(request: CaptureRequest, call: ExampleInputs) -> Iterator[None]:
     """Under ``request.scan_search``, the model's capture stops at the first guard that limits a
-    declared dimension, with :class:`.early_limit.LimitFound` (see :mod:`.early_limit`)."""
+    declared dimension, with :class:`.early_limit.LimitFound` (see :mod:`.early_limit`); under block
+    reuse the outer capture's (a stand-in's computation aside), each block's own stopping itself."""
     dims = dynamic_dims(request.model, call, request.dynamic) if request.scan_search else {}
     if not dims:
         yield

@@ -122,6 +122,9 @@ class Proposal:
     narrower: Proposal | None = None
     # per-step loops kept opaque so that the symbol they loop over stays dynamic (:class:`.scans.Scan` each)
     scans: tuple[Any, ...] = ()
+    # every dimension declared maybe-dynamic (Dim.AUTO) for this capture, its guards read after it
+    # (:mod:`.guard_read`): kept where they hold at every size, else captured again declared as ``Dim``\ s
+    auto: bool = False
 
     def sizes(self, model: nn.Module, example: ExampleInputs) -> dict[str, int]:
         """Each declared symbol's size in ``example`` (the capture example, or one grown from it)."""
@@ -137,14 +140,15 @@ class Proposal:
         """``dynamic`` with each symbol one ``torch.export.Dim`` (its range where the model's code
         bounds it, e.g. a sequence no longer than a learned position table), or a
         :class:`~.shapes.MaybeDynamic` where export cannot prove the guards that bound it
-        (:attr:`SizeRange.unproven`: the prepared module checks that range itself)."""
+        (:attr:`SizeRange.unproven`: the prepared module checks that range itself), or where the
+        capture is to be read from its guards (:attr:`auto`)."""
         from torch.export import Dim
 
         made: dict[str, Any] = {}
         for sym in {s for dims in self.dynamic.values() for s in dims.values()}:
             size = self.ranges.get(sym, _NO_RANGE)
             bounds = {k: v for k, v in (("min", size.low), ("max", size.high)) if v is not None}
-            made[sym] = MaybeDynamic(sym) if size.unproven else Dim(sym, **bounds)
+            made[sym] = MaybeDynamic(sym) if size.unproven or (self.auto and not bounds) else Dim(sym, **bounds)
         return {name: {d: made[sym] for d, sym in dims.items()} for name, dims in self.dynamic.items()}
 
 
@@ -391,4 +395,4 @@ def revised(proposal: Proposal, dims: dict[tuple[str, int], str], ranges: dict[s
     narrower = proposal.narrower if "batch" in sizes else None  # the batch gone: nothing narrower to try
     scans = tuple(scan for scan in proposal.scans if scan.symbol in sizes)  # a loop over a dropped symbol: traced again
     return replace(proposal, dynamic=dynamic, capture_example=_grown(model, call, dynamic, sizes), dropped=dropped,
-                   ranges=bounded, limits={}, narrower=narrower, scans=scans)
+                   ranges=bounded, limits={}, narrower=narrower, scans=scans, auto=False)

@@ -153,7 +153,7 @@ class Limit:
 
     def __call__(self, guard: AddedGuard) -> tuple[str, int, AddedGuard] | None:
         text = str(guard.expr)
-        if not guard.stack or text in self.seen:
+        if not guard.stack or guard.aside or text in self.seen:  # a stand-in's computation: no graph holds it
             return None
         self.seen.add(text)
         by_source: dict[str, set[Any]] = {}

@@ -40,6 +40,9 @@ class AddedGuard:
     sources: dict[Any, tuple[str, ...]]
     hints: dict[Any, int]
     stack: tuple[tuple[str, str, int], ...]
+    # made while a block reuse stand-in computed its output on fake tensors (:func:`aside`): a guard
+    # of that computation, not of the outer graph, which calls the block as one node
+    aside: bool = False
 
 
 @dataclass
@@ -78,6 +81,7 @@ class _Block:
 
 
 _IN_BLOCK: list[_Block] = []  # the captures running on this thread, innermost last (:func:`renamed`, :func:`stopping`)
+_ASIDE: list[bool] = []  # the stand-in computations running on this thread (:func:`aside`)
 IN_BLOCK = "block:"  # before a block's own source name that is no model input's size
 
 
@@ -115,6 +119,19 @@ def stopping(stop: Callable[[AddedGuard], Any]) -> Iterator[GuardLog]:
 
 
 @contextlib.contextmanager
+def aside() -> Iterator[None]:
+    """Within (a block reuse stand-in computing its output on the outer capture's fake tensors),
+    guards are recorded as :attr:`AddedGuard.aside`: the outer graph calls the block as one node,
+    whatever that computation decided, and the block's own capture records its guards itself
+    (Dots3's indexer takes ``min(2048, seq)``: a ``seq < 2048`` guard there, none in either graph)."""
+    _ASIDE.append(True)
+    try:
+        yield
+    finally:
+        _ASIDE.pop()
+
+
+@contextlib.contextmanager
 def _within(block: _Block) -> Iterator[GuardLog]:
     _IN_BLOCK.append(block)
     try:
@@ -140,7 +157,7 @@ def _added(env: Any, expr: Any) -> AddedGuard:
         if value is not None:
             with contextlib.suppress(TypeError, ValueError):
                 hints[symbol] = int(value)
-    return AddedGuard(expr, sources, hints, _user_stack())
+    return AddedGuard(expr, sources, hints, _user_stack(), bool(_ASIDE))
 
 
 @contextlib.contextmanager
@@ -174,4 +191,4 @@ def recording() -> Iterator[GuardLog]:
         ShapeEnv._log_guard = original  # type: ignore[method-assign]
 
 
-__all__ = ["AddedGuard", "GuardLog", "Stopped", "recording", "renamed", "stopping"]
+__all__ = ["AddedGuard", "GuardLog", "Stopped", "aside", "recording", "renamed", "stopping"]

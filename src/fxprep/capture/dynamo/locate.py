@@ -95,11 +95,12 @@ class Located:
 
     chains: list[list[FrameRecord]]
 
-    def sites(self, model: nn.Module) -> list[tuple[Site, list[Site]]]:
+    def sites(self, model: nn.Module, *, nested: bool = False) -> list[tuple[Site, list[Site]]]:
         """The candidate sites, innermost first, each with the same site in the other matching
-        calls (other instances of the same class reached the same way)."""
-        first = sites_from_frames(self.chains[0], model)
-        others = [sites_from_frames(chain, model) for chain in self.chains[1:]]
+        calls (other instances of the same class reached the same way); ``nested``: the functions
+        a function called from a method calls too (:func:`~fxprep.capture.sites.sites_from_frames`)."""
+        first = sites_from_frames(self.chains[0], model, nested=nested)
+        others = [sites_from_frames(chain, model, nested=nested) for chain in self.chains[1:]]
         out = []
         for k, site in enumerate(first):
             same: list[Site] = []
@@ -126,6 +127,16 @@ def _chain_matches(chain: list[tuple[str, str, int]], stack: list[tuple[str, str
         if exact and k < len(stack) - 1 and l1 != l2:
             return False
     return True
+
+
+def _innermost_of_runs(codes: list[Any]) -> list[int]:
+    """The indexes of an eager chain's frames left when consecutive frames of one code object are
+    taken as one, the innermost: a wrapper that calls itself again eagerly but not under Dynamo
+    (transformers' hub-kernel function modules: ``Func.forward`` dispatches to the active one's
+    ``forward`` while compiling, and through a second ``Func.forward`` call eagerly) is one frame in
+    both stacks. By code object, not by file and name: a layer's ``forward`` calling its attention's
+    ``forward`` in the same file (YOSO) are two frames."""
+    return [k for k in range(len(codes)) if k + 1 == len(codes) or codes[k + 1] is not codes[k]]
 
 
 def locate(stack: list[tuple[str, str, int]], model: nn.Module, call: ExampleInputs) -> Located | None:
@@ -155,6 +166,8 @@ def locate(stack: list[tuple[str, str, int]], model: nn.Module, call: ExampleInp
             f = f.f_back
         frames.reverse()
         described = [(_norm(f.f_code.co_filename), f.f_code.co_name, f.f_lineno) for f in frames]
+        kept = _innermost_of_runs([f.f_code for f in frames])
+        frames, described = [frames[k] for k in kept], [described[k] for k in kept]
         if _chain_matches(described, stack, exact=False):
             records = [FrameRecord.of(f) for f in frames[len(frames) - len(stack):]]
             candidates.append((described, records))

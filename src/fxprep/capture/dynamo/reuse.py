@@ -63,8 +63,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ...diagnose import first_line, stopped_at_data_guard
 from ...inputs import ExampleInputs
@@ -185,19 +187,34 @@ class ReuseJob:
     scan_search: bool = False
 
 
-def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], job: ReuseJob,
-                   why: dict[str, str], sizes: dict[Any, str]) -> tuple[_Captured, list[list[Member]]]:
-    """Capture the first member; the others its guards hold for share the graph, the rest are
-    regrouped (by what the guarded attributes hold) for the next round, with the reason in ``why``.
-    ``recorded``: the inputs each call receives (every member's when values are decided, else the
-    first's). ``sizes``: the model inputs' sizes in the outer graph (:func:`.early_limit.input_sizes`)."""
-    first = group[0]
-    route = job.target.route
-    call = block_call(first, recorded[(id(first.module), first.k)])
-    if job.real_values:
-        call = call.fresh_copy(keep_strides=True)  # its tensors may be shared with the other members' (block_calls.record_inputs)
-    spec = block_spec(first, call)
-    fallback = block_spec(first, call, declared_only=True) if spec is not None else None
+# a block's capture made by an earlier try of the same reuse (its graph, extra leaves, notes, opaque
+# parts, guard sources, foreign attributes), by :func:`_traced_key`
+Traced = dict[Any, tuple[fx.GraphModule, dict[str, str], list[str], dict[str, nn.Module], Any, list[str]]]
+
+
+def _traced_key(first: Member, call: ExampleInputs, spec: Any, fallback: Any) -> Any:
+    """What a block's own capture depends on, outside values read from data (not decided here, so
+    Dynamo traces the inputs' shapes, dtypes, strides and devices and each other value as it is): the
+    instance, the dynamic dimensions asked for, and each input. A try that computed a stand-in's
+    output (:class:`.stubs.OtherOutput`) gives its blocks the same inputs as the try before
+    (Dots3's sliding and full attention: the outer capture again, not both blocks again)."""
+    leaves, tree = pytree.tree_flatten((call.args, call.kwargs))
+    described = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            described.append(("tensor", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device.type,
+                              leaf.requires_grad))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            described.append((type(leaf).__name__, leaf))
+        else:
+            return None  # a value of its own kind: captured again
+    return id(first.module), first.k, repr(spec), repr(fallback), str(tree), tuple(described)
+
+
+def _trace_group(first: Member, call: ExampleInputs, job: ReuseJob, spec: Any, fallback: Any,
+                 sizes: dict[Any, str]) -> tuple[fx.GraphModule, dict[str, str], list[str], dict[str, nn.Module], Any,
+                                                 list[str]]:
+    """Dynamo's capture of ``first`` alone, re-lifted, with what grouping the others needs."""
     # the block's sizes that are declared dimensions, named as the model's inputs in the guards it records
     names = early_limit.sources(first.node, first.module, call, sizes) if spec is not None else {}
     try:
@@ -211,13 +228,34 @@ def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], jo
         raise
     job.guard.reset()
     box = _block_box(job.box, result.graph_module, first)
-    block = LiftTarget(first.module, job.target.policy, call, call, route)
+    block = LiftTarget(first.module, job.target.policy, call, call, job.target.route)
     gm, extra = relift(result.graph_module, block, box, device_literals=False, decided=job.real_values)
     parts = _opaque_parts(gm, first.module)
-    notes = block.notes
     sources = leaf_hook_guards(self_guards(result.guards, first.module), first.module, job.target.policy)
     sources = beside_parts(sources, box.sites) if box else sources
-    foreign = foreign_attributes(gm, first.module)
+    return gm, extra, block.notes, parts, sources, foreign_attributes(gm, first.module)
+
+
+def _capture_group(group: list[Member], recorded: dict[tuple[int, int], Any], job: ReuseJob,
+                   why: dict[str, str], sizes: dict[Any, str], traced: Traced) -> tuple[_Captured, list[list[Member]]]:
+    """Capture the first member; the others its guards hold for share the graph, the rest are
+    regrouped (by what the guarded attributes hold) for the next round, with the reason in ``why``.
+    ``recorded``: the inputs each call receives (every member's when values are decided, else the
+    first's). ``sizes``: the model inputs' sizes in the outer graph (:func:`.early_limit.input_sizes`).
+    ``traced``: the block captures of earlier tries, taken where one was made on the same inputs."""
+    first = group[0]
+    call = block_call(first, recorded[(id(first.module), first.k)])
+    if job.real_values:
+        call = call.fresh_copy(keep_strides=True)  # its tensors may be shared with the other members' (block_calls.record_inputs)
+    spec = block_spec(first, call)
+    fallback = block_spec(first, call, declared_only=True) if spec is not None else None
+    key = None if job.real_values else _traced_key(first, call, spec, fallback)
+    if key is not None and key in traced:  # captured by an earlier try of this reuse: not traced again
+        gm, extra, notes, parts, sources, foreign = traced[key]
+    else:
+        gm, extra, notes, parts, sources, foreign = _trace_group(first, call, job, spec, fallback, sizes)
+        if key is not None:
+            traced[key] = (gm, extra, notes, parts, sources, foreign)
     same, rest, undecided = [first], [], []
     for member in group[1:]:
         if member.module is first.module:
@@ -292,6 +330,7 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
     sites = job.box.sites if job.box else []
     descend: set[int] = set()
     uncached: set[Any] = set()
+    traced: Traced = {}  # a retry that computes a stand-in's output captures again only what changed
     for _ in range(4):  # a retry looks inside blocks whose output one call cannot return, or computes more
         instances: dict[int, tuple[nn.Module, Any]] = {}
         qualnames: dict[int, str] = {}
@@ -307,7 +346,7 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
         stubs = Stubs(instances, uncached, guess=job.dynamic_spec is not None and not job.real_values)
         around: Exception | None = None
         try:
-            return _capture(job, stubs, qualnames)
+            return _capture(job, stubs, qualnames, traced)
         except early_limit.LimitFound:
             guard.reset()
             raise
@@ -339,7 +378,8 @@ class _AroundBlocks(Exception):
         self.error = error
 
 
-def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx.GraphModule, dict[str, str]]:
+def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str], traced: Traced
+             ) -> tuple[fx.GraphModule, dict[str, str]]:
     target, guard = job.target, job.guard
     model, policy, route, notes = target.model, target.policy, target.route, target.notes
     prepared_call = target.prepared_call
@@ -398,7 +438,7 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
         guard.reset()
         next_round: list[list[Member]] = []
         for group in pending:
-            done, rest = _capture_group(group, recorded, job, why, sizes)
+            done, rest = _capture_group(group, recorded, job, why, sizes, traced)
             captured.append(done)
             next_round.extend(rest)
         pending = next_round
@@ -409,6 +449,7 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str]) -> tuple[fx
                 if wrong is not None:  # the stand-in's guessed output: captured again with it computed
                     raise OtherOutput(f"the output '{member.name}' was given in the outer capture does not hold: "
                                       f"{wrong}", instances[id(member.module)][1])
+    traced.clear()  # stamping may convert a block graph in place: a retry from here captures afresh
     stamper = Stamper(outer, model)
     for done in captured:
         first = done.members[0]

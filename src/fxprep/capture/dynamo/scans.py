@@ -62,6 +62,9 @@ class Scan:
     # a limiting guard inside it was made by a branch on the size (Mamba2's `if pad_size > 0`, or
     # transformers' sliding-window mask, which returns None below the window)
     branched: bool = False
+    # the functions ``site`` (a function) calls on the way to the guard, outermost first: taken in its
+    # place, the first that hides nothing, where it hides something (:func:`usable`)
+    inner: tuple[Site, ...] = ()
 
     @property
     def sites(self) -> tuple[Site, ...]:
@@ -140,16 +143,27 @@ def _where(stack: tuple[tuple[str, str, int], ...]) -> str:
     return f"{file}:{line} in {name}" + (f" ({code[:100]})" if code else "")
 
 
-def _scan_site(located: Located | None, model: nn.Module) -> Site | None:
+def _scan_site(located: Located | None, model: nn.Module) -> tuple[Site, tuple[Site, ...]] | None:
     """The innermost site on the guard's path when it is a function or a helper method (not a
-    module's ``forward``: that would hide the module's layers)."""
+    module's ``forward``: that would hide the module's layers): for a function, the one the
+    innermost method calls, with the functions it calls on the way (outermost first: they stand in
+    for it where it hides a layer or a parameter, Mamba-2's ``mamba2_scan_forward`` reading the
+    layer's ``A_log`` around its ``mamba2_chunk_scan``)."""
     if located is None:
         return None
-    sites = located.sites(model)
+    sites = [site for site, _ in located.sites(model, nested=True)]
+    functions = []
+    for site in sites:
+        if site.func is None:
+            break
+        functions.append(site)
+    if functions:
+        outermost, *inner = reversed(functions)
+        return outermost, tuple(inner)
     if not sites:
         return None
-    site = sites[0][0]
-    return None if site.is_module else site
+    site = sites[0]
+    return None if site.is_module else (site, ())
 
 
 def _limiting(log: GuardLog, symbols: set[str], dynamic: dict[str, dict[int, str]], sizes: dict[str, int]
@@ -182,7 +196,7 @@ def find(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call
     :attr:`Scan.branched`: :func:`usable` takes it only where it returns tensors alone."""
     limiting = _limiting(log, symbols, proposal.dynamic, proposal.sizes(model, proposal.capture_example))
     found: list[Scan] = []
-    located: dict[tuple[tuple[str, str, int], ...], Site | None] = {}
+    located: dict[tuple[tuple[str, str, int], ...], tuple[Site, tuple[Site, ...]] | None] = {}
     for guard, sym, names, past in limiting:
         frames = {(f, n) for f, n, _ in guard.stack}
         if any(_within(scan, frames) for scan in found):
@@ -192,9 +206,11 @@ def find(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call
                 break
             stack = list(guard.stack)
             located[guard.stack] = _scan_site(resolve(stack, model) or locate(stack, model, call), model)
-        site = located[guard.stack]
+        at = located[guard.stack]
+        site, inner = at if at is not None else (None, ())
         if site is not None and site not in taken and all(site not in s.sites for s in found):
-            found.append(Scan(site, sym, _readable(guard, names), _where(guard.stack), past, _others(site, model)))
+            found.append(Scan(site, sym, _readable(guard, names), _where(guard.stack), past, _others(site, model),
+                              inner=tuple(s for s in inner if s not in taken)))
     branches = [guard for guard, *_ in limiting if on_branch(*guard.stack[-1][::2])]
     return [dataclasses.replace(scan, branched=True)
             if any(_within(scan, {(f, n) for f, n, _ in guard.stack}) for guard in branches) else scan
@@ -306,10 +322,14 @@ def usable(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, ca
     from ... import progress
 
     out = []
-    for scan in find(log, symbols, proposal, model, call, taken):
-        hidden, constants = watch(model, call, scan.site)
+    for found in find(log, symbols, proposal, model, call, taken):
+        for site in (found.site, *found.inner):  # the outermost function that hides nothing
+            scan = dataclasses.replace(found, site=site, inner=(), others=_others(site, model))
+            hidden, constants = watch(model, call, site)
+            if not hidden:
+                break
+            progress.step(f"{site.qualname} loops over '{scan.symbol}' but is not kept opaque: it uses {hidden[0]}")
         if hidden:
-            progress.step(f"{scan.site.qualname} loops over '{scan.symbol}' but is not kept opaque: it uses {hidden[0]}")
             continue
         if scan.branched and constants:  # a decision on the size: the graph would hold that value at every size
             progress.step(f"{scan.site.qualname} decides on '{scan.symbol}' and returns {constants[0]}: not kept opaque")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import tied
+from . import guard_log, tied
 from .blocks import freeze, shape_kind, size_key
 
 STUB_MODULE = "torch.nn.fxprep_block"  # Dynamo calls a module whose class lives in torch.nn as one node
@@ -90,7 +90,8 @@ class Stubs:
         if torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs))) is None:
             return self._real_call(module, args, kwargs)  # not the outer capture's call: nothing recorded
         try:
-            out = self._fake_call(module, args, kwargs)
+            with guard_log.aside():  # its guards are the computation's, not the outer graph's
+                out = self._fake_call(module, args, kwargs)
         except BaseException:
             self.failed = True  # Dynamo re-raises it as its own error, often with no trace of this frame
             raise

@@ -195,9 +195,12 @@ def _unproven(held: SizeRange) -> SizeRange:
 
 def _refused(proposal: Proposal, sym: str, size: SizeRange) -> bool:
     """Whether ``proposal`` already declared ``sym`` over ``size``'s bounds (export's own suggestion
-    or a range read from the guards) and export refused it again."""
-    before = proposal.ranges.get(sym)
-    return before is not None and (before.low, before.high) == (size.low, size.high)
+    or a range read from the guards, or no bound at all, as first declared) and export refused it
+    again: declared so a second time it is refused a second time (DeepSeek's sparse attention takes
+    ``min(2048, seq)`` tokens: ``Min(2048, seq) <= seq`` holds at every size, export cannot prove it,
+    and the capture declaring the unbounded range it holds for cost a whole trace to fail the same way)."""
+    before = proposal.ranges.get(sym, _NO_RANGE)
+    return (before.low, before.high) == (size.low, size.high)
 
 
 def _guards_hold(sym: str, printed: list[tuple[str, str]], proposal: Proposal, symbols: dict[str, Any]

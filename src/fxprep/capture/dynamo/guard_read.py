@@ -1,0 +1,120 @@
+"""Whether one capture with the declared dimensions maybe-dynamic holds at every size: read from its guards.
+
+Why: the shape-general capture declares the found dimensions to Dynamo as ``Dim``\\ s, and export
+raises a constraint violation for any guard its solver cannot prove over the declared range, at
+the end of a whole trace. Where the guards hold at every size but are written so that the solver
+cannot prove it (DeepSeek's sparse-attention indexer takes ``min(2048, seq)`` tokens: the guard
+``Min(2048, seq) <= seq``), that cost a capture for the violation, a capture with the range it
+suggested, refused the same way, and a third with the dimension maybe-dynamic (``Dim.AUTO``), whose
+graph is the graph the first one traced: three whole-model traces of a model whose every dynamic
+trace is several times a static one (sparse attention, MoE routing: 11-18x the static prepare).
+
+How: the shape-general capture's first try declares every dimension maybe-dynamic
+(:attr:`~.autodims.Proposal.auto`): Dynamo then traces exactly what the strict capture traces, and
+keeps each guard instead of raising. :func:`limiting` reads the guards it recorded
+(:mod:`.guard_log`, each symbol renamed after the model input's size it is, in a reused block's
+own capture too) and evaluates each at many sizes of each declared dimension (every size up to 66,
+powers of two and their neighbours up to 2**24, the sizes around each constant a guard holds, and
+sizes of two dimensions together). Where every guard holds at each, the graph holds at every size,
+and it is kept: one capture. Anything else (a guard that fails somewhere, a specialisation, a guard
+on a size that is not a declared dimension, one that does not evaluate to a truth value) is said,
+and the capture is made again with the dimensions declared as before, whose violation says what
+to drop or bound (:func:`fxprep.shape_general.capture`). Guards a block reuse stand-in made while
+computing its output (:attr:`~.guard_log.AddedGuard.aside`) are left out: neither graph holds them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import sympy
+
+from ...inputs import ExampleInputs
+from .early_limit import model_sources
+from .guard_log import GuardLog
+from .shapes import SIZE_SOURCE
+
+_SMALL = range(2, 67)
+_LARGE = sorted({n for k in range(7, 25) for n in (2**k - 1, 2**k, 2**k + 1)})
+_TOGETHER = (2, 3, 7, 8, 9, 13, 64, 65, 100, 1000, 4097)  # sizes of two dimensions at once
+
+
+def limiting(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> str | None:
+    """None when every guard in ``log`` (a capture of ``proposal``, an :class:`~.autodims.Proposal`,
+    on ``call``, its dimensions maybe-dynamic) holds at every size tried of the declared dimensions
+    (see the module docstring); else the first reason it may not, for the progress line."""
+    by_source = _declared_sources(model, call, proposal.dynamic)
+    example = proposal.sizes(model, proposal.capture_example)
+    guards: dict[str, tuple[Any, dict[str, Any]]] = {}
+    for guard in log.guards:
+        if guard.aside:
+            continue
+        named: dict[Any, Any] = {}
+        for symbol in getattr(guard.expr, "free_symbols", ()):
+            declared = {by_source.get(source) for source in guard.sources.get(symbol, ())}
+            if len(declared) != 1 or None in declared:
+                return f"a guard on a size that is not one declared dimension: {guard.expr}"
+            named[symbol] = sympy.Symbol(declared.pop(), integer=True, positive=True)
+        expr = guard.expr.xreplace(named) if named else guard.expr
+        syms = {str(s): s for s in expr.free_symbols}
+        if any(name not in example for name in syms):
+            return f"a guard on a dimension the example does not show: {expr}"
+        guards.setdefault(str(expr), (expr, syms))
+    for text, (expr, syms) in guards.items():
+        for at in _sizes(expr, syms, example):
+            held = _holds(expr, syms, at)
+            if held is not True:
+                shown = ", ".join(f"{k}={v}" for k, v in sorted(at.items()))
+                return f"{text} does not hold at {shown}" if held is False else f"{text} does not evaluate at {shown}"
+    return None
+
+
+def _declared_sources(model: Any, call: ExampleInputs, dynamic: dict[str, dict[int, str]]) -> dict[str, str]:
+    """Each way a capture may name a declared dimension's size (``L['kwargs']['input_ids'].size()[1]``,
+    the model's or a renamed block's), mapped to its declared symbol (``seq``)."""
+    out: dict[str, str] = {}
+    for spelled, canonical in model_sources(model, call, dynamic).items():
+        m = SIZE_SOURCE.fullmatch(canonical)
+        if m is not None:
+            out[spelled] = dynamic[m.group(1)][int(m.group(2))]
+    return out
+
+
+def _sizes(expr: Any, syms: dict[str, Any], example: dict[str, int]) -> list[dict[str, int]]:
+    """The sizes a guard over ``syms`` is evaluated at: each symbol alone over the sizes of the module
+    docstring (the others at the example's), and every two together over :data:`_TOGETHER`."""
+    near = _near_constants(expr)
+    alone = sorted({*_SMALL, *_LARGE, *near})
+    out = [{**{k: example[k] for k in syms}, name: n} for name in syms for n in alone]
+    for a, b in itertools.combinations(sorted(syms), 2):
+        out += [{**{k: example[k] for k in syms}, a: m, b: n} for m in _TOGETHER for n in _TOGETHER]
+    return out
+
+
+def _near_constants(expr: Any) -> set[int]:
+    """Sizes around each integer constant of ``expr`` and its small fractions (``Ne(2*seq, 2000)``
+    fails at 1000 alone): where a guard that holds elsewhere may not."""
+    out: set[int] = set()
+    for atom in expr.atoms(sympy.Integer):
+        value = abs(int(atom))
+        for k in range(1, 9):
+            base = value // k
+            out.update(n for n in (base - 2, base - 1, base, base + 1, base + 2) if 2 <= n <= 1 << 31)
+    return out
+
+
+def _holds(expr: Any, syms: dict[str, Any], at: dict[str, int]) -> bool | None:
+    """``expr`` at the sizes ``at``: True or False, None where it does not evaluate to one."""
+    try:
+        value = expr.xreplace({s: sympy.Integer(at[name]) for name, s in syms.items()})
+    except Exception:  # noqa: BLE001 - an expression sympy cannot evaluate there: not read
+        return None
+    if value is sympy.true or value is True:
+        return True
+    if value is sympy.false or value is False:
+        return False
+    return None
+
+
+__all__ = ["limiting"]
