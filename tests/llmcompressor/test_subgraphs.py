@@ -181,3 +181,12 @@ def test_without_llmcompressor_the_import_names_the_extra(monkeypatch):
     with pytest.raises(MissingDependency) as info:
         import fxprep.compat.llmcompressor  # noqa: F401
     assert 'pip install "fxprep[llmcompressor]"' in str(info.value) and "\n" not in str(info.value)
+
+
+def test_import_fxprep_imports_none_of_it():
+    import subprocess
+
+    code = ("import sys, fxprep; print(sorted(m for m in ('llmcompressor', 'compressed_tensors', 'datasets') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
