@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import api
+from ... import api, guard
 from ...errors import EquivalenceError, InputMismatch, InvalidInput, TraceFailure
 from ...partition import Stage, Stages, partition
+from ...prepared import INPUT_SPEC
 from ...report import Report
 from .check import Difference, compare_subgraphs
 from .twin import Twin, bind_to_model, plain_twin
@@ -62,10 +63,11 @@ class FxprepSubgraph:
     ``submodules(model)``: the model's modules it calls (the modifiers compress these at its end)."""
 
     def __init__(self, stage: Stage, model: nn.Module, binder: Stages | None = None,
-                 batch_keys: tuple[str, ...] = (), passes_on: tuple[str, ...] = ()):
+                 batch_keys: tuple[str, ...] = (), passes_on: tuple[str, ...] = (), gm: Any = None):
         self.stage = stage
         self.model = model
         self.binder = binder  # the first subgraph binds the batch to the graph's inputs
+        self.gm = gm  # the prepared graph: its input check (shapes the model's code fixed, None-ness)
         self.batch_keys = batch_keys
         self.passes_on = passes_on  # graph inputs later subgraphs read: the first returns them
         self.input_names: set[str] = set(batch_keys) if binder is not None else set(stage.inputs)
@@ -96,6 +98,14 @@ class FxprepSubgraph:
                                 f"{sorted(self.batch_keys)} (missing {missing}, unknown {unknown}). Every batch of "
                                 "the dataset needs the same columns.")
         assert self.binder is not None
+        spec = self.gm.__dict__.get(INPUT_SPEC) if self.gm is not None else None
+        if spec is not None:  # the stages hold no input check of their own: the graph's, before any runs
+            try:
+                guard.check(self.gm, spec, (), dict(inputs))
+            except InputMismatch as err:
+                raise InputMismatch(f"{err}\nWith llm-compressor: give every calibration sample the shape the graph "
+                                    "was captured for (pad or truncate them to one length: max_seq_length with "
+                                    "padding), or capture on a sample of the shape you calibrate with.") from None
         try:
             return self.binder.bind(**inputs)
         except TypeError as err:
@@ -237,7 +247,7 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
     bind_to_model(gm, twin)
     stages = partition(gm, targets=[name for name, _ in targets], blocks_per_stage=targets_per_subgraph,
                        between="previous")
-    subgraphs = _subgraphs(stages, model, tuple(example))
+    subgraphs = _subgraphs(stages, model, tuple(example), gm)
     capture = Capture(gm, report, twin, subgraphs, stood_in=stood_in)
     LAST[:] = [capture]
     if not twin.real:  # captured on meta stand-ins: checked on the model itself, its weights onloaded as they run
@@ -330,10 +340,10 @@ def _log(capture: Capture) -> None:
                 "has the whole report.")
 
 
-def _subgraphs(stages: Stages, model: nn.Module, batch_keys: tuple[str, ...]) -> list[FxprepSubgraph]:
+def _subgraphs(stages: Stages, model: nn.Module, batch_keys: tuple[str, ...], gm: Any) -> list[FxprepSubgraph]:
     placeholders = set(stages.placeholders)
     later = {n for stage in list(stages)[1:] for n in stage.inputs if n in placeholders}
-    out = [FxprepSubgraph(stages[0], model, stages, batch_keys, tuple(sorted(later)))]
+    out = [FxprepSubgraph(stages[0], model, stages, batch_keys, tuple(sorted(later)), gm)]
     out += [FxprepSubgraph(stage, model) for stage in list(stages)[1:]]
     seen: set[str] = set()
     for sub in reversed(out):  # what no later subgraph reads (llm-compressor's trace_consumed_names)
