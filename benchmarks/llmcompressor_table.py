@@ -1,7 +1,7 @@
 """The llm-compressor table (docs/handoff/llm-compressor-table.md): for every transformers causal-LM
 type that builds tiny, the MoE types and the VLMs, whether llm-compressor's own tracer and fxprep's
 stages make subgraphs, whether those reproduce the model (every sequential target's inputs and
-outputs against eager, :func:`fxprep.compat.llmcompressor.check.compare_subgraphs`), whether GPTQ
+outputs against eager, :func:`fxprep.compat.llmcompressor.reproduce.compare_subgraphs`), whether GPTQ
 ``oneshot`` runs through ``pipeline="fxprep"``, and whether its model is bit-identical to
 ``pipeline="sequential"``'s.
 
@@ -89,7 +89,7 @@ def _reproduces(model: Any, make_subgraphs: Any, batch: dict[str, Any]) -> dict[
     from llmcompressor.args import DatasetArguments
     from llmcompressor.utils.pytorch.module import infer_sequential_targets
 
-    from fxprep.compat.llmcompressor.check import compare_subgraphs
+    from fxprep.compat.llmcompressor.reproduce import compare_subgraphs
     from fxprep.compat.llmcompressor.subgraphs import ALL, calibration_context, repeated_blocks
 
     targets = infer_sequential_targets(model, None)

@@ -16,7 +16,7 @@ from llmcompressor.utils.pytorch.module import infer_sequential_targets
 from torch import nn
 
 import fxprep.compat.llmcompressor as fxlc
-from fxprep.compat.llmcompressor.check import compare_subgraphs
+from fxprep.compat.llmcompressor.reproduce import compare_subgraphs
 from fxprep.errors import InputMismatch, InvalidInput, MissingDependency, TraceFailure
 
 from .lc_models import calibration, causal_lm
@@ -51,7 +51,7 @@ def test_every_layer_receives_what_it_receives_in_eager(model_type):
     handle = model.model.layers[0].register_forward_pre_hook(lambda m, a, k: seen.append(k.get("attention_mask")),
                                                              with_kwargs=True)
     with calibration(model):
-        fxlc.check.run_subgraphs(model, subgraphs, sample)
+        fxlc.reproduce.run_subgraphs(model, subgraphs, sample)
     handle.remove()
     assert isinstance(seen[0], torch.Tensor) and seen[0].dim() == 4  # the causal mask eager attention adds
 

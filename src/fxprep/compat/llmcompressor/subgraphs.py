@@ -29,7 +29,7 @@ from ...errors import EquivalenceError, InputMismatch, InvalidInput, TraceFailur
 from ...partition import Stage, Stages, partition
 from ...prepared import INPUT_SPEC
 from ...report import Report
-from .check import Difference, compare_subgraphs
+from .reproduce import Difference, compare_subgraphs
 from .twin import Twin, bind_to_model, plain_twin
 
 
@@ -296,7 +296,7 @@ def _targets_called(gm: Any, names: list[str], report: Report) -> None:
 def _check_on_model(model: nn.Module, subgraphs: list[FxprepSubgraph], sample: Mapping[str, Any],
                     targets: list[tuple[str, nn.Module]]) -> Difference | None:
     """The stages against the model itself on the first batch, every target's inputs and outputs
-    (:func:`.check.compare_subgraphs`); None where the model holds no values (on ``meta``)."""
+    (:func:`.reproduce.compare_subgraphs`); None where the model holds no values (on ``meta``)."""
     if not _holds_values(model):
         return None
     with calibration_context(model):
