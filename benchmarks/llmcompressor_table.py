@@ -115,7 +115,7 @@ def _gptq(folder: str, name: str, batch: dict[str, Any], pipeline: str) -> dict[
     """GPTQ W8A16 through ``pipeline``; the quantized state and the logits on ``batch``."""
     import torch
     from llmcompressor.modifiers.quantization import GPTQModifier
-    from tests.llmcompressor.lc_models import batches_loader, oneshot_state, token_data
+    from tests.llmcompressor.lc_models import batches_loader, oneshot_state, token_data, tokenizer
 
     model = _load(folder)
     vocab = model.config.get_text_config().vocab_size
@@ -124,7 +124,8 @@ def _gptq(folder: str, name: str, batch: dict[str, Any], pipeline: str) -> dict[
     recipe = GPTQModifier(config_groups=W8_CHANNEL, ignore=["lm_head", "re:.*visual.*", "re:.*vision.*"])
     # in order: shuffling draws from torch's global generator, which the runs before left elsewhere, and
     # GPTQ's sums of another order can round one weight otherwise
-    state = oneshot_state(model, recipe, data, pipeline, shuffle_calibration_samples=False)
+    # the tokenizer as processor: a multimodal type's folder has no image processor, and oneshot asks for one
+    state = oneshot_state(model, recipe, data, pipeline, shuffle_calibration_samples=False, processor=tokenizer(vocab))
     with torch.no_grad():
         out = model(**batch)
     return {"state": state, "logits": getattr(out, "logits", None)}

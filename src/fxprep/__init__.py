@@ -30,7 +30,7 @@ from .io import load, save
 from .opaque import opaque
 from .partition import Stage, Stages, partition
 from .report import Report
-from .reproduce import TraceReport, check_traceability
+from .check import TraceReport, check_traceability
 from .sequential import SequentialRun, run_sequential
 from .version import __version__
 from .view import show

@@ -44,6 +44,7 @@ class Capture:
     subgraphs: list[FxprepSubgraph] = field(default_factory=list)
     check: Difference | None = None  # the stages against the model, where the capture could not verify
     stood_in: list[str] = field(default_factory=list)  # kept-whole modules that could not run on meta
+    not_run: list[str] = field(default_factory=list)  # targets the sample does not run (no stage of their own)
 
 
 LAST: list[Capture] = []  # the last capture, for inspection (``last_capture()``)
@@ -226,6 +227,7 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
         targets = repeated_blocks(model)
     else:
         targets = [(name, module) for name, module in match_named_modules(model, sequential_targets)]
+    targets = [(n, m) for n, m in targets if not any(n.startswith(o + ".") for o, _ in targets)]  # outermost
     if not targets:
         classes = sorted({type(m).__name__ for m in model.modules()})
         raise InvalidInput(f"no module of {type(model).__name__} matches sequential_targets={sequential_targets!r}; "
@@ -243,12 +245,13 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
         gm = api.prepare_model(twin.root, whole, example_inputs=example, verify=twin.real, progress=False,
                                name=type(model).__name__)
     report = api.get_report(gm)
-    _targets_called(gm, [name for name, _ in targets], report)
+    not_run = _targets_called(gm, [name for name, _ in targets], report)
+    targets = [(name, module) for name, module in targets if name not in not_run]
     bind_to_model(gm, twin)
     stages = partition(gm, targets=[name for name, _ in targets], blocks_per_stage=targets_per_subgraph,
                        between="previous")
     subgraphs = _subgraphs(stages, model, tuple(example), gm)
-    capture = Capture(gm, report, twin, subgraphs, stood_in=stood_in)
+    capture = Capture(gm, report, twin, subgraphs, stood_in=stood_in, not_run=not_run)
     LAST[:] = [capture]
     if not twin.real:  # captured on meta stand-ins: checked on the model itself, its weights onloaded as they run
         capture.check = _check_on_model(model, subgraphs, sample_input, targets)
@@ -278,19 +281,21 @@ def _shaped_like_input(module: nn.Module, name: str, stood_in: list[str]) -> Any
     return run
 
 
-def _targets_called(gm: Any, names: list[str], report: Report) -> None:
-    """Each target must be one call of the graph; one that is not sits inside a part fxprep could not
-    capture and kept whole (the report's diagnosis says why)."""
+def _targets_called(gm: Any, names: list[str], report: Report) -> list[str]:
+    """Each target must be one call of the graph, unless the sample does not run it (a VLM's vision
+    blocks with text alone): returns those. A target inside a part fxprep could not capture and had to
+    keep whole (the report's diagnosis says why) cannot be a stage: refused."""
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     lost = [n for n in names if n not in called]
-    if not lost:
-        return
-    holders = sorted({p for p in report.leaves if any(t == p or t.startswith(p + ".") for t in lost)})
-    where = (f"inside {', '.join(holders)}, which fxprep kept whole ({'; '.join(report.leaves[h] for h in holders)})"
-             if holders else "nowhere in the captured graph")
-    raise TraceFailure(f"the sequential targets {lost[:4]}{' ...' if len(lost) > 4 else ''} are {where}, so the "
-                       f"stages cannot be cut there. Fix the code fxprep names below, or choose sequential_targets "
-                       f"outside that part.\n{report}")
+    opaque = {p: why for p, why in report.leaves.items() if why != "modules_to_exclude"}  # fxprep's fallback's
+    holders = sorted({p for p in opaque for t in lost if t.startswith(p + ".")})
+    if holders:
+        inside = [t for t in lost if any(t.startswith(p + ".") for p in holders)]
+        raise TraceFailure(f"the sequential targets {inside[:4]}{' ...' if len(inside) > 4 else ''} are inside "
+                           f"{', '.join(holders)}, which fxprep kept whole ({'; '.join(opaque[h] for h in holders)}), so "
+                           "the stages cannot be cut there. Fix the code fxprep names below, or choose "
+                           f"sequential_targets outside that part.\n{report}")
+    return lost
 
 
 def _check_on_model(model: nn.Module, subgraphs: list[FxprepSubgraph], sample: Mapping[str, Any],
@@ -332,6 +337,9 @@ def _log(capture: Capture) -> None:
                if capture.twin.real else
                f"captured on meta stand-ins; stages checked on the model: {capture.check}" if capture.check is not None
                else "captured on meta stand-ins; not checked (the model's weights are on meta)")
+    if capture.not_run:
+        checked += (f"; {len(capture.not_run)} sequential target(s) do not run on the first batch and have no stage "
+                    f"({capture.not_run[0]}, ...)")
     if capture.stood_in:
         checked += (f"; {len(capture.stood_in)} module(s) kept whole could not run on meta ({capture.stood_in[0]}, ...): "
                     "their outputs were taken to be shaped like their first input")
