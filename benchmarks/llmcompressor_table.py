@@ -310,8 +310,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--out", default=str(ROOT / "docs" / "handoff" / "llm-compressor-table.md"))
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--merge", default=None, help="a JSON of an earlier run: the models named are measured again, "
+                                                      "the others kept, and the whole table written")
     args = parser.parse_args()
-    names = args.models or sorted(set(causal_types()) | set(MOE)) + VLMS
+    everything = sorted(set(causal_types()) | set(MOE)) + VLMS
+    names = args.models or everything
     import llmcompressor
     import torch
     import transformers
@@ -322,9 +325,15 @@ def main() -> None:
     start = time.perf_counter()
     rows = run(names, args.timeout)
     seconds = time.perf_counter() - start
+    if args.merge:
+        earlier = json.loads(Path(args.merge).read_text())
+        again = {r["model"]: r for r in rows}
+        rows = [again.get(r["model"], r) for r in earlier["rows"]]
+        rows += [r for r in again.values() if r["model"] not in {e["model"] for e in earlier["rows"]}]
+        seconds += earlier.get("seconds", 0.0)
     if args.json:
-        Path(args.json).write_text(json.dumps({"environment": environment, "rows": rows}, indent=1))
-    if not args.models:
+        Path(args.json).write_text(json.dumps({"environment": environment, "rows": rows, "seconds": seconds}, indent=1))
+    if not args.models or args.merge:
         Path(args.out).write_text(markdown(rows, environment, seconds))
         print(f"wrote {args.out}")
     else:

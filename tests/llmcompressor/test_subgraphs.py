@@ -152,6 +152,35 @@ class _Toy(nn.Module):
         return self.encoder(self.emb(input_ids))
 
 
+class _Recurrent(nn.Module):
+    """Its blocks run twice per call (a recurrent model's cycles, HRM's): each call must reach the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        for _ in range(2):
+            for layer in self.layers:
+                h = layer(h) + h
+        return h
+
+
+def test_a_layer_called_several_times_is_the_models_module_at_every_call():
+    model = _Recurrent().eval()
+    sample = {"input_ids": torch.randint(0, 16, (1, 5))}
+    subgraphs = fxlc.fxprep_subgraphs(model, sample, ["_Block"], IGNORE, 1)
+    calls = []
+    handle = model.layers[0].register_forward_hook(lambda m, a, o: calls.append(1))
+    with torch.no_grad():
+        found = compare_subgraphs(model, subgraphs, sample, [(f"layers.{i}", b) for i, b in enumerate(model.layers)])
+    handle.remove()
+    assert found.equal and found.calls == 4, str(found)
+    assert len(calls) == 4  # twice in eager, twice through the subgraphs: no unrolled copy took a call
+
+
 def test_targets_inside_code_fxprep_cannot_capture_are_refused_with_the_diagnosis():
     model = _Toy().eval()
     with pytest.raises(TraceFailure) as info:

@@ -242,8 +242,10 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
             names = {id(m): n for n, m in twin.root.named_modules()}
             for module in whole:
                 module.__dict__["forward"] = _shaped_like_input(module, names[id(module)], stood_in)
+        # unroll=False: a layer called several times (a recurrent model's cycles) stays the model's one
+        # module at every call, so its hooks see every call as in eager (an unrolled copy has none)
         gm = api.prepare_model(twin.root, whole, example_inputs=example, verify=twin.real, progress=False,
-                               name=type(model).__name__)
+                               name=type(model).__name__, unroll=False)
     report = api.get_report(gm)
     not_run = _targets_called(gm, [name for name, _ in targets], report)
     targets = [(name, module) for name, module in targets if name not in not_run]
