@@ -12,6 +12,7 @@ Public API::
 """
 
 from .api import get_report, prepare_model
+from .check import TraceReport, check_traceability
 from .errors import (
     EquivalenceError,
     ExportError,
@@ -30,7 +31,6 @@ from .io import load, save
 from .opaque import opaque
 from .partition import Stage, Stages, partition
 from .report import Report
-from .check import TraceReport, check_traceability
 from .sequential import SequentialRun, run_sequential
 from .version import __version__
 from .view import show
