@@ -203,6 +203,29 @@ def test_a_batch_with_other_keys_is_an_input_mismatch():
         subgraphs[0].forward(model, input_ids=batch(model)["input_ids"])
 
 
+class _FixedLength(nn.Module):
+    """Its code holds the example's length (a reshape to 5 tokens): another length cannot run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids).reshape(1, 5, 8)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def test_a_batch_the_graph_was_not_captured_for_is_checked_then_refused_or_taken():
+    model = _FixedLength().eval()
+    subgraphs = fxlc.fxprep_subgraphs(model, {"input_ids": torch.randint(0, 16, (1, 5))}, ["_Block"], IGNORE, 1)
+    with torch.no_grad(), pytest.raises(InputMismatch, match="do not run on it"):
+        fxlc.reproduce.run_subgraphs(model, subgraphs, {"input_ids": torch.randint(0, 16, (1, 6))})
+    assert subgraphs[0].accepted == set()
+
+
 def test_without_llmcompressor_the_import_names_the_extra(monkeypatch):
     for name in [n for n in sys.modules if n.startswith("fxprep.compat.llmcompressor")]:
         monkeypatch.delitem(sys.modules, name)

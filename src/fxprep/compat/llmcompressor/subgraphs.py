@@ -45,6 +45,7 @@ class Capture:
     check: Difference | None = None  # the stages against the model, where the capture could not verify
     stood_in: list[str] = field(default_factory=list)  # kept-whole modules that could not run on meta
     not_run: list[str] = field(default_factory=list)  # targets the sample does not run (no stage of their own)
+    targets: list[tuple[str, nn.Module]] = field(default_factory=list)  # those with a stage
 
 
 LAST: list[Capture] = []  # the last capture, for inspection (``last_capture()``)
@@ -73,6 +74,9 @@ class FxprepSubgraph:
         self.passes_on = passes_on  # graph inputs later subgraphs read: the first returns them
         self.input_names: set[str] = set(batch_keys) if binder is not None else set(stage.inputs)
         self.consumed_names: set[str] = set()
+        self.capture: Capture | None = None  # the first subgraph's: all subgraphs and the targets, to check a batch
+        self.accepted: set[Any] = set()  # shapes the graph was not captured for, checked against the model on a batch
+        self._checking = False
 
     @property
     def name(self) -> str:
@@ -100,17 +104,46 @@ class FxprepSubgraph:
                                 "the dataset needs the same columns.")
         assert self.binder is not None
         spec = self.gm.__dict__.get(INPUT_SPEC) if self.gm is not None else None
-        if spec is not None:  # the stages hold no input check of their own: the graph's, before any runs
+        if spec is not None and not self._checking:  # the stages hold no input check of their own: the graph's
             try:
                 guard.check(self.gm, spec, (), dict(inputs))
             except InputMismatch as err:
-                raise InputMismatch(f"{err}\nWith llm-compressor: give every calibration sample the shape the graph "
-                                    "was captured for (pad or truncate them to one length: max_seq_length with "
-                                    "padding), or capture on a sample of the shape you calibrate with.") from None
+                self._check_on_batch(inputs, err)
         try:
             return self.binder.bind(**inputs)
         except TypeError as err:
             raise InputMismatch(f"the calibration batch does not fit the captured graph's inputs: {err}") from None
+
+    def _check_on_batch(self, inputs: Mapping[str, Any], mismatch: InputMismatch) -> None:
+        """A batch shaped otherwise than the graph was captured for, where Dynamo fixed a size (a VLM's
+        patch count, a length): accepted when the stages reproduce the model on it, every target's
+        inputs and outputs compared (once per distinct shape, the modifiers' hooks off), else refused.
+        A size the graph really holds fails there (or earlier, in a stage) and is named."""
+        shape = tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in sorted(inputs.items()))
+        if shape in self.accepted:
+            return
+        advice = ("With llm-compressor: give every calibration sample the shape the graph was captured for (pad or "
+                  "truncate them to one length: max_seq_length with padding), or capture on a sample of the shape "
+                  "you calibrate with.")
+        if self.capture is None:
+            raise InputMismatch(f"{mismatch}\n{advice}") from None
+        from llmcompressor.modifiers.utils.hooks import HooksMixin
+
+        self._checking = True
+        try:
+            with HooksMixin.disable_hooks():
+                found = compare_subgraphs(self.model, self.capture.subgraphs, dict(inputs), self.capture.targets)
+        except Exception as err:  # noqa: BLE001 - a stage that cannot run on this shape: the mismatch, with why
+            raise InputMismatch(f"{mismatch}\nThe stages do not run on it: {type(err).__name__}: {err}\n{advice}") from None
+        finally:
+            self._checking = False
+        if not found.equal:
+            raise InputMismatch(f"{mismatch}\nThe stages do not reproduce the model on it: {found}.\n{advice}") from None
+        self.accepted.add(shape)
+        from loguru import logger
+
+        logger.info(f"fxprep: a batch shaped {dict(shape)} is not the capture's; its stages reproduce the model on it "
+                    f"({found}): calibrating on it.")
 
     def submodules(self, model: nn.Module, recurse: bool = True) -> list[nn.Module]:
         """The model's modules this subgraph calls or reads tensors of (fxprep's own op modules left
@@ -253,7 +286,8 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
     stages = partition(gm, targets=[name for name, _ in targets], blocks_per_stage=targets_per_subgraph,
                        between="previous")
     subgraphs = _subgraphs(stages, model, tuple(example), gm)
-    capture = Capture(gm, report, twin, subgraphs, stood_in=stood_in, not_run=not_run)
+    capture = Capture(gm, report, twin, subgraphs, stood_in=stood_in, not_run=not_run, targets=targets)
+    subgraphs[0].capture = capture
     LAST[:] = [capture]
     if not twin.real:  # captured on meta stand-ins: checked on the model itself, its weights onloaded as they run
         capture.check = _check_on_model(model, subgraphs, sample_input, targets)
