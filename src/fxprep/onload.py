@@ -46,16 +46,18 @@ from .weight_store import Home, LoaderHome, Pending, TensorHome, home_of, save_i
 @dataclass(eq=False)
 class Slot:
     """One tensor of the model. ``places``: ``(module, name, object it held when the run began)``;
-    ``homes``: where its value lives when offloaded (empty: resident); ``name``: its first path."""
+    ``homes``: where its value lives (written back to every one); ``resident``: the real tensor some
+    place holds, computed with as it is (None: offloaded, read from ``homes[0]``); ``name``: its first path."""
 
     name: str
     places: list[tuple[nn.Module, str, torch.Tensor]]
     homes: list[Home] = field(default_factory=list)
     keys: set[Any] = field(default_factory=set)  # identities that make two places one tensor
+    resident: torch.Tensor | None = None
 
     @property
     def like(self) -> torch.Tensor:
-        return self.places[0][2]
+        return self.resident if self.resident is not None else self.places[0][2]
 
 
 @dataclass(eq=False)
@@ -98,19 +100,12 @@ class Onloader:
     # --- the run's beginning and end ---------------------------------------------------------------
     def attach(self) -> None:
         """Slots found; tensors of modules without an offload hook offloaded by fxprep (``mode``)."""
-        hooked = {id(m): _offload_hook(m) for m in self.owners.values()}
-        managed = {}
+        managed = {}  # every tensor an offload hook keeps in its weights map (on meta, or tied to a real one)
         for module in self.owners.values():
-            hook = hooked[id(module)]
+            hook = _offload_hook(module)
             if hook is not None:
                 for name in _managed(module, hook):
                     managed[(id(module), name)] = home_of(hook.weights_map, name)
-        empty = [f"{path}.{n}" for path, m in self.owners.items() for n, t in _tensors(m)
-                 if t.is_meta and (id(m), n) not in managed]
-        if empty:
-            raise InvalidInput(f"{len(empty)} weight(s) are on 'meta' and no offload hook holds their values "
-                               f"({', '.join(empty[:4])}{'...' if len(empty) > 4 else ''}): load them first "
-                               f"(fxprep.load_weights, with a device_map to keep them on disk).")
         by_key: dict[Any, Slot] = {}
         for path, module in self.owners.items():
             for name, tensor in _tensors(module):
@@ -126,11 +121,20 @@ class Onloader:
                     slot = _merged(other, slot)
                 for k in slot.keys:
                     by_key[k] = slot
+        empty = []
         for slot in {id(s): s for s in by_key.values()}.values():
-            if slot.homes:  # a tie between an offloaded place and a resident one: the resident tensor is a home too
-                slot.homes += [TensorHome(t) for _, _, t in slot.places if not t.is_meta]
+            real = list({id(t): t for _, _, t in slot.places if not t.is_meta}.values())
+            if real:  # computed with where it is; a copy a hook keeps (tied weights) is written too
+                slot.resident = real[0]
+                slot.homes = [TensorHome(t) for t in real] + slot.homes
+            elif not slot.homes:
+                empty.append(slot.name)
             for module, name, _ in slot.places:
                 self.slots[(id(module), name)] = slot
+        if empty:
+            raise InvalidInput(f"{len(empty)} weight(s) are on 'meta' and no offload hook holds their values "
+                               f"({', '.join(empty[:4])}{'...' if len(empty) > 4 else ''}): load them first "
+                               f"(fxprep.load_weights, with a device_map to keep them on disk).")
         if self.mode is not None:
             self._offload_own()
 
@@ -140,7 +144,8 @@ class Onloader:
         from accelerate.utils import OffloadedWeightsLoader, offload_weight
 
         own = {id(s): s for s in self.slots.values()
-               if not s.homes and not any(_offload_hook(m) is not None or _non_persistent(m, n) for m, n, _ in s.places)}
+               if s.resident is not None and len(s.homes) == 1
+               and not any(_offload_hook(m) is not None or _non_persistent(m, n) for m, n, _ in s.places)}
         if self.mode == "disk" and own:
             assert self.folder is not None
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -149,11 +154,11 @@ class Onloader:
                 offload_weight(slot.like.detach().cpu(), slot.name, str(self.folder), index=index)
             self._loader = OffloadedWeightsLoader(save_folder=str(self.folder), index=index)
         for slot in own.values():
-            original = slot.like
-            slot.homes = ([LoaderHome(self._loader, slot.name)] if self._loader is not None else []) + [TensorHome(original)]
+            if self._loader is not None:
+                slot.homes.insert(0, LoaderHome(self._loader, slot.name))
+            slot.resident = None
             for module, name, tensor in slot.places:
-                placeholder = _like(tensor, tensor.detach().to("meta"))
-                _registry(module, name)[name] = placeholder
+                _registry(module, name)[name] = _like(tensor, tensor.detach().to("meta"))
                 self._ours.append((module, name, tensor))
             slot.places = [(m, n, _registry(m, n)[n]) for m, n, _ in slot.places]
 
@@ -194,9 +199,12 @@ class Onloader:
 
     def _load(self, slot: Slot, places: list[tuple[nn.Module, str, torch.Tensor]]) -> Loaded:
         like = slot.like
-        if not slot.homes:  # resident: computed with as it is
+        if slot.resident is not None:  # computed with as it is (at a place of the tie on meta too)
             before = like.detach().clone() if self.watch else None
             owned = before.untyped_storage().nbytes() if before is not None else 0
+            for module, name, tensor in places:
+                if tensor is not like:
+                    _registry(module, name)[name] = like
             return Loaded(slot, places, like, before, owned)
         home = slot.homes[0]
         source = home.read()
@@ -241,7 +249,7 @@ class Onloader:
         loaders: dict[int, Any] = {}
         try:
             for item, value in changes:
-                homes = item.slot.homes or [TensorHome(item.slot.like)]
+                homes = item.slot.homes
                 tie = _tie(item.slot)
                 for home in homes:
                     if isinstance(home, LoaderHome):
@@ -264,7 +272,7 @@ class Onloader:
         """Resident slots' before-images put back (offloaded homes were not written)."""
         with torch.no_grad():
             for item in weights.loaded:
-                if item.slot.homes or item.before is None:
+                if item.slot.resident is None or item.before is None:
                     continue
                 like = item.slot.like
                 if not same_bits(like, item.before):
@@ -288,7 +296,7 @@ class Onloader:
         """``value`` at every place of ``item`` in the stage (a weight update another rank made): a
         copy placed there, or for a resident slot copied into its own object, put back there."""
         like = item.slot.like
-        if not item.slot.homes:
+        if item.slot.resident is not None:
             with torch.no_grad():
                 like.copy_(value)
             placed = like
@@ -351,7 +359,22 @@ def _managed(module: nn.Module, hook: Any) -> list[str]:
 
     names = [n for n, _ in named_module_tensors(module, include_buffers=hook.offload_buffers, recurse=False,
                                                  remove_non_persistent=True)]
-    return [n for n in names if _registry(module, n).get(n) is not None and _registry(module, n)[n].is_meta]
+    return [n for n in names if _registry(module, n).get(n) is not None and n in _map_keys(hook.weights_map, n)]
+
+
+def _map_keys(weights_map: Any, name: str) -> set[str]:
+    """``{name}`` if ``weights_map`` holds ``name`` (accelerate's maps are lazy: asked, not listed)."""
+    from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset
+
+    key, inner = name, weights_map
+    while isinstance(inner, PrefixedDataset):
+        key, inner = inner.prefix + key, inner.dataset
+    if isinstance(inner, OffloadedWeightsLoader):
+        return {name} if key in inner.state_dict or key in inner.index else set()
+    try:
+        return {name} if key in inner else set()
+    except TypeError:
+        return set()
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
