@@ -192,7 +192,7 @@ class Ranks:
         dist.all_reduce(rows, group=self.group)
         counts = rows.to(observer.histogram.device)
         with torch.no_grad():
-            for row, (*_, (low, high)) in enumerate(ordered):
+            for row, (low, high) in enumerate(ranges):
                 _histogram_update(observer, low, high, counts[row])
 
     # --- weight updates -------------------------------------------------------------------------------------
