@@ -76,3 +76,16 @@ def test_a_meta_model_with_meta_inputs_is_not_stood_in() -> None:
     assert needed(meta_model, inputs) and not needed(model, inputs)
     del model, meta_model
 
+
+
+def test_copy_true_keeps_the_copy_on_meta() -> None:
+    """copy=True with stand-ins: the copy is made on meta first, so the graph holds the copy's meta
+    tensors (not zeros in memory) and shares none with the model."""
+    model, inputs = vlm_models.llava_pixtral()
+    with torch.device("meta"):
+        meta_model = type(model)(model.config).eval()
+    del model
+    example = {k: v.to("meta") if v.is_floating_point() else v for k, v in inputs.items()}
+    gm = fxprep.prepare_model(meta_model, example_inputs=example, verify=False, copy=True)
+    assert all(p.is_meta for p in gm.parameters())
+    assert not {id(p) for p in gm.parameters()} & {id(p) for p in meta_model.parameters()}

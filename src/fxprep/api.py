@@ -94,6 +94,10 @@ def prepare_model(
 
     Options are keyword-only; see :class:`fxprep.options.PrepareOptions`.
     """
+    if options.get("copy") is True and stand_ins.needed(model, example_inputs):
+        # copied on meta (free), then stood in: a copy of the stand-ins would be zeros in memory
+        model, modules_to_exclude = _independent_copy(model, modules_to_exclude)
+        options = {**options, "copy": False}
     with stand_ins.standing_in(model, example_inputs) as (example, finish):
         gm = _prepare_model(model, modules_to_exclude, module_classes_to_exclude, concrete_args, example, options)
         if example is not example_inputs:  # meta tensors stood in: the graph holds them again
