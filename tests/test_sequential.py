@@ -3,7 +3,10 @@
 Checked on a tiny Llama: the outputs equal the whole graph's for every offload and cache mode; while
 a stage runs, only its weights are held by the model's modules (an independent count of every
 tensor not on ``meta``, next to the runner's own accounting); weights ``on_stage`` changes are
-written back; the model is left as found (same tensor objects, no hooks).
+written back; the model is left as found (same tensor objects, no hooks); what a user can get wrong
+(batches, on_stage's signature, devices) is refused before any module runs. Write-back wherever the
+weights live, transactions and offload folders: tests/test_sequential_transactions.py; ranks:
+tests/test_sequential_ranks.py.
 """
 
 from __future__ import annotations
