@@ -102,6 +102,11 @@ class Stages(list):
 
         if self._spec is not None:
             guard.check_inputs(self._binder, self._spec, args, kwargs)
+        return self.bind_unchecked(*args, **kwargs)
+
+    def bind_unchecked(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """:meth:`bind` without the input spec's check, for a caller that checked the call another way
+        (llm-compressor's adapter runs the stages against the model on a batch shaped otherwise)."""
         try:
             flat = self._binder(*args, **kwargs)
         except TypeError as err:

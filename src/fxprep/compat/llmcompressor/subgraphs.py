@@ -109,9 +109,9 @@ class FxprepSubgraph:
                 guard.check(self.gm, spec, (), dict(inputs))
             except InputMismatch as err:
                 self._check_on_batch(inputs, err)
-        try:
-            return self.binder.bind(**inputs)
-        except TypeError as err:
+        try:  # checked above (the spec, or the stages against the model on this batch)
+            return self.binder.bind_unchecked(**inputs)
+        except (TypeError, InvalidInput) as err:
             raise InputMismatch(f"the calibration batch does not fit the captured graph's inputs: {err}") from None
 
     def _check_on_batch(self, inputs: Mapping[str, Any], mismatch: InputMismatch) -> None:
