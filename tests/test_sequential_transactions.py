@@ -314,3 +314,20 @@ def test_a_load_weights_offload_dir_is_reused_by_name(saved: Any, dtype: torch.d
     assert sizes[0] == sizes[1] == sizes[2] and sizes[0][0] == len(first)
     loaded()
     assert _digest(tmp_path) == first
+
+
+def test_clearing_an_offload_folder_removes_nothing_outside_it(tmp_path: Path) -> None:
+    """The folder's index.json is read from a folder the user chose: names in it that reach outside
+    the folder (``../x``, absolute paths) are not removed when the folder is cleaned."""
+    from fxprep import weight_store
+
+    folder, outside = tmp_path / "offload", tmp_path / "precious"
+    folder.mkdir()
+    outside.mkdir()
+    (outside / "keep.dat").write_text("not fxprep's")
+    (folder / "w.dat").write_text("fxprep's")
+    names = {"w": {}, "../precious/keep": {}, str(outside / "keep"): {}}
+    (folder / "index.json").write_text(json.dumps(names))
+    assert weight_store.clear_folder(str(folder)) == 2  # w.dat and index.json
+    assert (outside / "keep.dat").read_text() == "not fxprep's"
+    assert not (folder / "w.dat").exists()

@@ -211,6 +211,11 @@ def clear_folder(folder: str) -> int:
     except (OSError, ValueError):
         pass
     for name in names:
+        # The index is a file in a folder a user chose, not fxprep's: a name that is not a plain
+        # file name (``../x``, an absolute path, a separator) would make this remove files
+        # outside the folder, so only names that stay inside it are taken.
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            continue
         removed += _unlink(os.path.join(folder, f"{name}.dat"))
     for entry in os.scandir(folder):
         if entry.name.endswith(f"{PARTIAL}.dat") or entry.name == "index.json" + PARTIAL:
