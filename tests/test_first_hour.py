@@ -304,6 +304,16 @@ def test_argument_errors_are_found_before_torch_is_imported(float32_checkpoint, 
         assert says in proc.stderr
 
 
+def test_the_readme_command_writes_its_view_into_a_new_folder(tmp_path, monkeypatch) -> None:
+    """The README's ``fxprep prepare ... -o out/resnet50 --show out/resnet50.html`` exited 4 in a fresh
+    directory ("cannot write the graph view to out/resnet50.html: No such file or directory"): the view
+    was written before the save made out/ (found by tests/newcomer.py)."""
+    monkeypatch.chdir(tmp_path)
+    result = invoke("prepare", "demo:ModelWithReusedReLU", "-o", "out/m", "--show", "out/m.html")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "m.html").is_file() and (tmp_path / "out" / "m" / "manifest.json").is_file()
+
+
 def test_did_you_mean_for_model_names() -> None:
     result = invoke("prepare", "torchvision:resnet181")
     assert result.exit_code == 2 and "Did you mean resnet18" in result.stderr

@@ -219,7 +219,7 @@ class Report:
                 lines.extend("    " + t for t in (i.to_text() if hasattr(i, "to_text") else str(i)).splitlines())
         if self.notes:
             lines.append("  notes:")
-            for text, members in group_notes(self.notes):
+            for text, members in group_notes(self.notes if verbose else _short_notes(self.notes)):
                 lines.append(f"    ! {text}")
                 lines.extend(f"        {m}" for m in members)
         if self.timings:
@@ -309,6 +309,22 @@ class Report:
 
 
 SHORT_LIST = 8  # lists longer than this are counted, not listed, in the short text
+
+
+_OWN_CAPTURE = re.compile(r"^block reuse: '(?P<block>[^']+)' was captured on its own: ")
+
+
+def _short_notes(notes: list[str]) -> list[str]:
+    """The notes for the short text: each block that block reuse captured on its own (a note each,
+    saying why: six for a ResNet-18) counted in one note; the verbose text keeps every one."""
+    alone = [m["block"] for m in map(_OWN_CAPTURE.match, notes) if m is not None]
+    if len(alone) < 2:
+        return notes
+    out = [n for n in notes if not _OWN_CAPTURE.match(n)]
+    shown = ", ".join(alone[:4]) + (", ..." if len(alone) > 4 else "")
+    out.append(f"block reuse: {len(alone)} blocks were captured on their own ({shown}): the model's code or "
+               f"parameters differ from the blocks before them; the verbose report says how, block by block.")
+    return out
 
 
 def _by_class(added: list[AddedModule]) -> str:

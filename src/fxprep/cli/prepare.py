@@ -168,6 +168,7 @@ def prepare_command(
         if not as_json:
             out.print_report(report, verbose=verbose)
         if show is not None:
+            show.parent.mkdir(parents=True, exist_ok=True)  # `--show out/x.html -o out/x`: out/ made by neither yet
             fxprep.show(gm, show, example_inputs=built.example_inputs)
             result["view"] = str(show)
             clock.lap("graph view")
