@@ -16,15 +16,18 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # What the demo needs and no more: torch, torchvision and transformers, no toolkit (AIMET, NNCF...),
-# no test or docs tools. pip shows what it downloads; each step says what it is doing and how long it
-# takes, since a first install is minutes of downloads. An environment `make test` set up is used as it is.
+# no test or docs tools: 65 packages, not 200. pip shows what it downloads; each step says what it is
+# doing, since a first install is minutes of downloads. torch is what pip picks by default (on Linux with
+# its CUDA libraries, ~5 GB of the ~5.7 GB); DEMO_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# takes torch's CPU build (~1 GB) instead. An environment `make test` set up is used as it is.
+DEMO_PIP_ARGS ?=
 $(DEMO_STAMP): pyproject.toml
 	@echo "make demo [1/3]: a virtual environment in $(VENV)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@echo "make demo [2/3]: installing fxprep and the model zoos the demo prepares (torch, torchvision, transformers);"
-	@echo "                 the first time this downloads about 1 GB (torch's CPU build) to a few GB (with CUDA)"
-	$(BIN)/python -m pip install --progress-bar on -e ".[demo]"
+	@echo "                 the first time this downloads ~1 GB (torch's CPU build) to ~5 GB (with CUDA): minutes"
+	$(BIN)/python -m pip install --progress-bar on $(DEMO_PIP_ARGS) -e ".[demo]"
 	touch $(DEMO_STAMP)
 
 DEMO_ENV := $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fxprep", help="the fxprep command to run (default: this Python's fxprep.cli)")
     parser.add_argument("--only-mistakes", action="store_true", help="the mistakes only (seconds, not minutes)")
     opts = parser.parse_args(argv)
-    fxprep = [opts.fxprep] if opts.fxprep else [sys.executable, "-c", "from fxprep.cli import console_main; console_main()"]
+    fxprep = [os.path.abspath(opts.fxprep)] if opts.fxprep else [sys.executable, "-c", "from fxprep.cli import console_main; console_main()"]
     version = subprocess.run([*fxprep, "--version"], capture_output=True, text=True).stdout.split()[-1:] or ["?"]
     import torch
 
