@@ -246,9 +246,10 @@ class Report:
         if verbose:
             lines += [f"    + {m.name} ({m.cls}): {m.reason}" for m in self.added]
         if self.unrolled:
+            listed = verbose or len(self.unrolled) <= 4  # a few are read at a glance (AIMET's example: relu -> relu_1..3)
             lines.append(f"  reused modules unrolled: {len(self.unrolled)}"
-                         + ("" if verbose else f" ({sum(len(u.copies) for u in self.unrolled)} copies)"))
-            for u in self.unrolled if verbose else []:
+                         + ("" if listed else f" ({sum(len(u.copies) for u in self.unrolled)} copies)"))
+            for u in self.unrolled if listed else []:
                 kind = "shared parameters" if u.shared_parameters else "independent copies"
                 lines.append(f"    * {u.original} → {', '.join(u.copies)} ({kind})")
         if self.leaves:
