@@ -84,7 +84,3 @@ def __getattr__(name: str) -> Any:
         if err.name != f"{__name__}.{name}":
             raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if __name__ == "__main__":
-    console_main()
