@@ -331,7 +331,7 @@ def test_advice_is_given_in_flag_terms() -> None:
 
 
 # --- 8 and 10: Ctrl-C, --help and --version without torch -------------------------------------------
-FXPREP = [sys.executable, "-c", "import sys; from fxprep.cli import main; sys.argv[0] = 'fxprep'; main()"]
+FXPREP = [sys.executable, "-c", "import sys; from fxprep.cli import console_main; sys.argv[0] = 'fxprep'; console_main()"]
 SLOW_MODEL = """
     import pathlib
     import time

@@ -58,7 +58,8 @@ def console_main() -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe (`fxprep ... | head`)
             pass
-    atexit._run_exitfuncs()
+    if code != EXIT_INTERRUPTED:  # after a Ctrl-C a half-imported library's handler would only add noise
+        atexit._run_exitfuncs()
     os._exit(code)
 
 
