@@ -1,7 +1,7 @@
 """The llm-compressor table (docs/handoff/llm-compressor-table.md): for every transformers causal-LM
 type that builds tiny, the MoE types and the VLMs, whether llm-compressor's own tracer and fxprep's
 stages make subgraphs, whether those reproduce the model (every sequential target's inputs and
-outputs against eager, :func:`fxprep.compat.llmcompressor.check.compare_subgraphs`), whether GPTQ
+outputs against eager, :func:`fxprep.compat.llmcompressor.reproduce.compare_subgraphs`), whether GPTQ
 ``oneshot`` runs through ``pipeline="fxprep"``, and whether its model is bit-identical to
 ``pipeline="sequential"``'s.
 
@@ -89,7 +89,7 @@ def _reproduces(model: Any, make_subgraphs: Any, batch: dict[str, Any]) -> dict[
     from llmcompressor.args import DatasetArguments
     from llmcompressor.utils.pytorch.module import infer_sequential_targets
 
-    from fxprep.compat.llmcompressor.check import compare_subgraphs
+    from fxprep.compat.llmcompressor.reproduce import compare_subgraphs
     from fxprep.compat.llmcompressor.subgraphs import ALL, calibration_context, repeated_blocks
 
     targets = infer_sequential_targets(model, None)
@@ -115,14 +115,17 @@ def _gptq(folder: str, name: str, batch: dict[str, Any], pipeline: str) -> dict[
     """GPTQ W8A16 through ``pipeline``; the quantized state and the logits on ``batch``."""
     import torch
     from llmcompressor.modifiers.quantization import GPTQModifier
-    from tests.llmcompressor.lc_models import batches_loader, oneshot_state, token_data
+    from tests.llmcompressor.lc_models import batches_loader, oneshot_state, token_data, tokenizer
 
     model = _load(folder)
     vocab = model.config.get_text_config().vocab_size
     data = (batches_loader([batch, batch]) if name.startswith("vlm:")
             else token_data(samples=6, length=12, vocab=min(vocab, 99)))
     recipe = GPTQModifier(config_groups=W8_CHANNEL, ignore=["lm_head", "re:.*visual.*", "re:.*vision.*"])
-    state = oneshot_state(model, recipe, data, pipeline)
+    # in order: shuffling draws from torch's global generator, which the runs before left elsewhere, and
+    # GPTQ's sums of another order can round one weight otherwise
+    # the tokenizer as processor: a multimodal type's folder has no image processor, and oneshot asks for one
+    state = oneshot_state(model, recipe, data, pipeline, shuffle_calibration_samples=False, processor=tokenizer(vocab))
     with torch.no_grad():
         out = model(**batch)
     return {"state": state, "logits": getattr(out, "logits", None)}
@@ -163,9 +166,17 @@ def row(name: str) -> dict[str, Any]:
         ours = _gptq(folder, name, batch, "fxprep")
         out["gptq"] = {"ok": True}
     except Exception as err:  # noqa: BLE001 - a table row
-        out["gptq"] = {"ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
+        lines = str(err).splitlines() or [""]
+        said = lines[1].strip() if len(lines) > 1 and lines[1].startswith("  - ") else lines[0]  # a mismatch's detail
+        out["gptq"] = {"ok": False, "error": f"{type(err).__name__}: {said[:160]}"}
         return out
-    if out["llmcompressor"].get("ok"):
+    from llmcompressor.utils.pytorch.module import infer_sequential_targets
+
+    from fxprep.compat.llmcompressor.subgraphs import ALL
+
+    if infer_sequential_targets(model, None) in (ALL, [ALL]):
+        out["gptq"]["cut"] = "llm-compressor runs the model as one subgraph (no _no_split_modules)"
+    elif out["llmcompressor"].get("ok"):
         try:
             theirs = _gptq(folder, name, batch, "sequential")
         except Exception as err:  # noqa: BLE001 - a table row
@@ -261,7 +272,9 @@ def markdown(rows: list[dict[str, Any]], environment: dict[str, str], seconds: f
         gptq = r.get("gptq") or {}
         g = "-" if not gptq else ("yes" if gptq.get("ok") else f"no: {gptq.get('error', '')}")
         both = r.get("llmcompressor", {}).get("reproduces") and r.get("fxprep", {}).get("reproduces")
-        if "identical" in gptq:
+        if "cut" in gptq:
+            same = f"n/a: {gptq['cut']}"
+        elif "identical" in gptq:
             same = "yes" if gptq["identical"] else (f"no: {gptq['differ']} of {gptq['tensors']} tensors, logits "
                                                    f"{gptq['logits_diff']:.3g} apart" if gptq.get("logits_diff") is not None
                                                    else f"no: {gptq['differ']} of {gptq['tensors']} tensors")
@@ -297,8 +310,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--out", default=str(ROOT / "docs" / "handoff" / "llm-compressor-table.md"))
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--merge", default=None, help="a JSON of an earlier run: the models named are measured again, "
+                                                      "the others kept, and the whole table written")
     args = parser.parse_args()
-    names = args.models or sorted(set(causal_types()) | set(MOE)) + VLMS
+    everything = sorted(set(causal_types()) | set(MOE)) + VLMS
+    names = args.models or everything
     import llmcompressor
     import torch
     import transformers
@@ -309,9 +325,15 @@ def main() -> None:
     start = time.perf_counter()
     rows = run(names, args.timeout)
     seconds = time.perf_counter() - start
+    if args.merge:
+        earlier = json.loads(Path(args.merge).read_text())
+        again = {r["model"]: r for r in rows}
+        rows = [again.get(r["model"], r) for r in earlier["rows"]]
+        rows += [r for r in again.values() if r["model"] not in {e["model"] for e in earlier["rows"]}]
+        seconds += earlier.get("seconds", 0.0)
     if args.json:
-        Path(args.json).write_text(json.dumps({"environment": environment, "rows": rows}, indent=1))
-    if not args.models:
+        Path(args.json).write_text(json.dumps({"environment": environment, "rows": rows, "seconds": seconds}, indent=1))
+    if not args.models or args.merge:
         Path(args.out).write_text(markdown(rows, environment, seconds))
         print(f"wrote {args.out}")
     else:

@@ -33,6 +33,7 @@ from .errors import (
     InvalidInput,
     ModelError,
     PassFailure,
+    RankFailed,
     SerializationError,
     TraceFailure,
     UnknownOption,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and the API ref
     from .io import load, save
     from .opaque import opaque
     from .partition import Stage, Stages, partition
+    from .ranks import Ranks
     from .report import Report
     from .sequential import SequentialRun, run_sequential
     from .view import show
@@ -59,6 +61,7 @@ _LAZY = {
     "load": "io", "save": "io",
     "opaque": "opaque",
     "partition": "partition", "Stage": "partition", "Stages": "partition",
+    "Ranks": "ranks",
     "Report": "report",
     "run_sequential": "sequential", "SequentialRun": "sequential",
     "show": "view",
@@ -75,6 +78,7 @@ __all__ = [
     "Stages",
     "run_sequential",
     "SequentialRun",
+    "Ranks",
     "check_traceability",
     "TraceReport",
     "save",
@@ -92,6 +96,7 @@ __all__ = [
     "ModelError",
     "TraceFailure",
     "PassFailure",
+    "RankFailed",
     "EquivalenceError",
     "SerializationError",
     "ExportError",

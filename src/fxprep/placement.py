@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .devices import as_device, existing
 from .errors import InvalidInput
 
 
@@ -93,13 +94,10 @@ def resolve(gm: fx.GraphModule, tree: nn.Module, device_map: Any, max_memory: di
         if device == "disk":
             out[name] = "disk"
             continue
-        try:
-            place = torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise InvalidInput(f"device_map[{name!r}] = {device!r} is not a device, 'cpu' or 'disk'.") from err
-        if place.type == "meta":
+        if str(device).partition(":")[0] == "meta":
             raise InvalidInput(f"device_map[{name!r}] is 'meta', which holds no values: map it to 'disk' to keep its "
                                f"weights out of memory until its module runs.")
+        place = existing(device, f"device_map[{name!r}]")  # a device this machine has, before anything is loaded
         out[name] = str(place) if place.type == "cpu" else place.index if place.index is not None else str(place)
     return _disjoint(gm, out)
 
@@ -213,4 +211,4 @@ def move_between_devices(gm: fx.GraphModule, device_map: dict[str, Any]) -> int:
 
 def torch_device(device: Any) -> torch.device:
     """A device-map value (``"cpu"``, ``0``, ``"cuda:1"``) as a ``torch.device``."""
-    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return as_device(device)

@@ -16,7 +16,7 @@ from llmcompressor.utils.pytorch.module import infer_sequential_targets
 from torch import nn
 
 import fxprep.compat.llmcompressor as fxlc
-from fxprep.compat.llmcompressor.check import compare_subgraphs
+from fxprep.compat.llmcompressor.reproduce import compare_subgraphs
 from fxprep.errors import InputMismatch, InvalidInput, MissingDependency, TraceFailure
 
 from .lc_models import calibration, causal_lm
@@ -51,7 +51,7 @@ def test_every_layer_receives_what_it_receives_in_eager(model_type):
     handle = model.model.layers[0].register_forward_pre_hook(lambda m, a, k: seen.append(k.get("attention_mask")),
                                                              with_kwargs=True)
     with calibration(model):
-        fxlc.check.run_subgraphs(model, subgraphs, sample)
+        fxlc.reproduce.run_subgraphs(model, subgraphs, sample)
     handle.remove()
     assert isinstance(seen[0], torch.Tensor) and seen[0].dim() == 4  # the causal mask eager attention adds
 
@@ -152,6 +152,35 @@ class _Toy(nn.Module):
         return self.encoder(self.emb(input_ids))
 
 
+class _Recurrent(nn.Module):
+    """Its blocks run twice per call (a recurrent model's cycles, HRM's): each call must reach the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        for _ in range(2):
+            for layer in self.layers:
+                h = layer(h) + h
+        return h
+
+
+def test_a_layer_called_several_times_is_the_models_module_at_every_call():
+    model = _Recurrent().eval()
+    sample = {"input_ids": torch.randint(0, 16, (1, 5))}
+    subgraphs = fxlc.fxprep_subgraphs(model, sample, ["_Block"], IGNORE, 1)
+    calls = []
+    handle = model.layers[0].register_forward_hook(lambda m, a, o: calls.append(1))
+    with torch.no_grad():
+        found = compare_subgraphs(model, subgraphs, sample, [(f"layers.{i}", b) for i, b in enumerate(model.layers)])
+    handle.remove()
+    assert found.equal and found.calls == 4, str(found)
+    assert len(calls) == 4  # twice in eager, twice through the subgraphs: no unrolled copy took a call
+
+
 def test_targets_inside_code_fxprep_cannot_capture_are_refused_with_the_diagnosis():
     model = _Toy().eval()
     with pytest.raises(TraceFailure) as info:
@@ -174,6 +203,29 @@ def test_a_batch_with_other_keys_is_an_input_mismatch():
         subgraphs[0].forward(model, input_ids=batch(model)["input_ids"])
 
 
+class _FixedLength(nn.Module):
+    """Its code holds the example's length (a reshape to 5 tokens): another length cannot run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids).reshape(1, 5, 8)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def test_a_batch_the_graph_was_not_captured_for_is_checked_then_refused_or_taken():
+    model = _FixedLength().eval()
+    subgraphs = fxlc.fxprep_subgraphs(model, {"input_ids": torch.randint(0, 16, (1, 5))}, ["_Block"], IGNORE, 1)
+    with torch.no_grad(), pytest.raises(InputMismatch, match="do not run on it"):
+        fxlc.reproduce.run_subgraphs(model, subgraphs, {"input_ids": torch.randint(0, 16, (1, 6))})
+    assert subgraphs[0].accepted == set()
+
+
 def test_without_llmcompressor_the_import_names_the_extra(monkeypatch):
     for name in [n for n in sys.modules if n.startswith("fxprep.compat.llmcompressor")]:
         monkeypatch.delitem(sys.modules, name)
@@ -181,3 +233,12 @@ def test_without_llmcompressor_the_import_names_the_extra(monkeypatch):
     with pytest.raises(MissingDependency) as info:
         import fxprep.compat.llmcompressor  # noqa: F401
     assert 'pip install "fxprep[llmcompressor]"' in str(info.value) and "\n" not in str(info.value)
+
+
+def test_import_fxprep_imports_none_of_it():
+    import subprocess
+
+    code = ("import sys, fxprep; print(sorted(m for m in ('llmcompressor', 'compressed_tensors', 'datasets') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
