@@ -116,10 +116,21 @@ def make_checkpoint(path: Path) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(path, max_shard_size="40KB")
 
 
-def run(case: Case, fxprep: list[str], cwd: Path) -> tuple[bool, str]:
+def environment() -> dict[str, str]:
+    """The commands' environment: this process's, with the fxprep it imports first on the path (the
+    commands run in a scratch directory, where a relative ``PYTHONPATH=src`` finds nothing and an
+    installed fxprep, another checkout's, would answer instead)."""
+    import fxprep
+
+    paths = [str(Path(fxprep.__file__).resolve().parents[1])]
+    paths += [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "COLUMNS": "200", "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def run(case: Case, fxprep: list[str], cwd: Path, env: dict[str, str]) -> tuple[bool, str]:
     start = time.perf_counter()
     proc = subprocess.run([*fxprep, *case.args], cwd=cwd, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "COLUMNS": "200"})
+                          env=env)
     seconds = time.perf_counter() - start
     output = proc.stdout + proc.stderr
     first = next((line for line in output.splitlines() if line.strip()), "")
@@ -142,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-mistakes", action="store_true", help="the mistakes only (seconds, not minutes)")
     opts = parser.parse_args(argv)
     fxprep = [os.path.abspath(opts.fxprep)] if opts.fxprep else [sys.executable, "-c", "from fxprep.cli import console_main; console_main()"]
-    version = subprocess.run([*fxprep, "--version"], capture_output=True, text=True).stdout.split()[-1:] or ["?"]
+    env = {**os.environ, "COLUMNS": "200"} if opts.fxprep else environment()  # an installed command as it is
+    version = subprocess.run([*fxprep, "--version"], capture_output=True, text=True, env=env).stdout.split()[-1:] or ["?"]
     import torch
 
     cases = mistakes(version[0]) + ([] if opts.only_mistakes else documented(torch.cuda.is_available()))
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         make_checkpoint(work / "my-llama")
         print(f"newcomer check: {len(cases)} commands in {work}, with {' '.join(fxprep)}", flush=True)
         for case in cases:
-            good, line = run(case, fxprep, work)
+            good, line = run(case, fxprep, work, env)
             ok &= good
             print(f"[{case.source}] {line}", flush=True)
     print("newcomer check: " + ("every command behaved" if ok else "SOME COMMANDS DID NOT BEHAVE (BAD above)"))
