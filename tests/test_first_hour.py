@@ -21,6 +21,7 @@ import transformers as tf
 from torch import nn
 
 import fxprep
+from fxprep.cli.advice import in_flag_terms
 
 from .test_cli import _restore_process_state, as_json, invoke  # noqa: F401 - the fixture is autouse
 
@@ -88,6 +89,8 @@ def test_a_missing_path_or_file_is_named(tmp_path, make, says) -> None:
     assert result.exit_code == 2, result.output
     assert says.format(path=path) in result.stderr
     assert "internal error" not in result.stderr
+    if path.suffix != ".py":  # the checkpoint-folder form among the forms a spec takes
+        assert "a checkpoint directory (config.json + safetensors" in result.stderr
 
 
 def _folder(path: Path, *files: str) -> Path:
@@ -210,15 +213,54 @@ def test_llama_names_and_its_position_check() -> None:
 def test_the_report_is_short_and_complete_on_request() -> None:
     """A 4-layer Llama's report was 146 lines, 127 of them one per added module."""
     torch.manual_seed(0)
-    gm = fxprep.prepare_model(tf.LlamaForCausalLM(_llama_config(4)).eval(), example_inputs={"input_ids": IDS},
-                              progress=False)
+    model = tf.LlamaForCausalLM(_llama_config(4)).eval()
+    start = time.perf_counter()
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": IDS}, progress=False)
+    wall = time.perf_counter() - start
     report = gm.fxprep_report
+    assert report.timings["total"] == pytest.approx(wall, rel=0.02)  # the whole call, its context managers' exits too
     short, full = report.to_text(), report.to_text(verbose=True)
     assert str(report) == short and len(short.splitlines()) < 30
     assert f"modules added: {len(report.added)} (Mul " in short
     for module in report.added:
         assert f"    + {module.name} ({module.cls})" in full
     assert "input checks kept as calls" in short and "? first = operator.sub" in full
+
+
+MANY_OPS = """
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        EXAMPLE_INPUTS = (torch.randn(2, 4),)
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return (y * 2 + 1).relu() - y.sigmoid() * torch.tanh(y) + y.mean()
+"""
+
+
+def test_the_cli_prints_the_api_report_short_or_verbose(tmp_path) -> None:
+    """The short report is what ``gm.fxprep_report`` prints, on the command line too; every module by
+    name with ``--verbose`` and in the graph view (before, the CLI printed one line per module)."""
+    spec = _write(tmp_path, "ops.py", MANY_OPS) + ":Net"
+    short = invoke("prepare", spec, "-o", str(tmp_path / "saved"), "--show", str(tmp_path / "view.html"))
+    verbose = invoke("prepare", spec, "--verbose")
+    assert short.exit_code == 0 and verbose.exit_code == 0, (short.output, verbose.output)
+    report = fxprep.load(tmp_path / "saved").fxprep_report
+    assert len(report.added) > 4
+    untimed = [line for line in in_flag_terms(report.to_text()).splitlines()  # the advice in flags on the command line
+               if not any(part in line for part in ("route:", "timings:", "loaded from"))]  # seconds differ; load's note
+    assert len(untimed) > 6 and [line for line in untimed if line not in short.stdout] == []
+    view = (tmp_path / "view.html").read_text()
+    for module in report.added:
+        assert f"+ {module.name} ({module.cls})" in verbose.stdout
+        assert f"+ {module.name} (" not in short.stdout
+        assert module.name in view
 
 
 class TokenBlock(nn.Module):
@@ -244,6 +286,32 @@ def test_timings_add_up_to_the_time_taken() -> None:
     timings = gm.fxprep_report.timings
     assert "captured again with it declared dynamic" in gm.fxprep_report.to_text()
     assert timings["attempts not kept"] > 0
+    assert sum(v for k, v in timings.items() if k != "total") == pytest.approx(timings["total"], abs=1e-6)
+    assert timings["total"] == pytest.approx(wall, rel=0.05, abs=0.05)
+
+
+class Lookup(nn.Module):
+    """Reads its input's values (the ids) and holds weights: on ``meta`` it is prepared with stand-ins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return self.proj(self.embed(ids)).relu()
+
+
+def test_timings_add_up_with_meta_stand_ins() -> None:
+    """A meta model prepared with real token ids (issue 59's stand-ins): the stand-ins' making and
+    undoing were outside the report's total."""
+    with torch.device("meta"):
+        model = Lookup().eval()
+    start = time.perf_counter()
+    gm = fxprep.prepare_model(model, example_inputs={"ids": torch.randint(0, 32, (2, 5))}, verify=False, progress=False)
+    wall = time.perf_counter() - start
+    timings = gm.fxprep_report.timings
+    assert any("stood in" in n for n in gm.fxprep_report.notes) and "meta stand-ins" in timings
     assert sum(v for k, v in timings.items() if k != "total") == pytest.approx(timings["total"], abs=1e-6)
     assert timings["total"] == pytest.approx(wall, rel=0.05, abs=0.05)
 
