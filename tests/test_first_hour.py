@@ -52,6 +52,7 @@ def test_meta_bfloat16_on_a_float32_checkpoint(float32_checkpoint, tmp_path) -> 
     saved = tmp_path / "out"
     result = invoke("prepare", str(float32_checkpoint), "--meta", "--dtype", "bfloat16", "-o", str(saved))
     assert result.exit_code == 0, result.output
+    assert "use_cache=False" in result.stdout and "concrete_args" not in result.stdout  # no flag sets it
     loaded = fxprep.load(saved)
     assert loaded.get_submodule("model.layers.0.mlp.up_proj").weight.dtype == torch.bfloat16
     reference = tf.LlamaForCausalLM.from_pretrained(float32_checkpoint, dtype=torch.bfloat16).eval()

@@ -4,7 +4,9 @@ The report's notes and the errors are written once, for :func:`fxprep.prepare_mo
 options (``Pass dynamic=... (or tracer='fx')``). On the command line that advice names options the
 user cannot type; the flags that set them are known, so the command rewrites each option it has a
 flag for when it prints (:func:`in_flag_terms`) instead of the library keeping two texts of every
-note. An option without a flag (``concrete_args``) is left as written: it is advice for Python.
+note. An option without a flag (``concrete_args``) is left as written: it is advice for Python;
+except the one asking to confirm ``use_cache=False`` with ``concrete_args``, which a command-line
+user can neither give nor needs (the command prepares transformers models without a cache): dropped.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def _excluded(flag: str) -> Callable[[re.Match[str]], str]:
 #: (pattern, replacement) in the order tried; each pattern names a keyword of prepare_model (or of
 #: load_weights / fxprep.save that the command sets from a flag)
 RULES: list[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]]] = [
+    (re.compile(r" ?Pass concrete_args=\{'use_cache': False\} to say you expect it\."), ""),
     (re.compile(r"\bdynamic=False\b"), "--static"),
     (re.compile(rf"\bdynamic={_Q}batch\1"), "--dynamic batch"),
     (re.compile(r"\bdynamic=(\{(?:[^{}]|\{[^{}]*\})*\})"), _dynamic_dict),
