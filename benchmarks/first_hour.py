@@ -237,6 +237,8 @@ def table(before: dict, after: dict) -> str:
         lines = [line.strip() for line in row["output"].splitlines() if line.strip() and not line.startswith("W1")]
         if row["first"].endswith(":") and row["first"] in lines and lines.index(row["first"]) + 1 < len(lines):
             return cell(row["first"] + " " + lines[lines.index(row["first"]) + 1][:150])
+        if row["first"].endswith(":") and lines:  # the message longer than the output kept: its end
+            return cell(row["first"] + " … " + lines[0][:130])
         return cell(row["first"])
 
     rows = ["| item | command | before: exit, s, first line | after: exit, s, first line |", "|---|---|---|---|"]
@@ -246,7 +248,7 @@ def table(before: dict, after: dict) -> str:
         if "file_left" in a:
             extra_b += f"; .onnx left on disk: {b['file_left']}; says 'no bfloat16 kernel': {'no bfloat16 kernel' in b['output']}"
             extra_a += f"; .onnx left on disk: {a['file_left']}; says 'no bfloat16 kernel': {'no bfloat16 kernel' in a['output']}"
-        if b["advice"] or a["advice"]:
+        if (b["advice"] or a["advice"]) and ("advice" in a["what"] or a["item"] == "1"):
             extra_b += f"; advice: {b['advice'][:1]}"
             extra_a += f"; advice: {a['advice'][:1]}"
         rows.append(f"| {a['item']} | `{a['command']}` | {b['exit']}, {b['seconds']:.1f} s, {said(b)}{extra_b} "
