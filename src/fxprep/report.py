@@ -7,7 +7,7 @@ checks kept as calls, notes on anything specialised at capture time, the verific
 its measured difference, and timings that add up to the time ``prepare_model`` took.
 
 The text is short by default: the verdict, the route, the opaque parts, the notes and the timings,
-with the modules added counted by class (a 4-layer Llama's report was 146 lines, 127 of them one
+with the modules added counted by class (a 4-layer Llama's report was 144 lines, 127 of them one
 per added module). ``report.to_text(verbose=True)`` (``fxprep prepare --verbose``, the graph view's
 report panel) lists every module added, every reused module unrolled and every input check: what a
 quantization configuration that names modules is written from.
