@@ -1,11 +1,13 @@
 # Two commands do the whole set-up on a fresh machine: `make demo` and `make test`.
-# Each creates .venv when missing and installs what it needs.
+# Each creates .venv when missing and installs what it needs: `make demo` the library and the model
+# zoos its demo prepares (the `demo` extra), `make test` everything the suite and the docs need (`dev`).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo test test-oldest test-llmcompressor test-zoo lint typecheck docs dist bench survey clean
+.PHONY: demo test test-oldest test-llmcompressor test-zoo lint typecheck docs dist bench survey newcomer cli-startup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,7 +15,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+# What the demo needs and no more: torch, torchvision and transformers, no toolkit (AIMET, NNCF...),
+# no test or docs tools: 65 packages, not 200. pip shows what it downloads; each step says what it is
+# doing, since a first install is minutes of downloads. torch is what pip picks by default (on Linux with
+# its CUDA libraries, ~5 GB of the ~5.7 GB); DEMO_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# takes torch's CPU build (~1 GB) instead. An environment `make test` set up is used as it is.
+DEMO_PIP_ARGS ?=
+$(DEMO_STAMP): pyproject.toml
+	@echo "make demo [1/3]: a virtual environment in $(VENV)"
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@echo "make demo [2/3]: installing fxprep and the model zoos the demo prepares (torch, torchvision, transformers);"
+	@echo "                 the first time this downloads ~1 GB (torch's CPU build) to ~5 GB (with CUDA): minutes"
+	$(BIN)/python -m pip install --progress-bar on $(DEMO_PIP_ARGS) -e ".[demo]"
+	touch $(DEMO_STAMP)
+
+DEMO_ENV := $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
+demo: $(DEMO_ENV)
+	@echo "make demo [3/3]: fxprep demo: five models prepared, verified and reported (about a minute on one core)"
 	$(BIN)/fxprep demo
 
 # A test still running after TEST_TIMEOUT seconds fails with every thread's stack (pytest-timeout) and
@@ -100,8 +119,24 @@ dist: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/prepare_bench.py
 
+# `fxprep --help` and `fxprep --version` (no torch: under a second), timed in fresh processes.
+cli-startup: $(DEMO_ENV)
+	$(BIN)/python benchmarks/cli_startup.py --fxprep $(BIN)/fxprep
+
+# A newcomer's first hour, scripted: a fresh environment with what `pip install ".[demo]"` installs (not
+# this checkout's .venv), then every `fxprep` command of the README, docs/cli.md and docs/checkpoints.md
+# run as written, and the mistakes a newcomer makes, each checked for its exit code and its message
+# (tests/newcomer.py; tests/test_newcomer.py runs the same commands in the test environment).
+NEWCOMER := .venv-newcomer
+newcomer:
+	rm -rf $(NEWCOMER)
+	$(PY) -m venv $(NEWCOMER)
+	$(NEWCOMER)/bin/python -m pip install -q --upgrade pip
+	$(NEWCOMER)/bin/python -m pip install -q ".[demo]"
+	$(NEWCOMER)/bin/python tests/newcomer.py --fxprep $(NEWCOMER)/bin/fxprep
+
 survey: $(STAMP)
 	$(BIN)/fxprep survey --zoo torchvision --jobs 1 -o docs/survey-torchvision.md
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(LLMC) .venv-dist build dist site *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(OLDEST) $(LLMC) $(NEWCOMER) .venv-dist build dist site *.egg-info src/*.egg-info

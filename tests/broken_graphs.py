@@ -61,7 +61,7 @@ def swapped_weight(gm: fx.GraphModule, layer: int) -> Iterator[None]:
 @contextlib.contextmanager
 def wrong_mask(gm: fx.GraphModule, layer: int) -> Iterator[None]:
     """The attention forgets causality: is_causal=False and no mask (every token sees the future)."""
-    op = gm.get_submodule(f"model.layers.{layer}.self_attn.scaled_dot_product_attention")
+    op = gm.get_submodule(f"model.layers.{layer}.self_attn.sdpa_attention_forward.scaled_dot_product_attention")
     before = dict(op.kwargs)
     op.kwargs = {**before, "is_causal": False, "attn_mask": None}
     try:

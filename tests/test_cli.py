@@ -110,7 +110,7 @@ def test_zoo_lists():
 # --- prepare / check / show ---------------------------------------------------------------------
 def test_prepare_saves_and_prints_the_report(tmp_path):
     out = tmp_path / "saved"
-    result = invoke("prepare", "demo:ModelWithReusedReLU", "-o", str(out))
+    result = invoke("prepare", "demo:ModelWithReusedReLU", "-o", str(out), "--verbose")
     assert result.exit_code == 0, result.output
     assert "verification: passed" in result.stdout and "relu_1" in result.stdout
     loaded = io.load(out)
@@ -136,8 +136,8 @@ def test_prepare_with_onnx(tmp_path):
 
 @pytest.mark.parametrize("args, code, text", [
     (["prepare", "torchvision:not_a_model"], 2, "torchvision has no model"),
-    (["prepare", "nonsense"], 2, "cannot read model spec"),
-    (["prepare", "demo:ModelWithReusedReLU", "--input", "1x3xx"], 2, "cannot read input"),
+    (["prepare", "nonsense"], 2, "'nonsense' is neither a directory here nor a model spec"),
+    (["prepare", "demo:ModelWithReusedReLU", "--input", "1x3xx"], 2, "cannot read --input '1x3xx'"),
     (["prepare", "demo:ModelWithReusedReLU", "--input", "1x4x32x32"], 2, "The model itself failed"),
     (["prepare", "demo:ModelWithReusedReLU", "--tracer", "jit"], 2, "tracer must be one of"),
     (["show", "/nonexistent/dir"], 4, "not a directory"),
@@ -353,7 +353,7 @@ def test_exclude_class_by_import_path(tmp_path):
     (["--dynamic", "x:zero"], "cannot read --dynamic"),
     (["--dynamic", "y:0=batch"], "'y' is not an input of Net.forward; its inputs: x"),
     (["--dynamic", "batch", "--dynamic", "x:0"], "do not combine"),
-    (["--verify-input", "2x4,2x"], "cannot read input"),
+    (["--verify-input", "2x4,2x"], "cannot read --verify-input '2x'"),
     (["--no-verify", "--verify-grad"], "cannot go with --no-verify"),
     (["--input", "1x999999999x999999"], "more than half of this machine's memory"),
 ])

@@ -1212,7 +1212,8 @@ def test_deepcopy_and_report_of_prepared_module() -> None:
     assert sorted(a.name for a in report.added) == sorted(added)
     assert all(a.reason for a in report.added)
     twin = copy.deepcopy(gm)
-    assert twin.get_submodule("linear").weight is not model.w
+    assert "fn.linear" in added  # owner (the root), the function its forward called, the op (docs/concepts/names.md)
+    assert twin.get_submodule("fn.linear").weight is not model.w
     torch.testing.assert_close(twin(x * 2, y), gm(x * 2, y))
     torch.testing.assert_close(gm(x * 2, y), model(x * 2, y))
 

@@ -75,6 +75,6 @@ def test_localisation_names_the_attention() -> None:
     gm = fxprep.prepare_model(model, example_inputs=inputs)
     with wrong_mask(gm, 1), pytest.raises(fxprep.EquivalenceError) as err:
         fxprep.verify_prepared(gm, inputs)
-    assert "First diverging node: 'model.layers.1.self_attn.scaled_dot_product_attention'" in str(err.value)
+    assert "First diverging node: 'model.layers.1.self_attn.sdpa_attention_forward.scaled_dot_product_attention'" in str(err.value)
     assert "is_causal=False" in str(err.value)
-    assert err.value.module == "model.layers.1.self_attn.scaled_dot_product_attention"
+    assert err.value.module == "model.layers.1.self_attn.sdpa_attention_forward.scaled_dot_product_attention"

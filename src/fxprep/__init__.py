@@ -9,10 +9,21 @@ Public API::
     gm = fxprep.prepare_model(meta_model, example_inputs={"input_ids": ids_on_meta}, verify=False)
     fxprep.load_weights(gm, "path/to/checkpoint_dir")   # sharded safetensors + index
     fxprep.verify_prepared(gm, {"input_ids": ids})
+
+The names below torch is needed for are imported on first use (``fxprep.prepare_model`` imports
+:mod:`fxprep.api`, and torch with it), not by ``import fxprep``: the ``fxprep`` command's
+``--help`` and ``--version``, and its argument checks, answer in a fraction of a second instead of
+the seconds importing torch takes (issue 61). The exceptions and the version need no torch and are
+imported at once.
 """
 
-from .api import get_report, prepare_model
-from .check import TraceReport, check_traceability
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     EquivalenceError,
     ExportError,
@@ -27,16 +38,35 @@ from .errors import (
     TraceFailure,
     UnknownOption,
 )
-from .export import export_onnx, export_program
-from .io import load, save
-from .opaque import opaque
-from .partition import Stage, Stages, partition
-from .ranks import Ranks
-from .report import Report
-from .sequential import SequentialRun, run_sequential
 from .version import __version__
-from .view import show
-from .weights import WeightsError, load_weights, verify_prepared
+
+if TYPE_CHECKING:  # what the names below are, for type checkers and the API reference
+    from .api import get_report, prepare_model
+    from .check import TraceReport, check_traceability
+    from .export import export_onnx, export_program
+    from .io import load, save
+    from .opaque import opaque
+    from .partition import Stage, Stages, partition
+    from .ranks import Ranks
+    from .report import Report
+    from .sequential import SequentialRun, run_sequential
+    from .view import show
+    from .weights import WeightsError, load_weights, verify_prepared
+
+#: public name -> the submodule that defines it (imported on first use)
+_LAZY = {
+    "prepare_model": "api", "get_report": "api",
+    "check_traceability": "check", "TraceReport": "check",
+    "export_onnx": "export", "export_program": "export",
+    "load": "io", "save": "io",
+    "opaque": "opaque",
+    "partition": "partition", "Stage": "partition", "Stages": "partition",
+    "Ranks": "ranks",
+    "Report": "report",
+    "run_sequential": "sequential", "SequentialRun": "sequential",
+    "show": "view",
+    "load_weights": "weights", "verify_prepared": "weights", "WeightsError": "weights",
+}
 
 __all__ = [
     "__version__",
@@ -73,3 +103,37 @@ __all__ = [
     "WeightsError",
     "FxprepWarning",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name's object (its submodule imported now), else a submodule (``fxprep.api``)."""
+    owner = _LAZY.get(name)
+    if owner is not None:
+        value = getattr(importlib.import_module(f"{__name__}.{owner}"), name)
+        globals()[name] = value  # next time found without this function
+        return value
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """``fxprep``'s module type: ``fxprep.partition`` and ``fxprep.opaque`` are the functions (as
+    ``from .partition import partition`` made them when everything was imported at once), not the
+    submodules of the same names, which the import system sets on the package when it loads them."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == name:
+            return  # the submodule stays reachable as sys.modules["fxprep.<name>"]
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

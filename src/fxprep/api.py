@@ -94,6 +94,7 @@ def prepare_model(
 
     Options are keyword-only; see :class:`fxprep.options.PrepareOptions`.
     """
+    start = time.perf_counter()
     if options.get("copy") is True and stand_ins.needed(model, example_inputs):
         # copied on meta (free), then stood in: a copy of the stand-ins would be zeros in memory
         model, modules_to_exclude = _independent_copy(model, modules_to_exclude)
@@ -103,38 +104,65 @@ def prepare_model(
         if example is not example_inputs:  # meta tensors stood in: the graph holds them again
             finish(gm)
             get_report(gm).note(stand_ins.NOTE)
+    # the whole call counted (the stand-ins' making and undoing, the heap and hooks put back after
+    # the graph was made: 0.5 s of a 4-layer Llama's 6.6 s): the timings add up to the time it took
+    _counted(get_report(gm), "meta stand-ins" if example is not example_inputs else "other", time.perf_counter() - start)
     return gm
+
+
+def _counted(report: Report, stage: str, total: float) -> None:
+    """``total`` seconds made the report's total, what its stages do not hold added to ``stage``."""
+    timings = {k: v for k, v in report.timings.items() if k != "total"}
+    timings[stage] = timings.get(stage, 0.0) + max(0.0, total - sum(timings.values()))
+    report.timings = {**timings, "total": total}
 
 
 def _prepare_model(model: nn.Module, modules_to_exclude: list[nn.Module] | None,
                    module_classes_to_exclude: list[type] | None, concrete_args: dict[str, Any] | None,
                    example_inputs: Any, options: dict[str, Any]) -> fx.GraphModule:
     title = str(options.get("name") or type(model).__name__)
+    start = time.perf_counter()
     with heap.frozen_heap(), progress.reporting(options.get("progress"), title), hooks_left_as_found(model), \
             huggingface.output_capturing_hooks(model), root_hooks.set_aside(model) as aside:
         user = UserArguments(modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs)
+        tries: list[float] = []  # the seconds of each attempt (_prepare call), for the report's timings
         try:
-            gm, run = _prepare(model, user, options)
+            gm, run = _prepare(model, user, options, tries=tries)
         except shape_general.NotShapeGeneral as err:  # found dimensions did not hold: static shapes, as before
             why, reference, narrower = str(err), err.reference, err.narrower
         else:
-            gm = _batch_general(model, user, options, gm, run) if run.batch_baked else gm
-            return root_hooks.carry(gm, aside, get_report(gm))
+            gm = _batch_general(model, user, options, gm, run, tries) if run.batch_baked else gm
+            return _timed(root_hooks.carry(gm, aside, get_report(gm)), start, tries)
         if narrower is not None:  # a multimodal example's batch did not hold: its prompt length alone
             try:
                 gm, _ = _prepare(model, user, options, reference=reference,
-                                 proposal=autodims.batch_not_held(narrower, why), static_fallback=True)
-                return root_hooks.carry(gm, aside, get_report(gm))
+                                 proposal=autodims.batch_not_held(narrower, why), static_fallback=True, tries=tries)
+                return _timed(root_hooks.carry(gm, aside, get_report(gm)), start, tries)
             except shape_general.NotShapeGeneral as err:
                 why, reference = f"{why}; with the prompt's length alone: {err}", err.reference
         # outside the except block: the first attempt's frames (its capture, its copy of the model
         # with copy=True) are freed before the second one starts; its reference run is reused
-        gm, _ = _prepare(model, user, {**options, "dynamic": False}, not_general=why, reference=reference)
-        return root_hooks.carry(gm, aside, get_report(gm))
+        gm, _ = _prepare(model, user, {**options, "dynamic": False}, not_general=why, reference=reference, tries=tries)
+        return _timed(root_hooks.carry(gm, aside, get_report(gm)), start, tries)
+
+
+def _timed(gm: fx.GraphModule, start: float, tries: list[float]) -> fx.GraphModule:
+    """The report's timings made to add up to the time this ``prepare_model`` call took: the kept
+    attempt's stages, the attempts that were not kept (a static capture prepared again with its batch
+    dynamic: Swin's report said 10.9 s of 39.6 s), and the rest (checks, hooks, the report)."""
+    report = get_report(gm)
+    total = time.perf_counter() - start
+    timings = {k: v for k, v in report.timings.items() if k != "total"}
+    if len(tries) > 1:  # the kept attempt is one of them; its own time is report.timings["total"]
+        timings["attempts not kept"] = max(0.0, sum(tries) - report.timings.get("total", 0.0))
+    timings["other"] = max(0.0, total - sum(timings.values()))
+    timings["total"] = total
+    report.timings = timings
+    return gm
 
 
 def _batch_general(model: nn.Module, user: UserArguments, options: dict[str, Any], gm: fx.GraphModule,
-                   run: Preparation) -> fx.GraphModule:
+                   run: Preparation, tries: list[float]) -> fx.GraphModule:
     """A static graph the batch probe found specialised to the example's batch with no branch on it
     (a ViT's ``cls_token.expand(B, -1, -1)``) prepared again with dimension 0 declared dynamic
     (:func:`autodims.batch_proposal`), the reference run reused; kept when it verifies on the example
@@ -148,7 +176,7 @@ def _batch_general(model: nn.Module, user: UserArguments, options: dict[str, Any
         options = {**options, "reuse_blocks": False}  # capture costs more, and reuse cost Swin 5x
         off = f" Block reuse was off for it: the static capture stamped {stamped} block(s) for {len(captured)} captured."
     try:
-        general, _ = _prepare(model, user, options, reference=run.reference, proposal=proposal)
+        general, _ = _prepare(model, user, options, reference=run.reference, proposal=proposal, tries=tries)
     except Exception as err:  # noqa: BLE001 - the static graph stands; why the other did not is said
         get_report(gm).note(f"Prepared again with dimension 0 of the inputs declared dynamic, not kept: "
                             f"{type(err).__name__}: {first_line(err)}")
@@ -161,19 +189,26 @@ def _batch_general(model: nn.Module, user: UserArguments, options: dict[str, Any
 
 def _prepare(model: nn.Module, user: UserArguments, options: dict[str, Any], not_general: str | None = None,
              reference: Reference | None = None, proposal: autodims.Proposal | None = None,
-             static_fallback: bool | None = None) -> tuple[fx.GraphModule, Preparation]:
+             static_fallback: bool | None = None, tries: list[float] | None = None
+             ) -> tuple[fx.GraphModule, Preparation]:
     """The stages of ``prepare_model``, in order; each is a function of the preparation ``run``.
     ``reference``: the original's run on the example from an attempt before. ``proposal``: the
-    dimensions to capture with, and by default no static fallback (:func:`_batch_general`)."""
-    run = _start(model, user, options)
-    run.proposal = proposal
-    run.static_fallback = proposal is None if static_fallback is None else static_fallback
-    _reference_run(run, reference)
+    dimensions to capture with, and by default no static fallback (:func:`_batch_general`). ``tries``
+    gets the seconds this attempt took, kept or not."""
+    began = time.perf_counter()
     try:
-        return _stages(run, not_general), run
-    except shape_general.NotShapeGeneral as err:
-        err.reference, err.narrower = run.reference, run.proposal.narrower if run.proposal is not None else None
-        raise
+        run = _start(model, user, options)
+        run.proposal = proposal
+        run.static_fallback = proposal is None if static_fallback is None else static_fallback
+        _reference_run(run, reference)
+        try:
+            return _stages(run, not_general), run
+        except shape_general.NotShapeGeneral as err:
+            err.reference, err.narrower = run.reference, run.proposal.narrower if run.proposal is not None else None
+            raise
+    finally:
+        if tries is not None:
+            tries.append(time.perf_counter() - began)
 
 
 def _stages(run: Preparation, not_general: str | None) -> fx.GraphModule:
@@ -230,7 +265,9 @@ def _reference_run(run: Preparation, reference: Reference | None) -> None:
         run.reference = reference
     elif run.opts.verify:
         progress.stage("reference run")
+        start = time.perf_counter()
         run.reference = run_original(run.model, run.original_call)
+        run.report.timings["reference run"] = time.perf_counter() - start
 
 
 def _propose_shapes(run: Preparation, not_general: str | None) -> None:

@@ -57,7 +57,7 @@ class EquivalenceError(FxprepError):
 
     ``max_abs_diff`` is the largest absolute difference found, ``module`` the qualified name of the
     first module whose inputs agree with eager's and whose output does not (an op module such as
-    ``...self_attn.scaled_dot_product_attention`` included), else of the first leaf module whose
+    ``...self_attn.sdpa_attention_forward.scaled_dot_product_attention`` included), else of the first leaf module whose
     output diverged (when it could be localised); ``node`` the graph node found that way (a function
     call's node name when it is not a module), ``output_path`` which output differed.
     """

@@ -14,7 +14,10 @@ which also fuses BatchNorm into the preceding Conv (one node then stands for two
 deployment, not for a tool that maps ONNX nodes back to modules); ``"none"`` keeps the raw export.
 
 Each export is checked: the ONNX file runs in onnxruntime (CPU) and the exported program runs in
-torch, and their outputs are compared with the prepared module's on the example inputs.
+torch, and their outputs are compared with the prepared module's on the example inputs. An ONNX file
+that fails its check is removed (with its external data), so a file at ``path`` is always one that
+ran and matched; where onnxruntime lacks the kernels for the model's dtype (bfloat16, on the CPU:
+``Mul``, ``MatMul``...), the error says so and what to export instead.
 """
 
 from __future__ import annotations
@@ -314,13 +317,22 @@ def export_onnx(
 
     Uses the ``torch.export``-based exporter (``dynamo=True``) and falls back to the TorchScript one
     only when that fails. Returns the max absolute difference between onnxruntime's outputs and the
-    prepared module's; raises :class:`ExportError` (saying which exporter failed and why) otherwise.
+    prepared module's; raises :class:`ExportError` (saying which exporter failed and why) otherwise,
+    and then leaves no file at ``path``.
     """
     if optimize not in OPTIMIZE:
         raise ExportError(f"optimize must be one of {OPTIMIZE}, not {optimize!r}.")
     example, expected = _checked(gm, example_inputs, "export_onnx")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    return _without_failed_file(lambda: _export_checked(gm, example, expected, path, opset, optimize, rtol, atol),
+                                path)
+
+
+def _export_checked(gm: fx.GraphModule, example: ExampleInputs, expected: list[torch.Tensor], path: Path,
+                    opset: int | None, optimize: str, rtol: float, atol: float | None) -> float:
+    """:func:`export_onnx`'s work: export (the torch.export-based exporter, else TorchScript), name
+    the nodes, run the file in onnxruntime and compare."""
     clean = without_capture_metadata(gm)
     errors = []
     for dynamo in (True, False):
@@ -339,7 +351,7 @@ def export_onnx(
         warnings.warn(
             f"the torch.export-based ONNX exporter failed ({errors[0]}); used the TorchScript exporter, which "
             f"records the one path through Python control flow taken on the example inputs.",
-            FxprepWarning, stacklevel=2,
+            FxprepWarning, stacklevel=5,  # the caller of export_onnx
         )
     # What the TorchScript exporter's result cannot say by itself: why the first exporter failed,
     # and which parts of the graph run the model's own Python (opaque parts), which torch.export
@@ -351,7 +363,47 @@ def export_onnx(
     except ExportError as err:
         raise ExportError(f"{err}{why}") from err
     except Exception as err:  # noqa: BLE001
-        raise ExportError(f"onnxruntime could not run the exported model {path}: {type(err).__name__}: {err}{why}") from err
+        raise ExportError(f"onnxruntime could not run the exported model {path}: {type(err).__name__}: {err}{why}"
+                          f"{_dtype_hint(gm, example, err)}") from err
     diff = _compare(expected, got, rtol, atol, f"ONNX model {path.name} in onnxruntime",
                     "Try optimize='none' (an optimizer rewrite may be at fault). " if optimize != "none" else "")
     return diff if math.isfinite(diff) else math.inf
+
+
+def _written(path: Path) -> list[Path]:
+    """The files an export to ``path`` writes: the model, and its external data (``<path>.data``)."""
+    return [path, path.with_name(path.name + ".data")]
+
+
+def _without_failed_file(export: Any, path: Path) -> Any:
+    """Run ``export()``; on any failure (a Ctrl-C included) remove what it wrote at ``path``, say so."""
+    try:
+        return export()
+    except BaseException as err:
+        removed = [p for p in _written(path) if p.is_file()]
+        for p in removed:
+            with contextlib.suppress(OSError):
+                p.unlink()
+        if isinstance(err, ExportError) and removed:
+            raise ExportError(f"{err}\nThe failed file was removed ({path}).") from err.__cause__
+        raise
+
+
+_NO_KERNEL = re.compile(r"NOT_IMPLEMENTED|Could not find an implementation for (\w+)")
+
+
+def _dtype_hint(gm: nn.Module, example: ExampleInputs, err: BaseException) -> str:
+    """Why onnxruntime has no kernel for the model, when that is its half-precision dtype: advice."""
+    m = _NO_KERNEL.search(str(err))
+    if m is None:
+        return ""
+    tensors = [*gm.parameters(), *gm.buffers(), *_tensor_leaves((example.args, example.kwargs))]
+    low = sorted({str(t.dtype).removeprefix("torch.") for t in tensors if t.dtype in (torch.bfloat16, torch.float16)})
+    if not low:
+        return ""
+    op = f" (here {m.group(1)})" if m.group(1) else ""
+    return (f"\nonnxruntime's CPU build has no {' or '.join(low)} kernel for many ops{op}, and this model computes "
+            f"in {' and '.join(low)}: the file cannot be checked here. Export a float32 copy instead (on the "
+            f"command line --dtype float32 for a checkpoint; in Python, prepare model.float() with float32 "
+            f"inputs) and convert the ONNX file to {low[0]} afterwards, or run the check on a runtime with "
+            f"{low[0]} kernels (onnxruntime's CUDA provider, TensorRT).")

@@ -63,6 +63,11 @@ def run_original(model: nn.Module, example: ExampleInputs, what: str = "the exam
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+#: the default (rtol, atol) for float32 and wider outputs, as the report prints them; the half-precision
+#: atol is the dtype's epsilon x the output's scale x sqrt(depth) / HALF_DIVISOR, with rtol 0.
+#: docs/concepts/verification.md states both, and tests/test_docs_site.py checks that it states these.
+FLOAT_TOLERANCES = (1e-4, 1e-5)
+HALF_DIVISOR = 32
 
 
 def low_precision(reference: Any) -> torch.dtype | None:
@@ -75,7 +80,7 @@ def low_precision(reference: Any) -> torch.dtype | None:
 def default_tolerances(reference: Any, depth: int = 1) -> tuple[float, float]:
     """(rtol, atol) for comparing outputs like ``reference`` from a graph ``depth`` layers deep.
 
-    float32 and wider: 1e-4 / 1e-5. Half precision: both runs are made with the same attention
+    float32 and wider: :data:`FLOAT_TOLERANCES` (1e-4 / 1e-5). Half precision: both runs are made with the same attention
     kernel (:func:`pinned_kernels`), so a right graph computes what eager computes op for op and
     differs by nothing or by a few roundings; the tolerance is the dtype's epsilon, times the
     output's scale, growing with the square root of the depth (roundings that differ add up like
@@ -84,11 +89,11 @@ def default_tolerances(reference: Any, depth: int = 1) -> tuple[float, float]:
     bf16 rounding in one layer (tests/broken_graphs.py) still exceeds it several times over."""
     low = low_precision(reference)
     if low is None:
-        return 1e-4, 1e-5
+        return FLOAT_TOLERANCES
     scale = max((float(t.detach().abs().max()) for _, t in flatten_output(reference)
                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
                  and t.device.type != "meta" and bool(torch.isfinite(t).all())), default=1.0)
-    return 0.0, torch.finfo(low).eps * max(scale, 1e-3) * math.sqrt(max(depth, 1)) / 32
+    return 0.0, torch.finfo(low).eps * max(scale, 1e-3) * math.sqrt(max(depth, 1)) / HALF_DIVISOR
 
 
 def graph_depth(gm: fx.GraphModule) -> int:

@@ -38,6 +38,7 @@ from torch import nn
 from torch.fx._symbolic_trace import PH
 
 from ..errors import TraceFailure
+from ..frames import FRAMES, call_frames
 from ..runs import StateChanges, preserved_state
 from ..threads import confined, confined_fx_patches, on_owner_thread
 from ..wrap import TENSOR_CONSTRUCTORS, autograd_function_caller, find_proxy, record_as_call
@@ -155,6 +156,17 @@ class FxprepTracer(fx.Tracer):
         modules = root.modules() if isinstance(root, nn.Module) else ()
         with confined_fx_patches(), _tracing_patches(_forward_globals(modules)):
             return super().trace(root, concrete_args=concrete_args)
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
+                    type_expr: Any | None = None) -> fx.Node:
+        """``fx.Tracer.create_node``, recording the frames (file, function) that made each call: the
+        modules fxprep adds are named after the function that made them (:mod:`fxprep.passes.naming`),
+        as on the Dynamo route, whose nodes carry a stack trace. Not torch.fx's own stack traces
+        (``record_stack_traces``): formatting one per node made an fx prepare of Swin-T 50% slower."""
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind in ("call_function", "call_method"):
+            node.meta[FRAMES] = call_frames()
+        return node
 
     def make_graph_module(self, graph: fx.Graph, class_name: str) -> fx.GraphModule:
         return fx.GraphModule(self.root, graph, class_name)

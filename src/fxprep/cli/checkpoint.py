@@ -26,23 +26,16 @@ import torch
 from torch import nn
 
 from . import examples
-from .specs import BuiltModel, SpecError, inputs_from_strings
+from .specs import BuiltModel, SpecError, inputs_from_strings, model_types
+from .validate import CHECKPOINT_DTYPES, check_choice, did_you_mean
 
-DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def is_checkpoint(spec: str) -> bool:
-    """Whether ``spec`` names a local transformers checkpoint directory."""
-    path = Path(spec)
-    return path.is_dir() and (path / "config.json").is_file()
+DTYPES = {name: None if torch_name is None else getattr(torch, torch_name) for name, torch_name in CHECKPOINT_DTYPES.items()}
 
 
 def parse_dtype(text: str | None) -> torch.dtype | None:
     if text is None:
         return None
-    if text.lower() not in DTYPES:
-        raise SpecError(f"--dtype must be one of {', '.join(DTYPES)}, not {text!r}.")
+    check_choice("--dtype", text.lower(), DTYPES)
     return DTYPES[text.lower()]
 
 
@@ -72,6 +65,27 @@ def _model_class(config: Any) -> Any:
             continue
         return auto
     raise SpecError(f"transformers has no model class for this checkpoint's config ({type(config).__name__}).")
+
+
+def _config(directory: Path) -> Any:
+    """The checkpoint's config; a usage error (exit 2) naming the model type when transformers does not
+    know it (a newer model than this transformers, or one that needs its own code)."""
+    import transformers
+
+    raw = json.loads((directory / "config.json").read_text())
+    model_type = str(raw.get("model_type"))
+    known = model_types()
+    if model_type not in known:
+        raise SpecError(
+            f"{directory / 'config.json'}: model_type {model_type!r} is not one transformers {transformers.__version__} "
+            f"knows.{did_you_mean(model_type, known)} A model newer than this transformers needs a newer one "
+            f"(pip install -U transformers); one whose code ships with the checkpoint (trust_remote_code) is "
+            f"not built by fxprep: build it in a Python file and give path/to/file.py:Factory.")
+    try:
+        return transformers.AutoConfig.from_pretrained(directory)
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        raise SpecError(f"{directory / 'config.json'}: transformers cannot read it ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0] if str(err) else err})") from err
 
 
 def _checkpoint_dtype(path: Path) -> torch.dtype:
@@ -109,10 +123,9 @@ def _to(inputs: Any, device: torch.device | str) -> Any:
 
 def build(path: str, texts: list[str], *, meta: bool, device: str | None, dtype: str | None) -> BuiltModel:
     """The checkpoint's model (on ``meta`` with ``meta``) and its example inputs on ``device``."""
-    import transformers
 
     directory = Path(path)
-    config = transformers.AutoConfig.from_pretrained(directory)
+    config = _config(directory)
     cls = _model_class(config)
     target = parse_device(device)
     chosen = parse_dtype(dtype) or _checkpoint_dtype(directory)
@@ -133,22 +146,36 @@ def build(path: str, texts: list[str], *, meta: bool, device: str | None, dtype:
 
 
 def prepare(built: BuiltModel, path: str, *, meta: bool, device: str | None, dtype: str | None,
-            modules_to_exclude: list[Any] | None, classes: list[type] | None, options: dict[str, Any]) -> nn.Module:
+            modules_to_exclude: list[Any] | None, classes: list[type] | None, options: dict[str, Any],
+            clock: Any = None) -> nn.Module:
     """``prepare_model`` on the checkpoint's model; with ``meta``, then ``load_weights`` from ``path``
-    and ``verify_prepared`` (unless ``options['verify']`` is false) on the real inputs."""
+    (its tensors cast to the dtype the model was built in: ``--dtype``, else the checkpoint's own)
+    and ``verify_prepared`` (unless ``options['verify']`` is false) on the real inputs. ``clock``
+    (:class:`.prepare.Clock`) is told each phase."""
     import fxprep
+
+    def lap(phase: str) -> None:
+        if clock is not None:
+            clock.lap(phase)
 
     explained = examples.inputs_explained(built.name, built.model, built.input_options)
     if not meta:
         with explained:
-            return fxprep.prepare_model(built.model, modules_to_exclude, classes,
-                                        example_inputs=built.example_inputs, **options)
+            gm = fxprep.prepare_model(built.model, modules_to_exclude, classes,
+                                      example_inputs=built.example_inputs, **options)
+        lap("prepare_model")
+        return gm
     verify = options.pop("verify", True)
     options.pop("verify_inputs", None)
     with explained:
         gm = fxprep.prepare_model(built.model, modules_to_exclude, classes,
                                   example_inputs=_to(built.example_inputs, "meta"), verify=False, **options)
-    fxprep.load_weights(gm, path, device=parse_device(device))
+    lap("prepare_model")
+    # --dtype bfloat16 on a float32 checkpoint: the model was built in bfloat16, so its weights are
+    # cast as they are read (from_pretrained does the same without --meta)
+    fxprep.load_weights(gm, path, device=parse_device(device), dtype=parse_dtype(dtype) or _checkpoint_dtype(Path(path)))
+    lap("loading weights")
     if verify:
         fxprep.verify_prepared(gm, built.example_inputs)
+        lap("verifying")
     return gm

@@ -43,12 +43,15 @@ def show(renderable: Any, *, stderr: bool = False) -> None:
     console(stderr).print(renderable)
 
 
-def print_report(report: Any) -> None:
-    """The status line in colour, then the report as plain text."""
+def print_report(report: Any, *, verbose: bool = False) -> None:
+    """The status line in colour, then the report as plain text (short, or every module with
+    ``verbose``), its advice in the command's flags (:mod:`.advice`)."""
+    from .advice import in_flag_terms
+
     status = report.verification.status
     style = {"passed": "bold green", "failed": "bold red"}.get(status, "bold yellow")
     say(f"{report.model}: {status}", style=style)
-    say(report.to_text())
+    say(in_flag_terms(report.to_text(verbose=verbose)))
 
 
 def warn(text: str) -> None:
@@ -57,6 +60,9 @@ def warn(text: str) -> None:
 
 
 def error(kind: str, code: int, message: str) -> None:
-    """An error: its kind and exit code, then the message as it is."""
-    say(f"error ({kind}, exit {code}):", stderr=True, style="bold red")
-    say(message, stderr=True)
+    """An error: its kind and exit code, then the message as it is, its first line on the same line
+    (what a user reads first, and what a log's one-line summary keeps, says what went wrong)."""
+    first, _, rest = message.partition("\n")
+    say(f"error ({kind}, exit {code}): {first}", stderr=True, style="bold red")
+    if rest:
+        say(rest, stderr=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch import nn
 
 from ..errors import SerializationError
 from .specs import SpecError, inputs_from_strings, integer_high
+from .validate import check_output_dir as check_output_dir_early
 
 _DYNAMIC_ITEM = re.compile(r"^(?P<dim>\d+)(?:=(?P<symbol>[A-Za-z_]\w*))?$")
 
@@ -138,14 +138,13 @@ def verify_inputs(values: list[str], model: nn.Module) -> list[Any]:
 
 
 def check_output_dir(path: Path) -> None:
-    """Fail fast on an ``-o`` that cannot be a directory to save into, before minutes of preparing."""
-    if path.exists() and not path.is_dir():
-        raise SerializationError(f"-o {path}: a file of that name exists (an existing file is never replaced); -o "
-                                 f"names a directory to save into (the prepared module is several files).")
-    ancestor = path
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise SerializationError(f"-o {path}: {ancestor} is a file, so no directory can be made under it.")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise SerializationError(f"-o {path}: {ancestor} is not writable.")
+    """``-o``: the checks that need no torch (:func:`.validate.check_output_dir`), then the rule
+    ``fxprep.save`` itself applies (:func:`fxprep.io.target.check_target`: an earlier fxprep save is
+    replaced, anything else refused), before minutes of preparing rather than after."""
+    from ..io.target import check_target
+
+    check_output_dir_early(path)
+    try:
+        check_target(path, overwrite=True)
+    except SerializationError as err:
+        raise SerializationError(f"-o {path}: {err}") from None

@@ -22,16 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidInput
 from . import examples
 from .demo import DEMOS
 from .tiny import tiny_configs
+from .validate import SPEC_FORMS, SpecError, did_you_mean
 
 ZOOS = ("torchvision", "timm", "transformers", "demo")
-
-
-class SpecError(InvalidInput):
-    """A model spec or an ``--input`` string that cannot be understood (a usage error)."""
+__all__ = ["SpecError", "BuiltModel", "resolve", "parse_input", "inputs_from_strings", "zoo_specs"]
 
 
 @dataclass
@@ -139,8 +136,10 @@ def torchvision_models() -> list[str]:
 def _torchvision(name: str) -> BuiltModel:
     from torchvision import models
 
-    if name not in models.list_models():
-        raise SpecError(f"torchvision has no model {name!r}; `fxprep survey --zoo torchvision` lists them.")
+    known = models.list_models()
+    if name not in known:
+        raise SpecError(f"torchvision has no model {name!r}.{did_you_mean(name, known)} ({len(known)} models: "
+                        f"python -c 'import torchvision; print(torchvision.models.list_models())' lists them.)")
     kwargs: dict[str, Any] = {"weights": None}
     detection = name in models.list_models(module=models.detection)
     if detection or name in models.list_models(module=models.segmentation):
@@ -177,6 +176,10 @@ TIMM_SURVEY = (
 def _timm(name: str) -> BuiltModel:
     import timm
 
+    if not timm.is_model(name):
+        known = timm.list_models()
+        raise SpecError(f"timm has no model {name!r}.{did_you_mean(name, known)} ({len(known)} models: "
+                        f"timm.list_models() lists them.)")
     try:
         model = timm.create_model(name, pretrained=False).eval()
     except RuntimeError as err:
@@ -294,13 +297,16 @@ def _transformers(name: str) -> BuiltModel:
     if name[:1].isupper():  # a class name: BertForSequenceClassification
         cls = getattr(transformers, name, None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module) and getattr(cls, "config_class", None)):
-            raise SpecError(f"transformers has no model class {name!r}.")
+            classes = [n for n in dir(transformers) if n[:1].isupper() and ("Model" in n or "For" in n)]
+            raise SpecError(f"transformers has no model class {name!r}.{did_you_mean(name, classes)}")
         model = _tiniest(cls.config_class.model_type, cls)
     else:
         try:
             transformers.AutoConfig.for_model(name)
         except (ValueError, KeyError) as err:
-            raise SpecError(f"transformers has no model type {name!r} ({err}).") from err
+            raise SpecError(f"transformers {transformers.__version__} has no model type {name!r}."
+                            f"{did_you_mean(name, model_types())} A model type is a config's model_type (bert, "
+                            f"llama, t5...); a class name (BertForSequenceClassification) works too.") from err
         model = _tiniest(name, _from_config)
     model.eval()
     if hasattr(model.config, "use_cache"):
@@ -340,7 +346,7 @@ def _from_file(path: str, attr: str) -> BuiltModel:
 def _demo(name: str) -> BuiltModel:
     builders = {d.name: d for d in DEMOS}
     if name not in builders:
-        raise SpecError(f"no demo model {name!r}; known: {', '.join(builders)}.")
+        raise SpecError(f"no demo model {name!r}.{did_you_mean(name, builders)} Known: {', '.join(builders)}.")
     model, inputs = builders[name].build()
     return BuiltModel(f"demo:{name}", model, inputs, builders[name].description)
 
@@ -356,10 +362,7 @@ def resolve(spec: str, inputs: Iterable[str] = ()) -> BuiltModel:
         if first in ("torchvision", "timm", "transformers", "demo"):
             source, name = first, rest
     if not sep or not name or not source:
-        raise SpecError(
-            f"cannot read model spec {spec!r}: use torchvision:NAME, timm:NAME, transformers:TYPE_OR_CLASS, "
-            f"demo:NAME or path/to/file.py:ClassOrFactory."
-        )
+        raise SpecError(f"cannot read model spec {spec!r}: a spec is {SPEC_FORMS}.")
     builders: dict[str, Callable[[str], BuiltModel]] = {
         "torchvision": _torchvision, "timm": _timm, "transformers": _transformers, "demo": _demo,
     }
@@ -371,7 +374,8 @@ def resolve(spec: str, inputs: Iterable[str] = ()) -> BuiltModel:
         except ImportError as err:
             raise SpecError(f"{source} is not installed: pip install {source}") from err
     else:
-        raise SpecError(f"unknown model source {source!r} in {spec!r}; known: {', '.join(builders)} or a .py file.")
+        raise SpecError(f"unknown model source {source!r} in {spec!r}.{did_you_mean(source, builders)} "
+                        f"A spec is {SPEC_FORMS}.")
     revived = revive_zero_weights(built.model)
     if revived:
         built.note = (built.note + "; " if built.note else "") + f"zero-initialised weights re-drawn: {', '.join(revived)}"
@@ -383,6 +387,13 @@ def resolve(spec: str, inputs: Iterable[str] = ()) -> BuiltModel:
         raise SpecError(f"{spec}: fxprep cannot tell this model's inputs from its config; name them with "
                         "--input NAME=DIMS[:DTYPE] (e.g. --input past_values=1x64x1).")
     return built
+
+
+def model_types() -> list[str]:
+    """Every ``model_type`` the installed transformers knows."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return sorted(CONFIG_MAPPING_NAMES)
 
 
 def integer_high(model: nn.Module) -> int:

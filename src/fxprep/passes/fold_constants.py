@@ -22,7 +22,9 @@ A node is *constant* when its result depends on no input value and no size that 
   deterministic and writes nothing (no random ops, no in-place methods, no dropout).
 
 Only tensors are folded (the last constant node before a live one); the chain behind them then
-has no users and is removed. The folded values are computed on the example's device and are
+has no users and is removed. A check whose inputs are all constant (the packed-sequence check on
+positions the model computes from ``arange``: :mod:`.input_checks`) held for the example and holds on
+every call, so it goes with the chain it reads. The folded values are computed on the example's device and are
 registered as non-persistent buffers, so ``state_dict()`` is unchanged and ``.to(device)`` moves
 them.
 """
@@ -36,7 +38,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .input_checks import is_assert
 from .shape_prop import has_symbolic_size, known_value
+
+CONSTANT_CHECK = "fxprep_constant_check"  # node meta: an assert on constants only, removed by run()
 
 _METADATA_ATTRS = {"device", "dtype", "is_cuda", "is_floating_point", "layout"}
 _SIZE_ATTRS = {"shape", "ndim"}
@@ -127,6 +132,8 @@ def foldable(gm: fx.GraphModule, *, static_shapes: bool = False) -> list[fx.Node
     for node in gm.graph.nodes:
         if node in constant and node.op != "get_attr" and any(u not in constant for u in node.users):
             frontier.append(node)
+        if node in constant and is_assert(node):
+            node.meta[CONSTANT_CHECK] = True
     return frontier
 
 
@@ -137,6 +144,9 @@ def run(gm: fx.GraphModule, values: dict[fx.Node, Any], *, holder: str = "fxprep
     Edits ``gm.graph`` in place; the caller recompiles."""
     folded = []
     inlined = False
+    checks = [n for n in gm.graph.nodes if n.meta.pop(CONSTANT_CHECK, False) and not n.users]
+    for node in checks:  # held for the example, the same on every call: not kept alive (fx calls asserts impure)
+        gm.graph.erase_node(node)
     constants = gm.get_submodule(holder) if hasattr(gm, holder) else None
     for node, value in values.items():
         literal = _literal(value)
@@ -158,7 +168,7 @@ def run(gm: fx.GraphModule, values: dict[fx.Node, Any], *, holder: str = "fxprep
         read.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "example_value")}
         node.replace_all_uses_with(read)
         folded.append(f"{holder}.{name}")
-    if folded or inlined:
+    if folded or inlined or checks:
         remove_dead_code(gm)
     return folded
 

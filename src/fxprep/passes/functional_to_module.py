@@ -21,7 +21,7 @@ Three kinds of replacement, tried in order:
    dead-code elimination keeps them.
 
 Left functional: the view / metadata / constructor allow-list of :mod:`.op_table` (silently), Python-value
-arithmetic (shapes, never a module), and non-torch functions (``torch.fx.wrap``-ped or
+arithmetic (shapes, never a module), the input checks (:mod:`.input_checks`: reported apart), and non-torch functions (``torch.fx.wrap``-ped or
 ``fxprep.opaque``; "torch" means the ``torch``/``torchvision``/``torchaudio`` packages, not any
 module whose name starts with it): those are listed in the report with the reason.
 """
@@ -43,7 +43,8 @@ from torch import nn
 
 from .. import ops
 from ..report import Report
-from .naming import add_module, fresh_name, scope_of
+from .input_checks import check_only
+from .naming import add_module, code_scope, fresh_name, scope_of
 from .op_table import (
     ACTIVATION_FUNCTIONS,
     ACTIVATION_METHODS,
@@ -497,24 +498,32 @@ def run(gm: fx.GraphModule, *, training: bool = False, original: nn.Module | Non
     the graph the node is later copied into (a repeated block converted once, then stamped out).
     """
     taken: set[str] = set()
+    functions: set[str] = set()  # the function containers this run made (naming.code_scope)
     used_attrs: set[fx.Node] = set()
+    checks = check_only(gm.graph)
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and UNREPORTED in node.meta:  # converted in a block before it was stamped out
             cls_name, reason = node.meta.pop(UNREPORTED)
             if report is not None:
                 report.module_added(str(node.target), cls_name, reason)
             continue
+        if node in checks:
+            if report is not None and node.meta.get("fxprep_kind") != OTHER and not is_allowed_functional(node):
+                report.input_check(node.name, _describe_target(node), scope_of(node, original),
+                                   "only checks the inputs (its results feed an assert alone): kept as a call")
+            continue
         rep = replacement_for(gm, node, training)
         if rep is None:
             if node.op in ("call_function", "call_method") and not is_allowed_functional(node) \
                     and node.meta.get("fxprep_kind") != OTHER and report is not None:
-                report.left_functional(node.name, _describe_target(node), scope_of(node), _left_reason(node))
+                report.left_functional(node.name, _describe_target(node), scope_of(node, original), _left_reason(node))
             continue
         if mutates_input(node) or getattr(rep.module, "inplace", False) is True:
             # fx's dead-code elimination keeps a call_module only if the module says it is impure:
             # ``x.add_(y)`` whose result is unused must survive ``graph.eliminate_dead_code()``.
             rep.module._is_impure = True
-        qualname = fresh_name(gm, original, scope_of(node), rep.name, taken)
+        scope, base = code_scope(gm, original, node, rep.name, functions)
+        qualname = fresh_name(gm, original, scope, base, taken)
         add_module(gm, qualname, rep.module)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_module(qualname, tuple(rep.inputs), {})

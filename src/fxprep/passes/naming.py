@@ -1,27 +1,116 @@
 """Readable, deterministic, collision-free names for the modules passes add.
 
-A new module lives under the scope it came from (``layer1.0.add``, ``layer1.0.relu_1``). A name is
-taken only if neither the prepared module nor the original model has anything at that path, so a
-user's own ``relu_1`` attribute (even one the graph never touches) is never shadowed.
+A quantization configuration refers to the modules a graph adds by name (``ignore:
+["re:.*apply_rotary_pos_emb.*"]``, AIMET's and NNCF's per-module settings), so a name says where
+the op is in the model's code and is the same on every run and on every machine:
+
+    ``<owner module path>.<function>.<op>``
+
+* the **owner** is the user's module whose ``forward`` made the op (``model.layers.0.self_attn``);
+  a module Dynamo saw that is not part of the model (a function wrapped in a module class held as a
+  global, as the ``kernels`` package does to transformers' ``apply_rotary_pos_emb``) is no owner:
+  its name was Dynamo's mangled global (``G___import_transformers_dot_models_...``);
+* the **function** is the function the owner's ``forward`` called that made the op, when it was not
+  made in ``forward`` itself: ``self_attn.apply_rotary_pos_emb.mul`` (transformers' rotary
+  embedding), ``attn.shifted_window_attention.linear`` (torchvision's Swin), ``SelfAttention.
+  compute_bias.log`` (T5's position buckets). The outermost such function is named (the rotary
+  ``neg`` inside ``rotate_half``, which ``apply_rotary_pos_emb`` calls, is ``apply_rotary_pos_emb.neg``):
+  it is the unit a configuration wants to select or skip, and its name does not depend on how that
+  function is wrapped or split up. torch's own Python (``torch.nn.functional``) is never the function;
+* the **op** is what the module computes (``mul``, ``scaled_dot_product_attention``), ``_1``,
+  ``_2`` ... in graph order when the same owner and function make it again.
+
+A name is taken only if neither the prepared module nor the original model has anything at that
+path, so a user's own ``relu_1`` attribute (even one the graph never touches) is never shadowed.
+The function becomes a plain container in the prepared module (``self_attn.apply_rotary_pos_emb``);
+where that path is taken in the model (a submodule of that name), the function is joined to the op
+instead (``self_attn.apply_rotary_pos_emb_mul``).
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 import re
+from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
-from ..paths import has_path
+from ..frames import frames_of
+from ..paths import has_path, holds
+
+_MANGLED = re.compile(r"(^|\.)(G___|L__|L\[|G\[)")
 
 
-def scope_of(node: fx.Node) -> str:
+def _entries(node: fx.Node) -> list[tuple[str, Any]]:
+    """The node's module stack, outermost first: (qualified name, class)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for value in stack.values():
+        path, cls = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+        out.append((path if isinstance(path, str) else "", cls))
+    return out
+
+
+def _is_model_path(path: str, original: nn.Module | None) -> bool:
+    """Whether ``path`` names a module of the user's model (not a module Dynamo met elsewhere)."""
+    if _MANGLED.search(path):
+        return False
+    if original is None or not path:
+        return True
+    try:
+        original.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def owner_of(node: fx.Node, original: nn.Module | None = None) -> tuple[str, Any]:
+    """(qualified name, class) of the user's module whose forward produced ``node``: the innermost
+    entry of its module stack that is a module of ``original`` (``""`` and the root's class, or
+    None, when there is none)."""
+    for path, cls in reversed(_entries(node)):
+        if _is_model_path(path, original):
+            return path, cls
+    return "", type(original) if original is not None else None
+
+
+def scope_of(node: fx.Node, original: nn.Module | None = None) -> str:
     """Qualified name of the module whose forward produced ``node`` ('' for the root)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return path if isinstance(path, str) else ""
+    return owner_of(node, original)[0]
+
+
+_PLUMBING = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl", "wrapper", "wrapped", "inner",
+                       "decorate_context"})
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FXPREP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _forward_code(cls: Any) -> Any:
+    forward = getattr(cls, "forward", None) if isinstance(cls, type) else None
+    if forward is None:
+        return None
+    return getattr(inspect.unwrap(forward), "__code__", None)
+
+
+def function_of(node: fx.Node, owner_cls: Any) -> str | None:
+    """The function the owner's ``forward`` called that made ``node`` (the outermost one under
+    ``forward``, skipping torch's own Python, fxprep's and call plumbing), or None when ``node`` was
+    made in ``forward`` itself or the stack does not say (no frames recorded, the owner's not among them)."""
+    code = _forward_code(owner_cls)
+    frames = frames_of(node) if code is not None else []
+    at = [i for i, (file, func) in enumerate(frames) if func == code.co_name and file == code.co_filename]
+    if not at:
+        return None
+    for file, func in frames[at[-1] + 1:]:
+        if func.startswith("<") or func in _PLUMBING or file.startswith(_TORCH_DIR):
+            continue
+        if file.startswith(_FXPREP_DIR) and file != code.co_filename:
+            continue
+        return func
+    return None
 
 
 _CLEAN = re.compile(r"[^0-9a-zA-Z_]+")
@@ -32,6 +121,36 @@ def base_name(text: str) -> str:
     if not text or text[0].isdigit():
         text = f"op_{text}"
     return text
+
+
+def code_scope(gm: fx.GraphModule, original: nn.Module | None, node: fx.Node, base: str,
+               functions: set[str]) -> tuple[str, str]:
+    """(scope, base) of the module a pass adds for ``node``: ``(owner.function, op)``, or
+    ``(owner, function_op)`` where ``owner.function`` is taken by something other than a function
+    container this pass made (``functions``, which it extends)."""
+    owner, cls = owner_of(node, original)
+    function = function_of(node, cls)
+    if function is None:
+        return owner, base
+    name = base_name(function)
+    scope = f"{owner}.{name}" if owner else name
+    if scope in functions:
+        return scope, base
+    free = not (original is not None and holds(original, scope)) and not has_path(gm, scope)
+    if free and _plain_or_absent(gm, owner):
+        functions.add(scope)
+        return scope, base
+    return owner, f"{name}_{base_name(base)}"
+
+
+def _plain_or_absent(gm: fx.GraphModule, path: str) -> bool:
+    """Whether a container may be made under ``path`` in ``gm``: the root, a plain container, or nothing yet."""
+    if not path or not has_path(gm, path):
+        return True
+    try:
+        return type(gm.get_submodule(path)) is nn.Module
+    except AttributeError:
+        return False
 
 
 def fresh_name(gm: fx.GraphModule, original: nn.Module | None, scope: str, base: str, taken: set[str]) -> str:

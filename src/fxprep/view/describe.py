@@ -263,7 +263,7 @@ def describe(gm: fx.GraphModule, example_inputs: Any = None) -> dict[str, Any]:
 
 def _view(title: str, nodes: list[dict[str, Any]], classes: dict[str, str], report: Any,
           report_dict: dict[str, Any] | None, meta: dict[str, Any]) -> dict[str, Any]:
-    text = report.to_text() if report is not None and hasattr(report, "to_text") else ""
+    text = report.to_text(verbose=True) if report is not None and hasattr(report, "to_text") else ""  # every module, by name
     return {"title": title, "nodes": nodes, "modules": classes, "report": report_dict, "report_text": text,
             "kinds": {k: {"label": label, "meaning": meaning} for k, (label, meaning) in KINDS.items()}, "meta": meta}
 

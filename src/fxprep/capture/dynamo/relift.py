@@ -31,6 +31,8 @@ from .opaque import BlackBox, drop_size_asserts, relift_opaque, with_opaque
 from .regroup import Regrouper
 from .shapes import positional_names
 
+_GLOBAL_SOURCE = re.compile(r"\s*G(\[|___)")  # Dynamo's source of a global: G['name'], G___import_...
+
 ROUTE_META = "fxprep_dynamo_route"
 
 
@@ -138,11 +140,17 @@ def build(dgm: fx.GraphModule, stacks: Stacks, targets: dict[fx.Node, str], pytr
             holder.install(new, obj)
     for node in graph.nodes:
         frames = stacks.of(node) if node.meta.get("nn_module_stack") else []
+        # a module held in a global (the kernels package's wrapper of transformers' apply_rotary_pos_emb)
+        # is no module of the model: its frame would name the op after Dynamo's mangled global, and
+        # differently in a block captured alone (prefixed with the block's path) than in the model
+        frames = [f for f in frames if f.module is not None or not _GLOBAL_SOURCE.match(str(f.source))]
         if frames:
             stack: dict[str, tuple[str, type]] = {}
             for f in frames:
                 stack[f.qualname if f.k == 0 else f"{f.qualname}@{f.k}"] = (f.qualname, f.cls)
             node.meta["nn_module_stack"] = stack
+        elif node.meta.get("nn_module_stack"):
+            del node.meta["nn_module_stack"]
     for node in list(graph.nodes):
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
