@@ -155,8 +155,8 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             before = None
         elif scans_of is not None and (found or ranges) and rounds < MAX_SCAN_ROUNDS:
             rounds += 1
-            limited = {current.dynamic[n][d] for n, d in found if d in current.dynamic.get(n, {})} | set(ranges)
-            new = scans_of(log, limited, current, [site for scan in current.scans for site in scan.sites] + refused)
+            bounded = {current.dynamic[n][d] for n, d in found if d in current.dynamic.get(n, {})} | set(ranges)
+            new = scans_of(log, bounded, current, [site for scan in current.scans for site in scan.sites] + refused)
             if new and err is not None:  # found or ranges come from a failure: there is one
                 before = _Tried(current, err, found, ranges)
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))

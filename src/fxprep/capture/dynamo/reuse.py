@@ -199,7 +199,7 @@ def _traced_key(first: Member, call: ExampleInputs, spec: Any, fallback: Any) ->
     output (:class:`.stubs.OtherOutput`) gives its blocks the same inputs as the try before
     (Dots3's sliding and full attention: the outer capture again, not both blocks again)."""
     leaves, tree = pytree.tree_flatten((call.args, call.kwargs))
-    described = []
+    described: list[tuple[Any, ...]] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             described.append(("tensor", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device.type,
