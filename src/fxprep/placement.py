@@ -100,8 +100,21 @@ def resolve(gm: fx.GraphModule, tree: nn.Module, device_map: Any, max_memory: di
         if place.type == "meta":
             raise InvalidInput(f"device_map[{name!r}] is 'meta', which holds no values: map it to 'disk' to keep its "
                                f"weights out of memory until its module runs.")
+        _check_usable(name, device, place)
         out[name] = str(place) if place.type == "cpu" else place.index if place.index is not None else str(place)
     return _disjoint(gm, out)
+
+
+def _check_usable(name: str, device: Any, place: torch.device) -> None:
+    """``place`` is a device this process can put tensors on, checked before anything is placed:
+    a map naming ``cuda:3`` on a machine with one GPU (or none) would fail half-way through loading,
+    from inside torch (a raw ``RuntimeError``), with some weights moved already."""
+    try:
+        torch.empty(0, device=place)  # no memory: raises when the device is not there or not usable
+    except Exception as err:  # noqa: BLE001 - whatever torch raises for a device it cannot use
+        raise InvalidInput(f"device_map[{name!r}] = {device!r} names device {place}, which this process cannot use "
+                           f"({type(err).__name__}: {str(err)[:160]}); map it to a device this machine has, "
+                           f"'cpu' or 'disk'.") from err
 
 
 def _disjoint(gm: nn.Module, device_map: dict[str, Any]) -> dict[str, Any]:
