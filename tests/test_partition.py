@@ -177,3 +177,26 @@ def test_targets_by_class_name_and_glob(prepared: dict[str, Any]) -> None:
         fxprep.partition(gm, targets="decoder.*")
     with pytest.raises(InvalidInput, match="GraphModule"):
         fxprep.partition(model)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_vl"])
+def test_blocks_per_stage_and_the_code_between_with_the_block_before(name: str, prepared: dict[str, Any]) -> None:
+    """llm-compressor's cut: two blocks a stage, the code after a block in its stage (the tail with the
+    last one); every node still in one stage, and the stages still compute what gm computes."""
+    _, example, more, gm = _prepared(prepared, name)
+    default = fxprep.partition(gm)
+    paired = fxprep.partition(gm, blocks_per_stage=2, between="previous")
+    blocks = [b for s in default for b in s.blocks]
+    assert [b for s in paired for b in s.blocks] == blocks
+    assert [s.blocks for s in paired if s.blocks] == [tuple(blocks[i:i + 2]) for i in range(0, len(blocks), 2)]
+    assert paired[0].name == "head" and not paired[0].blocks and all(s.blocks for s in list(paired)[1:])
+    counted = [n for s in paired for n in s.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    assert len(counted) == len([n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")])
+    with torch.no_grad():
+        for inputs in [example] + more:
+            pairs = list(zip(_tensors(_call(gm, inputs)), _tensors(_call(paired, inputs)), strict=True))
+            assert pairs and all(torch.equal(a, b) for a, b in pairs)
+    with pytest.raises(InvalidInput, match="blocks_per_stage"):
+        fxprep.partition(gm, blocks_per_stage=0)
+    with pytest.raises(InvalidInput, match="between"):
+        fxprep.partition(gm, between="after")

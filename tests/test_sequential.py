@@ -3,7 +3,10 @@
 Checked on a tiny Llama: the outputs equal the whole graph's for every offload and cache mode; while
 a stage runs, only its weights are held by the model's modules (an independent count of every
 tensor not on ``meta``, next to the runner's own accounting); weights ``on_stage`` changes are
-written back; the model is left as found (same tensor objects, no hooks).
+written back; the model is left as found (same tensor objects, no hooks); what a user can get wrong
+(batches, on_stage's signature, devices) is refused before any module runs. Write-back wherever the
+weights live, transactions and offload folders: tests/test_sequential_transactions.py; ranks:
+tests/test_sequential_ranks.py.
 """
 
 from __future__ import annotations
@@ -150,3 +153,44 @@ def test_vision_models_run_sequentially(name: str) -> None:
     with torch.no_grad():
         assert all(torch.equal(gm(*b), out) for b, out in zip(batches, run.outputs, strict=True))
     assert run.peak_weight_bytes <= max(run.stage_weight_bytes.values()) + run.pinned_bytes < run.total_weight_bytes
+
+
+def test_bad_input_is_refused_before_any_stage_runs(gm: Any, tmp_path: Any) -> None:
+    """Batches whose keys or shapes do not fit, an on_stage of another signature, a device this machine
+    does not have (named to run_sequential or in a device map), ranks without torch.distributed: each an
+    FxprepError naming what to change, raised before any module runs or any weight is loaded."""
+    stages = fxprep.partition(gm)
+    calls: list[str] = []
+    handle = gm.get_submodule("model.layers.0.mlp.up_proj").register_forward_pre_hook(lambda m, a: calls.append("ran"))
+
+    def on_stage(stage: Any, inputs: Any, outputs: Any) -> None:
+        calls.append(stage.name)
+
+    try:
+        with pytest.raises(InvalidInput, match=r"batch 1 does not fit the prepared graph: .*input_ids"):
+            fxprep.run_sequential(stages, [BATCHES[0], {"input_idz": BATCHES[1]["input_ids"]}], device="cpu",
+                                  on_stage=on_stage)
+        with pytest.raises(fxprep.InputMismatch, match=r"(?s)batch 2 does not fit the prepared graph: .*input_ids: shape .*got 2x8x1"):
+            fxprep.run_sequential(stages, BATCHES[:2] + [{"input_ids": BATCHES[2]["input_ids"][..., None]}],
+                                  device="cpu", on_stage=on_stage)
+        with pytest.raises(InvalidInput, match=r"on_stage\(stage, inputs, outputs\).*give it those three parameters"):
+            fxprep.run_sequential(stages, BATCHES, device="cpu", on_stage=lambda stage: None)
+        with pytest.raises(InvalidInput, match=r"device = 'cuda:99', but this machine has (no cuda device|\d+ cuda)"):
+            fxprep.run_sequential(stages, BATCHES, device="cuda:99", on_stage=on_stage)
+        with pytest.raises(InvalidInput, match=r"device = 'gpu' is not a device"):
+            fxprep.run_sequential(stages, BATCHES, device="gpu", on_stage=on_stage)
+        with pytest.raises(InvalidInput, match=r"torch.distributed initialised first"):
+            fxprep.run_sequential(stages, BATCHES, device="cpu", on_stage=on_stage, ranks=fxprep.Ranks())
+    finally:
+        handle.remove()
+    assert calls == []
+    # a device map naming a device this machine does not have: refused before a tensor is loaded
+    checkpoint = tmp_path / "llama"
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**CFG)).save_pretrained(checkpoint)
+    with torch.device("meta"):
+        empty = tf.LlamaForCausalLM(tf.LlamaConfig(**CFG)).eval()
+    meta_gm = fxprep.prepare_model(empty, example_inputs={"input_ids": BATCHES[0]["input_ids"].to("meta")}, verify=False)
+    with pytest.raises(InvalidInput, match=r"device_map\['model.layers.1'\] = 'cuda:99', but this machine has"):
+        fxprep.load_weights(meta_gm, checkpoint, device_map={"": "cpu", "model.layers.1": "cuda:99"})
+    assert all(p.is_meta for p in meta_gm.parameters())

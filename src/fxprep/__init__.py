@@ -22,6 +22,7 @@ from .errors import (
     InvalidInput,
     ModelError,
     PassFailure,
+    RankFailed,
     SerializationError,
     TraceFailure,
     UnknownOption,
@@ -30,6 +31,7 @@ from .export import export_onnx, export_program
 from .io import load, save
 from .opaque import opaque
 from .partition import Stage, Stages, partition
+from .ranks import Ranks
 from .report import Report
 from .sequential import SequentialRun, run_sequential
 from .version import __version__
@@ -46,6 +48,7 @@ __all__ = [
     "Stages",
     "run_sequential",
     "SequentialRun",
+    "Ranks",
     "check_traceability",
     "TraceReport",
     "save",
@@ -63,6 +66,7 @@ __all__ = [
     "ModelError",
     "TraceFailure",
     "PassFailure",
+    "RankFailed",
     "EquivalenceError",
     "SerializationError",
     "ExportError",

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import baked, decisions, guard, heap, notes, progress, root_hooks, shape_general
+from . import baked, decisions, guard, heap, notes, progress, root_hooks, shape_general, stand_ins
 from .arguments import (
     check_concrete_args,
     check_dynamic_inputs,
@@ -94,6 +94,21 @@ def prepare_model(
 
     Options are keyword-only; see :class:`fxprep.options.PrepareOptions`.
     """
+    if options.get("copy") is True and stand_ins.needed(model, example_inputs):
+        # copied on meta (free), then stood in: a copy of the stand-ins would be zeros in memory
+        model, modules_to_exclude = _independent_copy(model, modules_to_exclude)
+        options = {**options, "copy": False}
+    with stand_ins.standing_in(model, example_inputs) as (example, finish):
+        gm = _prepare_model(model, modules_to_exclude, module_classes_to_exclude, concrete_args, example, options)
+        if example is not example_inputs:  # meta tensors stood in: the graph holds them again
+            finish(gm)
+            get_report(gm).note(stand_ins.NOTE)
+    return gm
+
+
+def _prepare_model(model: nn.Module, modules_to_exclude: list[nn.Module] | None,
+                   module_classes_to_exclude: list[type] | None, concrete_args: dict[str, Any] | None,
+                   example_inputs: Any, options: dict[str, Any]) -> fx.GraphModule:
     title = str(options.get("name") or type(model).__name__)
     with heap.frozen_heap(), progress.reporting(options.get("progress"), title), hooks_left_as_found(model), \
             huggingface.output_capturing_hooks(model), root_hooks.set_aside(model) as aside:

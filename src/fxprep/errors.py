@@ -92,6 +92,11 @@ class ExportError(FxprepError):
     """Exporting a prepared module (ONNX, torch.export) failed."""
 
 
+class RankFailed(FxprepError):
+    """Another rank of a data-parallel :func:`fxprep.run_sequential` failed in a stage (its batches,
+    ``on_stage`` or write-back); this rank undid the stage too. The failing rank raises its own error."""
+
+
 class MissingDependency(FxprepError, ImportError):
     """An optional part of fxprep was used without the package it needs; the message names the
     ``pip install`` line (the extra) that brings it."""

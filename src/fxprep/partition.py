@@ -81,19 +81,40 @@ class Stages(list):
     first stages read), :meth:`result` (``gm``'s return value from the named values) and ``__call__``
     (all stages in order: the same as calling ``gm``)."""
 
-    def __init__(self, stages: Iterable[Stage], binder: fx.GraphModule, result_graph: fx.GraphModule, codegen: Any):
+    def __init__(self, stages: Iterable[Stage], binder: fx.GraphModule, result_graph: fx.GraphModule, codegen: Any,
+                 spec: Any = None):
         super().__init__(stages)
         self._binder = binder
         self._result_graph = result_graph
         self._codegen = codegen
+        self._spec = spec  # the prepared module's guard.InputSpec (None for a graph fxprep did not prepare)
         # gm's placeholders (the binder's are copies, same names) and the values gm's output is made of
         self.placeholders = tuple(n.name for n in binder.graph.find_nodes(op="placeholder"))
         self.result_reads = tuple(str(n.target) for n in result_graph.graph.find_nodes(op="placeholder"))
 
     def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """``{placeholder name: value}`` for a call ``gm(*args, **kwargs)``, flattened by ``gm``'s own
-        calling convention (its generated signature, defaults and input spec)."""
-        flat = self._binder(*args, **kwargs)
+        calling convention (its generated signature, defaults and input spec). A call ``gm`` would
+        refuse (inputs structured or shaped unlike those it was captured for: :mod:`fxprep.guard`) is
+        refused here too, with the same :class:`~fxprep.errors.InputMismatch`; arguments its signature
+        does not take are :class:`~fxprep.errors.InvalidInput` naming those it takes."""
+        from . import guard
+
+        if self._spec is not None:
+            guard.check_inputs(self._binder, self._spec, args, kwargs)
+        return self.bind_unchecked(*args, **kwargs)
+
+    def bind_unchecked(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """:meth:`bind` without the input spec's check, for a caller that checked the call another way
+        (llm-compressor's adapter runs the stages against the model on a batch shaped otherwise)."""
+        try:
+            flat = self._binder(*args, **kwargs)
+        except TypeError as err:
+            import inspect
+
+            takes = ", ".join(inspect.signature(self._binder.forward).parameters)
+            raise InvalidInput(f"the partitioned graph takes ({takes}); called with {len(args)} positional "
+                               f"argument(s) and keywords {sorted(kwargs)}: {err}") from err
         return dict(zip(self.placeholders, flat))
 
     def result(self, values: Mapping[str, Any]) -> Any:
@@ -375,7 +396,10 @@ def partition(gm: fx.GraphModule, targets: Target | Sequence[Target] | None = No
         outputs += [m for m in mutated.get(k, []) if m not in outputs and (last_use.get(m, -1) > k or m in final)]
         frees = [n.name for n in inputs + outputs if last_use.get(n, -1) <= k and n not in final and n.op != "get_attr"]
         stages.append(_stage(gm, name, members, nodes, inputs, outputs, frees))
-    return Stages(stages, _binder(gm), _result_module(gm, output, final), gm.graph._codegen)
+    from .prepared import INPUT_SPEC
+
+    return Stages(stages, _binder(gm), _result_module(gm, output, final), gm.graph._codegen,
+                  gm.__dict__.get(INPUT_SPEC))
 
 
 def _stage(gm: fx.GraphModule, name: str, blocks: list[str], nodes: list[fx.Node], inputs: list[fx.Node],

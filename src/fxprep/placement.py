@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .devices import as_device, existing
 from .errors import InvalidInput
 
 
@@ -93,28 +94,12 @@ def resolve(gm: fx.GraphModule, tree: nn.Module, device_map: Any, max_memory: di
         if device == "disk":
             out[name] = "disk"
             continue
-        try:
-            place = torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise InvalidInput(f"device_map[{name!r}] = {device!r} is not a device, 'cpu' or 'disk'.") from err
-        if place.type == "meta":
+        if str(device).partition(":")[0] == "meta":
             raise InvalidInput(f"device_map[{name!r}] is 'meta', which holds no values: map it to 'disk' to keep its "
                                f"weights out of memory until its module runs.")
-        _check_usable(name, device, place)
+        place = existing(device, f"device_map[{name!r}]")  # a device this machine has, before anything is loaded
         out[name] = str(place) if place.type == "cpu" else place.index if place.index is not None else str(place)
     return _disjoint(gm, out)
-
-
-def _check_usable(name: str, device: Any, place: torch.device) -> None:
-    """``place`` is a device this process can put tensors on, checked before anything is placed:
-    a map naming ``cuda:3`` on a machine with one GPU (or none) would fail half-way through loading,
-    from inside torch (a raw ``RuntimeError``), with some weights moved already."""
-    try:
-        torch.empty(0, device=place)  # no memory: raises when the device is not there or not usable
-    except Exception as err:  # noqa: BLE001 - whatever torch raises for a device it cannot use
-        raise InvalidInput(f"device_map[{name!r}] = {device!r} names device {place}, which this process cannot use "
-                           f"({type(err).__name__}: {str(err)[:160]}); map it to a device this machine has, "
-                           f"'cpu' or 'disk'.") from err
 
 
 def _disjoint(gm: nn.Module, device_map: dict[str, Any]) -> dict[str, Any]:
@@ -226,4 +211,4 @@ def move_between_devices(gm: fx.GraphModule, device_map: dict[str, Any]) -> int:
 
 def torch_device(device: Any) -> torch.device:
     """A device-map value (``"cpu"``, ``0``, ``"cuda:1"``) as a ``torch.device``."""
-    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return as_device(device)

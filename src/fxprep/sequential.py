@@ -3,30 +3,32 @@
 A calibration loop needs the whole model to run, a 70B model fits no single GPU. The loops are
 swapped (llm-compressor's sequential pipeline): for each stage of :func:`fxprep.partition`, its
 weights are onloaded once, every calibration batch passes through it, ``on_stage`` sees its inputs
-and outputs (where a quantizer calibrates, or updates weights GPTQ-style), its weights go back, and
-the next stage runs on the cached activations.
+and outputs (where a quantizer calibrates, or updates weights GPTQ-style), what it changed is
+written where each weight lives, the weights go back, and the next stage runs on the cached
+activations. Each stage is a transaction: if a batch or ``on_stage`` raises (Ctrl-C included), the
+stage's weights are put back as they were before it and the exception propagates unchanged.
 
-The onloading is accelerate's, not fxprep's: each module that holds weights gets accelerate's
-``AlignDevicesHook`` with ``offload=True`` (what ``cpu_offload`` / ``disk_offload`` attach: the
-module's tensors on ``meta``, their values in a weights map, in memory or in accelerate's
-memory-mapped offload folder). A module already hooked that way (``load_weights`` with a
-``device_map`` naming ``disk``) keeps its hook and weights map. A stage is onloaded as
-``accelerate.utils.align_module_device`` does it (the hook's ``pre_forward``), with the hook's
-per-call offloading switched off while its batches run (as llm-compressor's ``disable_offloading``
-does) and its ``post_forward`` after. Weights ``on_stage`` changed in place are written back to the
-weights map first. The hooks fxprep attached are taken out at the end and every tensor object the
-modules held before is put back (identity kept: ties stay ties).
+The pieces, each in its own module: :mod:`fxprep.onload` (a stage's weights onto the device, their
+before-images, change detection, commit and undo; accelerate's offload hooks and weights maps where
+the modules have them), :mod:`fxprep.weight_store` (where a weight lives and how a change is written
+there: in memory into the same tensor object, on disk into accelerate's offload folder),
+:mod:`fxprep.activation_cache` (activations between stages), :mod:`fxprep.ranks` (data-parallel
+ranks under ``torch.distributed``). This module checks what the user gave before anything runs and
+runs the stages in order.
 
-The runner accounts the bytes it puts on the device: the weights attached to the modules (not
-``meta``) and the batch being run. :class:`SequentialRun` reports the peak next to each stage's
-weights and the total, and (on CUDA) the allocator's own peak.
+The runner accounts the bytes it holds: the weights attached to the modules on the device, the
+before-images, the batch being run, the activation cache in memory, and any written value it had to
+keep in memory. :class:`SequentialRun` reports their peaks (and, on CUDA, the allocator's own peak).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,24 +37,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InvalidInput
+from .activation_cache import ActivationCache, to_device, value_bytes
+from .devices import existing
+from .errors import FxprepWarning, InvalidInput
+from .onload import Onloader, StageWeights
 from .partition import Stage, Stages
+from .ranks import Ranks
 
 OFFLOADS = ("cpu", "disk", None)
 CACHES = ("cpu", "disk")
+OWN_FOLDER = "fxprep-sequential"  # the subfolder of offload_dir run_sequential writes its own offload into
 
 
 @dataclass
 class SequentialRun:
-    """What :func:`run_sequential` did. ``outputs``: what the partitioned graph returns, one per batch.
-    Bytes: ``peak_bytes`` (most bytes the runner had on the device at once: weights attached to the
-    modules and the running batch's inputs and outputs), ``peak_weight_bytes``, ``stage_weight_bytes``
-    (each stage's, by name), ``total_weight_bytes`` (all stages'), ``pinned_bytes`` (tensors never
-    offloaded: non-persistent buffers, graph constants), ``peak_cache_bytes`` (activations cached
-    between stages, on the cache's side), ``device_peak_bytes`` (``torch.cuda.max_memory_allocated``
-    on a CUDA device, else None), ``seconds`` per stage."""
+    """What :func:`run_sequential` did. ``outputs``: what the partitioned graph returns, one per batch
+    this process ran (``batches``: their positions among the batches given; all of them without ranks).
+
+    Bytes: ``peak_bytes`` (most bytes on the device at once: weights attached to the modules and the
+    running batch's inputs and outputs), ``peak_weight_bytes``, ``stage_weight_bytes`` (each stage's, by
+    name), ``total_weight_bytes`` (all stages'), ``pinned_bytes`` (tensors never offloaded:
+    non-persistent buffers, graph constants), ``peak_batch_bytes``, ``peak_cache_bytes`` (activations
+    cached between stages, on the cache's side), ``peak_before_bytes`` (the before-images: a stage's
+    weights as they were before it, kept while ``on_stage`` may change them, for write-back and undo;
+    those already in memory where the weights live are not counted), ``peak_held_bytes`` (the most the
+    runner held at once: weights on the device, before-images, the running batch, the activation
+    cache in memory and ``kept_bytes``), ``kept_bytes`` (written-back values kept in memory because
+    their weights have no folder to go to; 0 when every weight lives in memory or in a folder),
+    ``device_peak_bytes`` (``torch.cuda.max_memory_allocated`` on a CUDA device, else None).
+    ``written``: the weights ``on_stage`` changed, written back (names), ``written_bytes`` their size;
+    ``seconds`` per stage."""
 
     outputs: list[Any]
+    batches: list[int] = field(default_factory=list)
     peak_bytes: int = 0
     peak_weight_bytes: int = 0
     stage_weight_bytes: dict[str, int] = field(default_factory=dict)
@@ -60,7 +77,12 @@ class SequentialRun:
     pinned_bytes: int = 0
     peak_batch_bytes: int = 0
     peak_cache_bytes: int = 0
+    peak_before_bytes: int = 0
+    peak_held_bytes: int = 0
+    kept_bytes: int = 0
     device_peak_bytes: int | None = None
+    written: list[str] = field(default_factory=list)
+    written_bytes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
@@ -68,63 +90,136 @@ class SequentialRun:
         return (f"{len(self.stage_weight_bytes)} stages; peak on device {self.peak_bytes / mib:.2f} MiB "
                 f"(weights {self.peak_weight_bytes / mib:.2f} MiB, largest stage "
                 f"{max(self.stage_weight_bytes.values(), default=0) / mib:.2f} MiB, all weights "
-                f"{self.total_weight_bytes / mib:.2f} MiB); cache peak {self.peak_cache_bytes / mib:.2f} MiB")
+                f"{self.total_weight_bytes / mib:.2f} MiB); cache peak {self.peak_cache_bytes / mib:.2f} MiB; "
+                f"held at most {self.peak_held_bytes / mib:.2f} MiB (before-images {self.peak_before_bytes / mib:.2f}); "
+                f"{len(self.written)} weight(s) written back ({self.written_bytes / mib:.2f} MiB)")
+
+
+OnStage = Callable[[Stage, list[dict[str, Any]], list[dict[str, Any]]], None]
 
 
 def run_sequential(stages: Stages, batches: Iterable[Any], *, device: Any, offload: str | None = "cpu",
-                   on_stage: Callable[[Stage, list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
-                   cache: str = "cpu", offload_dir: str | Path | None = None) -> SequentialRun:
+                   on_stage: OnStage | None = None, cache: str = "cpu", offload_dir: str | Path | None = None,
+                   ranks: Ranks | None = None) -> SequentialRun:
     """Run every batch through ``stages`` (from :func:`fxprep.partition`) one stage at a time.
 
     ``batches``: the calls of the partitioned graph, each a dict (keyword arguments), a tuple or
-    list (positional ones) or a single tensor. ``device``: where each stage runs. ``offload``:
-    where weights wait while their stage is not running: ``"cpu"`` (in memory), ``"disk"``
-    (accelerate's offload folder, ``offload_dir`` or a temporary one) or ``None`` (they stay where
-    they are, nothing is moved). ``on_stage(stage, inputs, outputs)``: called once per stage with
-    its weights onloaded, after all batches ran through it; ``inputs`` / ``outputs`` are one
-    ``{name: value}`` per batch, as cached. ``cache``: where activations wait between stages
-    (``"cpu"`` or ``"disk"``). Runs under ``torch.no_grad()``."""
+    list (positional ones) or a single tensor. ``device``: where each stage runs (it must exist on
+    this machine). ``offload``: where weights wait while their stage is not running, for modules
+    that no offload hook holds yet: ``"cpu"`` (in memory), ``"disk"`` (``.dat`` files named by each
+    tensor's path, in ``offload_dir/fxprep-sequential`` or a temporary folder, removed at the end) or
+    ``None`` (they stay where they are). Weights ``load_weights(device_map=...)`` put on disk stay
+    there. ``on_stage(stage, inputs, outputs)``: called once per stage with its weights onloaded,
+    after all batches ran through it; ``inputs`` / ``outputs`` are one ``{name: value}`` per batch,
+    as cached. Whatever it changes in the stage's weights (in place, through ``.data``, by assigning
+    a new tensor or ``Parameter``) is written where the weight lives: into the tensor object in
+    memory, or into the offload folder on disk. ``cache``: where activations wait between stages
+    (``"cpu"`` or ``"disk"``). ``ranks``: run data-parallel (:class:`fxprep.Ranks`: each rank runs
+    its share of ``batches``, every rank ends with the single-process result).
+
+    Each stage is a transaction: if one of its batches or ``on_stage`` raises (``KeyboardInterrupt``
+    included), its weights are as they were before it (in memory and on disk), the model holds the
+    tensor objects and hooks it held, and the exception propagates unchanged; stages before it keep
+    what they wrote. Runs under ``torch.no_grad()``. Everything a user can get wrong (the device,
+    the batches' keys and shapes, ``on_stage``'s signature, options) is refused before any stage runs."""
+    target, calls = _checked(stages, batches, device, offload, cache, on_stage, ranks)
+    if ranks is None:
+        _warn_if_distributed()
+    temp = tempfile.mkdtemp(prefix="fxprep-seq-") if (offload == "disk" and offload_dir is None) or cache == "disk" else None
+    folder = None
+    if offload == "disk":
+        folder = Path(offload_dir) / OWN_FOLDER if offload_dir is not None else Path(temp or ".") / "weights"
+        shutil.rmtree(folder, ignore_errors=True)  # what a killed run left: replaced, not added to
+    run = _Run(stages, calls, ActivationCache(Path(temp) / "cache" if cache == "disk" and temp else None),
+               Onloader(_owners(stages), target, offload, folder, watch=on_stage is not None), target, on_stage,
+               ranks, SequentialRun(outputs=[]))
+    if target.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(target)
+    try:
+        run.report.stage_weight_bytes = {s.name: _total_bytes(s.weight_modules.values()) for s in stages}
+        run.report.total_weight_bytes = _total_bytes(run.onloader.owners.values())
+        run.onloader.attach()
+        if ranks is not None:
+            ranks.start(run.onloader.folders())
+        run.indices = ranks.share(len(calls)) if ranks is not None else list(range(len(calls)))
+        run.report.pinned_bytes = run.onloader.device_bytes()
+        with torch.no_grad():
+            for i in run.indices:
+                run.store.put(i, to_device(calls[i], run.store.device))
+            for stage in stages:
+                start = time.perf_counter()
+                _run_stage(run, stage)
+                for i in run.indices:
+                    run.store.drop(i, stage.frees)
+                run.report.seconds[stage.name] = time.perf_counter() - start
+            run.report.outputs = [stages.result(run.store.get(i, stages.result_reads)) for i in run.indices]
+            run.report.batches = list(run.indices)
+    finally:
+        run.onloader.detach()
+        run.store.close()
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+    if target.type == "cuda":
+        run.report.device_peak_bytes = torch.cuda.max_memory_allocated(target)
+    return run.report
+
+
+@dataclass
+class _Run:
+    """What every step of a run reads: the stages, the bound batches, the activation cache, the
+    onloader, the device, ``on_stage``, the ranks and the report being filled in."""
+
+    stages: Stages
+    calls: list[dict[str, Any]]
+    store: ActivationCache
+    onloader: Onloader
+    device: torch.device
+    on_stage: OnStage | None
+    ranks: Ranks | None
+    report: SequentialRun
+    indices: list[int] = field(default_factory=list)
+
+
+# --- checked before anything runs ----------------------------------------------------------------------
+def _checked(stages: Any, batches: Iterable[Any], device: Any, offload: Any, cache: Any, on_stage: Any,
+             ranks: Any) -> tuple[torch.device, list[dict[str, Any]]]:
+    """The device and every batch bound to the graph's inputs, or the first thing to change."""
     if not isinstance(stages, Stages):
         raise InvalidInput("run_sequential takes what fxprep.partition returns.")
     if offload not in OFFLOADS:
         raise InvalidInput(f"offload must be one of {OFFLOADS}, not {offload!r}.")
     if cache not in CACHES:
         raise InvalidInput(f"cache must be one of {CACHES}, not {cache!r}.")
-    target = torch.device(device)
-    calls = [_as_call(b) for b in batches]
+    if ranks is not None and not isinstance(ranks, Ranks):
+        raise InvalidInput(f"ranks must be a fxprep.Ranks, not {type(ranks).__name__}.")
+    target = existing(device, "device")
+    if on_stage is not None:
+        _check_on_stage(on_stage)
+    calls = []
+    for i, batch in enumerate(batches):
+        args, kwargs = _as_call(batch)
+        try:
+            calls.append(stages.bind(*args, **kwargs))
+        except InvalidInput as err:
+            raise type(err)(f"batch {i} does not fit the prepared graph: {err}") from err
     if not calls:
         raise InvalidInput("run_sequential needs at least one batch.")
-    owners = _owners(stages)
-    temp = tempfile.mkdtemp(prefix="fxprep-seq-") if (offload == "disk" and offload_dir is None) or cache == "disk" else None
-    store = _Cache(Path(temp) / "cache" if cache == "disk" and temp is not None else None)
-    hooks = _Hooks(owners, target, offload, Path(offload_dir) if offload_dir is not None else
-                   (Path(temp) / "weights" if temp else None))
-    run = SequentialRun(outputs=[])
-    if target.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(target)
+    return target, calls
+
+
+def _check_on_stage(on_stage: Any) -> None:
+    if not callable(on_stage):
+        raise InvalidInput(f"on_stage must be a function on_stage(stage, inputs, outputs), not {type(on_stage).__name__}.")
     try:
-        run.stage_weight_bytes = {s.name: _stage_bytes(s) for s in stages}
-        run.total_weight_bytes = _total_bytes(owners)
-        hooks.attach()
-        run.pinned_bytes = hooks.resident_bytes()
-        with torch.no_grad():
-            for i, call in enumerate(calls):
-                store.put(i, _to(stages.bind(*call[0], **call[1]), store.device))
-            for stage in stages:
-                start = time.perf_counter()
-                _run_stage(stage, len(calls), store, hooks, target, on_stage, run)
-                for i in range(len(calls)):
-                    store.drop(i, stage.frees)
-                run.seconds[stage.name] = time.perf_counter() - start
-            run.outputs = [stages.result(store.get(i, stages.result_reads)) for i in range(len(calls))]
-    finally:
-        hooks.detach()
-        store.close()
-        if temp is not None:
-            shutil.rmtree(temp, ignore_errors=True)
-    if target.type == "cuda":
-        run.device_peak_bytes = torch.cuda.max_memory_allocated(target)
-    return run
+        signature = inspect.signature(on_stage)
+    except (TypeError, ValueError):
+        return  # a builtin or extension callable: nothing to check before calling it
+    try:
+        signature.bind(None, [], [])
+    except TypeError as err:
+        name = getattr(on_stage, "__qualname__", type(on_stage).__name__)
+        raise InvalidInput(f"on_stage is called as on_stage(stage, inputs, outputs); {name}{signature} cannot be "
+                           f"({err}): give it those three parameters.") from err
 
 
 def _as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -135,232 +230,111 @@ def _as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (batch,), {}
 
 
-def _run_stage(stage: Stage, n: int, store: _Cache, hooks: _Hooks, device: torch.device,
-               on_stage: Callable[..., None] | None, run: SequentialRun) -> None:
-    modules = list(stage.weight_modules.values())
-    hooks.onload(modules)
+def _warn_if_distributed() -> None:
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1:
+        warnings.warn(f"torch.distributed is initialised ({distributed.get_world_size()} ranks) but run_sequential "
+                      f"got no ranks=: every rank runs every batch. Pass ranks=fxprep.Ranks(...) to split them.",
+                      FxprepWarning, stacklevel=3)
+
+
+# --- one stage: a transaction ------------------------------------------------------------------------------
+def _run_stage(run: _Run, stage: Stage) -> None:
+    """The stage's batches, then ``on_stage``, then its changes written back; on any exception the
+    stage's weights are put back as they were and the exception goes on."""
+    weights = run.onloader.onload(list(stage.weight_modules.values()))
     try:
-        weights = hooks.resident_bytes()
-        run.peak_weight_bytes = max(run.peak_weight_bytes, weights)
-        seen_in: list[dict[str, Any]] = []
-        seen_out: list[dict[str, Any]] = []
-        for i in range(n):
-            inputs = _to(store.get(i, stage.inputs), device)
-            outputs = stage(**inputs)
-            batch = _nbytes(inputs, device) + _nbytes(outputs, device)
-            run.peak_batch_bytes = max(run.peak_batch_bytes, batch)
-            run.peak_bytes = max(run.peak_bytes, weights + batch)
-            del inputs
-            cached = _to(outputs, store.device)
-            del outputs
-            store.put(i, cached)
-            run.peak_cache_bytes = max(run.peak_cache_bytes, store.nbytes())
-            if on_stage is not None:
-                seen_in.append(store.get(i, stage.inputs))
-                seen_out.append(cached)
-        if on_stage is not None:
-            on_stage(stage, seen_in, seen_out)
-    finally:
-        hooks.offload(modules)
-
-
-# --- accelerate's hooks ----------------------------------------------------------------------------
-class _Hooks:
-    """accelerate's ``AlignDevicesHook`` on every module that holds weights (a hook the module
-    already has is used as it is), onloading and offloading a stage's modules."""
-
-    def __init__(self, owners: dict[int, nn.Module], device: torch.device, offload: str | None,
-                 folder: Path | None):
-        self.owners = owners
-        self.device = device
-        self.mode = offload
-        self.folder = folder
-        self.ours: dict[int, dict[str, tuple[str, torch.Tensor]]] = {}  # module -> {name: (kind, original)}
-        self.versions: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}
-        self.saved_devices: dict[int, Any] = {}
-
-    def attach(self) -> None:
-        from accelerate.hooks import AlignDevicesHook, add_hook_to_module
-        from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset, offload_state_dict
-
-        if self.mode is None:
+        seen = _agreed(run, stage, "in its batches", lambda: _batches(run, stage, weights))
+        if run.ranks is not None:
+            run.ranks.replay()
+        if run.on_stage is None:
             return
-        fresh = [m for m in self.owners.values() if _offload_hook(m) is None]
-        empty = [f"{type(m).__name__}.{n}" for m in fresh for n, t in _tensors(m) if t.is_meta]
-        if empty:
-            raise InvalidInput(f"{len(empty)} weight(s) are on 'meta' and no offload hook holds their values "
-                               f"({', '.join(empty[:4])}...): load them first (fxprep.load_weights, with a "
-                               f"device_map to keep them on disk).")
-        if self.mode == "disk" and fresh:
-            assert self.folder is not None
-            flat = {f"{id(m)}.{n}": t.detach() for m in fresh for n, t in _tensors(m)}
-            offload_state_dict(str(self.folder), flat)
-            loader = OffloadedWeightsLoader(save_folder=str(self.folder))
-        for module in fresh:
-            self.ours[id(module)] = {n: ("param" if n in module._parameters else "buffer", t) for n, t in _tensors(module)}
-            weights: Mapping[str, torch.Tensor] = (PrefixedDataset(loader, f"{id(module)}.") if self.mode == "disk"
-                                                   else {n: t for n, t in _tensors(module)})
-            add_hook_to_module(module, AlignDevicesHook(execution_device=self.device, offload=True,
-                                                        weights_map=weights, offload_buffers=True))
-
-    def onload(self, modules: list[nn.Module]) -> None:
-        for module in modules:
-            hook = _offload_hook(module)
-            if hook is None:
-                continue
-            self.saved_devices[id(module)] = hook.execution_device
-            hook.execution_device = self.device
-            hook.pre_forward(module)  # as accelerate.utils.align_module_device onloads
-            hook.offload = False  # the batches' calls leave the weights where they are
-            self.versions[id(module)] = {n: (t, t._version) for n, t in _tensors(module)}
-
-    def offload(self, modules: list[nn.Module]) -> None:
-        for module in modules:
-            hook = _offload_hook(module, even_paused=True)
-            if hook is None or id(module) not in self.versions:
-                continue
-            self._write_back(module, hook)
-            hook.offload = True
-            hook.post_forward(module, None)
-            hook.execution_device = self.saved_devices.pop(id(module))
-
-    def _write_back(self, module: nn.Module, hook: Any) -> None:
-        """Weights changed while onloaded (``on_stage``) go back where they wait: into the module's own
-        tensor objects when fxprep attached the hook, else into the hook's weights map."""
-        from accelerate.utils import PrefixedDataset
-
-        seen = self.versions.pop(id(module))
-        ours = self.ours.get(id(module))
-        for name, tensor in _tensors(module):
-            before = seen.get(name)
-            if before is not None and before[0] is tensor and before[1] == tensor._version:
-                continue
-            weights = hook.weights_map
-            if ours is not None and name in ours:
-                original = ours[name][1]
-                if original.data_ptr() != tensor.data_ptr():
-                    original.data.copy_(tensor.detach())
-                value = original.detach()
-            else:
-                value = tensor.detach().to("cpu").clone()
-            if isinstance(weights, PrefixedDataset):
-                weights.dataset.state_dict[weights.prefix + name] = value
-            elif isinstance(weights, dict):
-                weights[name] = value
-
-    def detach(self) -> None:
-        from accelerate.hooks import remove_hook_from_module
-
-        for module in self.owners.values():
-            originals = self.ours.pop(id(module), None)
-            if originals is None:
-                continue
-            remove_hook_from_module(module)
-            for name, (kind, tensor) in originals.items():
-                (module._parameters if kind == "param" else module._buffers)[name] = tensor
-
-    def resident_bytes(self) -> int:
-        """Bytes of the tensors the modules hold on the device now (each memory counted once)."""
-        return _nbytes([t for module in self.owners.values() for _, t in _tensors(module)], self.device)
+        on_stage = run.on_stage
+        _agreed(run, stage, "in on_stage", lambda: on_stage(stage, *seen))
+        if run.ranks is not None:
+            ranks = run.ranks
+            found = _agreed(run, stage, "writing back", lambda: run.onloader.changes(weights)
+                            if ranks.rank == ranks.source else None)
+            ranks.share_changes(run.onloader, weights, found)
+        changes = run.onloader.changes(weights)
+        run.report.kept_bytes += run.onloader.commit(changes)
+        run.report.written += [item.slot.name for item, _ in changes]
+        run.report.written_bytes += sum(v.numel() * v.element_size() for _, v in changes)
+    except BaseException:
+        run.onloader.undo(weights)
+        raise
+    finally:
+        run.onloader.release(weights)
 
 
-def _offload_hook(module: nn.Module, even_paused: bool = False) -> Any:
-    from accelerate.hooks import AlignDevicesHook
+def _agreed(run: _Run, stage: Stage, where: str, step: Callable[[], Any]) -> Any:
+    """``step()``; with ranks, every rank learns whether any failed (no rank is left in a collective)."""
+    if run.ranks is None:
+        return step()
+    error: BaseException | None = None
+    result = None
+    try:
+        result = step()
+    except BaseException as err:  # noqa: BLE001 - told to every rank, then raised again
+        error = err
+    run.ranks.raise_for(run.ranks.failed(error), error, stage.name, where)
+    return result
 
-    hook = getattr(module, "_hf_hook", None)
-    if isinstance(hook, AlignDevicesHook) and (hook.offload or even_paused) and hook.weights_map is not None:
-        return hook
-    return None
+
+def _batches(run: _Run, stage: Stage, weights: StageWeights) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every batch of this process through ``stage``; the bytes it holds, counted."""
+    report = run.report
+    on_device = run.onloader.device_bytes()
+    report.peak_weight_bytes = max(report.peak_weight_bytes, on_device)
+    report.peak_before_bytes = max(report.peak_before_bytes, weights.held)
+    seen_in: list[dict[str, Any]] = []
+    seen_out: list[dict[str, Any]] = []
+    recording = run.ranks.recording() if run.ranks is not None else contextlib.nullcontext()
+    with recording:
+        for i in run.indices:
+            inputs = to_device(run.store.get(i, stage.inputs), run.device)
+            with run.ranks.batch(i) if run.ranks is not None else contextlib.nullcontext():
+                outputs = stage(**inputs)
+            batch = value_bytes(inputs, run.device) + value_bytes(outputs, run.device)
+            report.peak_batch_bytes = max(report.peak_batch_bytes, batch)
+            report.peak_bytes = max(report.peak_bytes, on_device + batch)
+            del inputs
+            cached = to_device(outputs, run.store.device)
+            del outputs
+            run.store.put(i, cached)
+            cache_bytes = run.store.nbytes()
+            report.peak_cache_bytes = max(report.peak_cache_bytes, cache_bytes)
+            in_memory = cache_bytes if run.store.folder is None else 0
+            report.peak_held_bytes = max(report.peak_held_bytes, on_device + weights.held + batch + in_memory
+                                         + report.kept_bytes)
+            if run.on_stage is not None:
+                seen_in.append(run.store.get(i, stage.inputs))
+                seen_out.append(cached)
+    return seen_in, seen_out
 
 
-def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(n, t) for n, t in list(module._parameters.items()) + list(module._buffers.items()) if t is not None]
-
-
-def _owners(stages: Stages) -> dict[int, nn.Module]:
-    out: dict[int, nn.Module] = {}
+# --- sizes -------------------------------------------------------------------------------------------------
+def _owners(stages: Stages) -> dict[str, nn.Module]:
+    """``{path: module}`` of every module whose tensors a stage reads (a module once, at its first path)."""
+    out: dict[str, nn.Module] = {}
+    seen: set[int] = set()
     for stage in stages:
-        for module in stage.weight_modules.values():
-            out.setdefault(id(module), module)
+        for path, module in stage.weight_modules.items():
+            if id(module) not in seen:
+                seen.add(id(module))
+                out[path] = module
     return out
 
 
-def _stage_bytes(stage: Stage) -> int:
-    return _total_bytes({id(m): m for m in stage.weight_modules.values()})
-
-
-def _total_bytes(owners: dict[int, nn.Module]) -> int:
+def _total_bytes(modules: Iterable[nn.Module]) -> int:
     """Bytes of the weights (parameters and persistent buffers), by their shapes (offloaded ones too)."""
     seen: set[int] = set()
     total = 0
-    for module in owners.values():
+    for module in modules:
         skip: set[str] = module._non_persistent_buffers_set
-        for name, t in _tensors(module):
-            if name in skip or id(t) in seen:
+        for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+            if t is None or name in skip or id(t) in seen:
                 continue
             seen.add(id(t))
             total += t.numel() * t.element_size()
-    return total
-
-
-# --- the activation cache --------------------------------------------------------------------------
-class _Cache:
-    """Per batch, the named values later stages read: in memory, or one file per batch and value."""
-
-    def __init__(self, folder: Path | None):
-        self.folder = folder
-        self.device = torch.device("cpu")
-        self.memory: dict[int, dict[str, Any]] = {}
-        self.files: dict[int, dict[str, Path]] = {}
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-        self.count = 0
-
-    def put(self, i: int, values: Mapping[str, Any]) -> None:
-        if self.folder is None:
-            self.memory.setdefault(i, {}).update(values)
-            return
-        for name, value in values.items():
-            self.count += 1
-            path = self.folder / f"{i}-{self.count}.pt"
-            torch.save(value, path)
-            self.files.setdefault(i, {})[name] = path
-
-    def get(self, i: int, names: Iterable[str]) -> dict[str, Any]:
-        if self.folder is None:
-            return {n: self.memory[i][n] for n in names}
-        return {n: torch.load(self.files[i][n], weights_only=False) for n in names}
-
-    def drop(self, i: int, names: Iterable[str]) -> None:
-        for name in names:
-            self.memory.get(i, {}).pop(name, None)
-            path = self.files.get(i, {}).pop(name, None)
-            if path is not None:
-                path.unlink(missing_ok=True)
-
-    def nbytes(self) -> int:
-        if self.folder is None:
-            return sum(_nbytes(v, None) for values in self.memory.values() for v in values.values())
-        return sum(p.stat().st_size for paths in self.files.values() for p in paths.values())
-
-    def close(self) -> None:
-        self.memory.clear()
-        self.files.clear()
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    from accelerate.utils import send_to_device
-
-    return send_to_device(value, device)
-
-
-def _nbytes(value: Any, device: torch.device | None) -> int:
-    seen: set[int] = set()
-    total = 0
-    for t in torch.utils._pytree.tree_leaves(value):
-        if isinstance(t, torch.Tensor) and not t.is_meta and (device is None or t.device == device):
-            key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
     return total

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import hf_weights, recompute
+from . import hf_weights, recompute, weight_store
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import InvalidInput, WeightsError
 from .inputs import normalize_example_inputs, split_calls
@@ -281,6 +281,14 @@ def _fitting(slots: dict[int, _Slot], checkpoint: Checkpoint, source: Any, origi
         return other, _plan(slots, other, dtype)
 
 
+def _mark_tie(index: dict[str, Any], path: str, key: str) -> None:
+    """A ``.dat`` written under ``path`` for the tensor loaded from ``key`` says so in its index entry:
+    the modules' tensor objects stop showing a tie once accelerate's hooks replace them, and a weight
+    written back (:mod:`fxprep.weight_store`) must reach every name of its tensor."""
+    if path != key:
+        index[path][weight_store.TIE] = key
+
+
 def _check_duplicates(plan: _Plan, new: dict[int, torch.Tensor]) -> None:
     for key, value in plan.pending.items():
         loaded = new.get(id(plan.slot_of[key].tensor))
@@ -446,6 +454,7 @@ def _load_by_map(gm: fx.GraphModule, source: Any, device_map: Any, dtype: torch.
     if folder is not None and on_disk:
         try:
             os.makedirs(folder, exist_ok=True)  # accelerate writes into it without making it
+            weight_store.clear_folder(folder)  # what an earlier load (or its write-backs) left: replaced, not added to
         except OSError as err:
             raise InvalidInput(f"offload_dir={folder!r} cannot be made ({err}).") from err
     if folder is None and on_disk:
@@ -471,6 +480,7 @@ def _load_by_map(gm: fx.GraphModule, source: Any, device_map: Any, dtype: torch.
                 for path in dict.fromkeys(slot.paths + slot.names):
                     if path not in index:
                         offload_weight(value.to(dtype=plan.dtypes[key]), path, folder, index=index)
+                        _mark_tie(index, path, key)
                 continue
             cast = value.to(device=placement.torch_device(where[key]), dtype=plan.dtypes[key])
             if key in plan.duplicates:
@@ -481,6 +491,7 @@ def _load_by_map(gm: fx.GraphModule, source: Any, device_map: Any, dtype: torch.
             for path in slot.paths:  # tied to a module the map puts on disk: its hook reads it from there too
                 if path not in index and placement.device_of([path], device_map) == "disk":
                     offload_weight(cast.detach().cpu(), path, folder, index=index)
+                    _mark_tie(index, path, key)
         _replace(roots, fresh)
         new.update(fresh)
     _check_duplicates(plan, new)

@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 VOCAB = 128
 # W4A16's groups are 128 wide: a width of 128 and MLPs of 256 quantize with its groups
 WIDTH = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256)
+             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=1, bos_token_id=3,
+             eos_token_id=2)
 
 
 def tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
@@ -37,15 +38,23 @@ def saved(model: nn.Module, folder: str | None = None, dtype: torch.dtype = torc
     folder = folder or tempfile.mkdtemp(prefix="fxprep-lc-")
     model.save_pretrained(folder)
     tokenizer(model.config.get_text_config().vocab_size).save_pretrained(folder)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return type(model).from_pretrained(folder, dtype=dtype).eval()
 
 
-def causal_lm(model_type: str, dtype: torch.dtype = torch.float32, **config: Any) -> nn.Module:
-    """A tiny ``model_type`` causal LM of width 128 (random weights, seed 0), as a saved checkpoint."""
+def causal_lm_checkpoint(model_type: str, **config: Any) -> str:
+    """A folder holding a tiny ``model_type`` causal LM of width 128 (random weights, seed 0) and a tokenizer."""
     settings = {**WIDTH, **config}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings))
-    return saved(model, dtype=dtype)
+    folder = tempfile.mkdtemp(prefix="fxprep-lc-")
+    model.save_pretrained(folder)
+    tokenizer(settings["vocab_size"]).save_pretrained(folder)
+    return folder
+
+
+def causal_lm(model_type: str, dtype: torch.dtype = torch.float32, **config: Any) -> nn.Module:
+    """A tiny ``model_type`` causal LM of width 128 (random weights, seed 0), loaded from its checkpoint."""
+    return AutoModelForCausalLM.from_pretrained(causal_lm_checkpoint(model_type, **config), dtype=dtype).eval()
 
 
 def built(make: Callable[[], nn.Module], dtype: torch.dtype = torch.float32) -> nn.Module:

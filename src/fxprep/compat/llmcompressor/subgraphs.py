@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import api
+from ... import api, guard
 from ...errors import EquivalenceError, InputMismatch, InvalidInput, TraceFailure
 from ...partition import Stage, Stages, partition
+from ...prepared import INPUT_SPEC
 from ...report import Report
-from .check import Difference, compare_subgraphs
+from .reproduce import Difference, compare_subgraphs
 from .twin import Twin, bind_to_model, plain_twin
 
 
@@ -42,6 +43,9 @@ class Capture:
     twin: Twin
     subgraphs: list[FxprepSubgraph] = field(default_factory=list)
     check: Difference | None = None  # the stages against the model, where the capture could not verify
+    stood_in: list[str] = field(default_factory=list)  # kept-whole modules that could not run on meta
+    not_run: list[str] = field(default_factory=list)  # targets the sample does not run (no stage of their own)
+    targets: list[tuple[str, nn.Module]] = field(default_factory=list)  # those with a stage
 
 
 LAST: list[Capture] = []  # the last capture, for inspection (``last_capture()``)
@@ -61,14 +65,18 @@ class FxprepSubgraph:
     ``submodules(model)``: the model's modules it calls (the modifiers compress these at its end)."""
 
     def __init__(self, stage: Stage, model: nn.Module, binder: Stages | None = None,
-                 batch_keys: tuple[str, ...] = (), passes_on: tuple[str, ...] = ()):
+                 batch_keys: tuple[str, ...] = (), passes_on: tuple[str, ...] = (), gm: Any = None):
         self.stage = stage
         self.model = model
         self.binder = binder  # the first subgraph binds the batch to the graph's inputs
+        self.gm = gm  # the prepared graph: its input check (shapes the model's code fixed, None-ness)
         self.batch_keys = batch_keys
         self.passes_on = passes_on  # graph inputs later subgraphs read: the first returns them
         self.input_names: set[str] = set(batch_keys) if binder is not None else set(stage.inputs)
         self.consumed_names: set[str] = set()
+        self.capture: Capture | None = None  # the first subgraph's: all subgraphs and the targets, to check a batch
+        self.accepted: set[Any] = set()  # shapes the graph was not captured for, checked against the model on a batch
+        self._checking = False
 
     @property
     def name(self) -> str:
@@ -95,10 +103,47 @@ class FxprepSubgraph:
                                 f"{sorted(self.batch_keys)} (missing {missing}, unknown {unknown}). Every batch of "
                                 "the dataset needs the same columns.")
         assert self.binder is not None
-        try:
-            return self.binder.bind(**inputs)
-        except TypeError as err:
+        spec = self.gm.__dict__.get(INPUT_SPEC) if self.gm is not None else None
+        if spec is not None and not self._checking:  # the stages hold no input check of their own: the graph's
+            try:
+                guard.check(self.gm, spec, (), dict(inputs))
+            except InputMismatch as err:
+                self._check_on_batch(inputs, err)
+        try:  # checked above (the spec, or the stages against the model on this batch)
+            return self.binder.bind_unchecked(**inputs)
+        except (TypeError, InvalidInput) as err:
             raise InputMismatch(f"the calibration batch does not fit the captured graph's inputs: {err}") from None
+
+    def _check_on_batch(self, inputs: Mapping[str, Any], mismatch: InputMismatch) -> None:
+        """A batch shaped otherwise than the graph was captured for, where Dynamo fixed a size (a VLM's
+        patch count, a length): accepted when the stages reproduce the model on it, every target's
+        inputs and outputs compared (once per distinct shape, the modifiers' hooks off), else refused.
+        A size the graph really holds fails there (or earlier, in a stage) and is named."""
+        shape = tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in sorted(inputs.items()))
+        if shape in self.accepted:
+            return
+        advice = ("With llm-compressor: give every calibration sample the shape the graph was captured for (pad or "
+                  "truncate them to one length: max_seq_length with padding), or capture on a sample of the shape "
+                  "you calibrate with.")
+        if self.capture is None:
+            raise InputMismatch(f"{mismatch}\n{advice}") from None
+        from llmcompressor.modifiers.utils.hooks import HooksMixin
+
+        self._checking = True
+        try:
+            with HooksMixin.disable_hooks():
+                found = compare_subgraphs(self.model, self.capture.subgraphs, dict(inputs), self.capture.targets)
+        except Exception as err:  # noqa: BLE001 - a stage that cannot run on this shape: the mismatch, with why
+            raise InputMismatch(f"{mismatch}\nThe stages do not run on it: {type(err).__name__}: {err}\n{advice}") from None
+        finally:
+            self._checking = False
+        if not found.equal:
+            raise InputMismatch(f"{mismatch}\nThe stages do not reproduce the model on it: {found}.\n{advice}") from None
+        self.accepted.add(shape)
+        from loguru import logger
+
+        logger.info(f"fxprep: a batch shaped {dict(shape)} is not the capture's; its stages reproduce the model on it "
+                    f"({found}): calibrating on it.")
 
     def submodules(self, model: nn.Module, recurse: bool = True) -> list[nn.Module]:
         """The model's modules this subgraph calls or reads tensors of (fxprep's own op modules left
@@ -215,6 +260,7 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
         targets = repeated_blocks(model)
     else:
         targets = [(name, module) for name, module in match_named_modules(model, sequential_targets)]
+    targets = [(n, m) for n, m in targets if not any(n.startswith(o + ".") for o, _ in targets)]  # outermost
     if not targets:
         classes = sorted({type(m).__name__ for m in model.modules()})
         raise InvalidInput(f"no module of {type(model).__name__} matches sequential_targets={sequential_targets!r}; "
@@ -224,15 +270,24 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
         target_ids = {id(twin.twin_of[id(m)]) for _, m in targets}
         whole = _kept_whole(twin.root, _ancestors(twin.root, target_ids))
         example = _example(model, sample_input, twin.device)
+        stood_in: list[str] = []
+        if not twin.real:
+            names = {id(m): n for n, m in twin.root.named_modules()}
+            for module in whole:
+                module.__dict__["forward"] = _shaped_like_input(module, names[id(module)], stood_in)
+        # unroll=False: a layer called several times (a recurrent model's cycles) stays the model's one
+        # module at every call, so its hooks see every call as in eager (an unrolled copy has none)
         gm = api.prepare_model(twin.root, whole, example_inputs=example, verify=twin.real, progress=False,
-                               name=type(model).__name__)
+                               name=type(model).__name__, unroll=False)
     report = api.get_report(gm)
-    _targets_called(gm, [name for name, _ in targets], report)
+    not_run = _targets_called(gm, [name for name, _ in targets], report)
+    targets = [(name, module) for name, module in targets if name not in not_run]
     bind_to_model(gm, twin)
     stages = partition(gm, targets=[name for name, _ in targets], blocks_per_stage=targets_per_subgraph,
                        between="previous")
-    subgraphs = _subgraphs(stages, model, tuple(example))
-    capture = Capture(gm, report, twin, subgraphs)
+    subgraphs = _subgraphs(stages, model, tuple(example), gm)
+    capture = Capture(gm, report, twin, subgraphs, stood_in=stood_in, not_run=not_run, targets=targets)
+    subgraphs[0].capture = capture
     LAST[:] = [capture]
     if not twin.real:  # captured on meta stand-ins: checked on the model itself, its weights onloaded as they run
         capture.check = _check_on_model(model, subgraphs, sample_input, targets)
@@ -240,25 +295,49 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
     return subgraphs
 
 
-def _targets_called(gm: Any, names: list[str], report: Report) -> None:
-    """Each target must be one call of the graph; one that is not sits inside a part fxprep could not
-    capture and kept whole (the report's diagnosis says why)."""
+def _shaped_like_input(module: nn.Module, name: str, stood_in: list[str]) -> Any:
+    """The twin's ``module`` (kept whole, on ``meta``) as the capture runs it for the shapes of what it
+    returns: its own forward, or where that cannot run on ``meta`` (a mixture-of-experts layer's
+    routing reads values: ``nonzero``, ``.item()``) a tensor shaped like its first tensor argument,
+    what a decoder layer returns. Only shapes are taken from it, and the stages are then checked on
+    the model itself where its weights can be had (:func:`_check_on_model`)."""
+    forward = type(module).forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(module, *args, **kwargs)
+        except (RuntimeError, NotImplementedError):
+            first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+            if first is None:
+                raise
+            if name not in stood_in:
+                stood_in.append(name)
+            return torch.empty_like(first)
+
+    return run
+
+
+def _targets_called(gm: Any, names: list[str], report: Report) -> list[str]:
+    """Each target must be one call of the graph, unless the sample does not run it (a VLM's vision
+    blocks with text alone): returns those. A target inside a part fxprep could not capture and had to
+    keep whole (the report's diagnosis says why) cannot be a stage: refused."""
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     lost = [n for n in names if n not in called]
-    if not lost:
-        return
-    holders = sorted({p for p in report.leaves if any(t == p or t.startswith(p + ".") for t in lost)})
-    where = (f"inside {', '.join(holders)}, which fxprep kept whole ({'; '.join(report.leaves[h] for h in holders)})"
-             if holders else "nowhere in the captured graph")
-    raise TraceFailure(f"the sequential targets {lost[:4]}{' ...' if len(lost) > 4 else ''} are {where}, so the "
-                       f"stages cannot be cut there. Fix the code fxprep names below, or choose sequential_targets "
-                       f"outside that part.\n{report}")
+    opaque = {p: why for p, why in report.leaves.items() if why != "modules_to_exclude"}  # fxprep's fallback's
+    holders = sorted({p for p in opaque for t in lost if t.startswith(p + ".")})
+    if holders:
+        inside = [t for t in lost if any(t.startswith(p + ".") for p in holders)]
+        raise TraceFailure(f"the sequential targets {inside[:4]}{' ...' if len(inside) > 4 else ''} are inside "
+                           f"{', '.join(holders)}, which fxprep kept whole ({'; '.join(opaque[h] for h in holders)}), so "
+                           "the stages cannot be cut there. Fix the code fxprep names below, or choose "
+                           f"sequential_targets outside that part.\n{report}")
+    return lost
 
 
 def _check_on_model(model: nn.Module, subgraphs: list[FxprepSubgraph], sample: Mapping[str, Any],
                     targets: list[tuple[str, nn.Module]]) -> Difference | None:
     """The stages against the model itself on the first batch, every target's inputs and outputs
-    (:func:`.check.compare_subgraphs`); None where the model holds no values (on ``meta``)."""
+    (:func:`.reproduce.compare_subgraphs`); None where the model holds no values (on ``meta``)."""
     if not _holds_values(model):
         return None
     with calibration_context(model):
@@ -294,15 +373,21 @@ def _log(capture: Capture) -> None:
                if capture.twin.real else
                f"captured on meta stand-ins; stages checked on the model: {capture.check}" if capture.check is not None
                else "captured on meta stand-ins; not checked (the model's weights are on meta)")
+    if capture.not_run:
+        checked += (f"; {len(capture.not_run)} sequential target(s) do not run on the first batch and have no stage "
+                    f"({capture.not_run[0]}, ...)")
+    if capture.stood_in:
+        checked += (f"; {len(capture.stood_in)} module(s) kept whole could not run on meta ({capture.stood_in[0]}, ...): "
+                    "their outputs were taken to be shaped like their first input")
     logger.info(f"fxprep: {report.model} captured by {report.tracer} in {report.timings.get('total', 0):.2f}s, "
                 f"{len(capture.subgraphs)} subgraphs; {checked}. fxprep.compat.llmcompressor.last_capture().report "
                 "has the whole report.")
 
 
-def _subgraphs(stages: Stages, model: nn.Module, batch_keys: tuple[str, ...]) -> list[FxprepSubgraph]:
+def _subgraphs(stages: Stages, model: nn.Module, batch_keys: tuple[str, ...], gm: Any) -> list[FxprepSubgraph]:
     placeholders = set(stages.placeholders)
     later = {n for stage in list(stages)[1:] for n in stage.inputs if n in placeholders}
-    out = [FxprepSubgraph(stages[0], model, stages, batch_keys, tuple(sorted(later)))]
+    out = [FxprepSubgraph(stages[0], model, stages, batch_keys, tuple(sorted(later)), gm)]
     out += [FxprepSubgraph(stage, model) for stage in list(stages)[1:]]
     seen: set[str] = set()
     for sub in reversed(out):  # what no later subgraph reads (llm-compressor's trace_consumed_names)

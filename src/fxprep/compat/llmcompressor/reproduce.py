@@ -34,6 +34,7 @@ class Difference:
     first: str | None = None
     calls: int = 0
     notes: list[str] = field(default_factory=list)
+    output_max_abs_diff: float = 0.0  # over the targets' outputs alone (finite where a mask went missing)
 
     @property
     def equal(self) -> bool:
@@ -108,6 +109,8 @@ def compare_subgraphs(model: nn.Module, subgraphs: Sequence[Any], batch: Mapping
             worst, where = _tree_diff(e, s)
             if worst > diff.max_abs_diff:
                 diff.max_abs_diff = worst
+            if what == "output":
+                diff.output_max_abs_diff = max(diff.output_max_abs_diff, worst)
             if worst > 0 and diff.first is None:
                 diff.first = f"{name} {what} {where}"
     return diff
