@@ -138,7 +138,7 @@ def _save(
     guard = getattr(gm, INPUT_SPEC, None)
     where = f"cannot save to {directory}"
     selfcheck.check_budget(gm, guard, where, saving=True)  # what load would refuse
-    self_check = selfcheck.record(gm, guard, where, saving=True)
+    self_check = selfcheck.record(gm, guard, where, saving=True, until=selfcheck.deadline())
     target = Path(directory)
     with staged(target, overwrite) as fresh:
         try:
@@ -204,6 +204,7 @@ def _load(
     check_integrity: bool = True,
     allow: Iterable[str] = (),
 ) -> fx.GraphModule:
+    until = selfcheck.deadline()  # the whole load, the self-check's run included (LIMITS["load_seconds"])
     directory = Path(directory)
     if not directory.is_dir():
         raise SerializationError(f"{directory} is not a directory written by fxprep.save.")
@@ -255,7 +256,7 @@ def _load(
             raise SerializationError(f"the input_guard in {MANIFEST} is malformed.") from err
         set_preserved(gm, INPUT_SPEC, spec)
     # the module does, on fake inputs shaped like its example, what the saved one did (io/selfcheck.py)
-    selfcheck.check(gm, spec, manifest.get("self_check"), str(directory))
+    selfcheck.check(gm, spec, manifest.get("self_check"), str(directory), until)
     register_with_toolkits()
     return gm
 
