@@ -129,3 +129,15 @@ def test_a_device_map_naming_a_device_this_machine_lacks_is_refused_before_placi
     with pytest.raises(fxprep.InvalidInput, match=r"device_map\['b'\] = .*, but this machine has"):
         fxprep.load_weights(gm, directory, device_map={"a": "cpu", "b": device})
     assert all(t.is_meta for t in gm.parameters())  # nothing was placed
+
+
+def test_max_memory_naming_a_device_this_machine_lacks_is_refused(tmp_path):
+    """device_map="auto" asks accelerate, which asks each max_memory device for its memory: a raw
+    torch error for a device that is not there."""
+    missing = torch.cuda.device_count() + 5  # an index past every GPU this machine has
+    pytest.importorskip("accelerate")
+    directory = tmp_path / "ckpt"
+    _checkpoint(directory, sharded=False)
+    with pytest.raises(fxprep.InvalidInput, match=rf"max_memory\[{missing}\] = {missing}, but this machine has"):
+        fxprep.load_weights(_prepared_on_meta(), directory, device_map="auto",
+                            max_memory={missing: "1GB", "cpu": "1GB"})
