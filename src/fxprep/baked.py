@@ -37,6 +37,7 @@ from __future__ import annotations
 import enum
 import functools
 import reprlib
+import sys
 import types
 import weakref
 from collections.abc import Iterable
@@ -195,6 +196,15 @@ def _codes(code: types.CodeType) -> Iterable[types.CodeType]:
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
 
 
+def _user_module(module: types.ModuleType) -> bool:
+    """A module of the user's own (a ``config.py`` beside the model), not the standard library's or an
+    installed package's: its data attributes are settings a forward may read (``config.WIDTH``)."""
+    top = module.__name__.split(".")[0]
+    path = str(getattr(module, "__file__", None) or "")
+    return (bool(path) and top not in sys.stdlib_module_names and top not in ("torch", "fxprep")
+            and "site-packages" not in path and "dist-packages" not in path)
+
+
 def _own(fn: Any) -> bool:
     """A Python function whose code fxprep may read for what a forward reads (not torch's own helpers)."""
     return isinstance(fn, types.FunctionType) and not str(fn.__module__).startswith("torch.")
@@ -241,6 +251,8 @@ def _class_code(cls: type) -> _Reads:
                 if op in _ATTR_LOADS and isinstance(arg, str):
                     reads.attrs.add(arg)
                     todo.extend(methods.get(arg, ()))
+                elif op == "LOAD_CONST" and isinstance(arg, str) and arg.isidentifier():
+                    reads.attrs.add(arg)  # getattr(self, "name"), setattr's names: read by name too
                 elif op == "STORE_ATTR":
                     reads.stores.add(str(arg))
                 elif op == "LOAD_GLOBAL" and isinstance(arg, str):
@@ -252,22 +264,20 @@ def _class_code(cls: type) -> _Reads:
 
 
 class BakedValues:
-    """What :func:`record_baked` found: ``entries`` (owner ``dict``, key, value at capture, label) of
-    each binding, checked by identity and, for scalars, equality; ``deep`` (the object, its snapshot,
-    label, its value shown) of each distinct data object, checked by its snapshot; ``unchecked``
-    (label, value shown) of what is too large to check (the report names them as assumed).
-    Checked by :func:`check_baked` at each call of the prepared module. A copy (deepcopy, pickle,
-    save) checks nothing: it no longer shares the modules whose attributes were read."""
+    """What :func:`record_baked` found: ``entries`` (owner ``dict``, key, value at capture, label, its
+    snapshot or None for an immutable value) and ``unchecked`` (label, value shown) of what is too
+    large or not plain data to check (the report names them as assumed). Checked by
+    :func:`check_baked` at each call of the prepared module. A copy (deepcopy, pickle, save) checks
+    nothing: it no longer shares the modules whose attributes were read."""
 
-    __slots__ = ("entries", "deep", "unchecked")
+    __slots__ = ("entries", "unchecked")
 
-    def __init__(self, entries: list[tuple[dict[str, Any], str, Any, str, bool]],
-                 deep: list[tuple[Any, tuple[Any, ...], str, str]] | None = None,
+    def __init__(self, entries: list[tuple[dict[str, Any], str, Any, str, tuple[Any, ...] | None]],
                  unchecked: list[tuple[str, str]] | None = None):
-        self.entries, self.deep, self.unchecked = entries, deep or [], unchecked or []
+        self.entries, self.unchecked = entries, unchecked or []
 
     def __len__(self) -> int:
-        return len(self.entries) + len(self.deep) + len(self.unchecked)
+        return len(self.entries) + len(self.unchecked)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> BakedValues:
         return BakedValues([])
@@ -277,8 +287,7 @@ class BakedValues:
 
     def names(self) -> list[str]:
         """The checked values' names."""
-        seen = dict.fromkeys(label for _, _, _, label, _ in self.entries)
-        return list(seen)
+        return list(dict.fromkeys(label for _, _, _, label, _ in self.entries))
 
     def assumed(self) -> list[str]:
         """What the graph may hold that is not checked at each call, with its value at capture."""
@@ -307,35 +316,36 @@ def _whole_calls(gm: nn.Module) -> set[int]:
 
 class _Recorder:
     def __init__(self, changed: Iterable[str]):
-        self.entries: list[tuple[dict[str, Any], str, Any, str, bool]] = []
-        self.deep: list[tuple[Any, tuple[Any, ...], str, str]] = []
+        self.entries: list[tuple[dict[str, Any], str, Any, str, tuple[Any, ...] | None]] = []
         self.unchecked: list[tuple[str, str]] = []
-        self.snapshotted: set[int] = set()
+        self.snapshots: dict[int, tuple[Any, ...] | None] = {}  # id(value) -> its snapshot (None: not checkable)
         self.changed = frozenset(changed)
 
     def add(self, owner: dict[str, Any], key: str, value: Any, label: str) -> None:
         if isinstance(value, (torch.Tensor, nn.Module, _CODE)) or callable(value) or _runtime(value):
             return
         if _immutable(value):
-            self.entries.append((owner, key, value, label, True))
+            self.entries.append((owner, key, value, label, None))
             return
-        self.entries.append((owner, key, value, label, False))  # bound to the same object...
-        if id(value) in self.snapshotted:
-            return
-        self.snapshotted.add(id(value))
-        data = isinstance(value, (list, tuple, dict, set, frozenset)) or _is_data_object(value)
-        if not data:  # an object whose state is no __dict__ (slots, a C type): by identity only, and said
-            self.unchecked.append((label, _shown(value)))
-            return
-        try:  # ...holding the same values
+        if id(value) not in self.snapshots:  # a config object many modules hold: one snapshot
+            self.snapshots[id(value)] = node = self._snapshot(value)
+            if node is None:
+                self.unchecked.append((label, _shown(value)))
+        node = self.snapshots[id(value)]
+        if node is not None:
+            self.entries.append((owner, key, value, label, node))
+
+    @staticmethod
+    def _snapshot(value: Any) -> tuple[Any, ...] | None:
+        """``value``'s snapshot, or None for what cannot be checked: not plain data (no ``__dict__``:
+        slots, a C type), too large, or not equal to itself (NaN inside, an odd ``__eq__``)."""
+        if not (isinstance(value, (list, tuple, dict, set, frozenset)) or _is_data_object(value)):
+            return None
+        try:
             node = _snapshot(value, 0, [MAX_LEAVES])
-            consistent = _same(node, value)  # values that do not equal themselves (NaN, odd __eq__) cannot be checked
-        except Exception:  # noqa: BLE001 - too large, or state that cannot be read as data: assumed, and said
-            consistent = False
-        if consistent:
-            self.deep.append((_reference(value), node, label, _shown(value)))
-        else:
-            self.unchecked.append((label, _shown(value)))
+            return node if _same(node, value) else None
+        except Exception:  # noqa: BLE001 - too large, or state that cannot be read as data
+            return None
 
 
 def _shown(value: Any) -> str:
@@ -381,29 +391,39 @@ def record_baked(gm: nn.Module, model: nn.Module, changed: Iterable[str] = ()) -
                 seen_globals.add((id(namespace), name))
                 if name.startswith("_") and not _immutable(value):
                     continue  # a library's private state (a registry filled as models are built), not a setting
+                if isinstance(value, types.ModuleType) and _user_module(value):  # ``import config``: config.WIDTH
+                    for attr in sorted(read & set(vars(value))):
+                        if not attr.startswith("_"):
+                            recorder.add(vars(value), attr, vars(value)[attr], f"global {value.__name__}.{attr}")
+                    continue
                 recorder.add(namespace, name, value, f"global {namespace.get('__name__', '?')}.{name}")
-    return BakedValues(recorder.entries, recorder.deep, recorder.unchecked)
+    return BakedValues(recorder.entries, recorder.unchecked)
 
 
 def check_baked(baked: BakedValues) -> None:
-    """Raise :class:`InputMismatch` when a value recorded by :func:`record_baked` has changed."""
+    """Raise :class:`InputMismatch` when a value recorded by :func:`record_baked` has changed: a
+    scalar rebound to another value, a container or config object changed in place or rebound to one
+    that does not hold the same (each object is compared once per call, however many modules hold it)."""
     changed = None
-    for owner, key, value, label, immutable in baked.entries:
+    compared: dict[int, tuple[Any, ...]] = {}  # id(object now) -> the snapshot it matched, this call
+    for owner, key, value, label, node in baked.entries:
         now = owner.get(key, _GONE)
-        if now is not value and (not immutable or type(now) is not type(value) or now != value):
-            changed = changed or []
-            changed.append(f"  - {label}: {_shown(value)} at capture, now "
-                           f"{'deleted' if now is _GONE else _shown(now)}")
-    if changed is None:
-        for reference, node, label, shown in baked.deep:
-            now = reference()
+        if node is None:
+            if now is value or (type(now) is type(value) and now == value):
+                continue
+        else:
+            if compared.get(id(now)) is node:
+                continue
             try:
-                same = now is not None and _same(node, now)
+                same = now is not _GONE and _same(node, now)
             except Exception:  # noqa: BLE001 - a comparison that raises now (it did not at capture): changed
                 same = False
-            if not same:
-                changed = changed or []
-                changed.append(f"  - {label}: {shown} at capture, now {_shown(now)}")
+            if same:
+                compared[id(now)] = node
+                continue
+        changed = changed or []
+        changed.append(f"  - {label}: {_shown(value) if node is None else _shown_node(node)} at capture, now "
+                       f"{'deleted' if now is _GONE else _shown(now)}")
     if changed:
         raise InputMismatch(
             "values the graph took from the model's attributes or globals changed after prepare_model; the graph "
@@ -411,3 +431,21 @@ def check_baked(baked: BakedValues) -> None:
             + ("\n  ..." if len(changed) > 8 else "")
             + "\nPrepare the model again after changing them (or change them back).")
 
+
+def _rebuilt(node: tuple[Any, ...], depth: int = 0) -> Any:
+    """What a snapshot recorded, as plain values again (for messages only)."""
+    form = node[0]
+    if form == _VALUE:
+        return node[1]
+    if form == _IDENTITY:
+        return node[1]()
+    if form == _SEQ:
+        return [_rebuilt(c) for c in node[2][:8]]
+    if form in (_MAP, _OBJECT):
+        return {k: _rebuilt(c) for k, c in list(zip(node[2], node[3]))[:8]}
+    return set(node[2])
+
+
+def _shown_node(node: tuple[Any, ...]) -> str:
+    shown = _shown(_rebuilt(node))
+    return f"{node[1].__qualname__}({shown})" if node[0] == _OBJECT else shown

@@ -56,7 +56,7 @@ def _mode_of(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | No
     if fn is AUTOCAST_ENTER:
         device = args[0] if args else kwargs.get("device_type")
         return device if isinstance(device, str) else "cpu"
-    if fn in GRAD_TOGGLES:
+    if any(fn is toggle for toggle in GRAD_TOGGLES):  # by identity: a callable need not hash
         return GRAD
     return None
 
@@ -66,14 +66,17 @@ def entered(root: nn.Module) -> tuple[str, ...]:
     ``"grad"``, sorted; empty for a graph that switches none (the common case: nothing to do per call)."""
     found: set[str] = set()
     for module in root.modules():
-        graph = module.__dict__.get("_graph") if isinstance(module, fx.GraphModule) else None
-        if not isinstance(graph, fx.Graph):
+        if isinstance(module, ops.BoundOp):  # an op module: its callable and literal arguments (no lookups)
+            mode = _mode_of(module.fn, tuple(module.args), dict(module.kwargs))
+        elif isinstance(module, fx.GraphModule) and isinstance(module.__dict__.get("_graph"), fx.Graph):
+            for node in module.__dict__["_graph"].nodes:
+                if node.op == "call_function" and (mode := _mode_of(node.target, tuple(node.args), dict(node.kwargs))):
+                    found.add(mode)
             continue
-        for node in graph.nodes:
-            call = call_of(node, module)
-            mode = _mode_of(*call) if call is not None else None
-            if mode is not None:
-                found.add(mode)
+        else:
+            continue
+        if mode is not None:
+            found.add(mode)
     return tuple(sorted(found))
 
 
