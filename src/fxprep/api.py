@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import decisions, guard, heap, notes, progress, root_hooks, shape_general, stand_ins
+from . import baked, decisions, guard, heap, notes, progress, root_hooks, shape_general, stand_ins
 from .arguments import (
     check_concrete_args,
     check_dynamic_inputs,
@@ -429,10 +429,15 @@ def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
     decided from data (fxprep.decisions)."""
     model, report, concrete = run.model, run.report, run.request.concrete_args
     assert run.result is not None
-    baked = guard.record_baked(gm, model)
-    if len(baked):
-        setattr(gm, BAKED, baked)  # not preserved by a copy: a copy no longer shares the user's modules
-        report.note(notes.baked_values(baked.names()))
+    changed = run.reference.changed.names() if run.reference is not None else []
+    found = baked.record_baked(gm, model, changed)
+    if len(found):
+        setattr(gm, BAKED, found)  # not preserved by a copy: a copy no longer shares the user's modules
+        if found.names():
+            report.note(notes.baked_values(found.names()))
+        if found.unchecked:
+            report.note(notes.baked_unchecked(found.assumed()))
+    run.assumed = found.assumed()
     tracer = run.result.tracer.split("+")[0]  # dynamo+leaves: Dynamo's rules (static shapes) with opaque parts
     call = run.prepared_call
     if call is None and tracer == "dynamo":  # captured on inputs built from a transformers config

@@ -11,6 +11,8 @@ one shard of the file in memory at a time. A directory is read through its Huggi
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath, PureWindowsPath
@@ -101,12 +103,46 @@ def open_checkpoint(source: Any) -> Checkpoint:
     if path.suffix != ".safetensors":
         raise InvalidInput(f"{path.name}: only .safetensors files are read (pickled .bin/.pt files can run code "
                            f"when loaded); convert it, or load it yourself and pass the state_dict.")
+    regular(path, "source")
     checkpoint = Checkpoint(str(path))
     _add_file(checkpoint, path)
     return checkpoint
 
 
+def regular(path: Path, what: str) -> None:
+    """Refuse ``path`` unless it is a regular file (a link to one is followed: the Hugging Face cache
+    is made of them), before anything opens it: opening a FIFO for reading blocks until something
+    writes to it, which an unpacked archive's FIFO never does, and a device has no end."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError) as err:
+        raise WeightsError(f"{what}: {str(path)[:200]!r} cannot be looked up ({type(err).__name__}: "
+                           f"{str(err)[:80]}).") from err
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
+        raise WeightsError(f"{what}: {path} is {kind}, not a regular file; load_weights reads only regular files "
+                           f"(an unpacked archive can leave FIFOs and devices: replace it with the real file).")
+
+
+def _no_special_files(path: Path) -> None:
+    """Every entry of a checkpoint directory is a regular file or a directory (links followed): the
+    index, the shards and what transformers' ``from_pretrained`` reads beside them (``config.json``,
+    ``generation_config.json``) would block or never end on a FIFO or a device."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError as err:
+        raise WeightsError(f"cannot list the checkpoint directory {path}: {err}") from err
+    for entry in entries:
+        try:
+            mode = os.stat(entry.path).st_mode
+        except OSError:
+            continue  # a dangling link: the lookups below say so if it is one they need
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            regular(Path(entry.path), f"{path}")
+
+
 def _directory(path: Path) -> Checkpoint:
+    _no_special_files(path)
     indexes = sorted(path.glob("*.safetensors.index.json"))
     if len(indexes) > 1:
         raise WeightsError(f"{path} holds several indexes ({', '.join(i.name for i in indexes)}); keep one of them "
@@ -120,6 +156,7 @@ def _directory(path: Path) -> Checkpoint:
                 raise WeightsError(f"{indexes[0].name} names shard {name[:200]!r} (for {len(keys)} tensor(s), e.g. "
                                    f"{sorted(keys)[0][:80]!r}), which is not a file in {path}: the download is "
                                    f"incomplete, or the index belongs to another checkpoint.")
+            regular(shard, f"{indexes[0].name}: shard {name[:200]!r}")
             found = _add_file(checkpoint, shard)
             if set(found) != keys:
                 missing = sorted(keys - set(found))[:5]
@@ -133,6 +170,7 @@ def _directory(path: Path) -> Checkpoint:
         raise WeightsError(f"{path} has no *.safetensors.index.json and {len(files)} .safetensors files ({listed}); "
                            f"expected an index (model.safetensors.index.json) or exactly one .safetensors file. "
                            f"Pickled checkpoints (.bin, .pt) are not read: convert them to safetensors.")
+    regular(files[0], f"{path}")
     _add_file(checkpoint, files[0])
     return checkpoint
 
@@ -143,8 +181,12 @@ def _read_index(index: Path) -> dict[str, set[str]]:
     (a plain relative path: no ``..``, not absolute), since the index is data from whoever wrote the
     checkpoint and ``../elsewhere/x.safetensors`` would read any local file into the model. A shard
     that is a symlink is followed: the Hugging Face cache is made of them."""
+    regular(index, "the index")
     try:
-        with open(index, "rb") as f:
+        # O_NONBLOCK: a FIFO put there after the check above is read as empty, never waited on
+        with os.fdopen(os.open(index, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise WeightsError(f"the index {index} is not a regular file.")
             raw = f.read(_MAX_INDEX_BYTES + 1)
         if len(raw) > _MAX_INDEX_BYTES:
             raise WeightsError(f"{index} is larger than any safetensors index ({_MAX_INDEX_BYTES} bytes).")

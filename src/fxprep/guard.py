@@ -19,6 +19,8 @@ So the prepared module records the structure it was captured for (:class:`InputS
   static shapes, so any of them may be baked into the graph). The fx path traces sizes
   symbolically and checks none.
 
+The values a graph takes from the model's attributes and globals are checked by :mod:`fxprep.baked`.
+
 The check runs at the module's call boundary (:class:`fxprep.prepared.PreparedModule`), where the
 caller's structure still exists (the generated ``forward`` has already flattened it away), like
 ``torch.export``'s own input check on the modules it returns. The spec is plain data, so it is
@@ -30,7 +32,6 @@ This module depends only on :mod:`fxprep.errors`.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
@@ -373,131 +374,3 @@ def _message(spec: InputSpec, problems: list[str]) -> str:
     else:
         lines.append("Prepare the model again with example inputs structured like this call.")
     return "\n".join(lines)
-
-
-# --- values baked into the graph ---------------------------------------------------------------------
-# Both tracers turn a Python scalar the forward reads from a module attribute or a module-level global
-# (``x * self.scale``, ``if USE_BIAS:``) into a constant of the graph (Dynamo guards on it; fx just
-# sees the value). The prepared module shares the user's modules and follows their tensors, so a user
-# who later sets ``model.scale = 5.0`` expects the prepared module to follow; it would silently keep
-# computing with 2.0. So the scalars those forwards could have read are recorded at capture and
-# compared at each call (a dict read and an equality per value: microseconds), and a change raises
-# InputMismatch naming it. Leaves (modules called whole) run their own code and follow changes: not
-# recorded; neither is ``training`` (the graph is prepared for one mode: fxprep.options) nor what a
-# forward itself writes (``self.calls += 1``: the prepared module does not replay it, and the user's
-# own runs of the model would change it).
-_GONE = object()
-# nn.Module's own fields, and transformers' bookkeeping that no forward reads (set by loading code)
-_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) | {"_is_hf_initialized", "name_or_path"}
-
-
-class BakedValues:
-    """The Python values a graph may have taken from module attributes and globals, each with where
-    it lives (the module's or the function's globals ``dict``), its value at capture and its name for
-    messages. Checked by :func:`check_baked` at each call of the prepared module. A copy (deepcopy,
-    pickle, save) checks nothing: it no longer shares the modules whose attributes were read."""
-
-    __slots__ = ("entries",)
-
-    def __init__(self, entries: list[tuple[dict[str, Any], str, Any, str]]):
-        self.entries = entries
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> BakedValues:
-        return BakedValues([])
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (BakedValues, ([],))
-
-    def names(self) -> list[str]:
-        return [label for _, _, _, label in self.entries]
-
-
-@functools.cache
-def _class_code(cls: type) -> tuple[frozenset[str], dict[int, tuple[dict[str, Any], tuple[str, ...]]]]:
-    """For a module class: the attribute names its forward stores (``self.x = ...``: state a run
-    updates, not a setting), and per globals dict the global names any of its methods load (the
-    helpers its forward calls are among them), read from the bytecode of the functions the class and
-    its bases define outside torch (sorted: the order messages name them in)."""
-    import dis
-
-    stores: set[str] = set()
-    loads: dict[int, tuple[dict[str, Any], set[str]]] = {}
-    for klass in cls.__mro__:
-        if str(klass.__module__).startswith("torch.") or klass is object:
-            continue
-        for fn_name, fn in vars(klass).items():
-            code = getattr(fn, "__code__", None)
-            if code is None or not isinstance(getattr(fn, "__globals__", None), dict):
-                continue
-            # globals: the forwards and the private helpers they call (not public API: save_pretrained)
-            reads = "forward" in fn_name or (fn_name.startswith("_") and not fn_name.startswith("__"))
-            names = loads.setdefault(id(fn.__globals__), (fn.__globals__, set()))[1]
-            for ins in dis.get_instructions(code):
-                if ins.opname == "STORE_ATTR" and "forward" in fn_name:
-                    stores.add(str(ins.argval))
-                elif ins.opname == "LOAD_GLOBAL" and reads:
-                    names.add(str(ins.argval))
-    return frozenset(stores), {k: (g, tuple(sorted(n))) for k, (g, n) in loads.items()}
-
-
-def record_baked(gm: torch.nn.Module, model: torch.nn.Module) -> BakedValues:
-    """The scalars (bool, int, float, str) of every module of ``model`` whose forward was traced into
-    (not a module ``gm`` calls whole, nor inside one, nor an opaque part's owner), and the scalar
-    globals those forwards read."""
-    whole: set[int] = set()
-    for node in getattr(gm, "graph", fx.Graph()).nodes:
-        if node.op != "call_module":
-            continue
-        try:
-            called = gm.get_submodule(node.target)
-        except AttributeError:
-            continue
-        for m in called.modules():
-            whole.add(id(m))
-            owner = m.__dict__.get("owner")
-            if isinstance(owner, torch.nn.Module):
-                whole.update(id(o) for o in owner.modules())
-    entries: list[tuple[dict[str, Any], str, Any, str]] = []
-    seen_globals: set[tuple[int, str]] = set()
-    seen_classes: set[type] = set()  # a class's globals are the same for each of its instances
-    for path, module in model.named_modules(remove_duplicate=True):
-        if id(module) in whole:
-            continue
-        try:
-            stores, loads = _class_code(type(module))  # type: ignore[arg-type]  # classes hash by identity
-        except TypeError:  # an unhashable class (never seen): record nothing for it
-            continue
-        label = f"model.{path}" if path else "model"
-        for key, value in module.__dict__.items():
-            if type(value) in SCALARS and key != "training" and key not in _MODULE_INTERNALS and key not in stores:
-                entries.append((module.__dict__, key, value, f"{label}.{key}"))
-        if type(module) in seen_classes:
-            continue
-        seen_classes.add(type(module))
-        for namespace, global_names in loads.values():
-            for name in global_names:
-                value = namespace.get(name, _GONE)
-                if type(value) in SCALARS and not name.startswith("__") and (id(namespace), name) not in seen_globals:
-                    seen_globals.add((id(namespace), name))
-                    entries.append((namespace, name, value, f"global {namespace.get('__name__', '?')}.{name}"))
-    return BakedValues(entries)
-
-
-def check_baked(baked: BakedValues) -> None:
-    """Raise :class:`InputMismatch` when a value recorded by :func:`record_baked` has changed."""
-    changed = None
-    for owner, key, value, label in baked.entries:
-        now = owner.get(key, _GONE)
-        if now is not value and (type(now) is not type(value) or now != value):
-            changed = changed or []
-            changed.append(f"  - {label}: {value!r:.60} at capture, now "
-                           f"{'deleted' if now is _GONE else format(repr(now), '.60')}")
-    if changed:
-        raise InputMismatch(
-            "values the graph took from the model's attributes or globals changed after prepare_model; the graph "
-            "holds them as constants and would silently compute with the old ones:\n" + "\n".join(changed[:8])
-            + ("\n  ..." if len(changed) > 8 else "")
-            + "\nPrepare the model again after changing them (or change them back).")

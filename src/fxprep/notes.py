@@ -44,6 +44,14 @@ def baked_values(names: list[str]) -> str:
             f"as constants.")
 
 
+def baked_unchecked(assumed: list[str]) -> str:
+    """Values the graph may hold that no call checks (:mod:`fxprep.baked`: too large, or not plain data)."""
+    return (f"ASSUMED: the graph may hold these {len(assumed)} value(s) of the model's attributes or globals as "
+            f"constants, and they are too large or not plain data to check at each call: "
+            f"{'; '.join(assumed[:4])}{'; ...' if len(assumed) > 4 else ''}. Verification passed with them as they "
+            f"are; prepare the model again after changing them.")
+
+
 INPUT_CHECKS = ("The prepared module checks every call against the inputs it was captured for (structure, "
                 "None-ness and, where Dynamo specialised them, shapes) and raises InputMismatch otherwise.")
 

@@ -18,7 +18,7 @@ import builtins
 import importlib
 import keyword
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -233,6 +233,18 @@ def resolve_callable(name: str) -> Callable[..., Any]:
     if fn is None or not callable(fn):
         raise ImportError(f"cannot import callable {name!r}")
     return fn
+
+
+def filled(template: Any, inputs: Sequence[Any]) -> Any:
+    """An op module's argument template with its slots filled by ``inputs`` (what its call passes on);
+    a slot past the inputs is None (the call would fail on it)."""
+    if isinstance(template, Slot):
+        return inputs[template.index] if 0 <= template.index < len(inputs) else None
+    if type(template) in (tuple, list):
+        return type(template)(filled(t, inputs) for t in template)
+    if type(template) is dict:
+        return {k: filled(v, inputs) for k, v in template.items()}
+    return template
 
 
 class BoundOp(nn.Module):

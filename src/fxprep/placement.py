@@ -81,6 +81,9 @@ def resolve(gm: fx.GraphModule, tree: nn.Module, device_map: Any, max_memory: di
     from .partition import default_blocks
 
     if device_map == "auto":
+        for key in max_memory or {}:  # accelerate asks the device for its memory: a raw error for one not here
+            if key not in ("cpu", "disk"):
+                existing(key, f"max_memory[{key!r}]")
         blocks = default_blocks(gm)
         classes = sorted({type(tree.get_submodule(b)).__name__ for b in blocks if _has_module(tree, b)})
         device_map = infer_auto_device_map(tree, max_memory=max_memory, no_split_module_classes=classes,

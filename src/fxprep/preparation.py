@@ -8,7 +8,7 @@ the verification stage (:mod:`fxprep.verification_stage`) takes the same object 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from torch import nn
@@ -57,6 +57,7 @@ class Preparation:
     elsewhere: tuple[shape_general.Elsewhere, str] | None = None  # a shape-general capture for the fallback
     batch_baked: bool = False  # the batch probe found the example's batch baked into the static graph
     static_fallback: bool = True  # a failed shape-general capture falls back to static shapes (else raises)
+    assumed: list[str] = field(default_factory=list)  # values the graph holds and no call checks (fxprep.baked)
 
     @property
     def model(self) -> nn.Module:

@@ -31,13 +31,17 @@ from torch.fx.graph import PythonCode
 
 from fxprep.forward_code import CALL_HELPER, FAST_HELPER, HELPER, call_module, child, fast_calls, fast_source
 
-from . import decisions, guard
+from . import baked as baked_values
+from . import decisions, guard, modes
 from .errors import InvalidInput
 from .report import Report
 
 REPORT = "fxprep_report"
 INPUT_SPEC = "fxprep_input_spec"  # a guard.InputSpec: what each call is checked against
-BAKED = "fxprep_baked_values"  # a guard.BakedValues: module attributes / globals the graph holds as constants
+BAKED = "fxprep_baked_values"  # a baked.BakedValues: module attributes / globals the graph holds as constants
+# the process modes the graph can switch (autocast's device types, "grad": fxprep.modes), found at each
+# recompile; a call of a module whose graph switches none pays one dict read
+MODES = "_fxprep_modes"
 _PRESERVED = getattr(graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY", "_user_preserved_attributes")
 # Set while as_prepared(..., compiled=False) builds a module: its code is generated later, once.
 _DEFER = threading.local()
@@ -65,7 +69,19 @@ class PreparedModule(fx.GraphModule):
             if spec is not None:
                 guard.check_inputs(self, spec, args, kwargs)
             if baked:
-                guard.check_baked(baked)
+                baked_values.check_baked(baked)
+        entered = self.__dict__.get(MODES)
+        if not entered:
+            return self._run(args, kwargs)
+        # a region the graph enters (autocast) is left even when an op inside it raises (fxprep.modes)
+        state = modes.snapshot(entered)
+        try:
+            return self._run(args, kwargs)
+        except BaseException:
+            modes.restore(state)
+            raise
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             return super().__call__(*args, **kwargs)
         except RuntimeError as err:  # a value decided from the example, which this input decides otherwise
@@ -77,6 +93,7 @@ class PreparedModule(fx.GraphModule):
     def recompile(self) -> PythonCode:
         if getattr(_DEFER, "active", False):
             return None  # type: ignore[return-value]  # as_prepared(compiled=False): the caller recompiles
+        self.__dict__[MODES] = modes.entered(self)
         compile_forward = getattr(graph_module, "_forward_from_src", None)
         if compile_forward is None or getattr(fx_experimental_config, "enrich_profiler_metadata", False):
             return super().recompile()  # another torch, or fx rewrites the code for the profiler: fx's forward

@@ -92,6 +92,8 @@ class Verification:
     state_not_reproduced: list[str] = field(default_factory=list)
     # how the prepared module's attention calls differ from eager's (:mod:`fxprep.attention_calls`); "" when alike
     attention: str = ""
+    # what the result assumed: values the graph holds as constants that no call checks (fxprep.baked)
+    assumed: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -191,6 +193,9 @@ class Report:
             line += f" - {v.detail}"
         if v.state_not_reproduced:
             line += f" - state NOT reproduced: {', '.join(v.state_not_reproduced[:8])}"
+        if v.assumed:
+            line += (f" - assuming unchanged (held as constants, not checked at each call): {'; '.join(v.assumed[:4])}"
+                     + ("; ..." if len(v.assumed) > 4 else ""))
         return line
 
     def to_text(self, verbose: bool = False) -> str:

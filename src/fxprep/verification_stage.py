@@ -40,6 +40,7 @@ def verification(run: Preparation, gm: fx.GraphModule) -> None:
     progress.stage("verification")
     try:
         report.verification = verify_call(run, gm, (run.original_call, run.prepared_call), None)
+        report.verification.assumed = list(run.assumed)  # what "passed" took as given (fxprep.baked)
     except (EquivalenceError, InputMismatch) as err:
         if run.proposal is None or run.proposal.explicit:
             raise

@@ -33,7 +33,7 @@ from .errors import EquivalenceError, FxprepError, ModelError
 from .inputs import ExampleInputs
 from .locate_node import locate
 from .report import Verification
-from .runs import SEED, observed_state, preserved_state, run_model, state_differences
+from .runs import SEED, StateChanges, observed_state, preserved_state, run_model, state_differences
 
 
 class Reference(NamedTuple):
@@ -42,6 +42,7 @@ class Reference(NamedTuple):
     output: Any
     state: dict[str, Any]  # what the run left behind (:func:`fxprep.runs.observed_state`)
     attention: list[Call]  # its attention calls (:mod:`fxprep.attention_calls`)
+    changed: StateChanges = StateChanges()  # what the run changed on the model (restored): state, not settings
 
 
 def run_original(model: nn.Module, example: ExampleInputs, what: str = "the example inputs") -> Reference:
@@ -51,9 +52,11 @@ def run_original(model: nn.Module, example: ExampleInputs, what: str = "the exam
     runs the prepared module, so one reference run serves capture and verification."""
     attention: list[Call] = []
     try:
-        with pinned_kernels(low_precision_model(model)), preserved_state(model), recording(attention):
+        changed = StateChanges()
+        with pinned_kernels(low_precision_model(model)), preserved_state(model, changes=changed), recording(attention):
             out = run_model(model, example)
-            return Reference(out, observed_state(model), attention)
+            state = observed_state(model)
+        return Reference(out, state, attention, changed)
     except Exception as err:
         raise ModelError(
             f"The model itself failed on {what} ({example.describe()}): "

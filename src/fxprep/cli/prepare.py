@@ -115,6 +115,9 @@ def prepare_command(
     trust: Annotated[list[str] | None, typer.Option(
         "--trust", help="A package whose code the saved opaque parts may name (repeatable), e.g. torchvision "
                         "for its detectors; load with fxprep.load(DIR, trusted_modules=[...]).")] = None,
+    allow: Annotated[list[str] | None, typer.Option(
+        "--allow", help="A callable beyond fxprep's default list the saved graph may name (repeatable), e.g. "
+                        "torch.special.xlogy or Tensor.resize_; load with fxprep.load(DIR, allow=[...]).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="The whole report: every module added, every "
                                                                   "reused module unrolled, every input check.")] = False,
     as_json: JsonOpt = False,
@@ -175,7 +178,7 @@ def prepare_command(
             if not as_json:
                 out.say(f"graph view written to {show}")
         if output is not None:
-            saved = _save_output(gm, output, built.example_inputs, trust or [], result, as_json)
+            saved = _save_output(gm, output, built.example_inputs, (trust or [], allow or []), result, as_json)
             clock.lap("saving")
             if not saved:
                 return EXIT_DELIVERY
@@ -211,21 +214,24 @@ def _built_model(spec: str, input: list[str] | None, *, meta: bool, device: str 
     return resolve(spec, flags.split_inputs(input or ()))
 
 
-def _save_output(gm: Any, output: Path, example_inputs: Any, trust: list[str], result: dict[str, Any],
-                 as_json: bool) -> bool:
-    """``-o``: save ``gm`` (replacing an earlier fxprep save at ``output``, never anything else).
+def _save_output(gm: Any, output: Path, example_inputs: Any, names: tuple[list[str], list[str]],
+                 result: dict[str, Any], as_json: bool) -> bool:
+    """``-o``: save ``gm`` (replacing an earlier fxprep save at ``output``, never anything else); ``names``:
+    the --trust packages and the --allow callables.
     False when the save was refused and said so in the JSON result (exit 3); raised otherwise, the
     report printed before it still standing."""
     from .. import io
 
     try:
-        io.save(gm, output, example_inputs=example_inputs, trusted_modules=trust, overwrite=True)
+        io.save(gm, output, example_inputs=example_inputs, trusted_modules=names[0], allow=names[1], overwrite=True)
     except OSError as err:
         raise SerializationError(f"-o {output}: cannot save there ({err.strerror or err}"
                                  f"{': ' + str(err.filename) if err.filename else ''}).") from err
     except SerializationError as err:
         if "trusted_modules=" in str(err):
             err = SerializationError(f"{err}\nOn the command line, that is --trust PKG (repeatable).")
+        elif "allow=" in str(err):
+            err = SerializationError(f"{err}\nOn the command line, that is --allow NAME (repeatable).")
         elif not str(err).startswith("-o "):
             err = SerializationError(f"-o {output}: {err}")
         if as_json:

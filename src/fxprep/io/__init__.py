@@ -29,7 +29,7 @@ from ..guard import InputSpec
 from ..passes import state_dict as state_dict_pass
 from ..prepared import INPUT_SPEC, REPORT, PreparedModule, set_preserved
 from ..version import __version__
-from . import selfcheck
+from . import allowlist, selfcheck, usage
 from .decode import (
     Decoder,
     assign_tensors,
@@ -88,22 +88,27 @@ def save(
     example_inputs: Any = None,
     trusted_modules: Iterable[str] = (),
     overwrite: bool = False,
+    allow: Iterable[str] = (),
 ) -> Path:
     """Write ``gm`` (a module returned by :func:`fxprep.prepare_model`) to ``directory``.
 
     Nothing is pickled: see the module docstring for the files. ``example_inputs`` (optional) is
     recorded in the manifest as the input spec. ``trusted_modules``: packages whose code the opaque
     parts of a hybrid capture may be saved by name (``["torchvision"]`` for its detectors); load
-    them with the same list. The directory is written beside the target and renamed into place:
+    them with the same list. ``allow``: callables beyond fxprep's default list (:mod:`.reviewed`) the
+    graph may name, for files you write and load yourself (``["torch.special.xlogy", "Tensor.resize_"]``);
+    load them with the same list. The directory is written beside the target and renamed into place:
     ``directory`` must be new or empty, or, with ``overwrite=True``, an earlier fxprep save, which is
     replaced whole. Raises :class:`SerializationError` for anything that could not be loaded back (a
     leaf module with unknown constructor state, a function without an importable name, hooks, an
-    opaque part outside ``trusted_modules``), naming the module or node; nothing is written then.
+    opaque part outside ``trusted_modules``, a callable off the default list and not in ``allow``),
+    naming the module or node; nothing is written then.
     The module is run once on a probe shaped like its example, and what it computed is recorded for
     ``load`` to check (:mod:`.selfcheck`).
     """
     with _as_serialization_errors("save to", directory):
-        return _save(gm, directory, example_inputs=example_inputs, trusted_modules=trusted_modules, overwrite=overwrite)
+        return _save(gm, directory, example_inputs=example_inputs, trusted_modules=trusted_modules, overwrite=overwrite,
+                     allow=allow)
 
 
 def _save(
@@ -113,25 +118,27 @@ def _save(
     example_inputs: Any = None,
     trusted_modules: Iterable[str] = (),
     overwrite: bool = False,
+    allow: Iterable[str] = (),
 ) -> Path:
     if not isinstance(gm, fx.GraphModule):
         raise SerializationError(f"fxprep.save expects a torch.fx.GraphModule, not {type(gm).__name__}.")
     from safetensors.torch import save_file
 
-    policy = TrustPolicy.of(trusted_modules)
+    policy = TrustPolicy.of(trusted_modules, allow)
     # Everything that can fail is done before the first file is written.
-    graph = graph_json(gm)
+    graph = graph_json(gm, policy)
     writer = TreeWriter(gm, policy)
     writer.write()
     tree = {"modules": writer.entries, "tensors": writer.slots, "constants": writer.constants(),
             "aliases": state_dict_pass.aliases(gm)}
+    _check_loadable(graph, tree, policy)  # what every load would refuse is refused here, naming it
     inputs = input_spec(example_inputs)
     tensors = contiguous_unshared(writer.tensors)
     report = getattr(gm, "fxprep_report", None)
     guard = getattr(gm, INPUT_SPEC, None)
     where = f"cannot save to {directory}"
     selfcheck.check_budget(gm, guard, where, saving=True)  # what load would refuse
-    self_check = selfcheck.record(gm, guard, where, saving=True)
+    self_check = selfcheck.record(gm, guard, where, saving=True, until=selfcheck.deadline())
     target = Path(directory)
     with staged(target, overwrite) as fresh:
         try:
@@ -150,6 +157,7 @@ def _save(
                 "inputs_text": getattr(report, "inputs", ""),
                 "devices": sorted({str(t.device) for t in writer.tensors.values()}),
                 "trusted_modules": list(policy.modules),
+                "allow": sorted(policy.allow),  # for people: load takes only the caller's own allow=
                 "op_modules": custom_op_modules(gm),
                 "report": report.to_dict() if report is not None and hasattr(report, "to_dict") else None,
                 "input_guard": guard.to_dict() if guard is not None else None,
@@ -169,13 +177,16 @@ def load(
     *,
     trusted_modules: Iterable[str] = (),
     check_integrity: bool = True,
+    allow: Iterable[str] = (),
 ) -> fx.GraphModule:
     """Rebuild a module written by :func:`save`, without the original source and without unpickling.
 
     ``trusted_modules``: packages (or modules) whose classes and functions the saved module may use
     (leaves or opaque parts from your own package, torchvision's detectors, timm, transformers):
     each is still checked to be the very object its package defines under that name
-    (docs/security.md). ``check_integrity`` compares each file with the checksum in the manifest.
+    (docs/security.md). ``allow``: callables beyond fxprep's default list (:mod:`.reviewed`) the file
+    may name, for files you trust (the save's own record of what it needs is never taken as allowed).
+    ``check_integrity`` compares each file with the checksum in the manifest.
     Every problem, tampering included, is a :class:`SerializationError` that says what was refused;
     that includes a module that does not compute, on the probe ``save`` recorded, what the saved one
     did (:mod:`.selfcheck`: the loaded module is run once, after every name, node and attribute was
@@ -183,7 +194,7 @@ def load(
     (grad mode, autocast, default dtype, deterministic flags, RNG) is the same after ``load``.
     """
     with _as_serialization_errors("load", directory):
-        return _load(directory, trusted_modules=trusted_modules, check_integrity=check_integrity)
+        return _load(directory, trusted_modules=trusted_modules, check_integrity=check_integrity, allow=allow)
 
 
 def _load(
@@ -191,11 +202,13 @@ def _load(
     *,
     trusted_modules: Iterable[str] = (),
     check_integrity: bool = True,
+    allow: Iterable[str] = (),
 ) -> fx.GraphModule:
+    until = selfcheck.deadline()  # the whole load, the self-check's run included (LIMITS["load_seconds"])
     directory = Path(directory)
     if not directory.is_dir():
         raise SerializationError(f"{directory} is not a directory written by fxprep.save.")
-    policy = TrustPolicy.of(trusted_modules)
+    policy = TrustPolicy.of(trusted_modules, allow)
     manifest = check_manifest(directory, check_integrity)
     policy.import_op_modules(manifest.get("op_modules"))  # libraries that register their ops lazily
     graph_json = read_json(directory / GRAPH)
@@ -243,9 +256,34 @@ def _load(
             raise SerializationError(f"the input_guard in {MANIFEST} is malformed.") from err
         set_preserved(gm, INPUT_SPEC, spec)
     # the module does, on fake inputs shaped like its example, what the saved one did (io/selfcheck.py)
-    selfcheck.check(gm, spec, manifest.get("self_check"), str(directory))
+    selfcheck.check(gm, spec, manifest.get("self_check"), str(directory), until)
     register_with_toolkits()
     return gm
+
+
+def _check_loadable(graph: dict[str, Any], tree: dict[str, Any], policy: TrustPolicy) -> None:
+    """Refuse to save what every load would refuse: a torch callable, Tensor method, aten op or layer
+    class the default list (:mod:`.reviewed`) does not hold and ``allow`` does not add, named with the
+    ``allow=`` that would save and load it. Trusted packages' names are load's to check (``save``
+    writes them whether or not the loading side trusts the package)."""
+    names = usage.names_of(graph, tree)
+    refused: list[str] = []
+    for kind, check in (("functions", policy.function), ("aten", lambda n: policy.function(f"torch.ops.aten.{n}")),
+                        ("methods", lambda n: policy.function(f"Tensor.{n}")), ("classes", policy.module_class)):
+        for name in sorted(getattr(names, kind)):
+            shown = f"torch.ops.aten.{name}" if kind == "aten" else f"Tensor.{name}" if kind == "methods" else name
+            if kind in ("functions", "classes") and not allowlist.default_namespace(name):
+                continue
+            try:
+                check(name)
+            except SerializationError as err:
+                refused.append(f"{shown} ({str(err).removeprefix('refusing to load: ')[:160]})")
+    if refused:
+        wanted = [r.partition(" (")[0] for r in refused]
+        raise SerializationError(
+            f"cannot save: fxprep.load refuses by default what the graph calls: {'; '.join(refused[:5])}"
+            f"{' ...' if len(refused) > 5 else ''}. If you trust files that call them, pass allow={wanted!r} to "
+            f"fxprep.save and to fxprep.load (docs/security.md, 'Widening the list').")
 
 
 # --- reading without loading ------------------------------------------------------------------------

@@ -2,13 +2,19 @@
 
 :mod:`.trust` never follows a saved name attribute by attribute (``torch.nn.functional.torch.
 builtins.eval`` *is* ``builtins.eval`` when walked that way). Instead, each name :mod:`.reviewed`
-lists (one entry each, by family) is resolved here once, by a single dictionary lookup in a fixed
+lists (the callables prepared graphs of fxprep's suites and zoos use, each with the reason it may
+run on a file's arguments) is resolved here once, by a single dictionary lookup in a fixed
 namespace object (``vars(torch.nn.functional)["relu"]``), and a saved name is a key in the table
-this builds: what it resolves to is the object the table holds. Nothing outside the reviewed list
-is ever in the table, whatever a namespace holds: a new torch release adds operators to
-``torch``, not to this list. Excluded families (raw-pointer tensor makers, process-state changers,
-I/O) are refused by identity as well, so a name that a torch version aliases to an excluded object
-is refused too. Built lazily on first use and cached for the process.
+this builds: what it resolves to is the object the table holds. Another name of the same object
+(``torch.functional.split`` is ``torch.split``) is accepted because it resolves, by the same single
+lookup, to that very object: aliases follow from identity and are never listed. Nothing outside the
+list is in the table, whatever a namespace holds: a new torch release adds operators to ``torch``,
+not to this list.
+
+Widening it is the caller's explicit choice (``allow=`` of :func:`fxprep.save` / :func:`fxprep.load`):
+:func:`candidate_function` and friends say what may be allowed that way, any callable of the fixed
+namespaces, never one of the excluded families (raw-pointer tensor makers, process-state changers,
+I/O), which are refused by identity whatever the name. Built lazily on first use and cached.
 """
 
 from __future__ import annotations
@@ -76,6 +82,12 @@ _AO_SUBPACKAGES = (
     "torch.ao.nn.intrinsic.quantized.dynamic", "torch.ao.nn.quantizable", "torch.ao.nn.sparse",
 )
 TORCHVISION_OPS = "torchvision.ops"
+# the packages whose layer classes the list names (fxprep.ops' are allowed by rule)
+LISTED_CLASS_PACKAGES = ("torch.nn.modules.", "torch.ao.nn.", "torchvision.ops.")
+# classes allowed by rule, not listed: fxprep's op classes (each runs only the callable it names, which
+# the list checks) and torch's module containers (ModuleList, ModuleDict, Sequential, ParameterList...:
+# they hold children and run nothing but them; an opaque part's owner holds them in its state)
+BY_RULE_CLASSES = ("fxprep.ops.", "torch.nn.modules.container.")
 
 
 def canonical_name(obj: Any) -> str | None:
@@ -117,49 +129,64 @@ def excluded_objects() -> dict[int, str]:
 
 @functools.cache
 def functions() -> dict[str, Any]:
-    """Saved name → the function object it stands for: the reviewed functions this torch has."""
+    """Saved name → the function object it stands for: the listed functions this torch has."""
+    if _measuring:
+        return candidate_functions()
     table: dict[str, Any] = {}
     excluded = excluded_objects()
-    for names in reviewed.FUNCTIONS.values():
-        for name in names:
-            obj = resolve(name)
-            if obj is not None and id(obj) not in excluded:
-                table[name] = obj
+    for name in reviewed.listed()["functions"]:
+        obj = resolve(name)
+        if obj is not None and id(obj) not in excluded:
+            table[name] = obj
     return table
 
 
 @functools.cache
+def _listed_ids() -> frozenset[int]:
+    return frozenset(id(obj) for obj in functions().values())
+
+
+def alias(name: str) -> Any:
+    """The listed function ``name`` stands for when it is another name of one (one lookup in its fixed
+    namespace gives the very object), else None."""
+    obj = resolve(name)
+    return obj if obj is not None and id(obj) in _listed_ids() else None
+
+
+@functools.cache
 def methods() -> frozenset[str]:
-    """The reviewed Tensor method names (operator dunders are decided in :mod:`.trust`)."""
-    return frozenset(m for names in reviewed.METHODS.values() for m in names)
+    """The listed Tensor method names (operator dunders are decided in :mod:`.trust`)."""
+    return candidate_methods() if _measuring else frozenset(reviewed.listed()["methods"])
 
 
 @functools.cache
 def aten_ops() -> frozenset[str]:
-    """``torch.ops.aten`` op names allowed: the reviewed extras, and every reviewed torch function's
-    own op (``torch.linalg.norm`` is ``aten.linalg_norm``, ``F.relu`` is ``aten.relu``)."""
-    names = set(reviewed.ATEN)
-    for name in functions():
-        prefix, _, attr = name.rpartition(".")
-        if prefix in ("torch", "torch.nn.functional", "torch._C._nn", "torch.functional"):
-            names.add(attr)
-        elif prefix in ("torch.linalg", "torch.special", "torch.fft"):
-            names.add(f"{prefix.rpartition('.')[2]}_{attr}")
-        elif prefix in ("torch._C._linalg", "torch._C._special", "torch._C._fft"):
-            names.add(attr)
-    excluded = {n.rpartition(".")[2] for names_ in reviewed.EXCLUDED_FUNCTIONS.values() for n in names_}
-    return frozenset(names - excluded)
+    """``torch.ops.aten`` ops allowed: ``op.overload`` as listed, or ``op`` where the list names the
+    whole op (every overload)."""
+    return frozenset(reviewed.listed()["aten"])
+
+
+def aten_allowed(op: str, overload: str | None, table: frozenset[str] | None = None) -> bool:
+    """Whether ``torch.ops.aten.<op>[.<overload>]`` is in ``table`` (default: the list)."""
+    if _measuring and table is None:
+        return candidate_aten(op)
+    table = aten_ops() if table is None else table
+    return op in table or (overload is not None and f"{op}.{overload}" in table)
 
 
 @functools.cache
 def torchvision_functions() -> dict[str, Any]:
-    """torchvision.ops' reviewed functions (nms, roi_align, box ops), by their defining module's name too."""
+    """torchvision.ops' listed functions, by their defining module's name too."""
+    listed = [n.removeprefix(TORCHVISION_OPS + ".") for n in reviewed.listed()["functions"]
+              if n.startswith(TORCHVISION_OPS + ".")]
+    if not listed:
+        return {}
     try:
         ops = importlib.import_module(TORCHVISION_OPS)
     except ImportError:
         return {}
     table: dict[str, Any] = {}
-    for name in reviewed.TORCHVISION_FUNCTIONS:
+    for name in listed:
         obj = vars(ops).get(name)
         if isinstance(obj, types.FunctionType) and str(obj.__module__).startswith(TORCHVISION_OPS + "."):
             table[f"{TORCHVISION_OPS}.{name}"] = obj
@@ -177,6 +204,104 @@ def function_names() -> dict[int, str]:
     return names
 
 
+# --- what an explicit opt-in may add (and what measuring the list starts from) ----------------------
+@functools.cache
+def candidate_functions() -> dict[str, Any]:
+    """Every callable a saved name may stand for when the caller allows it: each function of the fixed
+    namespaces and the graph helpers, less the excluded ones (by identity)."""
+    excluded = excluded_objects()
+    table = {name: obj for name, obj in _EXTRA_FUNCTIONS.items() if id(obj) not in excluded}
+    for prefix, namespace in _NAMESPACES:
+        for attr in list(vars(namespace)):
+            name = f"{prefix}.{attr}"
+            if prefix in reviewed.PYTHON_NAMESPACES and name not in reviewed.OPT_IN_PYTHON:
+                continue  # eval, exec, open, setattr, operator.call: never, whatever a caller allows
+            obj = resolve(name)
+            if obj is not None and id(obj) not in excluded and not attr.startswith("__"):
+                table.setdefault(name, obj)
+    return table
+
+
+@functools.cache
+def candidate_names() -> dict[int, str]:
+    """id(function) → the saved name an opt-in gives it (the first namespace holding it: F before torch)."""
+    order = {prefix: i for i, (prefix, _) in enumerate(_NAMESPACES)}
+    names: dict[int, str] = {}
+    for name, obj in sorted(candidate_functions().items(),
+                            key=lambda item: (order.get(item[0].rpartition(".")[0], 99), item[0])):
+        names.setdefault(id(obj), name)
+    return names
+
+
+def excluded(name: str) -> str | None:
+    """The excluded callable ``name`` is (by its listed name, or what it resolves to), else None."""
+    names = {n for entries in reviewed.EXCLUDED_FUNCTIONS.values() for n in entries}
+    if name in names:
+        return name
+    obj = resolve(name)
+    return excluded_objects().get(id(obj)) if obj is not None else None
+
+
+def default_namespace(name: str) -> bool:
+    """Whether a saved function or class name is one the default list decides (a torch, math, operator
+    or builtins callable, fxprep's graph helpers, a torch.nn layer, an excluded callable), not a
+    trusted package's."""
+    return (resolve(name) is not None or name in _EXTRA_FUNCTIONS or name.startswith(LISTED_CLASS_PACKAGES)
+            or name.startswith("fxprep.ops.") or excluded(name) is not None)
+
+
+def any_name(fn: Any) -> str:
+    """The saved name of ``fn``: its listed name, else the name an opt-in gives it, else "" (the
+    candidates are built only when a function is not listed: never for an honest save)."""
+    name = function_names().get(id(fn))
+    return name if name is not None else candidate_names().get(id(fn), "")
+
+
+def candidate_function(name: str) -> Any:
+    """The callable an ``allow=`` entry names, or None when no opt-in may allow it."""
+    return candidate_functions().get(name)
+
+
+@functools.cache
+def candidate_methods() -> frozenset[str]:
+    """Every public Tensor method, less the excluded ones."""
+    excluded = {m for names in reviewed.EXCLUDED_METHODS.values() for m in names}
+    return frozenset(n for n in dir(torch.Tensor) if not n.startswith("_") and n not in excluded
+                     and callable(getattr(torch.Tensor, n, None)))
+
+
+def candidate_aten(op: str) -> bool:
+    """Whether ``torch.ops.aten.<op>`` may be allowed: any aten op but an excluded function's."""
+    excluded = {n.rpartition(".")[2] for names in reviewed.EXCLUDED_FUNCTIONS.values() for n in names}
+    return op not in excluded and not op.startswith(("_unsafe", "_from_blob", "set_", "_set_", "_sparse", "sparse_",
+                                                     "_nested", "from_file", "_efficientzerotensor"))
+
+
+@functools.cache
+def candidate_module_classes() -> dict[str, type]:
+    """Every torch.nn / torch.ao.nn layer class, fxprep's op classes and, where torchvision is
+    installed, torchvision.ops' layers (what the tables hold when every layer is allowed)."""
+    table = _all_module_classes()
+    try:
+        importlib.import_module(TORCHVISION_OPS)
+    except ImportError:
+        return table
+    return {**table, **_module_classes((TORCHVISION_OPS,))}
+
+
+def widen_for_measurement() -> None:
+    """Allow every candidate for this process: for ``benchmarks/allowlist_usage.py`` alone, which
+    measures what prepared graphs name and must not be refused for what the list does not hold yet."""
+    global _measuring
+    _measuring = True
+    for table in (functions, _listed_ids, methods, aten_ops, function_names, module_classes, torchvision_functions,
+                  torchvision_classes):
+        table.cache_clear()
+
+
+_measuring = False
+
+
 def _module_classes(package_names: tuple[str, ...]) -> dict[str, type]:
     table: dict[str, type] = {}
     for module_name, module in list(sys.modules.items()):
@@ -188,9 +313,7 @@ def _module_classes(package_names: tuple[str, ...]) -> dict[str, type]:
     return table
 
 
-@functools.cache
-def module_classes() -> dict[str, type]:
-    """Saved class name → nn.Module subclass: torch.nn and torch.ao.nn layers, fxprep.ops ops."""
+def _all_module_classes() -> dict[str, type]:
     for name in _AO_SUBPACKAGES:
         try:
             importlib.import_module(name)
@@ -207,13 +330,29 @@ def module_classes() -> dict[str, type]:
 
 
 @functools.cache
+def module_classes() -> dict[str, type]:
+    """Saved class name → nn.Module subclass a save may build: the listed torch.nn / torch.ao.nn layers
+    (found by their own names among the classes those packages define), and by rule every fxprep.ops op
+    class and torch module container (:data:`BY_RULE_CLASSES`)."""
+    every = _all_module_classes()
+    if _measuring:
+        return every
+    listed = set(reviewed.listed()["classes"])
+    return {name: cls for name, cls in every.items() if name in listed or name.startswith(BY_RULE_CLASSES)}
+
+
+@functools.cache
 def torchvision_classes() -> dict[str, type]:
-    """torchvision.ops' layers (FrozenBatchNorm2d, Conv2dNormActivation, FeaturePyramidNetwork...)."""
+    """torchvision.ops' listed layers (FrozenBatchNorm2d, Conv2dNormActivation...)."""
+    listed = {n for n in reviewed.listed()["classes"] if n.startswith(TORCHVISION_OPS + ".")}
+    if not listed and not _measuring:
+        return {}
     try:
         importlib.import_module(TORCHVISION_OPS)
     except ImportError:
         return {}
-    return _module_classes((TORCHVISION_OPS,))
+    every = _module_classes((TORCHVISION_OPS,))
+    return every if _measuring else {name: cls for name, cls in every.items() if name in listed}
 
 
 @functools.cache

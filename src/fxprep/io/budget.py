@@ -210,8 +210,8 @@ _NAMESPACES = frozenset({"torch", "torch.nn.functional", "torch._C._nn"})  # sav
 
 def _rule_name(fn: Any) -> str | None:
     """The :data:`RULES` entry for ``fn``: a Tensor method called by an op module or a ``call_method``
-    node, an aten op, or a reviewed torch function of that name (its saved name, found by identity in
-    the table load checks names against: :func:`.allowlist.function_names`; never a function named alike).
+    node, an aten op, or a torch function of that name (its saved name, found by identity among every function a save may
+    name, an opt-in's included: :func:`.allowlist.any_name`; never a function named alike).
     Every rule reads the tensor a method or function works on as its first argument."""
     if isinstance(fn, ops._MethodCall):
         return fn.name if fn.name in _METHODS else None
@@ -222,7 +222,7 @@ def _rule_name(fn: Any) -> str | None:
     method = getattr(fn, "__name__", None)
     if isinstance(method, str) and method in _METHODS and getattr(torch.Tensor, method, None) is fn:
         return method
-    prefix, _, name = allowlist.function_names().get(id(fn), "").rpartition(".")
+    prefix, _, name = allowlist.any_name(fn).rpartition(".")
     return name if prefix in _NAMESPACES and name in RULES else None
 
 

@@ -422,7 +422,7 @@ def build_graph(graph_json: dict[str, Any], root: nn.Module, policy: TrustPolicy
             except AttributeError as err:
                 raise SerializationError(f"node {name!r}: {op} target {target!r} does not exist in the module tree.") from err
         elif op == "call_method":
-            check_member(target, "method")
+            check_member(target, "method", policy.allow)
         elif op in ("placeholder", "output"):
             if not isinstance(target, str) or (op == "placeholder" and not target.lstrip("*").isidentifier()):
                 raise SerializationError(f"node {name!r}: malformed target.")

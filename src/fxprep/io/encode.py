@@ -314,7 +314,7 @@ class TreeWriter:
     def _describe(self, path: str, module: nn.Module, owned: set[str]) -> dict[str, Any]:
         cls = type(module)
         if isinstance(module, fx.GraphModule):  # a torch.cond branch: its own graph, its children as usual
-            return {"kind": "graph", "graph": graph_json(module)}
+            return {"kind": "graph", "graph": graph_json(module, self.policy)}
         where = f"module {path!r} ({class_name(cls)})"
         if isinstance(module, ops.BoundOp):
             enc = Encoder(where)
@@ -450,7 +450,7 @@ class TreeWriter:
 
 
 # --- graph: save side ---------------------------------------------------------------------------
-def graph_json(gm: fx.GraphModule) -> dict[str, Any]:
+def graph_json(gm: fx.GraphModule, policy: TrustPolicy | None = None) -> dict[str, Any]:
     nodes = []
     for node in gm.graph.nodes:
         enc = Encoder(f"node {node.name!r} ({node.op} {node.target})")
@@ -460,7 +460,7 @@ def graph_json(gm: fx.GraphModule) -> dict[str, Any]:
             target = str(node.target)
         if node.op == "call_method":
             try:  # what load would refuse is refused here, where the model can still be changed
-                check_member(node.target, "method")
+                check_member(node.target, "method", policy.allow if policy is not None else ())
             except SerializationError as err:
                 raise SerializationError(f"cannot save node {node.name!r}: {str(err).removeprefix('refusing to load: ')}"
                                          ) from err

@@ -99,7 +99,7 @@ def dumps(data: dict[str, Any]) -> str:
 
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -148,8 +148,14 @@ def tensor_record(t: torch.Tensor) -> dict[str, Any]:
 # (io/peak.py: each aten op is run on fake tensors first, and does not run past it); forward_tensors:
 # how many tensors its ops may have made that are alive at once (~640 bytes each, views too: a real
 # forward holds thousands; x.unbind() of a 2**28-element probe would make 2**28).
+# op_flops: the multiply-adds x 2 one matmul, convolution or attention op may take (io/peak.py: counted on
+# fake tensors before it runs; a real model's largest at its example's size is ~1e11). python_*: the
+# Python values the graph's own Python calls build (io/pyvalues.py): bits of one integer, items of one
+# sequence, items made over the whole run. load_seconds: the whole of load (and of save's self-check);
+# past it, load stops between two ops with a SerializationError.
 LIMITS = {"json_bytes": 256 * 2**20, "depth": 100, "values": 20_000_000, "entries": 2_000_000, "probe_bytes": 4 * 2**30,
-          "forward_bytes": 8 * 2**30, "forward_tensors": 1_000_000}
+          "forward_bytes": 8 * 2**30, "forward_tensors": 1_000_000, "op_flops": 2**42, "python_int_bits": 2**16,
+          "python_items": 2**20, "python_total": 2**24, "load_seconds": 600}
 
 
 def regular_file(path: Path) -> os.stat_result:
@@ -161,8 +167,27 @@ def regular_file(path: Path) -> os.stat_result:
     except OSError as err:
         raise SerializationError(f"cannot read {path}: {err}") from err
     if not stat.S_ISREG(st.st_mode):
-        raise SerializationError(f"{path} is not a regular file (a link or device): fxprep.save never writes one.")
+        raise SerializationError(f"{path} is not a regular file (a link, FIFO or device): fxprep.save never writes one.")
     return st
+
+
+def open_regular(path: Path) -> Any:
+    """``path`` opened for reading if it is a regular file, checked on the open file itself: opened
+    without following a link and without waiting (``O_NONBLOCK``: opening a FIFO for reading would
+    block until a writer comes, which for a FIFO an unpacked archive left never happens), then
+    refused unless ``fstat`` says regular. The check and the read are of the same file."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError as err:
+        raise SerializationError(f"{path} is missing: not an fxprep save directory (fxprep.save writes it).") from err
+    except OSError as err:  # ELOOP: a link
+        raise SerializationError(f"cannot read {path} ({err.strerror}): fxprep.save writes regular files only.") from err
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise SerializationError(f"{path} is not a regular file (a link, FIFO or device): fxprep.save never writes one.")
+    return f
 
 
 def _refuse_constant(name: str) -> Any:
@@ -191,7 +216,7 @@ def read_json(path: Path) -> Any:
     if st.st_size > LIMITS["json_bytes"]:
         raise SerializationError(f"{path} is {st.st_size} bytes, more than any fxprep save ({LIMITS['json_bytes']}).")
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             raw = f.read(LIMITS["json_bytes"] + 1)
         if len(raw) > LIMITS["json_bytes"]:
             raise SerializationError(f"{path} is larger than any fxprep save ({LIMITS['json_bytes']} bytes).")
@@ -277,7 +302,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def load_weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
-    regular_file(directory / WEIGHTS)
+    with open_regular(directory / WEIGHTS):  # a FIFO is refused without blocking (safe_open would wait on it)
+        pass
     try:
         with safe_open(str(directory / WEIGHTS), framework="pt", device="cpu") as f:
             # One tensor at a time, so a misaligned one is copied while only it is in memory twice.

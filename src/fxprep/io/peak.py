@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import weakref
 from typing import Any
 
@@ -51,6 +52,10 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
+
+from .. import ops
+from . import pyvalues
+from .format import LIMITS
 
 aten = torch.ops.aten
 
@@ -65,14 +70,33 @@ LIST_ITEM_BYTES = 32
 
 
 class ForwardTooLarge(Exception):
-    """Running ``node`` would take the forward past ``limit``: bytes alive, or with ``tensors`` set,
-    tensors alive; ``live`` alive before its op, ``need`` what the op makes (for an op counted after
-    it ran, what it made)."""
+    """Running ``node`` would take the forward past ``limit``, in ``unit``: "bytes" alive, "tensors"
+    alive, "flops" of one op; ``live`` what was alive before its op, ``need`` what the op makes (for
+    an op counted after it ran, what it made)."""
 
-    def __init__(self, node: str, live: int, need: int, limit: int, tensors: bool = False):
-        unit = "tensors" if tensors else "bytes"
+    def __init__(self, node: str, live: int, need: int, limit: int, unit: str = "bytes"):
         super().__init__(f"node {node!r} would need {need:,} {unit} with {live:,} alive, more than {limit:,}")
-        self.node, self.live, self.need, self.limit, self.tensors = node, live, need, limit, tensors
+        self.node, self.live, self.need, self.limit, self.unit = node, live, need, limit, unit
+
+    @property
+    def tensors(self) -> bool:
+        return self.unit == "tensors"
+
+
+class TooSlow(Exception):
+    """The whole-load time limit passed while ``node`` was about to run (``LIMITS["load_seconds"]``)."""
+
+    def __init__(self, node: str, seconds: float):
+        super().__init__(f"past {seconds:g} s at node {node!r}")
+        self.node, self.seconds = node, seconds
+
+
+class PythonTooLarge(Exception):
+    """Node ``node``'s Python call would build ``what`` (:mod:`.pyvalues`), past ``LIMITS[limit]``."""
+
+    def __init__(self, node: str, what: str, limit: str):
+        super().__init__(f"node {node!r} would build {what}")
+        self.node, self.what, self.limit = node, what, limit
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
@@ -139,35 +163,106 @@ def _pieces(func: Any, args: tuple, kwargs: dict) -> int:
     return 1
 
 
+@functools.cache
+def _writes(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, keyword-only) of the arguments an op's schema marks written (``Tensor(a!)``)."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op writes: ``self`` of an in-place op, ``out=`` arguments. Such an op can resize
+    them (``resize_``, an ``out=`` of another shape), which makes storage no output shows."""
+    found: list[torch.Tensor] = []
+    for i, name, kwarg_only in _writes(func):
+        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
+        found += _tensors(value)
+    return found
+
+
+def _sizes(tensors: list[torch.Tensor]) -> list[tuple[int, int] | None]:
+    return [_storage(t) for t in tensors]
+
+
+def _growth(tensors: list[torch.Tensor], before: list[tuple[int, int] | None]) -> int:
+    """Bytes the storages of ``tensors`` grew by since ``before`` (each storage once)."""
+    grown: dict[int, int] = {}
+    for t, old in zip(tensors, before):
+        now = _storage(t)
+        if now is not None and old is not None and now[1] > old[1]:
+            grown[now[0]] = now[1] - old[1]
+    return sum(grown.values())
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Multiply-adds x 2 of the ops whose cost is not their size (matmuls, convolutions, attention),
+    from the shapes of their (fake) arguments and outputs; 0 for any other op, whose time follows the
+    memory it touches (bounded by the forward budget)."""
+    packet = func.overloadpacket
+    name = packet.__name__
+    try:
+        if packet in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm):
+            a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+            return 2 * _numel(a.shape) * int(b.shape[-1])
+        if packet in (aten.convolution, aten._convolution):
+            x, w = args[0], args[1]
+            per = _numel(w.shape) // max(int(w.shape[0]), 1)
+            return 2 * per * max(_numel(out.shape), _numel(x.shape) * int(w.shape[0]) // max(int(x.shape[1]), 1))
+        if "scaled_dot_product" in name or name in ("_flash_attention_forward", "_efficient_attention_forward"):
+            q, k = args[0], args[1]
+            return 4 * _numel(q.shape[:-1]) * int(k.shape[-2]) * int(q.shape[-1])
+    except (IndexError, AttributeError, TypeError, ValueError, RuntimeError):
+        return 0
+    return 0
+
+
 class _Budget(TorchDispatchMode):
     """Refuses an op whose outputs would take what is alive past ``limit`` (see the module's
     docstring), and follows every storage an op makes until the last tensor holding it is garbage.
     ``held`` bytes are alive throughout (the probe); ``node`` is the graph node now running. At most
     ``max_tensors`` tensors made by ops are alive at once."""
 
-    def __init__(self, limit: int, held: int, max_tensors: int) -> None:
+    def __init__(self, limit: int, held: int, max_tensors: int, max_flops: int | None = None,
+                 deadline: float | None = None) -> None:
         super().__init__()
-        self.limit, self.held, self.max_tensors = limit, held, max_tensors
+        self.limit, self.held, self.max_tensors, self.max_flops = limit, held, max_tensors, max_flops
+        self.deadline, self.seconds = deadline, 0.0
         self.node = ""
         self.live = 0
         self.tensors = 0
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self._storages: dict[int, list[int]] = {}  # storage key -> [bytes, tensors holding it]
 
+    def tick(self) -> None:
+        """Stop between two ops once the whole-load time limit has passed."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise TooSlow(self.node, self.seconds)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        self.tick()
         pieces = _pieces(func, args, kwargs)
         if self.tensors + pieces > self.max_tensors:
-            raise ForwardTooLarge(self.node, self.tensors, pieces, self.max_tensors, tensors=True)
+            raise ForwardTooLarge(self.node, self.tensors, pieces, self.max_tensors, "tensors")
+        written = _written(func, args, kwargs)
+        sizes = _sizes(written)
         need = self._need(func, args, kwargs)
         self.check(need)
         before = self.live
         out = func(*args, **kwargs)
         self._follow(out, args, kwargs)
+        self._grown(written, sizes)
         if need is None and self.held + self.live > self.limit:
             raise ForwardTooLarge(self.node, self.held + before, self.live - before, self.limit)
         if self.tensors > self.max_tensors:  # pieces made op by op (tensor_split's slices)
-            raise ForwardTooLarge(self.node, self.tensors - 1, 1, self.max_tensors, tensors=True)
+            raise ForwardTooLarge(self.node, self.tensors - 1, 1, self.max_tensors, "tensors")
         return out
 
     def check(self, need: int | None) -> None:
@@ -183,11 +278,31 @@ class _Budget(TorchDispatchMode):
         try:
             with self.fake:
                 fake_args, fake_kwargs = tree_map(self._faked, (args, kwargs))
-                return _new_bytes(func(*fake_args, **fake_kwargs), (fake_args, fake_kwargs))
+                written = _written(func, fake_args, fake_kwargs)
+                before = _sizes(written)
+                out = func(*fake_args, **fake_kwargs)
+                need = _new_bytes(out, (fake_args, fake_kwargs)) + _growth(written, before)
         except DynamicOutputShapeException:
             return _data_bound(func, args, kwargs)
         except Exception:  # noqa: BLE001 - any op the fake run cannot follow: counted after it ran
             return None
+        flops = _flops(func, fake_args, fake_kwargs, out)
+        if self.max_flops is not None and flops > self.max_flops:
+            raise ForwardTooLarge(self.node, 0, flops, self.max_flops, "flops")
+        return need
+
+    def _grown(self, written: list[torch.Tensor], sizes: list[tuple[int, int] | None]) -> None:
+        """Storage an op grew in place (``resize_``, an ``out=`` argument): counted as alive, in the
+        storage's own record where it is held, else for the rest of the run (the probe's or the
+        module's own storage, which stays that large)."""
+        for t, before in zip(written, sizes):
+            now = _storage(t)
+            if now is None or before is None or now[1] <= before[1]:
+                continue
+            held = self._storages.get(now[0])
+            if held is not None:
+                held[0] += now[1] - before[1]
+            self.live += now[1] - before[1]
 
     def _faked(self, value: Any) -> Any:
         return self.fake.from_tensor(value) if isinstance(value, torch.Tensor) else value
@@ -224,29 +339,78 @@ class _Budget(TorchDispatchMode):
 
 class Bounded(fx.Interpreter):
     """fx's interpreter, refusing to run an op that would take the tensors alive past ``limit``
-    bytes (see the module's docstring). The module's own state is not counted."""
+    bytes (see the module's docstring), an op past ``max_flops``, a Python call that would build a
+    value past :mod:`.pyvalues`' limits, and stopping between two ops once ``deadline``
+    (``time.monotonic()``) has passed. The module's own state is not counted. Nested graphs (a
+    ``cond``'s branches) run in a child interpreter under the same budget."""
 
-    def __init__(self, gm: fx.GraphModule, limit: int, max_tensors: int):
+    def __init__(self, gm: fx.GraphModule, limit: int, max_tensors: int, max_flops: int | None = None,
+                 deadline: float | None = None, seconds: float = 0.0):
         super().__init__(gm)
-        self.limit, self.max_tensors = limit, max_tensors
+        self.limit, self.max_tensors, self.max_flops = limit, max_tensors, max_flops
+        self.deadline, self.seconds = deadline, seconds
         self.budget: _Budget | None = None
+        self.made = [0]  # Python items made by the graph's Python calls, shared with nested graphs
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        self.budget = _Budget(self.limit, sum(_storages((args, kwargs)).values()), self.max_tensors)
+        self.budget = _Budget(self.limit, sum(_storages((args, kwargs)).values()), self.max_tensors, self.max_flops,
+                              self.deadline)
+        self.budget.seconds = self.seconds
         level = _FAKE_LOG.level
         _FAKE_LOG.setLevel(logging.CRITICAL)
+        nested = [m for m in self.module.modules() if m is not self.module and isinstance(m, fx.GraphModule)]
+        for branch in nested:  # an instance attribute: nn.Module's call finds it before the class's forward
+            branch.forward = functools.partial(self._nested, branch)
         try:
             with self.budget:
                 return super().run(*args, **kwargs)
         finally:
+            for branch in nested:
+                branch.__dict__.pop("forward", None)
             self.budget = None
             _FAKE_LOG.setLevel(level)
+
+    def _nested(self, branch: fx.GraphModule, *args: Any) -> Any:
+        child = Bounded(branch, self.limit, self.max_tensors)
+        child.budget, child.made = self.budget, self.made
+        return fx.Interpreter.run(child, *args)
 
     def run_node(self, n: fx.Node) -> Any:
         if self.budget is not None:
             self.budget.node = n.name
+            self.budget.tick()
             if (n.op, n.target) in (("call_method", "tolist"), ("call_function", torch.Tensor.tolist)) and n.args:
                 x = self.env.get(n.args[0]) if isinstance(n.args[0], fx.Node) else None
                 if isinstance(x, torch.Tensor):  # Python objects, made without an aten op
                     self.budget.check(x.numel() * LIST_ITEM_BYTES)
         return super().run_node(n)
+
+    # --- the graph's own Python calls (io/pyvalues.py) --------------------------------------------
+    def _python(self, fn: Any, args: tuple, kwargs: dict, call: Any) -> Any:
+        node = self.budget.node if self.budget is not None else "?"
+        try:
+            pyvalues.check(fn, args, kwargs)
+        except pyvalues.PythonValueTooLarge as err:
+            raise PythonTooLarge(node, err.what, err.limit) from None
+        out = call()
+        self.made[0] += pyvalues.items(out)
+        if self.made[0] > LIMITS["python_total"]:
+            raise PythonTooLarge(node, f"Python values of {self.made[0]:,} items in all", "python_total")
+        return out
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if not pyvalues.is_python(target):
+            return super().call_function(target, args, kwargs)
+        return self._python(target, args, kwargs, lambda: super(Bounded, self).call_function(target, args, kwargs))
+
+    def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if args and isinstance(args[0], torch.Tensor):
+            return super().call_method(target, args, kwargs)
+        return self._python(None, args, kwargs, lambda: super(Bounded, self).call_method(target, args, kwargs))
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        module = self.fetch_attr(target)
+        if not isinstance(module, ops.BoundOp) or not pyvalues.is_python(module.fn):
+            return super().call_module(target, args, kwargs)
+        filled = ops.filled(tuple(module.args), args), ops.filled(dict(module.kwargs), args)
+        return self._python(module.fn, *filled, lambda: super(Bounded, self).call_module(target, args, kwargs))

@@ -5,42 +5,57 @@ islands), which Dynamo records as an ``_enter_autocast`` call and an ``_exit_aut
 result (fxprep's functional → module pass makes them ``Functional`` op modules). Entering without
 leaving would switch autocast for the whole process at the module's first call: the user's later
 float32 ``mm`` would return bfloat16. So :func:`check_state_regions` checks, before anything runs,
-that every region a graph opens it closes exactly once (issue 28). Every other process-state
-changer is simply not on the reviewed allow-list (:mod:`.reviewed`).
+that every region a graph opens it closes exactly once (issue 28), with the arguments written into
+the graph (a device type and dtype torch.autocast knows: issue 63). A region whose inside raises is
+still left: :mod:`fxprep.modes` puts the mode back after such a run, at load and at each call. Every
+other process-state changer is simply not on the allow-list (:mod:`.reviewed`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
-from .. import ops
+from .. import modes
 from ..errors import SerializationError
 from . import allowlist
 
+# the device types an autocast region of a save may name (torch.amp.autocast's own), and its dtypes
+_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu", "maia"})
+_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
 
 def autocast_role(node: fx.Node, root: nn.Module) -> tuple[str, Any] | None:
-    """("enter", None) or ("exit", the value it closes) for an autocast enter/exit call, as a function
-    call or as an op module calling one (the functional → module pass makes them ``Functional`` ops)."""
-    if node.op == "call_function":
-        fn, closes = node.target, (node.args[0] if len(node.args) == 1 and not node.kwargs else None)
-    elif node.op == "call_module":
-        module = root.get_submodule(node.target)
-        if not isinstance(module, ops.BoundOp):
-            return None
-        fn = module.fn
-        slot = module.args[0] if len(module.args) == 1 and not module.kwargs else None
-        closes = (node.args[slot.index] if isinstance(slot, ops.Slot) and slot.index < len(node.args) and not node.kwargs
-                  else None)
-    else:
+    """("enter", its arguments) or ("exit", the value it closes) for an autocast enter/exit call, as a
+    function call or as an op module calling one (the functional → module pass makes them
+    ``Functional`` ops)."""
+    call = modes.call_of(node, root)
+    if call is None:
         return None
+    fn, args, kwargs = call
     if fn is allowlist.AUTOCAST_ENTER:
-        return "enter", None
+        return "enter", (args, kwargs)
     if fn is allowlist.AUTOCAST_EXIT:
-        return "exit", closes
+        return "exit", args[0] if len(args) == 1 and not kwargs else None
     return None
+
+
+def _check_enter(node: fx.Node, arguments: Any) -> None:
+    """An enter's arguments as torch.autocast takes them, written into the graph: a device type
+    torch.autocast knows, a floating dtype (or None), and literal flags. A region entered with a
+    device or dtype computed by the graph could not be checked here, nor left by :mod:`fxprep.modes`."""
+    args, kwargs = arguments
+    values = dict(zip(("device_type", "dtype", "enabled", "cache_enabled"), args), **kwargs)
+    device, dtype = values.get("device_type"), values.get("dtype")
+    ok = (len(args) <= 4 and set(values) <= {"device_type", "dtype", "enabled", "cache_enabled"}
+          and isinstance(device, str) and device in _DEVICES and (dtype is None or dtype in _DTYPES)
+          and type(values.get("enabled", True)) is bool and values.get("cache_enabled") in (None, True, False))
+    if not ok:
+        raise SerializationError(f"refusing to load: the autocast region opened at node {node.name!r} is entered with "
+                                 f"arguments torch.autocast does not take as written there ({str(values)[:120]}).")
 
 
 def check_state_regions(graph: fx.Graph, root: nn.Module) -> None:
@@ -55,6 +70,7 @@ def check_state_regions(graph: fx.Graph, root: nn.Module) -> None:
         if role is None:
             continue
         if role[0] == "enter":
+            _check_enter(node, role[1])
             enters[node] = 0
             if any((roles.get(user) or ("",))[0] != "exit" for user in node.users):
                 raise SerializationError(f"refusing to load: the autocast region opened at node {node.name!r} is used "

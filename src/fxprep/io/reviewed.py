@@ -1,501 +1,436 @@
-"""The reviewed allow-list: every callable a saved graph may name without ``trusted_modules``, one
-entry each, grouped by why it is safe to run on data from a file someone else wrote.
+"""The default allow-list: every callable a saved graph may name without an opt-in, one per line with
+the reason it may run on arguments a file chose, and the families no opt-in ever allows.
 
 A save is data from someone else (its checksums prove integrity, not authorship), and the graph it
-describes is run by :func:`fxprep.load` (its self-check) and by every call of the loaded module. So a
-callable may be named only if running it on *any* arguments a graph can build (tensors the module
-holds or computes, numbers, strings, shapes, dtypes) can at worst raise or compute something wrong:
-it must never read or write memory it was not given, change the process's state, or do I/O.
+describes is run by :func:`fxprep.load` (its self-check) and by every call of the loaded module. Every
+callable it may name is a kernel a file can hand arguments to, and torch's kernels are not all
+safe on hostile arguments (a quantization kernel on the previous list wrote past its output through
+a size it was given: the loading process died of SIGSEGV, issue 63). A list of 1,740 callables
+reviewed by family could not be audited kernel by kernel. So the list is the smallest that serves:
 
-How the list was made: the functions are those fxprep's own pipeline puts in graphs (the op table,
-:mod:`fxprep.passes.op_table`, whose ``Functional`` op can hold any torch operator; the clean-up
-passes' helpers) - torch's operator namespaces, ``math``, ``operator``, a few builtins - less the
-families in :data:`EXCLUDED_FUNCTIONS` / :data:`EXCLUDED_METHODS`, each entry then read by family.
-``tests/test_io_allowlist.py`` walks the built table and fails on any callable that is not listed
-here, on any excluded one, and on any op-table function missing from here (a graph fxprep writes
-must load). Adding an entry is a review: say which family and why it holds.
+**How it is made.** ``benchmarks/allowlist_usage.py`` prepares and saves every model of fxprep's test
+suites (a pytest plugin reads every module ``prepare_model`` returns and every save a test writes)
+and of its zoos (torchvision with Dynamo and fx, one model per timm family, the transformers
+architectures of ``tests/test_zoo.py`` and every causal-LM type that builds tiny), collects the
+callables their graphs name (:mod:`.usage`) and writes them, each with the models that use it, to
+``benchmarks/allowlist_usage.json``. This file lists exactly the measured names of the default
+namespaces (``tests/test_io_allowlist.py`` checks the two agree); the command that re-derives it is
+in the script's docstring. Python's own callables are kept where graphs use them and bounded in
+what they may build (:mod:`.pyvalues`).
 
-Families (what makes them safe):
+**How each entry was reviewed.** Its reason says what makes it safe on a file's arguments: values
+in, a value out (``python``, ``pointwise``, ``reduction``, ``dtype``); a check that raises or a
+branch between two saved graphs (``control``); sizes, offsets and indices that torch's
+own kernel checks (``shape``, ``indexing``: ``tests/test_io_hostile.py`` runs each such kernel on
+hostile arguments in a child process, which must raise, never crash); sizes that make memory,
+counted before the kernel runs (``construct``: :mod:`.budget` for literal sizes, :mod:`.peak` for the
+rest); costs counted before it runs (``matmul``: ``LIMITS["op_flops"]``); a check fxprep makes before
+torch's kernel (``checked``); a mode entered only in balanced regions and left on every path
+(``mode``). Module classes are the torch.nn layers the suites' graphs hold (their constructors run
+on ``meta``, their forwards on the layer's own checked arguments); every ``fxprep.ops`` class is
+allowed by rule (each runs only the callable it names, which this list checks), and so is every
+``torch.nn`` container (``ModuleList``, ``Sequential``, ``ModuleDict``...: they run only their children).
 
-* ``python``: ``math``, ``operator`` (not its getter/caller factories), pure builtins and ``torch.Size`` (a tuple
-  of ints): values in, value out.
-* ``graph_checks``: shape/value assertions, symbolic-int helpers, fxprep's ``cond`` and
-  ``check_decision``; the autocast enter/exit pair only in balanced regions, checked on the graph
-  (:func:`fxprep.io.trust.check_state_regions`), and the loaded module restores the state after every call.
-* ``metadata``: reads a tensor's or dtype's properties (``is_floating_point``, ``result_type``).
-* ``construct``: a new tensor from sizes and values (``zeros``, ``arange``, ``full``); its memory is
-  torch's own allocation of the size asked for (``empty`` gives uninitialised values, not foreign memory).
-* ``shape_view``: views, joins and splits; every view is checked by torch against its storage's
-  bounds (``as_strided`` included: "out of bounds for storage" is raised, never read).
-* ``indexing``: gather/scatter/index ops whose indices torch checks against the sizes ("index out of range").
-* ``pointwise``, ``reduction``, ``linear_algebra``, ``nn``: arithmetic, reductions, matmuls and
-  decompositions, layers' functional forms on the tensors given.
-* ``random``: sampling from the global (or a graph-made) generator: it advances the RNG like dropout
-  does, never seeds it (seeding is excluded).
-* ``quantization``: quantize / dequantize / fake-quantize with explicit scales (checked).
+**Aliases.** A name is looked up once in its fixed namespace (:mod:`.allowlist`); another name of a
+listed object (``torch.functional.split`` is ``torch.split``) is accepted because it resolves to that
+very object. Aliases are never listed.
 
-Excluded, by rule (and listed below so a test can check no entry slips back in):
+**Widening it.** ``fxprep.load(dir, allow=["torch.special.xlogy", "Tensor.resize_"])`` (and the same
+``allow=`` to :func:`fxprep.save`, which refuses what load would) lets a caller allow more callables
+for files they trust: any function of the fixed namespaces, Tensor method, aten op or torch.nn
+layer class, never one of :data:`EXCLUDED_FUNCTIONS` / :data:`EXCLUDED_METHODS` (raw memory, process
+state, I/O), refused by identity whatever the name. Budgets, mode regions and the self-check still
+apply to what an opt-in allows.
 
-* ``raw_memory``: a tensor from a raw pointer, a file, a foreign buffer, or indices/offsets torch does
-  not check: ``torch._from_blob`` (an integer is an address: the issue-28 SIGSEGV), sparse constructors
-  (their ``to_dense`` writes out of bounds without ``check_invariants``), ``_unsafe_*`` indexing,
-  nested views from a buffer, backend kernels taking packed or opaque weights (``fbgemm_*``,
-  ``mkldnn_*``, ``miopen_*``, ``cudnn_*``), ``Tensor.data_ptr`` / ``set_`` / ``storage`` (an address
-  to feed back, or a tensor re-pointed at another storage).
-* ``process_state``: grad mode, autocast, default dtype/device, deterministic flags, threads, seeding,
-  anomaly mode: one call would change every later computation of the process.
-* ``io_code``: loading, saving, compiling, TorchScript parsing, forking; Tensor methods that call a
-  Python callable (``apply_``, ``map_``, hooks) or run autograd (``backward``).
+**Adding an entry.** Re-derive (a new model in the suites or zoos), then review the new callable
+on hostile arguments (its sizes, indices, offsets, strides: does torch's CPU kernel check them, or
+must fxprep check them before it runs?) and write the reason.
 """
 
 from __future__ import annotations
 
+import functools
+
+
+def table(text: str) -> dict[str, str]:
+    """``{name: reason}`` of a table: one entry per line, its name, then spaces, then its reason."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, reason = line.partition(" ")
+            out[name] = reason.strip()
+    return out
+
+
+# --- the list: one per line, the saved name then why it may run on a file's arguments --------------------
 # Functions, by saved name (``<namespace>.<name>``, the namespace one of allowlist's fixed table).
-FUNCTIONS: dict[str, tuple[str, ...]] = {
-    "python": (
-        "builtins.abs", "builtins.all", "builtins.any", "builtins.bool", "builtins.divmod", "builtins.float",
-        "builtins.getattr", "builtins.int", "builtins.isinstance", "builtins.len", "builtins.list", "builtins.max",
-        "builtins.min", "builtins.pow", "builtins.range", "builtins.round", "builtins.slice", "builtins.sum",
-        "builtins.tuple", "torch.Size", "math.acos", "math.acosh", "math.asin", "math.asinh", "math.atan", "math.atan2",
-        "math.atanh", "math.cbrt", "math.ceil", "math.copysign", "math.cos", "math.cosh",
-        "math.degrees", "math.dist", "math.erf", "math.erfc", "math.exp", "math.exp2", "math.expm1", "math.fabs",
-        "math.floor", "math.fmod", "math.frexp", "math.fsum", "math.gamma", "math.gcd",
-        "math.hypot", "math.isclose", "math.isfinite", "math.isinf", "math.isnan", "math.isqrt", "math.lcm",
-        "math.ldexp", "math.lgamma", "math.log", "math.log10", "math.log1p", "math.log2", "math.modf",
-        "math.nextafter", "math.pow", "math.prod", "math.radians", "math.remainder", "math.sin",
-        "math.sinh", "math.sqrt", "math.tan", "math.tanh", "math.trunc", "math.ulp", "operator.abs", "operator.add",
-        "operator.and_", "operator.concat", "operator.contains", "operator.countOf", "operator.delitem",
-        "operator.eq", "operator.floordiv", "operator.ge", "operator.getitem", "operator.gt", "operator.iadd",
-        "operator.iand", "operator.iconcat", "operator.ifloordiv", "operator.ilshift", "operator.imatmul",
-        "operator.imod", "operator.imul", "operator.index", "operator.indexOf", "operator.inv", "operator.invert",
-        "operator.ior", "operator.ipow", "operator.irshift", "operator.is_", "operator.is_not", "operator.isub",
-        "operator.itruediv", "operator.ixor", "operator.le", "operator.length_hint", "operator.lshift",
-        "operator.lt", "operator.matmul", "operator.mod", "operator.mul", "operator.ne", "operator.neg",
-        "operator.not_", "operator.or_", "operator.pos", "operator.pow", "operator.rshift", "operator.setitem",
-        "operator.sub", "operator.truediv", "operator.truth", "operator.xor",
-    ),
-    "graph_checks": (
-        "fxprep.cond.cond", "fxprep.decisions.check_decision", "torch._assert", "torch._assert_async", "torch._check",
-        "torch._check_is_size", "torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast",
-        "torch.fx._symbolic_trace._assert_is_none", "torch.sym_constrain_range",
-        "torch.sym_constrain_range_for_size", "torch.sym_float", "torch.sym_int", "torch.sym_ite", "torch.sym_max",
-        "torch.sym_min", "torch.sym_not", "torch.sym_sqrt", "torch.sym_sum",
-    ),
-    "metadata": (
-        "torch.allclose", "torch.can_cast", "torch.cudnn_is_acceptable", "torch.equal", "torch.get_device",
-        "torch.is_complex", "torch.is_distributed", "torch.is_floating_point", "torch.is_inference", "torch.is_neg",
-        "torch.is_same_size", "torch.is_signed", "torch.is_tensor", "torch.is_vulkan_available",
-        "torch.promote_types", "torch.result_type",
-    ),
-    "construct": (
-        "torch.arange", "torch.as_tensor", "torch.bartlett_window", "torch.blackman_window", "torch.block_diag",
-        "torch.cartesian_prod", "torch.combinations", "torch.complex", "torch.empty", "torch.empty_like",
-        "torch.empty_permuted", "torch.empty_strided", "torch.eye", "torch.full", "torch.full_like",
-        "torch.functional.block_diag", "torch.functional.cartesian_prod", "torch.functional.meshgrid",
-        "torch.hamming_window", "torch.hann_window", "torch.kaiser_window", "torch.linspace", "torch.logspace",
-        "torch.meshgrid", "torch.ones", "torch.ones_like", "torch.polar", "torch.range", "torch.scalar_tensor",
-        "torch.tensor", "torch.tril_indices", "torch.triu_indices", "torch.vander", "torch.zeros",
-        "torch.zeros_like",
-    ),
-    "shape_view": (
-        "torch.adjoint", "torch.alias_copy", "torch.as_strided", "torch.as_strided_", "torch.as_strided_copy",
-        "torch.atleast_1d", "torch.atleast_2d", "torch.atleast_3d", "torch.broadcast_shapes",
-        "torch.broadcast_tensors", "torch.broadcast_to", "torch.cat", "torch.ccol_indices_copy", "torch.chunk",
-        "torch.clone", "torch.col_indices_copy", "torch.column_stack", "torch.concat", "torch.concatenate",
-        "torch.conj", "torch.conj_physical", "torch.conj_physical_", "torch.copysign", "torch.crow_indices_copy",
-        "torch.detach", "torch.detach_", "torch.detach_copy", "torch.diag", "torch.diag_embed", "torch.diagflat",
-        "torch.diagonal", "torch.diagonal_copy", "torch.dsplit", "torch.dstack", "torch.expand_copy",
-        "torch.flatten", "torch.flip", "torch.fliplr", "torch.flipud", "torch.functional.atleast_1d",
-        "torch.functional.atleast_2d", "torch.functional.atleast_3d", "torch.functional.broadcast_shapes",
-        "torch.functional.broadcast_tensors", "torch.functional.split", "torch.hsplit", "torch.hstack",
-        "torch.imag", "torch.indices_copy", "torch.is_conj", "torch.moveaxis", "torch.movedim", "torch.nanquantile",
-        "torch.narrow", "torch.narrow_copy", "torch.numel", "torch.permute", "torch.permute_copy", "torch.quantile",
-        "torch.ravel", "torch.real", "torch.repeat_interleave", "torch.reshape", "torch.roll", "torch.rot90",
-        "torch.row_indices_copy", "torch.row_stack", "torch.select", "torch.select_copy", "torch.slice_copy",
-        "torch.split", "torch.split_copy", "torch.split_with_sizes", "torch.split_with_sizes_copy", "torch.squeeze",
-        "torch.squeeze_copy", "torch.stack", "torch.swapaxes", "torch.swapdims", "torch.t", "torch.t_copy",
-        "torch.tensor_split", "torch.tile", "torch.transpose", "torch.transpose_copy", "torch.tril", "torch.triu",
-        "torch.unbind", "torch.unbind_copy", "torch.unflatten", "torch.unfold_copy", "torch.unsqueeze",
-        "torch.unsqueeze_copy", "torch.values_copy", "torch.view_as_complex", "torch.view_as_complex_copy",
-        "torch.view_as_real", "torch.view_as_real_copy", "torch.view_copy", "torch.vsplit", "torch.vstack",
-    ),
-    "indexing": (
-        "torch.as_strided_scatter", "torch.batch_norm_gather_stats", "torch.batch_norm_gather_stats_with_counts",
-        "torch.bincount", "torch.bucketize", "torch.count_nonzero", "torch.diagonal_scatter", "torch.embedding",
-        "torch.embedding_bag", "torch.embedding_renorm_", "torch.functional.unique",
-        "torch.functional.unique_consecutive", "torch.functional.unravel_index", "torch.gather", "torch.histc",
-        "torch.histogram", "torch.histogramdd", "torch.index_add", "torch.index_copy", "torch.index_fill",
-        "torch.index_put", "torch.index_put_", "torch.index_reduce", "torch.index_select", "torch.is_nonzero",
-        "torch.masked_fill", "torch.masked_scatter", "torch.masked_select", "torch.nonzero", "torch.nonzero_static",
-        "torch.put", "torch.scatter", "torch.scatter_add", "torch.scatter_reduce", "torch.searchsorted",
-        "torch.select_scatter", "torch.slice_scatter", "torch.take", "torch.take_along_dim", "torch.unique",
-        "torch.unique_consecutive", "torch.unravel_index", "torch.where",
-        # torch._grouped_mm after checking its offsets against the sizes (torch's CUDA kernel does not):
-        # what a graph calling torch._grouped_mm is saved as (fxprep.io.checked)
-        "fxprep.io.checked.grouped_mm",
-    ),
-    "pointwise": (
-        "torch._C._special.special_airy_ai", "torch._C._special.special_bessel_j0",
-        "torch._C._special.special_bessel_j1", "torch._C._special.special_bessel_y0",
-        "torch._C._special.special_bessel_y1", "torch._C._special.special_chebyshev_polynomial_t",
-        "torch._C._special.special_chebyshev_polynomial_u", "torch._C._special.special_chebyshev_polynomial_v",
-        "torch._C._special.special_chebyshev_polynomial_w", "torch._C._special.special_digamma",
-        "torch._C._special.special_entr", "torch._C._special.special_erf", "torch._C._special.special_erfc",
-        "torch._C._special.special_erfcx", "torch._C._special.special_erfinv", "torch._C._special.special_exp2",
-        "torch._C._special.special_expit", "torch._C._special.special_expm1", "torch._C._special.special_gammainc",
-        "torch._C._special.special_gammaincc", "torch._C._special.special_gammaln",
-        "torch._C._special.special_hermite_polynomial_h", "torch._C._special.special_hermite_polynomial_he",
-        "torch._C._special.special_i0", "torch._C._special.special_i0e", "torch._C._special.special_i1",
-        "torch._C._special.special_i1e", "torch._C._special.special_laguerre_polynomial_l",
-        "torch._C._special.special_legendre_polynomial_p", "torch._C._special.special_log1p",
-        "torch._C._special.special_log_ndtr", "torch._C._special.special_log_softmax",
-        "torch._C._special.special_logit", "torch._C._special.special_logsumexp",
-        "torch._C._special.special_modified_bessel_i0", "torch._C._special.special_modified_bessel_i1",
-        "torch._C._special.special_modified_bessel_k0", "torch._C._special.special_modified_bessel_k1",
-        "torch._C._special.special_multigammaln", "torch._C._special.special_ndtr",
-        "torch._C._special.special_ndtri", "torch._C._special.special_polygamma", "torch._C._special.special_psi",
-        "torch._C._special.special_round", "torch._C._special.special_scaled_modified_bessel_k0",
-        "torch._C._special.special_scaled_modified_bessel_k1",
-        "torch._C._special.special_shifted_chebyshev_polynomial_t",
-        "torch._C._special.special_shifted_chebyshev_polynomial_u",
-        "torch._C._special.special_shifted_chebyshev_polynomial_v",
-        "torch._C._special.special_shifted_chebyshev_polynomial_w", "torch._C._special.special_sinc",
-        "torch._C._special.special_softmax", "torch._C._special.special_spherical_bessel_j0",
-        "torch._C._special.special_xlog1py", "torch._C._special.special_xlogy", "torch._C._special.special_zeta",
-        "torch.abs", "torch.abs_", "torch.absolute", "torch.acos", "torch.acos_", "torch.acosh", "torch.acosh_",
-        "torch.add", "torch.addcdiv", "torch.addcmul", "torch.angle", "torch.arccos", "torch.arccos_",
-        "torch.arccosh", "torch.arccosh_", "torch.arcsin", "torch.arcsin_", "torch.arcsinh", "torch.arcsinh_",
-        "torch.arctan", "torch.arctan2", "torch.arctan_", "torch.arctanh", "torch.arctanh_", "torch.argwhere",
-        "torch.asin", "torch.asin_", "torch.asinh", "torch.asinh_", "torch.atan", "torch.atan2", "torch.atan_",
-        "torch.atanh", "torch.atanh_", "torch.binary_cross_entropy_with_logits", "torch.bitwise_and",
-        "torch.bitwise_left_shift", "torch.bitwise_not", "torch.bitwise_or", "torch.bitwise_right_shift",
-        "torch.bitwise_xor", "torch.ceil", "torch.ceil_", "torch.clamp", "torch.clamp_", "torch.clamp_max",
-        "torch.clamp_max_", "torch.clamp_min", "torch.clamp_min_", "torch.clip", "torch.clip_", "torch.cos",
-        "torch.cos_", "torch.cosh", "torch.cosh_", "torch.deg2rad", "torch.deg2rad_", "torch.digamma", "torch.div",
-        "torch.divide", "torch.eq", "torch.erf", "torch.erf_", "torch.erfc", "torch.erfc_", "torch.erfinv",
-        "torch.exp", "torch.exp2", "torch.exp2_", "torch.exp_", "torch.expm1", "torch.expm1_", "torch.fill",
-        "torch.fill_", "torch.fix", "torch.fix_", "torch.float_power", "torch.floor", "torch.floor_",
-        "torch.floor_divide", "torch.fmax", "torch.fmin", "torch.fmod", "torch.frac", "torch.frac_", "torch.frexp",
-        "torch.functional.pca_lowrank", "torch.fused_moving_avg_obs_fake_quant", "torch.gcd", "torch.gcd_",
-        "torch.ge", "torch.greater", "torch.greater_equal", "torch.gt", "torch.hash_tensor", "torch.heaviside",
-        "torch.hypot", "torch.i0", "torch.i0_", "torch.igamma", "torch.igammac", "torch.isclose", "torch.isfinite",
-        "torch.isin", "torch.isinf", "torch.isnan", "torch.isneginf", "torch.isposinf", "torch.isreal",
-        "torch.kl_div", "torch.lcm", "torch.lcm_", "torch.ldexp", "torch.ldexp_", "torch.le", "torch.lerp",
-        "torch.less", "torch.less_equal", "torch.lgamma", "torch.lobpcg", "torch.log", "torch.log10",
-        "torch.log10_", "torch.log1p", "torch.log1p_", "torch.log2", "torch.log2_", "torch.log_", "torch.logaddexp",
-        "torch.logaddexp2", "torch.logical_and", "torch.logical_not", "torch.logical_or", "torch.logical_xor",
-        "torch.logit", "torch.logit_", "torch.lt", "torch.maximum", "torch.minimum", "torch.mul", "torch.multiply",
-        "torch.mvlgamma", "torch.nan_to_num", "torch.nan_to_num_", "torch.ne", "torch.neg", "torch.neg_",
-        "torch.negative", "torch.negative_", "torch.nextafter", "torch.not_equal", "torch.pca_lowrank",
-        "torch.polygamma", "torch.positive", "torch.pow", "torch.rad2deg", "torch.rad2deg_", "torch.reciprocal",
-        "torch.reciprocal_", "torch.remainder", "torch.resize_as_", "torch.round", "torch.round_", "torch.rsqrt",
-        "torch.rsqrt_", "torch.rsub", "torch.sgn", "torch.sign", "torch.signbit", "torch.sin", "torch.sin_",
-        "torch.sinc", "torch.sinc_", "torch.sinh", "torch.sinh_", "torch.special.airy_ai",
-        "torch.special.bessel_j0", "torch.special.bessel_j1", "torch.special.bessel_y0", "torch.special.bessel_y1",
-        "torch.special.chebyshev_polynomial_t", "torch.special.chebyshev_polynomial_u",
-        "torch.special.chebyshev_polynomial_v", "torch.special.chebyshev_polynomial_w", "torch.special.digamma",
-        "torch.special.entr", "torch.special.erf", "torch.special.erfc", "torch.special.erfcx",
-        "torch.special.erfinv", "torch.special.exp2", "torch.special.expit", "torch.special.expm1",
-        "torch.special.gammainc", "torch.special.gammaincc", "torch.special.gammaln",
-        "torch.special.hermite_polynomial_h", "torch.special.hermite_polynomial_he", "torch.special.i0",
-        "torch.special.i0e", "torch.special.i1", "torch.special.i1e", "torch.special.laguerre_polynomial_l",
-        "torch.special.legendre_polynomial_p", "torch.special.log1p", "torch.special.log_ndtr",
-        "torch.special.log_softmax", "torch.special.logit", "torch.special.logsumexp",
-        "torch.special.modified_bessel_i0", "torch.special.modified_bessel_i1", "torch.special.modified_bessel_k0",
-        "torch.special.modified_bessel_k1", "torch.special.multigammaln", "torch.special.ndtr",
-        "torch.special.ndtri", "torch.special.polygamma", "torch.special.psi", "torch.special.round",
-        "torch.special.scaled_modified_bessel_k0", "torch.special.scaled_modified_bessel_k1",
-        "torch.special.shifted_chebyshev_polynomial_t", "torch.special.shifted_chebyshev_polynomial_u",
-        "torch.special.shifted_chebyshev_polynomial_v", "torch.special.shifted_chebyshev_polynomial_w",
-        "torch.special.sinc", "torch.special.softmax", "torch.special.spherical_bessel_j0", "torch.special.xlog1py",
-        "torch.special.xlogy", "torch.special.zeta", "torch.sqrt", "torch.sqrt_", "torch.square", "torch.square_",
-        "torch.sub", "torch.subtract", "torch.tan", "torch.tan_", "torch.tanh", "torch.tanh_", "torch.true_divide",
-        "torch.trunc", "torch.trunc_", "torch.xlogy", "torch.xlogy_", "torch.zero_",
-    ),
-    "reduction": (
-        "torch.all", "torch.amax", "torch.amin", "torch.aminmax", "torch.any", "torch.argmax", "torch.argmin",
-        "torch.argsort", "torch.batch_norm", "torch.batch_norm_backward_elemt", "torch.batch_norm_backward_reduce",
-        "torch.batch_norm_elemt", "torch.batch_norm_stats", "torch.batch_norm_update_stats", "torch.corrcoef",
-        "torch.cov", "torch.cummax", "torch.cummin", "torch.cumprod", "torch.cumsum", "torch.diff", "torch.dist",
-        "torch.frobenius_norm", "torch.functional.norm", "torch.gradient", "torch.group_norm",
-        "torch.instance_norm", "torch.kthvalue", "torch.layer_norm", "torch.logcumsumexp", "torch.logsumexp",
-        "torch.max", "torch.mean", "torch.median", "torch.min", "torch.mode", "torch.msort", "torch.nanmean",
-        "torch.nanmedian", "torch.nansum", "torch.native_batch_norm", "torch.native_group_norm",
-        "torch.native_layer_norm", "torch.native_norm", "torch.norm", "torch.norm_except_dim", "torch.nuclear_norm",
-        "torch.prod", "torch.renorm", "torch.rms_norm", "torch.sort", "torch.std", "torch.std_mean", "torch.sum",
-        "torch.topk", "torch.trace", "torch.var", "torch.var_mean",
-    ),
-    "linear_algebra": (
-        "torch._C._fft.fft_fft", "torch._C._fft.fft_fft2", "torch._C._fft.fft_fftfreq", "torch._C._fft.fft_fftn",
-        "torch._C._fft.fft_fftshift", "torch._C._fft.fft_hfft", "torch._C._fft.fft_hfft2",
-        "torch._C._fft.fft_hfftn", "torch._C._fft.fft_ifft", "torch._C._fft.fft_ifft2", "torch._C._fft.fft_ifftn",
-        "torch._C._fft.fft_ifftshift", "torch._C._fft.fft_ihfft", "torch._C._fft.fft_ihfft2",
-        "torch._C._fft.fft_ihfftn", "torch._C._fft.fft_irfft", "torch._C._fft.fft_irfft2",
-        "torch._C._fft.fft_irfftn", "torch._C._fft.fft_rfft", "torch._C._fft.fft_rfft2",
-        "torch._C._fft.fft_rfftfreq", "torch._C._fft.fft_rfftn", "torch._C._linalg.linalg__powsum",
-        "torch._C._linalg.linalg_cholesky", "torch._C._linalg.linalg_cholesky_ex", "torch._C._linalg.linalg_cond",
-        "torch._C._linalg.linalg_cross", "torch._C._linalg.linalg_det", "torch._C._linalg.linalg_diagonal",
-        "torch._C._linalg.linalg_eig", "torch._C._linalg.linalg_eigh", "torch._C._linalg.linalg_eigvals",
-        "torch._C._linalg.linalg_eigvalsh", "torch._C._linalg.linalg_householder_product",
-        "torch._C._linalg.linalg_inv", "torch._C._linalg.linalg_inv_ex", "torch._C._linalg.linalg_ldl_factor",
-        "torch._C._linalg.linalg_ldl_factor_ex", "torch._C._linalg.linalg_ldl_solve",
-        "torch._C._linalg.linalg_lstsq", "torch._C._linalg.linalg_lu", "torch._C._linalg.linalg_lu_factor",
-        "torch._C._linalg.linalg_lu_factor_ex", "torch._C._linalg.linalg_lu_solve",
-        "torch._C._linalg.linalg_matmul", "torch._C._linalg.linalg_matrix_exp",
-        "torch._C._linalg.linalg_matrix_norm", "torch._C._linalg.linalg_matrix_power",
-        "torch._C._linalg.linalg_matrix_rank", "torch._C._linalg.linalg_matrix_sqrth",
-        "torch._C._linalg.linalg_multi_dot", "torch._C._linalg.linalg_norm", "torch._C._linalg.linalg_pinv",
-        "torch._C._linalg.linalg_polar", "torch._C._linalg.linalg_qr", "torch._C._linalg.linalg_slogdet",
-        "torch._C._linalg.linalg_solve", "torch._C._linalg.linalg_solve_ex",
-        "torch._C._linalg.linalg_solve_triangular", "torch._C._linalg.linalg_svd",
-        "torch._C._linalg.linalg_svdvals", "torch._C._linalg.linalg_tensorinv",
-        "torch._C._linalg.linalg_tensorsolve", "torch._C._linalg.linalg_vander", "torch._C._linalg.linalg_vecdot",
-        "torch._C._linalg.linalg_vector_norm", "torch.addbmm", "torch.addmm", "torch.addmv", "torch.addmv_",
-        "torch.addr", "torch.baddbmm", "torch.bilinear", "torch.bmm", "torch.cdist", "torch.chain_matmul",
-        "torch.cholesky", "torch.cholesky_inverse", "torch.cholesky_solve", "torch.conv1d", "torch.conv2d",
-        "torch.conv3d", "torch.conv_tbc", "torch.conv_transpose1d", "torch.conv_transpose2d",
-        "torch.conv_transpose3d", "torch.convolution", "torch.cross", "torch.cumulative_trapezoid", "torch.det",
-        "torch.dot", "torch.dsmm", "torch.eig", "torch.einsum", "torch.fft.fft", "torch.fft.fft2",
-        "torch.fft.fftfreq", "torch.fft.fftn", "torch.fft.fftshift", "torch.fft.hfft", "torch.fft.hfft2",
-        "torch.fft.hfftn", "torch.fft.ifft", "torch.fft.ifft2", "torch.fft.ifftn", "torch.fft.ifftshift",
-        "torch.fft.ihfft", "torch.fft.ihfft2", "torch.fft.ihfftn", "torch.fft.irfft", "torch.fft.irfft2",
-        "torch.fft.irfftn", "torch.fft.rfft", "torch.fft.rfft2", "torch.fft.rfftfreq", "torch.fft.rfftn",
-        "torch.functional.cdist", "torch.functional.chain_matmul", "torch.functional.einsum",
-        "torch.functional.istft", "torch.functional.lu", "torch.functional.stft", "torch.functional.svd_lowrank",
-        "torch.functional.tensordot", "torch.geqrf", "torch.ger", "torch.hsmm", "torch.hspmm", "torch.inner",
-        "torch.inverse", "torch.istft", "torch.kron", "torch.linalg.cholesky", "torch.linalg.cholesky_ex",
-        "torch.linalg.cross", "torch.linalg.det", "torch.linalg.diagonal", "torch.linalg.eig", "torch.linalg.eigh",
-        "torch.linalg.eigvals", "torch.linalg.eigvalsh", "torch.linalg.householder_product", "torch.linalg.inv",
-        "torch.linalg.inv_ex", "torch.linalg.ldl_factor", "torch.linalg.ldl_factor_ex", "torch.linalg.ldl_solve",
-        "torch.linalg.lstsq", "torch.linalg.lu", "torch.linalg.lu_factor", "torch.linalg.lu_factor_ex",
-        "torch.linalg.lu_solve", "torch.linalg.matmul", "torch.linalg.matrix_exp", "torch.linalg.matrix_norm",
-        "torch.linalg.matrix_power", "torch.linalg.matrix_rank", "torch.linalg.matrix_sqrth",
-        "torch.linalg.multi_dot", "torch.linalg.norm", "torch.linalg.pinv", "torch.linalg.polar", "torch.linalg.qr",
-        "torch.linalg.slogdet", "torch.linalg.solve", "torch.linalg.solve_ex", "torch.linalg.solve_triangular",
-        "torch.linalg.svd", "torch.linalg.svdvals", "torch.linalg.tensorinv", "torch.linalg.tensorsolve",
-        "torch.linalg.vander", "torch.linalg.vecdot", "torch.linalg.vector_norm", "torch.logdet", "torch.lstsq",
-        "torch.lu", "torch.lu_solve", "torch.lu_unpack", "torch.matmul", "torch.matrix_exp", "torch.matrix_power",
-        "torch.matrix_rank", "torch.mm", "torch.mv", "torch.orgqr", "torch.ormqr", "torch.outer", "torch.pdist",
-        "torch.pinverse", "torch.qr", "torch.resolve_conj", "torch.resolve_neg", "torch.saddmm", "torch.slogdet",
-        "torch.smm", "torch.solve", "torch.spmm", "torch.sspaddmm", "torch.stft", "torch.svd", "torch.svd_lowrank",
-        "torch.symeig", "torch.tensordot", "torch.trapezoid", "torch.trapz", "torch.triangular_solve", "torch.vdot",
-    ),
-    "nn": (
-        # the halves F's boolean_dispatch picks between (return_indices=True / False): the op table's
-        "torch.nn.functional._adaptive_max_pool1d", "torch.nn.functional._adaptive_max_pool2d",
-        "torch.nn.functional._adaptive_max_pool3d", "torch.nn.functional._fractional_max_pool2d",
-        "torch.nn.functional._fractional_max_pool3d", "torch.nn.functional._max_pool1d", "torch.nn.functional._max_pool2d",
-        "torch.nn.functional._max_pool3d",
-        "torch._C._nn._pad_circular", "torch._C._nn._pad_enum", "torch._C._nn._upsample_bicubic2d_aa",
-        "torch._C._nn._upsample_bilinear2d_aa", "torch._C._nn._upsample_nearest_exact1d",
-        "torch._C._nn._upsample_nearest_exact2d", "torch._C._nn._upsample_nearest_exact3d",
-        "torch._C._nn.adaptive_avg_pool2d", "torch._C._nn.adaptive_avg_pool3d", "torch._C._nn.adaptive_max_pool2d",
-        "torch._C._nn.adaptive_max_pool3d", "torch._C._nn.avg_pool2d", "torch._C._nn.avg_pool3d",
-        "torch._C._nn.binary_cross_entropy", "torch._C._nn.col2im", "torch._C._nn.conv_depthwise3d",
-        "torch._C._nn.cross_entropy_loss", "torch._C._nn.elu", "torch._C._nn.elu_",
-        "torch._C._nn.flatten_dense_tensors", "torch._C._nn.fractional_max_pool2d",
-        "torch._C._nn.fractional_max_pool3d", "torch._C._nn.gelu", "torch._C._nn.gelu_", "torch._C._nn.glu",
-        "torch._C._nn.hardsigmoid", "torch._C._nn.hardsigmoid_", "torch._C._nn.hardswish",
-        "torch._C._nn.hardswish_", "torch._C._nn.hardtanh", "torch._C._nn.hardtanh_", "torch._C._nn.huber_loss",
-        "torch._C._nn.im2col", "torch._C._nn.l1_loss", "torch._C._nn.leaky_relu", "torch._C._nn.leaky_relu_",
-        "torch._C._nn.linear", "torch._C._nn.log_sigmoid", "torch._C._nn.max_pool2d_with_indices",
-        "torch._C._nn.max_pool3d_with_indices", "torch._C._nn.max_unpool2d", "torch._C._nn.max_unpool3d",
-        "torch._C._nn.mish", "torch._C._nn.mish_", "torch._C._nn.mse_loss", "torch._C._nn.multi_margin_loss",
-        "torch._C._nn.multilabel_margin_loss", "torch._C._nn.nll_loss", "torch._C._nn.nll_loss2d",
-        "torch._C._nn.nll_loss_nd", "torch._C._nn.one_hot", "torch._C._nn.pad", "torch._C._nn.pad_sequence",
-        "torch._C._nn.reflection_pad1d", "torch._C._nn.reflection_pad2d", "torch._C._nn.reflection_pad3d",
-        "torch._C._nn.relu6", "torch._C._nn.relu6_", "torch._C._nn.replication_pad1d",
-        "torch._C._nn.replication_pad2d", "torch._C._nn.replication_pad3d",
-        "torch._C._nn.scaled_dot_product_attention", "torch._C._nn.silu", "torch._C._nn.silu_",
-        "torch._C._nn.slow_conv3d", "torch._C._nn.slow_conv_dilated2d", "torch._C._nn.slow_conv_dilated3d",
-        "torch._C._nn.slow_conv_transpose2d", "torch._C._nn.slow_conv_transpose3d", "torch._C._nn.smooth_l1_loss",
-        "torch._C._nn.soft_margin_loss", "torch._C._nn.softplus", "torch._C._nn.softshrink",
-        "torch._C._nn.thnn_conv2d", "torch._C._nn.unflatten_dense_tensors", "torch._C._nn.upsample_bicubic2d",
-        "torch._C._nn.upsample_bilinear2d", "torch._C._nn.upsample_linear1d", "torch._C._nn.upsample_nearest1d",
-        "torch._C._nn.upsample_nearest2d", "torch._C._nn.upsample_nearest3d", "torch._C._nn.upsample_trilinear3d",
-        "torch._weight_norm", "torch.adaptive_avg_pool1d", "torch.adaptive_max_pool1d",
-        "torch.affine_grid_generator", "torch.avg_pool1d", "torch.celu", "torch.celu_", "torch.channel_shuffle",
-        "torch.constant_pad_nd", "torch.cosine_embedding_loss", "torch.cosine_similarity", "torch.ctc_loss",
-        "torch.grid_sampler", "torch.grid_sampler_2d", "torch.grid_sampler_3d", "torch.gru", "torch.gru_cell",
-        "torch.hardshrink", "torch.hinge_embedding_loss", "torch.log_softmax", "torch.lstm", "torch.lstm_cell",
-        "torch.margin_ranking_loss", "torch.max_pool1d", "torch.max_pool1d_with_indices", "torch.max_pool2d",
-        "torch.max_pool3d", "torch.native_channel_shuffle", "torch.nn.functional.adaptive_avg_pool1d",
-        "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_avg_pool3d",
-        "torch.nn.functional.adaptive_max_pool1d", "torch.nn.functional.adaptive_max_pool1d_with_indices",
-        "torch.nn.functional.adaptive_max_pool2d", "torch.nn.functional.adaptive_max_pool2d_with_indices",
-        "torch.nn.functional.adaptive_max_pool3d", "torch.nn.functional.adaptive_max_pool3d_with_indices",
-        "torch.nn.functional.affine_grid", "torch.nn.functional.assert_int_or_pair",
-        "torch.nn.functional.avg_pool1d", "torch.nn.functional.avg_pool2d", "torch.nn.functional.avg_pool3d",
-        "torch.nn.functional.batch_norm", "torch.nn.functional.bilinear",
-        "torch.nn.functional.binary_cross_entropy", "torch.nn.functional.binary_cross_entropy_with_logits",
-        "torch.nn.functional.celu", "torch.nn.functional.celu_", "torch.nn.functional.channel_shuffle",
-        "torch.nn.functional.conv1d", "torch.nn.functional.conv2d", "torch.nn.functional.conv3d",
-        "torch.nn.functional.conv_tbc", "torch.nn.functional.conv_transpose1d",
-        "torch.nn.functional.conv_transpose2d", "torch.nn.functional.conv_transpose3d",
-        "torch.nn.functional.cosine_embedding_loss", "torch.nn.functional.cosine_similarity",
-        "torch.nn.functional.cross_entropy", "torch.nn.functional.ctc_loss", "torch.nn.functional.elu",
-        "torch.nn.functional.elu_", "torch.nn.functional.embedding", "torch.nn.functional.embedding_bag",
-        "torch.nn.functional.fold", "torch.nn.functional.fractional_max_pool2d",
-        "torch.nn.functional.fractional_max_pool2d_with_indices", "torch.nn.functional.fractional_max_pool3d",
-        "torch.nn.functional.fractional_max_pool3d_with_indices", "torch.nn.functional.gaussian_nll_loss",
-        "torch.nn.functional.gelu", "torch.nn.functional.glu", "torch.nn.functional.grid_sample",
-        "torch.nn.functional.group_norm", "torch.nn.functional.grouped_mm", "torch.nn.functional.hardshrink",
-        "torch.nn.functional.hardsigmoid", "torch.nn.functional.hardswish", "torch.nn.functional.hardtanh",
-        "torch.nn.functional.hardtanh_", "torch.nn.functional.hinge_embedding_loss",
-        "torch.nn.functional.huber_loss", "torch.nn.functional.instance_norm", "torch.nn.functional.interpolate",
-        "torch.nn.functional.kl_div", "torch.nn.functional.l1_loss", "torch.nn.functional.layer_norm",
-        "torch.nn.functional.leaky_relu", "torch.nn.functional.leaky_relu_", "torch.nn.functional.linear",
-        "torch.nn.functional.linear_cross_entropy", "torch.nn.functional.local_response_norm",
-        "torch.nn.functional.log_softmax", "torch.nn.functional.logsigmoid", "torch.nn.functional.lp_pool1d",
-        "torch.nn.functional.lp_pool2d", "torch.nn.functional.lp_pool3d", "torch.nn.functional.margin_ranking_loss",
-        "torch.nn.functional.max_pool1d", "torch.nn.functional.max_pool1d_with_indices",
-        "torch.nn.functional.max_pool2d", "torch.nn.functional.max_pool2d_with_indices",
-        "torch.nn.functional.max_pool3d", "torch.nn.functional.max_pool3d_with_indices",
-        "torch.nn.functional.max_unpool1d", "torch.nn.functional.max_unpool2d", "torch.nn.functional.max_unpool3d",
-        "torch.nn.functional.mish", "torch.nn.functional.mse_loss",
-        "torch.nn.functional.multi_head_attention_forward", "torch.nn.functional.multi_margin_loss",
-        "torch.nn.functional.multilabel_margin_loss", "torch.nn.functional.multilabel_soft_margin_loss",
-        "torch.nn.functional.native_channel_shuffle", "torch.nn.functional.nll_loss",
-        "torch.nn.functional.normalize", "torch.nn.functional.one_hot", "torch.nn.functional.pad",
-        "torch.nn.functional.pairwise_distance", "torch.nn.functional.pdist", "torch.nn.functional.pixel_shuffle",
-        "torch.nn.functional.pixel_unshuffle", "torch.nn.functional.poisson_nll_loss", "torch.nn.functional.prelu",
-        "torch.nn.functional.relu", "torch.nn.functional.relu6", "torch.nn.functional.relu_",
-        "torch.nn.functional.rms_norm", "torch.nn.functional.scaled_dot_product_attention",
-        "torch.nn.functional.scaled_grouped_mm", "torch.nn.functional.scaled_mm", "torch.nn.functional.selu",
-        "torch.nn.functional.selu_", "torch.nn.functional.sigmoid", "torch.nn.functional.silu",
-        "torch.nn.functional.smooth_l1_loss", "torch.nn.functional.soft_margin_loss", "torch.nn.functional.softmax",
-        "torch.nn.functional.softmin", "torch.nn.functional.softplus", "torch.nn.functional.softshrink",
-        "torch.nn.functional.softsign", "torch.nn.functional.tanh", "torch.nn.functional.tanhshrink",
-        "torch.nn.functional.threshold", "torch.nn.functional.threshold_",
-        "torch.nn.functional.triplet_margin_loss", "torch.nn.functional.triplet_margin_with_distance_loss",
-        "torch.nn.functional.unfold", "torch.nn.functional.upsample", "torch.nn.functional.upsample_bilinear",
-        "torch.nn.functional.upsample_nearest", "torch.pairwise_distance", "torch.pixel_shuffle",
-        "torch.pixel_unshuffle", "torch.poisson_nll_loss", "torch.prelu", "torch.relu", "torch.relu_",
-        "torch.rnn_relu", "torch.rnn_relu_cell", "torch.rnn_tanh", "torch.rnn_tanh_cell", "torch.selu",
-        "torch.selu_", "torch.sigmoid", "torch.sigmoid_", "torch.softmax", "torch.threshold", "torch.threshold_",
-        "torch.triplet_margin_loss",
-    ),
-    "random": (
-        "torch._C._nn.rrelu_with_noise", "torch._C._nn.rrelu_with_noise_", "torch.alpha_dropout",
-        "torch.alpha_dropout_", "torch.bernoulli", "torch.binomial", "torch.dropout", "torch.dropout_",
-        "torch.feature_alpha_dropout", "torch.feature_alpha_dropout_", "torch.feature_dropout",
-        "torch.feature_dropout_", "torch.multinomial", "torch.native_dropout", "torch.nn.functional.alpha_dropout",
-        "torch.nn.functional.dropout", "torch.nn.functional.dropout1d", "torch.nn.functional.dropout2d",
-        "torch.nn.functional.dropout3d", "torch.nn.functional.feature_alpha_dropout",
-        "torch.nn.functional.gumbel_softmax", "torch.nn.functional.rrelu", "torch.nn.functional.rrelu_",
-        "torch.normal", "torch.poisson", "torch.rand", "torch.rand_like", "torch.randint", "torch.randint_like",
-        "torch.randn", "torch.randn_like", "torch.randperm", "torch.rrelu", "torch.rrelu_",
-    ),
-    "quantization": (
-        "torch.choose_qparams_optimized", "torch.dequantize", "torch.empty_quantized",
-        "torch.fake_quantize_per_channel_affine", "torch.fake_quantize_per_tensor_affine", "torch.int_repr",
-        "torch.q_per_channel_axis", "torch.q_per_channel_scales", "torch.q_per_channel_zero_points",
-        "torch.q_scale", "torch.q_zero_point", "torch.quantize_per_channel", "torch.quantize_per_tensor",
-        "torch.quantize_per_tensor_dynamic", "torch.quantized_batch_norm", "torch.quantized_max_pool1d",
-        "torch.quantized_max_pool2d", "torch.quantized_max_pool3d",
-    ),
-}
+FUNCTIONS = table("""
+builtins.getattr  python: a tensor attribute by name, only those io/trust.check_getattr allows (never a method or a private name)
+builtins.len  python: the length of a value the graph holds; builds nothing
+fxprep.cond.cond  control: runs one of two saved branch graphs, each loaded and checked like the main graph
+fxprep.decisions.check_decision  control: compares a value with the one decided at capture and raises on a difference; computes nothing
+fxprep.io.checked.grouped_mm  checked: torch._grouped_mm behind fxprep's check of its offsets (monotone, within the input) before the kernel runs
+math.sqrt  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.abs  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.add  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.and_  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.eq  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.floordiv  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.ge  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.getitem  python: an item of a tuple/list/dict a node made, or Tensor.__getitem__ (indices checked by torch; hostile cases in tests/test_io_hostile.py)
+operator.gt  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.iadd  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.invert  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.itruediv  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.le  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.lt  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.matmul  matmul: Tensor.__matmul__; sizes checked by torch, multiply-adds counted before it runs (op_flops)
+operator.mod  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.mul  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.ne  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.neg  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.or_  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.pow  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.sub  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.truediv  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+torch.Size  python: a tuple of ints (a shape built from sizes), bounded by io/pyvalues.py
+torch._C._nn.pad  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch._assert  control: raises when its condition is false; computes nothing
+torch._assert_async  control: raises when its condition is false; computes nothing
+torch.abs  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.add  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.addmm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+torch.all  reduction: dims and k checked by torch; output no larger than the input
+torch.amax  reduction: dims and k checked by torch; output no larger than the input
+torch.amin  reduction: dims and k checked by torch; output no larger than the input
+torch.amp.autocast_mode._enter_autocast  mode: balanced regions only (checked at load), left on every path (fxprep.modes)
+torch.amp.autocast_mode._exit_autocast  mode: balanced regions only (checked at load), left on every path (fxprep.modes)
+torch.arange  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.as_tensor  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.baddbmm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+torch.bincount  reduction: bins/minlength make memory, counted by io/peak.py before it runs; bins checked by torch
+torch.bmm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+torch.cat  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.ceil  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.chunk  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.clamp  pointwise: bounds broadcast against the input (checked by torch)
+torch.clip  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.clone  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.concat  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.concatenate  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.cos  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.cumsum  reduction: dims and k checked by torch; output no larger than the input
+torch.diff  reduction: dims and k checked by torch; output no larger than the input
+torch.div  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.einsum  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+torch.empty  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.empty_like  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.eq  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.erf  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.exp  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.eye  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.flatten  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.floor  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.floor_divide  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.fmod  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.full  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.full_like  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.fx._symbolic_trace._assert_is_none  control: raises when its condition is false; computes nothing
+torch.gather  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
+torch.histc  reduction: bins/minlength make memory, counted by io/peak.py before it runs; bins checked by torch
+torch.isfinite  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.lerp  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.linalg.vector_norm  reduction: dims and k checked by torch; output no larger than the input
+torch.linspace  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.log  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.log2  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.logical_and  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.logical_not  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.logsumexp  reduction: dims and k checked by torch; output no larger than the input
+torch.masked_fill  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
+torch.matmul  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+torch.max  reduction: dims and k checked by torch; output no larger than the input
+torch.maximum  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.mean  reduction: dims and k checked by torch; output no larger than the input
+torch.meshgrid  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.min  reduction: dims and k checked by torch; output no larger than the input
+torch.minimum  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.mm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+torch.mul  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.multiply  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.neg  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.adaptive_avg_pool1d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.adaptive_avg_pool2d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.adaptive_max_pool1d_with_indices  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.adaptive_max_pool2d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.alpha_dropout  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.avg_pool1d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.avg_pool2d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.batch_norm  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.conv1d  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+torch.nn.functional.conv2d  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+torch.nn.functional.cosine_similarity  reduction: dims and k checked by torch; output no larger than the input
+torch.nn.functional.dropout  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.embedding  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
+torch.nn.functional.feature_alpha_dropout  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.gelu  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.group_norm  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.instance_norm  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.interpolate  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.layer_norm  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.linear  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+torch.nn.functional.log_softmax  reduction: dims and k checked by torch; output no larger than the input
+torch.nn.functional.lp_pool2d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.max_pool1d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.max_pool2d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.max_pool2d_with_indices  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.max_pool3d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.normalize  reduction: dims and k checked by torch; output no larger than the input
+torch.nn.functional.pad  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nn.functional.prelu  pointwise: its weight broadcast over channels (checked by torch)
+torch.nn.functional.rrelu  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.scaled_dot_product_attention  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+torch.nn.functional.softmax  reduction: dims and k checked by torch; output no larger than the input
+torch.nn.functional.unfold  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
+torch.nonzero  indexing: output sized by the data (counted by io/peak.py on fake tensors first)
+torch.norm  reduction: dims and k checked by torch; output no larger than the input
+torch.ones  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.ones_like  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.permute  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.polar  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.pow  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.prod  reduction: dims and k checked by torch; output no larger than the input
+torch.repeat_interleave  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.reshape  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.roll  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.rsqrt  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.rsub  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.sign  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.sin  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.softmax  reduction: dims and k checked by torch; output no larger than the input
+torch.sort  reduction: dims and k checked by torch; output no larger than the input
+torch.special.erf  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.special.expm1  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.special.i1  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.split  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.sqrt  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.square  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.stack  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.sub  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.sum  reduction: dims and k checked by torch; output no larger than the input
+torch.swapaxes  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.sym_float  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
+torch.sym_ite  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
+torch.sym_max  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
+torch.sym_not  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
+torch.tanh  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.tensor  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.tensor_split  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.topk  reduction: dims and k checked by torch; output no larger than the input
+torch.transpose  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.tril  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.triu  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.view_as_complex  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.view_as_real  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.where  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
+torch.zeros  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+torch.zeros_like  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
+""")
 
 # Tensor methods a ``call_method`` node (or an op's ``Tensor.<name>``) may call, besides operator dunders.
-METHODS: dict[str, tuple[str, ...]] = {
-    "metadata": (
-        "allclose", "bfloat16", "bool", "byte", "cdouble", "cfloat", "chalf", "char", "contiguous", "cpu", "cuda",
-        "dim", "dim_order", "double", "element_size", "equal", "float", "get_device", "half", "hash_tensor", "int",
-        "ipu", "is_complex", "is_conj", "is_contiguous", "is_distributed", "is_floating_point", "is_inference",
-        "is_neg", "is_nonzero", "is_pinned", "is_same_size", "is_set_to", "is_shared", "is_signed", "item", "long",
-        "mtia", "ndimension", "nelement", "numel", "pin_memory", "qscheme", "requires_grad_", "short", "size",
-        "storage_offset", "stride", "to", "tolist", "type", "type_as", "values", "xpu",
-    ),
-    "construct": (
-        "fill_", "fill_diagonal_", "new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor",
-        "new_zeros", "zero_",
-    ),
-    "shape_view": (
-        "adjoint", "as_strided", "as_strided_", "broadcast_to", "chunk", "clone", "conj", "conj_physical",
-        "conj_physical_", "copy_", "copysign", "copysign_", "detach", "detach_", "diag", "diag_embed", "diagflat",
-        "diagonal", "dsplit", "expand", "expand_as", "flatten", "flip", "fliplr", "flipud", "hsplit", "moveaxis",
-        "movedim", "nanquantile", "narrow", "narrow_copy", "permute", "quantile", "ravel", "repeat",
-        "repeat_interleave", "reshape", "reshape_as", "roll", "rot90", "select", "split", "split_with_sizes",
-        "squeeze", "squeeze_", "swapaxes", "swapaxes_", "swapdims", "swapdims_", "t", "tensor_split", "tile",
-        "transpose", "transpose_", "tril", "tril_", "triu", "triu_", "unbind", "unflatten", "unsqueeze",
-        "unsqueeze_", "view", "view_as", "vsplit",
-    ),
-    "indexing": (
-        "as_strided_scatter", "bincount", "count_nonzero", "diagonal_scatter", "gather", "histc", "histogram",
-        "index", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_", "index_put",
-        "index_put_", "index_reduce", "index_reduce_", "index_select", "masked_fill", "masked_fill_",
-        "masked_scatter", "masked_scatter_", "masked_select", "nonzero", "nonzero_static", "put", "put_", "scatter",
-        "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "select_scatter",
-        "slice_scatter", "take", "take_along_dim", "unique", "unique_consecutive", "where",
-    ),
-    "pointwise": (
-        "abs", "abs_", "absolute", "absolute_", "acos", "acos_", "acosh", "acosh_", "add", "add_", "addbmm_",
-        "addcdiv", "addcdiv_", "addcmul", "addcmul_", "addmm_", "angle", "arccos", "arccos_", "arccosh", "arccosh_",
-        "arcsin", "arcsin_", "arcsinh", "arcsinh_", "arctan", "arctan2", "arctan2_", "arctan_", "arctanh",
-        "arctanh_", "argwhere", "asin", "asin_", "asinh", "asinh_", "atan", "atan2", "atan2_", "atan_", "atanh",
-        "atanh_", "baddbmm_", "bitwise_and", "bitwise_and_", "bitwise_left_shift", "bitwise_left_shift_",
-        "bitwise_not", "bitwise_not_", "bitwise_or", "bitwise_or_", "bitwise_right_shift", "bitwise_right_shift_",
-        "bitwise_xor", "bitwise_xor_", "ceil", "ceil_", "clamp", "clamp_", "clamp_max", "clamp_max_", "clamp_min",
-        "clamp_min_", "clip", "clip_", "cos", "cos_", "cosh", "cosh_", "deg2rad", "deg2rad_", "digamma", "digamma_",
-        "div", "div_", "divide", "divide_", "eq", "eq_", "erf", "erf_", "erfc", "erfc_", "erfinv", "erfinv_", "exp",
-        "exp2", "exp2_", "exp_", "expm1", "expm1_", "fix", "fix_", "float_power", "float_power_", "floor", "floor_",
-        "floor_divide", "floor_divide_", "fmax", "fmin", "fmod", "fmod_", "frac", "frac_", "frexp", "gcd", "gcd_",
-        "ge", "ge_", "greater", "greater_", "greater_equal", "greater_equal_", "gt", "gt_", "heaviside",
-        "heaviside_", "hypot", "hypot_", "i0", "i0_", "igamma", "igamma_", "igammac", "igammac_", "isclose",
-        "isfinite", "isinf", "isnan", "isneginf", "isposinf", "isreal", "lcm", "lcm_", "ldexp", "ldexp_", "le",
-        "le_", "lerp", "lerp_", "less", "less_", "less_equal", "less_equal_", "lgamma", "lgamma_", "log", "log10",
-        "log10_", "log1p", "log1p_", "log2", "log2_", "log_", "logaddexp", "logaddexp2", "logical_and",
-        "logical_and_", "logical_not", "logical_not_", "logical_or", "logical_or_", "logical_xor", "logical_xor_",
-        "logit", "logit_", "lt", "lt_", "maximum", "minimum", "mul", "mul_", "multiply", "multiply_", "mvlgamma",
-        "mvlgamma_", "nan_to_num", "nan_to_num_", "ne", "ne_", "neg", "neg_", "negative", "negative_", "nextafter",
-        "nextafter_", "not_equal", "not_equal_", "polygamma", "polygamma_", "positive", "pow", "pow_", "rad2deg",
-        "rad2deg_", "reciprocal", "reciprocal_", "remainder", "remainder_", "resize", "resize_", "resize_as",
-        "resize_as_", "round", "round_", "rsqrt", "rsqrt_", "sgn", "sgn_", "sign", "sign_", "signbit", "sin",
-        "sin_", "sinc", "sinc_", "sinh", "sinh_", "sqrt", "sqrt_", "square", "square_", "sub", "sub_", "subtract",
-        "subtract_", "sum_to_size", "t_", "tan", "tan_", "tanh", "tanh_", "true_divide", "true_divide_", "trunc",
-        "trunc_", "unfold", "xlogy", "xlogy_",
-    ),
-    "reduction": (
-        "all", "amax", "amin", "aminmax", "any", "argmax", "argmin", "argsort", "corrcoef", "cov", "cummax",
-        "cummin", "cumprod", "cumprod_", "cumsum", "cumsum_", "diff", "dist", "kthvalue", "logcumsumexp",
-        "logsumexp", "max", "mean", "median", "min", "mode", "msort", "nanmean", "nanmedian", "nansum", "norm",
-        "prod", "renorm", "renorm_", "sort", "std", "sum", "topk", "trace", "var",
-    ),
-    "linear_algebra": (
-        "addbmm", "addmm", "addmv", "addmv_", "addr", "addr_", "baddbmm", "bmm", "cholesky", "cholesky_inverse",
-        "cholesky_solve", "cross", "det", "dot", "eig", "geqrf", "ger", "inner", "inverse", "istft", "kron",
-        "logdet", "lstsq", "lu", "lu_solve", "matmul", "matrix_exp", "matrix_power", "mm", "mv", "orgqr", "ormqr",
-        "outer", "pinverse", "qr", "resolve_conj", "resolve_neg", "slogdet", "solve", "stft", "svd", "symeig",
-        "triangular_solve", "vdot",
-    ),
-    "nn": (
-        "hardshrink", "log_softmax", "prelu", "relu", "relu_", "sigmoid", "sigmoid_", "softmax",
-    ),
-    "random": (
-        "bernoulli", "bernoulli_", "cauchy_", "exponential_", "geometric_", "log_normal_", "multinomial", "normal_",
-        "random_", "uniform_",
-    ),
-    "quantization": (
-        "dequantize", "int_repr", "q_per_channel_axis", "q_per_channel_scales", "q_per_channel_zero_points",
-        "q_scale", "q_zero_point",
-    ),
-}
+METHODS = table("""
+abs  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+add  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+add_  pointwise: in place, never resizes (a broadcast that would grow self raises in torch)
+all  reduction: dims and k checked by torch; output no larger than the input
+amax  reduction: dims and k checked by torch; output no larger than the input
+amin  reduction: dims and k checked by torch; output no larger than the input
+any  reduction: dims and k checked by torch; output no larger than the input
+argmax  reduction: dims and k checked by torch; output no larger than the input
+bool  dtype: the same values in another dtype (or device: only those this process has)
+chunk  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+clamp  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+clamp_  pointwise: in place, never resizes (a broadcast that would grow self raises in torch)
+clone  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+contiguous  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+copy_  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+cos  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+cumsum  reduction: dims and k checked by torch; output no larger than the input
+detach  dtype: the same values in another dtype (or device: only those this process has)
+div  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+erfc  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+exp  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+expand  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+fill_  pointwise: in place, never resizes (a broadcast that would grow self raises in torch)
+flatten  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+flip  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+float  dtype: the same values in another dtype (or device: only those this process has)
+floor  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+gather  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
+int  dtype: the same values in another dtype (or device: only those this process has)
+item  python: a number or a shape read from a tensor
+log  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+log2  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+long  dtype: the same values in another dtype (or device: only those this process has)
+masked_fill  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
+masked_fill_  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
+masked_scatter  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
+matmul  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+max  reduction: dims and k checked by torch; output no larger than the input
+maximum  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+mean  reduction: dims and k checked by torch; output no larger than the input
+min  reduction: dims and k checked by torch; output no larger than the input
+mul  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+mul_  pointwise: in place, never resizes (a broadcast that would grow self raises in torch)
+ne  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+neg  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+new_empty  construct: sizes make memory, counted before it runs (io/peak.py)
+new_full  construct: sizes make memory, counted before it runs (io/peak.py)
+new_ones  construct: sizes make memory, counted before it runs (io/peak.py)
+new_zeros  construct: sizes make memory, counted before it runs (io/peak.py)
+norm  reduction: dims and k checked by torch; output no larger than the input
+permute  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+pow  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+prod  reduction: dims and k checked by torch; output no larger than the input
+reciprocal  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+repeat  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+repeat_interleave  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+reshape  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+reshape_as  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+round  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+rsqrt  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+scatter_  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
+sigmoid_  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+sin  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+size  python: a number or a shape read from a tensor
+softmax  reduction: dims and k checked by torch; output no larger than the input
+split  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+sqrt  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+square  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+squeeze  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+sub  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+sum  reduction: dims and k checked by torch; output no larger than the input
+t  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+to  dtype: the same values in another dtype (or device: only those this process has)
+topk  reduction: dims and k checked by torch; output no larger than the input
+transpose  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+tril  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+type  dtype: the same values in another dtype (or device: only those this process has)
+type_as  dtype: the same values in another dtype (or device: only those this process has)
+unbind  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+unflatten  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+unsqueeze  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+var  reduction: dims and k checked by torch; output no larger than the input
+view  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+where  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
+zero_  pointwise: in place, never resizes (a broadcast that would grow self raises in torch)
+""")
 
-# torchvision.ops' functions (box ops, nms, roi_align: indices checked by its kernels).
-TORCHVISION_FUNCTIONS: tuple[str, ...] = (
-        "batched_nms", "box_area", "box_convert", "box_iou", "clip_boxes_to_image", "complete_box_iou",
-        "complete_box_iou_loss", "deform_conv2d", "distance_box_iou", "distance_box_iou_loss", "drop_block2d",
-        "drop_block3d", "generalized_box_iou", "generalized_box_iou_loss", "masks_to_boxes", "nms", "ps_roi_align",
-        "ps_roi_pool", "remove_small_boxes", "roi_align", "roi_pool", "sigmoid_focal_loss", "stochastic_depth",
-    )
+# torch.ops.aten ops (``op.overload``, or ``op`` for every overload): what Dynamo's graphs keep.
+ATEN = table("""
+_assert_scalar.default  control: raises when its condition is false; computes nothing
+numpy_T  shape: the reversed-dims view of its input (no size or index taken)
+""")
 
-# torch.ops.aten ops a graph may name besides those of a reviewed torch function of the same name
-# (``aten.add`` for ``torch.add``): the checks and symbolic sizes fxprep's passes and Dynamo leave.
-ATEN: tuple[str, ...] = (
-    "_assert_scalar", "_assert_async", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "_local_scalar_dense",
-    "sym_constrain_range", "sym_constrain_range_for_size", "_is_all_true", "_is_any_true",
-    "numpy_T",  # shape_view: ``x.T`` under Dynamo (all dimensions reversed), a view checked by torch
-)
+# torch.nn / torch.ao.nn / torchvision.ops layer classes (fxprep.ops classes are allowed by rule).
+CLASSES = table("""
+torch.nn.modules.activation.CELU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.ELU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.GELU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.GLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Hardshrink  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Hardsigmoid  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Hardswish  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Hardtanh  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.LeakyReLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.LogSigmoid  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.LogSoftmax  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Mish  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.MultiheadAttention  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.PReLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.RReLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.ReLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.ReLU6  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.SELU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.SiLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Sigmoid  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Softmax  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Softmin  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Softplus  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Softshrink  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Softsign  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Tanh  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Tanhshrink  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.Threshold  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.batchnorm.BatchNorm1d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.batchnorm.BatchNorm2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.conv.Conv1d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.conv.Conv2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.conv.Conv3d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.conv.ConvTranspose1d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.conv.ConvTranspose2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.dropout.AlphaDropout  layer: random mask of its input's shape; identity in eval
+torch.nn.modules.dropout.Dropout  layer: random mask of its input's shape; identity in eval
+torch.nn.modules.dropout.Dropout1d  layer: random mask of its input's shape; identity in eval
+torch.nn.modules.dropout.Dropout2d  layer: random mask of its input's shape; identity in eval
+torch.nn.modules.dropout.Dropout3d  layer: random mask of its input's shape; identity in eval
+torch.nn.modules.dropout.FeatureAlphaDropout  layer: random mask of its input's shape; identity in eval
+torch.nn.modules.flatten.Flatten  layer: a view of its input; dims checked by torch
+torch.nn.modules.flatten.Unflatten  layer: a view of its input; dims checked by torch
+torch.nn.modules.linear.Bilinear  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.linear.Identity  layer: a view of its input; dims checked by torch
+torch.nn.modules.linear.Linear  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.linear.NonDynamicallyQuantizableLinear  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.module.Module  container: holds saved children; runs nothing of its own but them
+torch.nn.modules.normalization.GroupNorm  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.normalization.LayerNorm  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.normalization.RMSNorm  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.padding.ZeroPad2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.pixelshuffle.PixelShuffle  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.pooling.AdaptiveAvgPool2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.pooling.AvgPool1d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.pooling.AvgPool2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.pooling.MaxPool1d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.pooling.MaxPool2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.pooling.MaxPool3d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.rnn.GRU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.rnn.LSTM  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.sparse.Embedding  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.transformer.TransformerEncoderLayer  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.upsampling.Upsample  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torchvision.ops.stochastic_depth.StochasticDepth  layer: random mask of its input's shape; identity in eval
+""")
+
+
+@functools.cache
+def listed() -> dict[str, dict[str, str]]:
+    """Every entry, by kind: ``functions``, ``methods``, ``aten``, ``classes``."""
+    return {"functions": FUNCTIONS, "methods": METHODS, "aten": ATEN, "classes": CLASSES}
+
+
+# Python's own callables an ``allow=`` may add (the default list holds those graphs use): values in, a
+# value out, each bounded by io/pyvalues.py. Any other name of ``builtins``, ``operator`` or ``math`` is
+# never allowed, whatever a caller passes: ``builtins`` holds ``eval``, ``exec``, ``open``, ``setattr``
+# and ``breakpoint``; ``operator.call`` calls whatever it is given.
+OPT_IN_PYTHON = frozenset("""
+builtins.abs builtins.all builtins.any builtins.divmod builtins.getattr builtins.isinstance builtins.len
+builtins.max builtins.min builtins.pow builtins.round builtins.sum
+math.acos math.acosh math.asin math.asinh math.atan math.atan2 math.atanh math.cbrt math.ceil math.copysign
+math.cos math.cosh math.degrees math.dist math.erf math.erfc math.exp math.exp2 math.expm1 math.fabs math.floor
+math.fmod math.frexp math.fsum math.gamma math.gcd math.hypot math.isclose math.isfinite math.isinf math.isnan
+math.isqrt math.lcm math.ldexp math.lgamma math.log math.log10 math.log1p math.log2 math.modf math.nextafter
+math.pow math.prod math.radians math.remainder math.sin math.sinh math.sqrt math.tan math.tanh math.trunc math.ulp
+operator.abs operator.add operator.and_ operator.concat operator.contains operator.countOf operator.eq
+operator.floordiv operator.ge operator.getitem operator.gt operator.iadd operator.iand operator.iconcat
+operator.ifloordiv operator.ilshift operator.imatmul operator.imod operator.imul operator.index operator.indexOf
+operator.inv operator.invert operator.ior operator.ipow operator.irshift operator.is_ operator.is_not operator.isub
+operator.itruediv operator.ixor operator.le operator.length_hint operator.lshift operator.lt operator.matmul
+operator.mod operator.mul operator.ne operator.neg operator.not_ operator.or_ operator.pos operator.pow
+operator.rshift operator.setitem operator.delitem operator.sub operator.truediv operator.truth operator.xor
+""".split())
+PYTHON_NAMESPACES = ("builtins", "operator", "math")
+
 
 # Never allowed (raw memory, process state, I/O and code): the test checks none is reachable.
 EXCLUDED_FUNCTIONS: dict[str, tuple[str, ...]] = {

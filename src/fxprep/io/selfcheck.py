@@ -31,19 +31,22 @@ the loaded module would if it were not for its state updates.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from .. import guard
+from .. import guard, modes
 from ..errors import InputMismatch, SerializationError
 from ..guard import InputSpec
 from ..runs import SEED, preserved_state
-from . import allowlist, budget, peak
+from . import allowlist, budget, peak, pyvalues
 from .format import LIMITS
 
 _NO_EXAMPLE = {"run": "none", "why": "no example inputs recorded"}
@@ -59,17 +62,22 @@ class _Stopped(Exception):
         self.node, self.error = node, error
 
 
+# what stops the probe run past a limit (not a recorded stop: a save past it is refused at save and at load)
+_BUDGETS = (peak.ForwardTooLarge, peak.PythonTooLarge, peak.TooSlow)
+
+
 class _Interpreter(peak.Bounded):
     """fx's interpreter within the forward budget (:class:`.peak.Bounded`), remembering which node
     failed."""
 
-    def __init__(self, gm: fx.GraphModule):
-        super().__init__(gm, LIMITS["forward_bytes"], LIMITS["forward_tensors"])
+    def __init__(self, gm: fx.GraphModule, deadline: float | None):
+        super().__init__(gm, LIMITS["forward_bytes"], LIMITS["forward_tensors"], LIMITS["op_flops"], deadline,
+                         LIMITS["load_seconds"])
 
     def run_node(self, n: fx.Node) -> Any:
         try:
             return super().run_node(n)
-        except (_Stopped, peak.ForwardTooLarge):
+        except (_Stopped, *_BUDGETS):
             raise
         except Exception as err:  # noqa: BLE001 - any failure of a node is what is recorded
             raise _Stopped(n.name, err) from err
@@ -189,20 +197,35 @@ def _device(gm: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def record(gm: fx.GraphModule, spec: InputSpec | None, where: str, saving: bool = False) -> dict[str, Any]:
+def deadline() -> float:
+    """When a load (or a save's self-check) starting now must be done (``LIMITS["load_seconds"]``)."""
+    return time.monotonic() + LIMITS["load_seconds"]
+
+
+def record(gm: fx.GraphModule, spec: InputSpec | None, where: str, saving: bool = False,
+           until: float | None = None) -> dict[str, Any]:
     """What the probe run of ``gm`` gives (JSON data for the manifest). Both callers (``save`` and
     :func:`check`) have run :func:`check_budget` first: the probe inputs fit the whole-load budget.
     An op that would take the run past the forward budget (:mod:`.peak`) is a :func:`_past_budget`
     error, not a recorded stop: its memory was never allocated, and a save whose self-check cannot
     run within the budget on the loading side must not be written."""
     try:
-        return _record(gm, spec)
+        return _record(gm, spec, until)
     except peak.ForwardTooLarge as err:
-        found = (f"would make {err.need:,} tensors with {err.live:,} already alive" if err.tensors else
-                 f"would need {err.need:,} bytes with {err.live:,} already in use")
-        limit = "forward_tensors" if err.tensors else "forward_bytes"
+        found, limit = {
+            "tensors": (f"would make {err.need:,} tensors with {err.live:,} already alive", "forward_tensors"),
+            "flops": (f"would compute {err.need:,} flops in one op", "op_flops"),
+        }.get(err.unit, (f"would need {err.need:,} bytes with {err.live:,} already in use", "forward_bytes"))
         raise _past_budget(where, saving, f"run on its probe input (the example's shapes), node {err.node!r} {found}",
                            limit, "It did not run.") from None
+    except peak.PythonTooLarge as err:
+        raise _past_budget(where, saving, f"run on its probe input (the example's shapes), node {err.node!r} would "
+                           f"build {err.what}", err.limit, "It did not run.") from None
+    except peak.TooSlow as err:
+        why = ("the module is too slow for its example: save one prepared with smaller example inputs" if saving
+               else "the file makes it run that long (fxprep.save refuses what load would)")
+        raise SerializationError(f"{where}: stopped at node {err.node!r} after {err.seconds:g} s, the time any fxprep "
+                                 f"load may take (fxprep.io.format.LIMITS['load_seconds']); {why}.") from None
 
 
 def _past_budget(where: str, saving: bool, found: str, limit: str, done: str) -> SerializationError:
@@ -210,7 +233,9 @@ def _past_budget(where: str, saving: bool, found: str, limit: str, done: str) ->
     that loading would refuse it and how to save one that would not; at ``load``, that the file was
     edited after it was saved (save never writes one past it)."""
     name = {"probe_bytes": "whole-load budget", "forward_bytes": "forward budget",
-            "forward_tensors": "forward budget of tensors"}[limit]
+            "forward_tensors": "forward budget of tensors", "op_flops": "budget of one op's flops",
+            "python_int_bits": "bound on Python integers", "python_items": "bound on Python sequences",
+            "python_total": "bound on the Python values a run builds"}[limit]
     why = ("load would refuse it: save a module prepared with smaller example inputs or sizes" if saving
            else "the file was edited (its input guard or graph)")
     unit = limit.rpartition("_")[2]
@@ -218,7 +243,20 @@ def _past_budget(where: str, saving: bool, found: str, limit: str, done: str) ->
                               f"{unit}, fxprep.io.format.LIMITS[{limit!r}]); {why}. {done}")
 
 
-def _record(gm: fx.GraphModule, spec: InputSpec | None) -> dict[str, Any]:
+@contextlib.contextmanager
+def _modes_left(gm: fx.GraphModule) -> Iterator[None]:
+    """The modes the graph can enter (an autocast region) as they were before the probe run, on every
+    path: a run that stops inside a region (which is what it records) never reaches the region's exit."""
+    entered = modes.entered(gm)
+    state = modes.snapshot(entered) if entered else None
+    try:
+        yield
+    finally:
+        if state is not None:
+            modes.restore(state)
+
+
+def _record(gm: fx.GraphModule, spec: InputSpec | None, until: float | None) -> dict[str, Any]:
     if spec is None:
         return dict(_NO_EXAMPLE)
     device = _device(gm)
@@ -229,7 +267,7 @@ def _record(gm: fx.GraphModule, spec: InputSpec | None) -> dict[str, Any]:
         return {"run": "none", "why": str(err)}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     result: dict[str, Any] = {"device": device.type}
-    with preserved_state(gm), torch.no_grad():
+    with preserved_state(gm), torch.no_grad(), _modes_left(gm):
         torch.manual_seed(SEED)
         try:
             try:
@@ -241,8 +279,8 @@ def _record(gm: fx.GraphModule, spec: InputSpec | None) -> dict[str, Any]:
             if len(names) != len(placeholders) or set(names) - set(kwargs):
                 raise _Stopped("input guard", TypeError(f"the forward takes {names}, the guard describes {list(kwargs)}"))
             args = [kwargs[name] for name in names]
-            outputs = _Interpreter(gm).run(*args)
-        except peak.ForwardTooLarge:
+            outputs = _Interpreter(gm, until).run(*args)
+        except _BUDGETS:
             raise
         except _Stopped as stop:
             return {**result, "run": "stopped", "node": stop.node, "error": type(stop.error).__name__,
@@ -316,8 +354,14 @@ def _value_difference(saved: Any, now: Any, path: str = "output", rtol: float = 
 def check_budget(gm: fx.GraphModule, spec: InputSpec | None, where: str, saving: bool = False) -> None:
     """The whole-load budget (``LIMITS["probe_bytes"]``), counted before anything runs: the probe
     inputs the input guard declares, plus every tensor the graph makes with sizes written into it
-    (:func:`.budget.literal_allocations`: ``torch.zeros(2**40)`` in a hand-edited save). ``save``
-    checks the same sum, so it never writes what every ``load`` would refuse."""
+    (:func:`.budget.literal_allocations`: ``torch.zeros(2**40)`` in a hand-edited save); and the
+    literal arguments of the graph's Python calls (:func:`.pyvalues.literal_problems`: a power's
+    exponent of 10**9, on any branch). ``save`` checks the same, so it never writes what every
+    ``load`` would refuse."""
+    literal = pyvalues.literal_problems(gm)
+    if literal:
+        node, what = literal[0]
+        raise _past_budget(where, saving, f"node {node!r} calls {what}", "python_int_bits", "Nothing was run.")
     probe = probe_bytes(spec) if spec is not None else 0
     made = budget.literal_allocations(gm)
     total = probe + budget.declared_bytes(made)
@@ -332,14 +376,14 @@ def check_budget(gm: fx.GraphModule, spec: InputSpec | None, where: str, saving:
                        "Nothing was allocated.")
 
 
-def check(gm: fx.GraphModule, spec: InputSpec | None, saved: Any, where: str) -> None:
+def check(gm: fx.GraphModule, spec: InputSpec | None, saved: Any, where: str, until: float | None = None) -> None:
     """Raise :class:`SerializationError` unless ``gm`` run on its probe does what the save recorded."""
     check_budget(gm, spec, where)
     if (not isinstance(saved, dict) or saved.get("run") not in ("outputs", "stopped", "none")
             or (saved.get("run") != "none" and not _known_device(saved.get("device")))):
         raise SerializationError(f"{where} has no valid self_check record (written by every fxprep.save): "
                                  f"the manifest was edited or damaged.")
-    now = record(gm, spec, where)
+    now = record(gm, spec, where, until=until)
     problem = None
     if now.get("run") != saved.get("run"):
         problem = "differs"

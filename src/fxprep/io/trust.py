@@ -3,10 +3,12 @@
 A saved directory comes from someone else, and its checksums prove only that the files belong
 together, not who wrote them. So trust rests on **identity**, never on how a name looks:
 
-* a function or class a save names is looked up in a table of objects (:mod:`.allowlist`: torch's
-  operator namespaces, ``math``, ``operator`` minus its getter factories, a few builtins, the
-  ``torch.nn`` / ``torch.ao.nn`` / ``fxprep`` / ``torchvision.ops`` classes). The name is a key; it
-  is never walked attribute by attribute (``torch.nn.functional.torch.builtins.eval`` is not a key);
+* a function or class a save names is looked up in a table of objects (:mod:`.allowlist`: the
+  default list of :mod:`.reviewed`, what prepared graphs of fxprep's suites and zoos name - torch
+  operators and layers, ``math``, ``operator``, builtins - plus what the caller's ``allow=`` adds,
+  never an excluded object). The name is a key; it is never walked attribute by attribute
+  (``torch.nn.functional.torch.builtins.eval`` is not a key); another name of a listed object is
+  accepted because one lookup finds that very object;
 * a name inside a package the caller lists in ``trusted_modules`` is imported from that package and
   the object found must name itself exactly so (``obj.__module__ + "." + obj.__qualname__``) and be
   defined inside that package: ``torchvision.models.detection.ssd.torch.hub.load`` finds
@@ -17,7 +19,7 @@ together, not who wrote them. So trust rests on **identity**, never on how a nam
   ``call_method`` nodes may call only Tensor methods.
 
 Anything else raises :class:`~fxprep.errors.SerializationError` saying what was refused and, where
-trusting a package would allow it, which ``trusted_modules`` entry would.
+trusting a package or an ``allow=`` entry would allow it, which one would.
 """
 
 from __future__ import annotations
@@ -92,19 +94,29 @@ def _method_names() -> frozenset[str]:
                                                         types.GetSetDescriptorType))
 
 
-def check_member(name: Any, what: str) -> None:
-    """A method name a ``call_method`` node (or a ``Tensor.<name>`` op) may call: a reviewed Tensor
-    method (:mod:`.reviewed`) or operator dunder, or a read-only container method."""
+def check_member(name: Any, what: str, allowed: Iterable[str] = ()) -> None:
+    """A method name a ``call_method`` node (or a ``Tensor.<name>`` op) may call: a listed Tensor
+    method (:mod:`.reviewed`), one the caller allowed (``allowed``: the ``Tensor.<name>`` entries of
+    ``allow=``) or an operator dunder, or a read-only container method."""
     if not isinstance(name, str) or not name.isidentifier() or (name.startswith("_") and name not in _DUNDER_OK):
         raise SerializationError(f"refusing to load: {what} {name!r} is private; a saved graph never needs it.")
     if name in _CONTAINER_METHODS or name in _DUNDER_OK:
         return
     if not callable(inspect.getattr_static(torch.Tensor, name, None)):
         raise SerializationError(f"refusing to load: {what} {name!r} is not a Tensor method.")
-    if name not in allowlist.methods():
+    if name in allowlist.methods() or (f"Tensor.{name}" in allowed and name in allowlist.candidate_methods()):
+        return
+    if name in allowlist.candidate_methods():
         raise SerializationError(
-            f"refusing to load: {what} {name!r} is not one a saved graph may call (fxprep.io.reviewed lists the "
-            f"reviewed Tensor methods; raw memory, hooks, autograd and I/O are never allowed).")
+            f"refusing to load: {what} {name!r} is not on fxprep's default list (fxprep.io.reviewed: what prepared "
+            f"graphs of fxprep's suites and zoos call). {_ALLOW_HINT.format(name=f'Tensor.{name}')}")
+    raise SerializationError(
+        f"refusing to load: {what} {name!r} is never allowed (raw memory, hooks, autograd or I/O: "
+        f"fxprep.io.reviewed.EXCLUDED_METHODS).")
+
+
+_ALLOW_HINT = ("If you trust the file, pass allow=[{name!r}] to fxprep.load (and to fxprep.save when you write such "
+               "files; docs/security.md, 'Widening the list').")
 
 
 def check_getattr(name: Any) -> None:
@@ -189,21 +201,34 @@ class TrustPolicy:
     own canonical names, and the ``torch.ops.<package>`` custom ops they register."""
 
     modules: tuple[str, ...] = ()
+    # callables the caller allows beyond the default list (``allow=``): function names of the fixed
+    # namespaces, ``Tensor.<method>``, ``torch.ops.aten.<op>[.<overload>]``, torch.nn layer classes
+    allow: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if isinstance(self.modules, str) or not all(_valid_path(m) for m in self.modules):
             raise InvalidInput(
                 f"trusted_modules must be a list of package names such as ['torchvision'], not {self.modules!r}."
             )
+        for name in self.allow:
+            if not _allowable(name):
+                raise InvalidInput(
+                    f"allow={sorted(self.allow)!r}: {name!r} is not a callable an opt-in may allow: a function of "
+                    f"torch, torch.nn.functional, torch.special, torch.linalg, torch.fft, math, operator or builtins "
+                    f"by its saved name, 'Tensor.<method>', 'torch.ops.aten.<op>' or a torch.nn layer class; raw "
+                    f"memory, process state and I/O are never allowed (fxprep.io.reviewed.EXCLUDED_*).")
 
     @classmethod
-    def of(cls, trusted_modules: Iterable[str] | None) -> TrustPolicy:
-        if isinstance(trusted_modules, str):
-            raise InvalidInput(f"trusted_modules must be a list of package names, e.g. [{trusted_modules!r}], not a string.")
+    def of(cls, trusted_modules: Iterable[str] | None, allow: Iterable[str] | None = None) -> TrustPolicy:
+        for value, what in ((trusted_modules, "trusted_modules"), (allow, "allow")):
+            if isinstance(value, str):
+                raise InvalidInput(f"{what} must be a list of names, e.g. [{value!r}], not a string.")
         try:
-            return cls(tuple(trusted_modules or ()))
+            modules, allowed = tuple(trusted_modules or ()), frozenset(allow or ())
         except TypeError as err:
-            raise InvalidInput(f"trusted_modules must be a list of package names, not {trusted_modules!r}.") from err
+            raise InvalidInput(f"trusted_modules and allow must be lists of names, not {trusted_modules!r} / "
+                               f"{allow!r}.") from err
+        return cls(modules, allowed)  # its own checks name the entry that is refused
 
     # --- the trusted packages -------------------------------------------------------------------
     def package_of(self, module: Any) -> str | None:
@@ -250,7 +275,7 @@ class TrustPolicy:
         if not isinstance(name, str):
             raise SerializationError(f"refusing to load: malformed function name {str(name)[:80]!r}.")
         if name.startswith("Tensor."):
-            check_member(name.removeprefix("Tensor."), "Tensor method")
+            check_member(name.removeprefix("Tensor."), "Tensor method", self.allow)
             return ops.method_call(name.removeprefix("Tensor."))
         if name.startswith("autograd:"):
             cls = self._trusted_object(name.removeprefix("autograd:"))
@@ -258,6 +283,8 @@ class TrustPolicy:
                 raise self._refuse(name.removeprefix("autograd:"), "autograd.Function")
             return autograd_function_caller(cls)
         fn = allowlist.functions().get(name, _MISSING)
+        if fn is _MISSING:  # another name of a listed function (the same object), or one the caller allowed
+            fn = allowlist.alias(name) or (allowlist.candidate_function(name) if name in self.allow else None) or _MISSING
         if fn is _MISSING and name.startswith(allowlist.TORCHVISION_OPS + "."):
             fn = allowlist.torchvision_functions().get(name, _MISSING)
         if fn is _MISSING and name.startswith("torch.ops."):
@@ -309,8 +336,10 @@ class TrustPolicy:
         namespace, op_name = parts[2], parts[3]
         if namespace not in allowlist.OP_NAMESPACES and namespace not in self.modules:
             return _MISSING
-        if namespace in allowlist.OP_NAMESPACES and op_name not in allowlist.aten_ops():
-            return _MISSING  # only the ops of reviewed functions (io/reviewed.py)
+        if namespace in allowlist.OP_NAMESPACES and not (
+                allowlist.aten_allowed(op_name, parts[4] if len(parts) == 5 else None)
+                or (name in self.allow and allowlist.candidate_aten(op_name))):
+            return _MISSING  # only the listed ops (io/reviewed.py) and those the caller allowed
         try:
             packet = getattr(getattr(torch.ops, namespace), op_name)
             found = packet if len(parts) == 4 else getattr(packet, parts[4])
@@ -343,10 +372,14 @@ class TrustPolicy:
         if not isinstance(name, str):
             raise SerializationError(f"refusing to load: malformed class name {str(name)[:80]!r}.")
         cls = allowlist.module_classes().get(name, _MISSING)
+        if cls is _MISSING and name in self.allow:
+            cls = allowlist.candidate_module_classes().get(name, _MISSING)
         if cls is _MISSING and name.startswith(allowlist.TORCHVISION_OPS + "."):
             cls = allowlist.torchvision_classes().get(name, _MISSING)
         if cls is _MISSING:
             cls = self._trusted_object(name)
+        if cls is _MISSING and name in allowlist.candidate_module_classes():
+            raise self._refuse(name, "class")
         if cls is _MISSING and name.startswith(_DEFAULT_CLASS_PACKAGES) and name.rpartition(".")[0] in sys.modules \
                 and _valid_path(name) and not self.package_of(name):
             raise SerializationError(
@@ -365,10 +398,38 @@ class TrustPolicy:
 
     def _refuse(self, name: str, what: str) -> SerializationError:
         listed = f" (trusted: {list(self.modules)})" if self.modules else ""
+        excluded = allowlist.excluded(name) if isinstance(name, str) else None
+        if excluded is not None:
+            return SerializationError(
+                f"refusing to load: the file asks for {what} {name[:200]!r}, which is {excluded!r}: never allowed "
+                f"(raw memory, process state or I/O: fxprep.io.reviewed.EXCLUDED_FUNCTIONS).")
+        if _allowable(name):  # a torch callable the default list leaves out: the caller may allow it
+            return SerializationError(
+                f"refusing to load: the file asks for {what} {name[:200]!r}, which is not on fxprep's default list "
+                f"(fxprep.io.reviewed: what prepared graphs of fxprep's suites and zoos use). "
+                f"{_ALLOW_HINT.format(name=name)}")
         return SerializationError(
             f"refusing to load: the file asks for {what} {name[:200]!r}, which is not one fxprep trusts{listed}. "
             f"{self._hint(name, self.modules)}"
         )
+
+
+def _allowable(name: Any) -> bool:
+    """Whether an ``allow=`` entry may name ``name``: a candidate of :mod:`.allowlist` (never excluded)."""
+    if not isinstance(name, str):
+        return False
+    if name.startswith("Tensor."):
+        return name.removeprefix("Tensor.") in allowlist.candidate_methods()
+    if name.startswith("torch.ops.aten."):
+        parts = name.split(".")
+        if not (len(parts) in (4, 5) and all(p.isidentifier() for p in parts) and allowlist.candidate_aten(parts[3])):
+            return False
+        try:  # an op this torch has (a name is only a name: no opt-in for an op that does not exist)
+            getattr(torch.ops.aten, parts[3])
+        except (AttributeError, RuntimeError):
+            return False
+        return True
+    return allowlist.candidate_function(name) is not None or name in allowlist.candidate_module_classes()
 
 
 def is_default_module_class(cls: type) -> bool:
@@ -394,4 +455,12 @@ def default_function_name(fn: Any) -> str | None:
     if name is not None and table.get(name) is fn:
         return name
     vision = allowlist.torchvision_functions() if str(getattr(fn, "__module__", "")).startswith("torchvision.ops") else {}
-    return next((n for n, f in vision.items() if f is fn), None)
+    found = next((n for n, f in vision.items() if f is fn), None)
+    if found is None and _torch_callable(fn):  # not listed: the name an allow= entry gives it (load refuses
+        found = allowlist.candidate_names().get(id(fn))  # it without one, naming it)
+    return found
+
+
+def _torch_callable(fn: Any) -> bool:
+    module = str(getattr(fn, "__module__", None) or "")
+    return module in ("torch", "math", "builtins", "_operator", "operator") or module.startswith("torch.")
