@@ -420,6 +420,8 @@ def _allowable(name: Any) -> bool:
         return False
     if name.startswith("Tensor."):
         return name.removeprefix("Tensor.") in allowlist.candidate_methods()
+    if allowlist.excluded(name) is not None:  # by name too: the tables hold objects, and a library may
+        return False  # replace one (torch.manual_seed wrapped after the candidates were collected)
     if name.startswith("torch.ops.aten."):
         parts = name.split(".")
         if not (len(parts) in (4, 5) and all(p.isidentifier() for p in parts) and allowlist.candidate_aten(parts[3])):
