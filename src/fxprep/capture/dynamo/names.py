@@ -249,9 +249,13 @@ class Stacks:
         return frame
 
     def owner(self, node: fx.Node) -> nn.Module:
-        """The module whose ``forward`` made ``node`` (the root when no frame resolves)."""
-        frames = self.of(node)
-        return frames[-1].module if frames and frames[-1].module is not None else self.model
+        """The module of the model whose ``forward`` made ``node``: the innermost frame that is one
+        (a module held in a global, such as the kernels package's wrapper of a function, is no module
+        of the model: the call is its caller's); the root when no frame resolves."""
+        for frame in reversed(self.of(node)):
+            if frame.module is not None:
+                return frame.module
+        return self.model
 
     def of(self, node: fx.Node) -> list[Frame]:
         stack = node.meta.get("nn_module_stack") or {}
