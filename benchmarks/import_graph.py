@@ -3,11 +3,12 @@ point up a layer, and (with ``--routes``) comparisons of capture-route strings.
 
     python benchmarks/import_graph.py [SRC]          # default: src/fxprep of this checkout
     git archive REV src | tar -x -C /tmp/rev && python benchmarks/import_graph.py /tmp/rev/src/fxprep
+    python benchmarks/import_graph.py BEFORE AFTER   # two packages side by side (issue 62's regroup)
 
 A module's layer is the longest chain of fxprep imports below it (a leaf that imports nothing of
 fxprep's is layer 0); an import "points up" when a module imports one of a higher layer, which only a
-cycle allows, or (``--rules``) when it breaks the direction docs/architecture.md states:
-cli -> api -> capture/passes/verify -> runtime/ops -> errors.
+cycle allows. The same is measured between packages (a module's package is its folder): a package
+cycle is a set of folders importing each other, which the module graph alone does not show.
 """
 
 from __future__ import annotations
@@ -98,12 +99,13 @@ def layers(graph: dict[str, set[str]]) -> dict[str, int]:
 ROUTE_STRINGS = re.compile(r"""(==|!=|startswith\(|split\(["']\+["']\))\s*["']?(dynamo|fx)[a-z+]*["']?|["'](dynamo|fx)(\+[a-z]+)?["']\s*(==|!=|in\b)""")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("package", nargs="?", default=str(ROOT / "src" / "fxprep"))
-    parser.add_argument("--routes", action="store_true", help="count capture-route string comparisons per file")
-    args = parser.parse_args()
-    package = Path(args.package)
+def folder(name: str, path: Path, package: Path) -> str:
+    """A module's package: itself for an ``__init__.py`` or a file at the package root (the root is
+    no group), else its parent."""
+    return name if path.name == "__init__.py" or path.parent == package else name.rpartition(".")[0]
+
+
+def measure(package: Path) -> dict[str, object]:
     known = modules(package)
     graph = {n: imports(n, p, known) for n, p in known.items()}
     depth = layers(graph)
@@ -111,19 +113,63 @@ def main() -> None:
     up = [(a, b) for a, deps in graph.items() for b in deps if depth[b] > depth[a]]
     lines = {n: len(p.read_text().splitlines()) for n, p in known.items()}
     basenames = Counter(p.name for p in known.values() if p.name != "__init__.py")
-    print(f"files: {len(known)}, lines: {sum(lines.values())}, largest: {max(lines.values())} "
-          f"({max(lines, key=lines.__getitem__)})")
-    print(f"package root: {len(root)} files, {sum(lines[n] for n in root)} lines")
-    print(f"import edges: {sum(len(d) for d in graph.values())}, layers: {max(depth.values()) + 1}, "
-          f"cycles: {len(cycles(graph))}, imports pointing up a layer: {len(up)}")
-    print(f"basenames used twice or more: {sorted(b for b, c in basenames.items() if c > 1)}")
-    if args.routes:
-        found = Counter()
-        for name, path in known.items():
-            for line in path.read_text().splitlines():
-                if ROUTE_STRINGS.search(line):
-                    found[name] += 1
-        print(f"route string comparisons: {sum(found.values())} in {len(found)} files: {dict(found.most_common())}")
+    packages: dict[str, set[str]] = {}
+    for a, deps in graph.items():
+        pa = folder(a, known[a], package)
+        packages.setdefault(pa, set()).update(
+            folder(b, known[b], package) for b in deps if folder(b, known[b], package) != pa)
+    for deps in list(packages.values()):
+        for d in deps:
+            packages.setdefault(d, set())
+    package_cycles = cycles(packages)
+    routes = Counter()
+    for name, path in known.items():
+        for line in path.read_text().splitlines():
+            if ROUTE_STRINGS.search(line):
+                routes[name] += 1
+    largest = max(lines, key=lines.__getitem__)
+    return {
+        "files": len(known),
+        "lines": sum(lines.values()),
+        "largest file": f"{lines[largest]} ({largest})",
+        "package root: files": len(root),
+        "package root: lines": sum(lines[n] for n in root),
+        "packages": len([p for p in known.values() if p.name == "__init__.py"]),
+        "import edges": sum(len(d) for d in graph.values()),
+        "layers": max(depth.values()) + 1,
+        "module cycles": len(cycles(graph)),
+        "imports pointing up a layer": len(up),
+        "package cycles (root modules count alone)": len(package_cycles),
+        "packages in a package cycle": sum(len(c) for c in package_cycles),
+        "basenames used twice or more": len([b for b, c in basenames.items() if c > 1]),
+        "route string comparisons (files)": f"{sum(routes.values())} ({len(routes)})",
+        "_basenames": sorted(b for b, c in basenames.items() if c > 1),
+        "_package_cycles": package_cycles,
+        "_routes": dict(routes.most_common()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("package", nargs="*", default=[str(ROOT / "src" / "fxprep")],
+                        help="one package folder, or two (before, after) side by side")
+    parser.add_argument("--routes", action="store_true", help="list capture-route string comparisons per file")
+    parser.add_argument("--cycles", action="store_true", help="list the package cycles")
+    args = parser.parse_args()
+    found = [measure(Path(p)) for p in args.package]
+    width = max(len(k) for k in found[0])
+    if len(found) > 1:
+        print(f"{'':{width}}  " + "  ".join(f"{Path(p).parent.parent.name or p:>16}" for p in args.package))
+    for key in found[0]:
+        if not key.startswith("_"):
+            print(f"{key:{width}}  " + "  ".join(f"{str(f[key]):>16}" for f in found))
+    for f, p in zip(found, args.package, strict=True):
+        print(f"{p}: basenames used twice or more: {f['_basenames']}")
+        if args.cycles:
+            for c in f["_package_cycles"]:
+                print(f"  package cycle: {c}")
+        if args.routes:
+            print(f"  route string comparisons: {f['_routes']}")
 
 
 if __name__ == "__main__":
