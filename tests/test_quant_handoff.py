@@ -204,7 +204,12 @@ def test_torch_ao_retraces_a_graph_that_writes_into_a_tensor():
     torch.backends.quantized.engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "qnnpack"
     model = MaskedBlocks().eval()
     x = (torch.randn(6, 8),)
-    gm = fxprep.prepare_model(model, example_inputs=x)
+    # dynamic=False: shape-general (the batch free, the mask built from x.size(0)), torch.ao's prepare_fx
+    # observes the mask where torch.full makes it, before the in-place writes, and its convert_fx then
+    # adds a quantized copy of the unwritten mask (relative error 0.38): torch.ao's limit with tensors
+    # written in place, not fxprep's graph, which matches the model at batch 9. Static, the mask is a
+    # constant torch.ao folds.
+    gm = fxprep.prepare_model(model, example_inputs=x, dynamic=False)
     assert gm.fxprep_report.tracer == "dynamo"
     assert any(n.op == "call_method" and n.target == "__setitem__" for n in gm.graph.nodes)
     prepared = quantize_fx.prepare_fx(copy.deepcopy(gm), get_default_qconfig_mapping(torch.backends.quantized.engine), x)

@@ -328,7 +328,12 @@ class _Recorder:
             self.entries.append((owner, key, value, label, None))
             return
         if id(value) not in self.snapshots:  # a config object many modules hold: one snapshot
-            self.snapshots[id(value)] = node = self._snapshot(value)
+            # A container of tensors is a cache the model fills and clears (LeViT's attention-bias
+            # cache): the graph computes what it reads or follows the tensors by identity, so it is
+            # named as assumed, not checked (a check would refuse every call after the cache moved).
+            held = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            tensors = any(isinstance(v, torch.Tensor) for v in held)
+            self.snapshots[id(value)] = node = None if tensors else self._snapshot(value)
             if node is None:
                 self.unchecked.append((label, _shown(value)))
         node = self.snapshots[id(value)]
