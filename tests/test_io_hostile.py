@@ -27,6 +27,20 @@ from fxprep.io import reviewed
 # a 1x2x8x8 image, ``ids`` a 2x3 int64 tensor, ``big`` 2**62: each call must raise or return normally
 # (a clamped shift, an empty pad: what torch's own checks make of the values); none may crash
 CASES: dict[str, list[str]] = {
+    "torch.nn.functional.fold": ["F.fold(x.reshape(1, 4, 6), output_size=(2, 2), kernel_size=9)",
+                                 "F.fold(x.reshape(1, 4, 6), output_size=(big, big), kernel_size=1)",
+                                 "F.fold(x.reshape(1, 4, 6), output_size=(4, 4), kernel_size=2, stride=-1)",
+                                 "F.fold(x.reshape(1, 4, 6), output_size=(3, 4), kernel_size=2, padding=-3)"],
+    "torch.nn.functional.one_hot": ["F.one_hot(torch.tensor([5]), num_classes=3)",
+                                    "F.one_hot(torch.tensor([-1]), num_classes=3)", "F.one_hot(ids, num_classes=-5)"],
+    "torch.rms_norm": ["torch.rms_norm(x, (7,))", "torch.rms_norm(x, (4, 6, 2))",
+                       "torch.rms_norm(x, (6,), weight=torch.ones(3))"],
+    "torch.unbind": ["torch.unbind(x, 5)", "torch.unbind(x, -9)"],
+    "Tensor.baddbmm": ["x.reshape(1, 4, 6).baddbmm(x.reshape(1, 4, 6), x.reshape(1, 4, 6))",
+                       "x.reshape(1, 4, 6).baddbmm(torch.randn(2, 4, 3), torch.randn(2, 3, 6))"],
+    "Tensor.tile": ["x.tile((-1, 1))", "x.tile((big, big))"],
+    "Tensor.unfold": ["x.unfold(1, 9, 1)", "x.unfold(1, 2, 0)", "x.unfold(1, 2, -1)", "x.unfold(5, 2, 1)",
+                      "x.unfold(1, big, 1)"],
     "torch.gather": ["torch.gather(x, 1, torch.tensor([[7]]))", "torch.gather(x, 1, torch.tensor([[-9]]))",
                      "torch.gather(x, 5, torch.tensor([[0]]))", "torch.gather(x, 1, torch.full((9, 9), big))"],
     "torch.nn.functional.embedding": ["F.embedding(torch.tensor([6]), x)", "F.embedding(torch.tensor([-7]), x)",

@@ -81,6 +81,7 @@ operator.ge  python: Python's own arithmetic on ints/floats (bounded by io/pyval
 operator.getitem  python: an item of a tuple/list/dict a node made, or Tensor.__getitem__ (indices checked by torch; hostile cases in tests/test_io_hostile.py)
 operator.gt  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
 operator.iadd  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.imul  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
 operator.invert  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
 operator.itruediv  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
 operator.le  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
@@ -100,6 +101,7 @@ torch._assert  control: raises when its condition is false; computes nothing
 torch._assert_async  control: raises when its condition is false; computes nothing
 torch.abs  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
 torch.add  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.addcmul  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
 torch.addmm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
 torch.all  reduction: dims and k checked by torch; output no larger than the input
 torch.amax  reduction: dims and k checked by torch; output no larger than the input
@@ -174,6 +176,7 @@ torch.nn.functional.cosine_similarity  reduction: dims and k checked by torch; o
 torch.nn.functional.dropout  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
 torch.nn.functional.embedding  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
 torch.nn.functional.feature_alpha_dropout  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.fold  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.gelu  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
 torch.nn.functional.group_norm  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.instance_norm  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
@@ -187,6 +190,7 @@ torch.nn.functional.max_pool2d  layer: kernel sizes, strides, pads, output sizes
 torch.nn.functional.max_pool2d_with_indices  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.max_pool3d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.normalize  reduction: dims and k checked by torch; output no larger than the input
+torch.nn.functional.one_hot  indexing: indices and num_classes checked by torch (an index past num_classes raises); output counted by io/peak.py
 torch.nn.functional.pad  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.prelu  pointwise: its weight broadcast over channels (checked by torch)
 torch.nn.functional.rrelu  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
@@ -203,6 +207,7 @@ torch.pow  pointwise: values in, one value out of the broadcast shape (broadcast
 torch.prod  reduction: dims and k checked by torch; output no larger than the input
 torch.repeat_interleave  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.reshape  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.rms_norm  layer: normalized_shape and weight checked by torch against the input; output counted by io/peak.py
 torch.roll  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.rsqrt  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
 torch.rsub  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
@@ -231,6 +236,7 @@ torch.topk  reduction: dims and k checked by torch; output no larger than the in
 torch.transpose  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.tril  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.triu  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.unbind  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.view_as_complex  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.view_as_real  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.where  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
@@ -248,6 +254,7 @@ amax  reduction: dims and k checked by torch; output no larger than the input
 amin  reduction: dims and k checked by torch; output no larger than the input
 any  reduction: dims and k checked by torch; output no larger than the input
 argmax  reduction: dims and k checked by torch; output no larger than the input
+baddbmm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
 bool  dtype: the same values in another dtype (or device: only those this process has)
 chunk  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 clamp  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
@@ -258,6 +265,7 @@ copy_  shape: dims and sizes checked by torch against the input; new memory coun
 cos  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 cumsum  reduction: dims and k checked by torch; output no larger than the input
 detach  dtype: the same values in another dtype (or device: only those this process has)
+dim  python: a number read from a tensor
 div  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 erfc  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 exp  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
@@ -312,6 +320,7 @@ squeeze  shape: dims and sizes checked by torch against the input; new memory co
 sub  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 sum  reduction: dims and k checked by torch; output no larger than the input
 t  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+tile  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 to  dtype: the same values in another dtype (or device: only those this process has)
 topk  reduction: dims and k checked by torch; output no larger than the input
 transpose  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
@@ -320,6 +329,7 @@ type  dtype: the same values in another dtype (or device: only those this proces
 type_as  dtype: the same values in another dtype (or device: only those this process has)
 unbind  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 unflatten  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+unfold  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 unsqueeze  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 var  reduction: dims and k checked by torch; output no larger than the input
 view  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
@@ -378,6 +388,7 @@ torch.nn.modules.dropout.Dropout3d  layer: random mask of its input's shape; ide
 torch.nn.modules.dropout.FeatureAlphaDropout  layer: random mask of its input's shape; identity in eval
 torch.nn.modules.flatten.Flatten  layer: a view of its input; dims checked by torch
 torch.nn.modules.flatten.Unflatten  layer: a view of its input; dims checked by torch
+torch.nn.modules.fold.Unfold  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
 torch.nn.modules.linear.Bilinear  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
 torch.nn.modules.linear.Identity  layer: a view of its input; dims checked by torch
 torch.nn.modules.linear.Linear  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
@@ -386,6 +397,7 @@ torch.nn.modules.module.Module  container: holds saved children; runs nothing of
 torch.nn.modules.normalization.GroupNorm  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
 torch.nn.modules.normalization.LayerNorm  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
 torch.nn.modules.normalization.RMSNorm  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.padding.ConstantPad2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
 torch.nn.modules.padding.ZeroPad2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
 torch.nn.modules.pixelshuffle.PixelShuffle  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
 torch.nn.modules.pooling.AdaptiveAvgPool2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
