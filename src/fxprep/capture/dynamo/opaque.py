@@ -275,16 +275,33 @@ class SiteCall:
         return torch.compiler.allow_in_graph(opaque_call)
 
     def shim(self) -> Any:
-        """What the site's name points to during capture."""
+        """What the site's name points to during capture.
+
+        Dynamo traces this function at every call of the site (a decoder stack's layers: once per
+        layer), so what it can decide from the recording is decided here, outside the trace: which
+        arguments the recorded call could not carry (``marks``) and whether it returned one tensor
+        (``single``). Calls past the recorded ones read their arguments' types while traced."""
         function, records, real, count = self.function, self.records, self.real, self.count
+        marks = [(tuple(k for k in rec.objects if isinstance(k, int)), tuple(k for k in rec.objects if isinstance(k, str)))
+                 for rec in records]
+        single = [rec.spec.is_leaf() and len(rec.leaves) == 1 and isinstance(rec.leaves[0], TensorMeta) for rec in records]
 
         def shim(*args: Any, **kwargs: Any) -> Any:
             if not torch.compiler.is_compiling():
                 return _run_opaque(real, args, kwargs)
             index = count[0]
             count[0] = index + 1
-            args = tuple(a if graphable(a) else f"{MARK}{k}" for k, a in enumerate(args))
-            kwargs = {k: v if graphable(v) else f"{MARK}{k}" for k, v in kwargs.items()}
+            if index >= len(marks):
+                args = tuple(a if graphable(a) else f"{MARK}{k}" for k, a in enumerate(args))
+                kwargs = {k: v if graphable(v) else f"{MARK}{k}" for k, v in kwargs.items()}
+            else:
+                marked_args, marked_kwargs = marks[index]
+                if marked_args:
+                    args = tuple(f"{MARK}{k}" if k in marked_args else a for k, a in enumerate(args))
+                if marked_kwargs:
+                    kwargs = {k: f"{MARK}{k}" if k in marked_kwargs else v for k, v in kwargs.items()}
+                if single[index]:
+                    return function(index, *args, **kwargs)[0]
             tensors = function(index, *args, **kwargs)
             rec = records[min(index, len(records) - 1)]
             values = iter(tensors)
