@@ -1,0 +1,119 @@
+"""The shape-general capture's first try, read from its guards (fxprep.capture.dynamo.guard_read).
+
+The first try declares the found dimensions maybe-dynamic and keeps the capture only where every
+guard Dynamo recorded holds at every size it evaluates; anything else is captured again with the
+dimensions declared. Tested on tiny transformers-style models (the dimensions are found from the
+input names of a ``PreTrainedModel``), counting Dynamo's whole-model traces, and on the evaluation
+itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sympy
+import torch
+import transformers
+
+import fxprep
+from fxprep.capture.dynamo import guard_read
+
+
+class _Tiny(transformers.PreTrainedModel):
+    """The smallest model whose inputs fxprep reads as a transformers layout (batch, then tokens)."""
+
+    config_class = transformers.PretrainedConfig
+
+    def __init__(self) -> None:
+        super().__init__(transformers.PretrainedConfig())
+        self.emb = torch.nn.Embedding(50, 8)
+        self.lin = torch.nn.Linear(8, 8)
+
+
+class _TakesAtMost(_Tiny):
+    # DeepSeek's sparse-attention indexer keeps min(2048, seq) tokens: the guard `Min(2048, seq) <= seq`
+    # holds at every size, and export's solver cannot prove it over a range
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.emb(input_ids))
+        k = min(2048, h.shape[1])
+        return h[:, :k].softmax(-1)
+
+
+class _BranchesOnLength(_Tiny):
+    # a guard that holds at the example's 8 tokens and not at 7 or 14
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.emb(input_ids))
+        if h.shape[1] % 7 == 0:
+            return h * 2
+        return h + 1
+
+
+def _prepare_counting(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
+    """``model`` prepared on 1x8 ids, and how many times Dynamo traced it (a spy that calls through)."""
+    traces = [0]
+    real = torch._dynamo.export
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        traces[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch._dynamo, "export", counting)
+    torch.manual_seed(0)
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(0, 50, (1, 8))})
+    return gm, traces[0]
+
+
+def test_guards_that_hold_at_every_size_keep_the_first_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _TakesAtMost().eval()
+    gm, traces = _prepare_counting(model, monkeypatch)
+    assert traces == 1, traces  # before the first try: a capture for the violation, one with a range, a third
+    text = fxprep.get_report(gm).to_text()
+    assert "input_ids dim 1 (seq)" in text and "so calls at any size of them are accepted" in text, text
+    for batch, seq in ((2, 5), (3, 14), (1, 3000)):
+        ids = torch.randint(0, 50, (batch, seq))
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+
+
+def test_a_guard_that_fails_at_some_size_is_captured_again_and_the_length_stays_checked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _BranchesOnLength().eval()
+    gm, traces = _prepare_counting(model, monkeypatch)
+    assert traces >= 2, traces  # the first try was not kept: its guard fails at 7 tokens
+    assert "the model's code specialises 'seq' to 8" in fxprep.get_report(gm).to_text()
+    with torch.no_grad():  # the batch stays free, the length is the example's
+        ids = torch.randint(0, 50, (3, 8))
+        torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+    for seq in (7, 14):  # where the graph would compute h + 1 and the model h * 2
+        with pytest.raises(fxprep.InputMismatch, match="specialises 'seq' to 8"):
+            gm(input_ids=torch.randint(0, 50, (1, seq)))
+
+
+def _guard(expr: Any) -> tuple[Any, dict[str, Any]]:
+    return expr, {str(s): s for s in expr.free_symbols}
+
+
+def test_the_sizes_tried_reach_each_constant_and_its_fractions() -> None:
+    seq = sympy.Symbol("seq", integer=True, positive=True)
+    expr, syms = _guard(sympy.Ne(2 * seq, 2000))
+    sizes = {at["seq"] for at in guard_read._sizes(expr, syms, {"seq": 8})}
+    assert 1000 in sizes  # 2*seq != 2000 fails at 1000 only
+    assert {2, 3, 66, 2**24, 2**24 + 1} <= sizes
+    assert not guard_read._holds(expr, syms, {"seq": 1000}) and guard_read._holds(expr, syms, {"seq": 999})
+
+
+def test_two_dimensions_are_tried_together() -> None:
+    batch, seq = sympy.symbols("batch seq", integer=True, positive=True)
+    expr, syms = _guard(sympy.Ne(batch * seq, 4097 * 13))
+    tried = guard_read._sizes(expr, syms, {"batch": 2, "seq": 8})
+    assert {"batch": 13, "seq": 4097} in tried
+    assert any(guard_read._holds(expr, syms, at) is False for at in tried)
+
+
+def test_an_expression_that_is_not_a_truth_value_is_not_taken_for_one() -> None:
+    seq = sympy.Symbol("seq", integer=True, positive=True)
+    expr, syms = _guard(seq + 1)
+    assert guard_read._holds(expr, syms, {"seq": 4}) is None
+    held, syms = _guard(sympy.Le(sympy.Min(2048, seq), seq))
+    assert all(guard_read._holds(held, syms, at) is True for at in guard_read._sizes(held, syms, {"seq": 8}))
