@@ -191,11 +191,16 @@ def record_sites(model: nn.Module, call: ExampleInputs, sites: list[Site]) -> di
     """Run ``model`` eagerly with every site wrapped; each site's calls, in order. Sites whose calls
     an eager failure prevents from being recorded are left out.
 
-    The perturbed run stops as soon as each site has been called as often as in the first run:
+    The perturbed run is made only where there is something to perturb (a floating-point input with
+    values), and it stops as soon as each site has been called as often as in the first run:
     only those calls are compared, and the rest of the forward (a detector's mask head, after the
     proposals were filtered) would be run for nothing."""
     runs: list[dict[Site, list[Recorded]]] = []
-    for k, inputs in enumerate((call, perturbed(call))):
+    # the perturbed run only differs where a floating-point input holds values to shuffle: token ids
+    # alone, or tensors on ``meta``, would repeat the first run exactly
+    shuffled = any(t.is_floating_point() and t.numel() >= 2 and t.device.type != "meta"
+                   for t in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(t, torch.Tensor))
+    for k, inputs in enumerate((call, perturbed(call)) if shuffled else (call,)):
         found: dict[Site, list[Recorded]] = {site: [] for site in sites}
         wanted = {site: len(calls) for site, calls in runs[0].items()} if runs else None
 
