@@ -4,7 +4,7 @@ This module only orchestrates; every step lives in its own module and can be use
 :func:`_prepare` reads as its stages (reference run, capture, passes, input guard, verification,
 report), each a function of one :class:`Preparation`: the :class:`~fxprep.capture.request.CaptureRequest`
 made once by :func:`_start`, and what the stages learn on the way. The report's longer note texts
-live in :mod:`fxprep.notes`.
+live in :mod:`fxprep.reporting.notes`.
 """
 
 from __future__ import annotations
@@ -20,23 +20,21 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import baked, decisions, guard, heap, notes, progress, root_hooks, shape_general, stand_ins
-from .arguments import (
-    check_concrete_args,
-    check_dynamic_inputs,
-    check_model,
-    defaults_as_concrete,
-    leaf_policy,
-)
-from .capture import cascade, dynamo_available, huggingface
+from . import decisions
+from .big import stand_ins
+from .big.weights import remember_original
+from .capture import cascade, dynamo_available, shape_general
 from .capture.common import CaptureAttempt, CaptureResult
-from .capture.dynamo import autodims
 from .capture.fx import mode_notes, trace_failure
 from .capture.request import CaptureRequest
 from .capture.rewrite import branches
-from .diagnose import first_line
+from .capture.shapes import autodims
+from .core import heap
+from .core.inputs import ExampleInputs, normalize_example_inputs, split_calls
+from .core.runs import hooks_left_as_found, preserved_state
+from .core.threads import GLOBAL_LOCK
 from .errors import InvalidInput
-from .inputs import ExampleInputs, normalize_example_inputs, split_calls
+from .families.transformers import model as huggingface
 from .options import PrepareOptions
 from .passes import (
     aimet_modules,
@@ -49,14 +47,22 @@ from .passes import (
     unroll,
     values,
 )
-from .preparation import Preparation, UserArguments
-from .prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, get_report, set_preserved
-from .report import Report
-from .runs import hooks_left_as_found, preserved_state
-from .threads import GLOBAL_LOCK
-from .verification_stage import verification
+from .pipeline import root_hooks
+from .pipeline.arguments import (
+    check_concrete_args,
+    check_dynamic_inputs,
+    check_model,
+    defaults_as_concrete,
+    leaf_policy,
+)
+from .pipeline.state import Preparation, UserArguments
+from .pipeline.verification import verification
+from .reporting import notes, progress
+from .reporting.diagnose import first_line
+from .reporting.report import Report
+from .runtime import baked, guard
+from .runtime.prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, get_report, set_preserved
 from .verify import Reference, run_original
-from .weights import remember_original
 
 
 def _block_conversion(model: nn.Module, opts: PrepareOptions) -> Any:
@@ -272,7 +278,7 @@ def _reference_run(run: Preparation, reference: Reference | None) -> None:
 
 def _propose_shapes(run: Preparation, not_general: str | None) -> None:
     """Without ``dynamic=``, propose the shape-general dimensions (a transformers model's batch and
-    sequence: :mod:`fxprep.shape_general`); with it, check it against the example (grown where a size is below 2)."""
+    sequence: :mod:`fxprep.capture.shape_general`); with it, check it against the example (grown where a size is below 2)."""
     opts, request = run.opts, run.request
     if run.proposal is None and opts.dynamic is not False and request.example is not None and opts.tracer != "fx" \
             and (opts.control_flow is None or opts.dynamic is None) and dynamo_available():
@@ -292,7 +298,7 @@ def _capture(run: Preparation) -> CaptureResult:
     tracers, note = cascade.plan(opts.tracer, run.request.example, run.model)
     if note:
         report.note(note)
-    with GLOBAL_LOCK:  # capture patches process-wide state: one thing at a time (fxprep.threads)
+    with GLOBAL_LOCK:  # capture patches process-wide state: one thing at a time (fxprep.core.threads)
         run.rewrite = rewrite = _control_flow(run)
         if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
             static = run.request if run.proposal is None else run.request.replace(dynamic=False)
@@ -425,7 +431,7 @@ def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Mod
 
 def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
     """Record the inputs ``gm`` was captured for, and the values it took from the model's attributes
-    and globals; each call is checked against them (fxprep.guard), and so is each value the graph
+    and globals; each call is checked against them (fxprep.runtime.guard), and so is each value the graph
     decided from data (fxprep.decisions)."""
     model, report, concrete = run.model, run.report, run.request.concrete_args
     assert run.result is not None
@@ -470,7 +476,7 @@ def _capture_general(run: Preparation, tracers: list[str], *, static_fallback: b
                      ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """The shape-general capture (:func:`shape_general.capture`: Dynamo alone, with the proposal's
     dimensions); when it fails, the static-shape capture as before, said in the report (the reference
-    run is kept), or :class:`~.shape_general.NotShapeGeneral` without ``static_fallback``.
+    run is kept), or :class:`~.capture.shape_general.NotShapeGeneral` without ``static_fallback``.
     ``run.proposal`` becomes the proposal kept (None when static) and ``run.request`` the request
     the capture used."""
     request, proposal = run.request, run.proposal

@@ -16,11 +16,12 @@ from typing import Any
 
 from torch import nn
 
-from .. import progress
+from ..core.inputs import ExampleInputs, normalize_example_inputs, split_calls
+from ..core.runs import preserved_state
 from ..errors import InvalidInput
-from ..inputs import ExampleInputs, normalize_example_inputs, split_calls
-from ..runs import preserved_state
-from . import dynamo_available, huggingface
+from ..families.transformers import model as huggingface
+from ..reporting import progress
+from . import dynamo_available
 from .common import CaptureAttempt, CaptureResult
 from .fx import capture_fx, restored_attributes
 from .leaves import capture_hybrid
@@ -133,7 +134,7 @@ def capture_with_opaque_parts(request: CaptureRequest, attempts: list[CaptureAtt
     follow the inputs' structure (``dynamo+values``, :mod:`.dynamo.values`); then fx with them
     (``fx+leaves``, unless ``fx_too`` is False: a forced ``tracer="dynamo"`` never takes fx's result). Returns the capture (None when both
     failed) and its opaque parts as ``(site, issue)`` pairs; each run is appended to ``attempts``.
-    The model is left as it was (:func:`fxprep.runs.preserved_state`)."""
+    The model is left as it was (:func:`fxprep.core.runs.preserved_state`)."""
     model, policy, example = request.model, request.policy, request.example
     failed = next((a.exception for a in attempts if a.tracer == "dynamo" and a.exception is not None), None)
     if failed is not None and example is not None:

@@ -21,12 +21,12 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from .. import progress
-from ..diagnose import Issue, diagnose
-from ..inputs import ExampleInputs
-from ..paths import get_path, has_path, install
-from ..threads import GLOBAL_LOCK, confined
-from ..wrap import find_proxy
+from ..core.inputs import ExampleInputs
+from ..core.paths import get_path, has_path, install
+from ..core.threads import GLOBAL_LOCK, confined
+from ..reporting import progress
+from ..reporting.diagnose import Issue, diagnose
+from ..runtime.wrap import find_proxy
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
 from .fx import FxprepTracer, capture_fx, flatten_container_inputs
 from .request import CaptureRequest
@@ -60,7 +60,7 @@ def _apply_structure(proxy: fx.Proxy, template: Any) -> Any:
 
 def record_structures(model: nn.Module, example: ExampleInputs, sites: list[Site]) -> dict[Site, Any]:
     """Run the model once and note each site's first output structure."""
-    from ..runs import preserved_state, run_model
+    from ..core.runs import preserved_state, run_model
 
     found: dict[Site, Any] = {}
     handles = []
@@ -202,13 +202,13 @@ class HybridTracer(FxprepTracer):
 
 def capture_hybrid(request: CaptureRequest) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
     """Capture ``request`` with the smallest opaque parts that make fx succeed (``request.example``:
-    the call of the prepared module, :func:`fxprep.inputs.split_calls`; None: no structures recorded).
+    the call of the prepared module, :func:`fxprep.core.inputs.split_calls`; None: no structures recorded).
 
     Returns the result (or None), the attempt for the report, and each opaque site with the issue
     that made it opaque (or, on failure, the issue nothing smaller could fix). ``request.handled`` is
     asked first about each failure: True means it was dealt with otherwise (``control_flow="rewrite"``
     rewrote the failing ``if``) and the trace is simply tried again. Runs under
-    :data:`fxprep.threads.GLOBAL_LOCK`: the opaque functions are routed through the tracer in their
+    :data:`fxprep.core.threads.GLOBAL_LOCK`: the opaque functions are routed through the tracer in their
     modules' globals for the length of each trace.
     """
     with GLOBAL_LOCK:

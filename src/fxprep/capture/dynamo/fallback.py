@@ -22,17 +22,17 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ... import progress
-from ...diagnose import DATA_DEPENDENT_VALUE, FIXES, Issue, diagnose
-from ...inputs import ExampleInputs
+from ...core.inputs import ExampleInputs
+from ...reporting import progress
+from ...reporting.diagnose import DATA_DEPENDENT_VALUE, FIXES, Issue, diagnose
 from ..common import CaptureAttempt, CaptureResult
 from ..request import CaptureRequest
+from ..shapes.violation import specialises
 from ..sites import Site
 from . import capture_dynamo
 from .locate import Located, locate, origin_stack, resolve, user_stack
 from .opaque import excluded_sites, inside
 from .recording import Recorded, record_sites
-from .violation import specialises
 
 MAX_ROUNDS = 40
 TRACER = "dynamo+leaves"
