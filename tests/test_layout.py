@@ -182,3 +182,55 @@ def test_the_regroup_script_and_these_rules_agree_on_the_root() -> None:
     root = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
                 and any(isinstance(t, ast.Name) and t.id == "ROOT" for t in node.targets))
     assert set(root) | {"py.typed"} == ROOT_FILES
+
+
+# Route names (capture/routes.py) compared as strings: `tracer == "dynamo"`, `tracer in ("fx", ...)`,
+# `tracer.startswith("dynamo")`, `tracer.split("+")`. A route is asked what it is instead
+# (`Route(tracer).dynamo`), so a new route is one member of Route plus its capture function.
+ROUTES_FILE = PACKAGE / "capture" / "routes.py"
+_STRING_METHODS = {"startswith", "endswith", "split", "rsplit", "partition", "rpartition", "replace", "removeprefix",
+                   "removesuffix"}
+
+
+def _literals(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {s for element in node.elts for s in _literals(element)}
+    return set()
+
+
+def _route_name_uses(source: str, names: set[str]) -> list[int]:
+    """Lines comparing with a route's name, or taking one apart by string methods (``"+"`` included)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(_literals(side) & names for side in [node.left, *node.comparators]):
+            found.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _STRING_METHODS
+              and any(_literals(arg) & (names | {"+"}) for arg in node.args)):
+            found.append(node.lineno)
+    return found
+
+
+def test_route_names_are_compared_only_in_the_route_table() -> None:
+    from fxprep.capture.routes import Route
+
+    names = {route.value for route in Route}
+    found = {str(path.relative_to(PACKAGE)): lines for path in PACKAGE.rglob("*.py") if path != ROUTES_FILE
+             if (lines := _route_name_uses(path.read_text(), names))}
+    assert found == {}, f"ask the route (capture/routes.Route: .dynamo, .leaves, .values), not its name: {found}"
+
+
+def test_the_route_check_finds_comparisons() -> None:
+    names = {"dynamo", "fx"}
+    source = ("a = t == 'dynamo'\nb = t in ('fx', 'x')\nc = t.startswith('dynamo')\nd = t.split('+')[0]\n"
+              "e = t == other\nf = t.startswith('torch.')\n")
+    assert _route_name_uses(source, names) == [1, 2, 3, 4]
+
+
+def test_the_input_guard_spells_dynamo_rules_as_the_route_does() -> None:
+    """runtime/ does not import capture/: its saved spelling of Dynamo's rules is kept equal here."""
+    from fxprep.capture.routes import Route
+    from fxprep.runtime.guard import DYNAMO_RULES
+
+    assert DYNAMO_RULES == Route.DYNAMO.value

@@ -28,6 +28,7 @@ from .capture.common import CaptureAttempt, CaptureResult
 from .capture.fx import mode_notes, trace_failure
 from .capture.request import CaptureRequest
 from .capture.rewrite import branches
+from .capture.routes import Route
 from .capture.shapes import autodims
 from .core import heap
 from .core.inputs import ExampleInputs, normalize_example_inputs, split_calls
@@ -280,7 +281,7 @@ def _propose_shapes(run: Preparation, not_general: str | None) -> None:
     """Without ``dynamic=``, propose the shape-general dimensions (a transformers model's batch and
     sequence: :mod:`fxprep.capture.shape_general`); with it, check it against the example (grown where a size is below 2)."""
     opts, request = run.opts, run.request
-    if run.proposal is None and opts.dynamic is not False and request.example is not None and opts.tracer != "fx" \
+    if run.proposal is None and opts.dynamic is not False and request.example is not None and opts.tracer != Route.FX \
             and (opts.control_flow is None or opts.dynamic is None) and dynamo_available():
         run.proposal = (autodims.propose(run.model, request.example) if opts.dynamic is None
                         else autodims.declared(run.model, request.example, opts.dynamic))
@@ -314,13 +315,13 @@ def _capture(run: Preparation) -> CaptureResult:
             with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
                 handled = rewrite.learn if rewrite is not None else None
                 result, sites = cascade.capture_with_opaque_parts(run.request.replace(handled=handled), attempts,
-                                                                  fx_too=opts.tracer != "dynamo")
+                                                                  fx_too=opts.tracer != Route.DYNAMO)
         if run.elsewhere is not None:
             result, sites = _fallback_general(run, attempts, result, sites)
         run.dynamic = run.proposal.dynamic if run.proposal is not None else run.request.dynamic
     report.issues.extend(issue for _, issue in sites)
     if result is not None and sites:
-        report.note(notes.opaque_parts(len(sites), dynamo=result.tracer.startswith("dynamo")))
+        report.note(notes.opaque_parts(len(sites), dynamo=Route(result.tracer).dynamo))
     report.attempts = attempts
     if result is None:
         failure = trace_failure(attempts, run.model)
@@ -346,7 +347,7 @@ def _captured_module(run: Preparation) -> fx.GraphModule:
         report.note(note)
     for note in mode_notes(gm, run.model):
         report.note(note)
-    if result.tracer.startswith("dynamo") and not run.dynamic and example is not None:
+    if Route(result.tracer).dynamo and not run.dynamic and example is not None:
         report.note(notes.static_shapes(example))
     return gm
 
@@ -444,14 +445,14 @@ def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
         if found.unchecked:
             report.note(notes.baked_unchecked(found.assumed()))
     run.assumed = found.assumed()
-    tracer = run.result.tracer.split("+")[0]  # dynamo+leaves: Dynamo's rules (static shapes) with opaque parts
+    tracer = Route(run.result.tracer).rules  # dynamo+leaves: Dynamo's rules (static shapes) with opaque parts
     call = run.prepared_call
-    if call is None and tracer == "dynamo":  # captured on inputs built from a transformers config
+    if call is None and tracer.dynamo:  # captured on inputs built from a transformers config
         built = cascade.dynamo_call(model, None)
         call = split_calls(model, built, concrete)[1] if built is not None else None
     if call is not None:
         dims: dict[str, set[int]] = {}
-        if run.dynamic and tracer == "dynamo":
+        if run.dynamic and tracer.dynamo:
             from .capture.dynamo import dynamic_dims
 
             named = dynamic_dims(model, call, run.dynamic)
@@ -464,7 +465,7 @@ def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
                             shape_general.limits_by_input(run.proposal))
         if spec is not None:
             set_preserved(gm, INPUT_SPEC, spec)
-            if tracer == "dynamo" and any(n.get("kind") == "tensor" and None not in (n.get("shape") or [None])
+            if tracer.dynamo and any(n.get("kind") == "tensor" and None not in (n.get("shape") or [None])
                                           for n in spec.params.values()):
                 report.note(notes.INPUT_CHECKS)
     decided = decisions.summary(gm)
@@ -485,7 +486,7 @@ def _capture_general(run: Preparation, tracers: list[str], *, static_fallback: b
     def capture_at(call: ExampleInputs, dims: Any, opaque: list[Any], search: bool
                    ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
         return cascade.capture(request.replace(example=call, dynamic=dims, opaque=tuple(opaque), scan_search=search),
-                               ["dynamo"])
+                               [Route.DYNAMO])
 
     try:
         result, attempts, found = shape_general.capture(request.model, request.example, proposal, capture_at,
@@ -497,7 +498,7 @@ def _capture_general(run: Preparation, tracers: list[str], *, static_fallback: b
     except shape_general.NotShapeGeneral as err:
         if proposal.explicit:  # the user's dimensions: the tracers as asked, as before (Dynamo not twice)
             run.proposal, done = None, err.elsewhere.attempts if err.elsewhere is not None else []
-            result, attempts = cascade.capture(request, [t for t in tracers if t != "dynamo"] if done else tracers)
+            result, attempts = cascade.capture(request, [t for t in tracers if t != Route.DYNAMO] if done else tracers)
             return result, done + attempts
         if not static_fallback:
             raise
@@ -518,7 +519,7 @@ def _general_after_rewrite(run: Preparation, rewrite: Any, tracers: list[str], r
     with the plan found is then captured once more with the proposal's dimensions
     (:func:`_capture_general`), kept when Dynamo captures it whole. Otherwise the static capture
     stands and the report says why, or, without a static fallback, :class:`NotShapeGeneral` is raised."""
-    if result is None or result.tracer != "dynamo":
+    if result is None or result.tracer != Route.DYNAMO:
         why = ("with the control-flow rewrite, Dynamo did not capture the model as one graph on static shapes "
                f"({result.tracer if result is not None else 'no capture'}), so its dimensions were not declared")
     else:

@@ -43,6 +43,7 @@ from ..core.threads import confined, confined_fx_patches, on_owner_thread
 from ..errors import TraceFailure
 from ..runtime.wrap import TENSOR_CONSTRUCTORS, autograd_function_caller, find_proxy, record_as_call
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
+from .routes import Route
 
 # ``x += y`` on a traced tensor must stay in place: fx.Proxy has no __iadd__, so Python falls back
 # to ``x = x + y`` and a view taken earlier would miss the update.
@@ -400,7 +401,7 @@ def capture_fx(
             gm = tracer.make_graph_module(graph, model.__class__.__name__)
         changed = [c for c in changed if not c.rpartition(".")[2].startswith("_tensor_constant")]
     except Exception as err:  # noqa: BLE001 - every tracer failure is reported, not raised
-        return None, CaptureAttempt.failed("fx", _explained(err, model), start)
+        return None, CaptureAttempt.failed(Route.FX, _explained(err, model), start)
     if concrete_args:
         _name_concrete_placeholders(gm, model, concrete_args)
     notes = []
@@ -415,8 +416,8 @@ def capture_fx(
             f"records (the update ran once on the real tensor while tracing; fxprep restored it): the prepared "
             f"module does NOT perform this update. Keep such state outside forward(), or use tracer='dynamo'."
         )
-    result = CaptureResult(gm, "fx", notes=notes, extra_leaves=dict(tracer.extra_leaves))
-    return result, CaptureAttempt("fx", True, time.perf_counter() - start)
+    result = CaptureResult(gm, Route.FX, notes=notes, extra_leaves=dict(tracer.extra_leaves))
+    return result, CaptureAttempt(Route.FX, True, time.perf_counter() - start)
 
 
 def trace_failure(attempts: list[CaptureAttempt], model: nn.Module | None = None) -> TraceFailure:

@@ -30,6 +30,7 @@ from ..runtime.wrap import find_proxy
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
 from .fx import FxprepTracer, capture_fx, flatten_container_inputs
 from .request import CaptureRequest
+from .routes import Route
 from .sites import FUNCTIONS, MISSING, OpaqueFunction, OpaqueMethod, Site, failure_site, put_back
 
 MAX_ROUNDS = 40
@@ -234,16 +235,16 @@ def _capture_hybrid(request: CaptureRequest) -> tuple[CaptureResult | None, Capt
         finally:
             put_back(patched)
         if result is not None:
-            result.tracer = "fx+leaves"
+            result.tracer = Route.FX_LEAVES
             for site, issue in found:
                 result.extra_leaves[site.qualname] = f"opaque: {issue.category} at {issue.location}"
-            return result, CaptureAttempt("fx+leaves", True, time.perf_counter() - start), found
+            return result, CaptureAttempt(Route.FX_LEAVES, True, time.perf_counter() - start), found
         last_error = attempt.exception
         assert last_error is not None
         if handled is not None and handled(last_error):
             continue
         site = failure_site(last_error, model)
-        issue = diagnose(last_error, "fx", model)[0]
+        issue = diagnose(last_error, Route.FX, model)[0]
         if site is None or (site.path == "" and site.method == "forward") or site in sites:
             found.append((site or Site(""), issue))
             break
@@ -251,7 +252,7 @@ def _capture_hybrid(request: CaptureRequest) -> tuple[CaptureResult | None, Capt
         found.append((site, issue))
         progress.step(f"{site.qualname or 'root'} made opaque ({issue.category})")
     error = f"{type(last_error).__name__}: {str(last_error).splitlines()[0] if str(last_error) else ''}"
-    return None, CaptureAttempt("fx+leaves", False, time.perf_counter() - start, error, type(last_error).__name__, last_error), found
+    return None, CaptureAttempt(Route.FX_LEAVES, False, time.perf_counter() - start, error, type(last_error).__name__, last_error), found
 
 
 __all__ = ["capture_hybrid", "OpaqueMethod", "Site", "failure_site"]

@@ -35,13 +35,13 @@ from .common import CaptureAttempt, CaptureResult
 from .dynamo import guard_log, guard_read
 from .dynamo.early_limit import LimitFound
 from .dynamo.export import quiet_guard_logs
-from .dynamo.fallback import TRACER as LEAVES_TRACER
-from .dynamo.fallback import VALUES_TRACER, capture_dynamo_leaves
+from .dynamo.fallback import capture_dynamo_leaves
 from .dynamo.guard_log import GuardLog
 from .dynamo.scans import Scan
 from .dynamo.size_branches import SIZES, size_branches
 from .fx import restored_attributes
 from .request import CaptureRequest
+from .routes import Route
 from .shapes import autodims, violation
 from .shapes.dims import SIZE_SOURCE, shortest_length
 
@@ -95,7 +95,7 @@ class NotShapeGeneral(Exception):
 
 
 def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposal,
-            run: Capture, tracer: str = "dynamo", scans_of: ScanFinder | None = None
+            run: Capture, tracer: str = Route.DYNAMO, scans_of: ScanFinder | None = None
             ) -> tuple[CaptureResult, list[CaptureAttempt], autodims.Proposal]:
     """``run(capture_example, dynamic, opaque sites, search)`` (Dynamo alone, or what ``tracer`` names) with
     ``proposal``'s dimensions; each dimension Dynamo finds specialised is dropped (its reason kept in
@@ -299,7 +299,9 @@ def _where_branches_hold(sym: str, bound: autodims.SizeRange, branches: list[Any
                                why=f"{bound.why}; the model's code branches on it outside {low}..{high or ''}")
 
 
-FALLBACK_TRACERS = (VALUES_TRACER, LEAVES_TRACER)
+# Dynamo's fallback routes (failing parts opaque, values decided from the example): a static capture by one of
+# them is tried again with the dimensions declared.
+FALLBACK_TRACERS = tuple(route for route in Route if route.dynamo and not route.whole)
 NOT_TRIED = ("the static capture was not Dynamo's (with parts opaque, or deciding values read from data), so no second "
              "capture with the dimensions declared was tried")
 
@@ -307,8 +309,8 @@ NOT_TRIED = ("the static capture was not Dynamo's (with parts opaque, or decidin
 def taken(tracer: str, scans: bool = False) -> str:
     """The report's note on a shape-general capture the static fallback's tracer made (:func:`fallback`;
     ``scans``: per-step loops were kept opaque in it, each said in a note of its own)."""
-    how = "deciding values read from data from the example" if tracer == VALUES_TRACER else "with parts opaque"
-    checks = ": every decision is checked in the graph at each call" if tracer == VALUES_TRACER else ""
+    how = "deciding values read from data from the example" if Route(tracer).values else "with parts opaque"
+    checks = ": every decision is checked in the graph at each call" if Route(tracer).values else ""
     loops = ", but the per-step loops said below" if scans else ""
     return (f"Captured {how} (tracer {tracer}), a second time with the found dimensions declared dynamic (no part "
             f"opaque that the first capture, with static shapes, did not make opaque too{loops}){checks}.")
@@ -333,14 +335,14 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
 
     assert request.example is not None, "the shape-general capture needs example inputs"
     allowed = {site.qualname for site, _ in opaque}
-    how = "deciding values read from data" if tracer == VALUES_TRACER else "with the same parts opaque"
+    how = "deciding values read from data" if Route(tracer).values else "with the same parts opaque"
     why_not: list[str] = []
 
     def run(call: ExampleInputs, dims: Any, scans: list[Any], _search: bool) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
         dims_request = request.replace(example=call, dynamic=dims, dims_must_hold=True, records={}, opaque=tuple(scans))
         with preserved_state(request.model), restored_attributes(request.model, []):
             # the static capture's opaque parts opaque from the start: not found again one whole trace each
-            if tracer == VALUES_TRACER:
+            if Route(tracer).values:
                 result, attempt, sites = values.capture_deciding_values(dims_request, known=opaque)
             else:
                 result, attempt, sites = capture_dynamo_leaves(dims_request, None, known=opaque)

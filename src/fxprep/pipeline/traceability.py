@@ -20,6 +20,7 @@ from torch import nn
 from ..capture import cascade
 from ..capture.common import CaptureAttempt
 from ..capture.request import CaptureRequest
+from ..capture.routes import Route
 from ..core.inputs import normalize_example_inputs
 from ..core.runs import hooks_left_as_found
 from ..core.threads import GLOBAL_LOCK, quiet_logs
@@ -41,7 +42,7 @@ from . import root_hooks
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 
 # Tracers that capture the model whole (the hybrid leaf fallback is reported apart).
-WHOLE_MODEL_TRACERS = ("dynamo", "fx", "hf_fx")
+WHOLE_MODEL_TRACERS = tuple(route for route in Route if route.whole)
 
 
 @dataclass
@@ -234,7 +235,7 @@ def _check_traceability(request: CaptureRequest, draft_export: bool, control_flo
     out.attempts = found.attempts + found.fallback
     for attempt in found.attempts:
         if attempt.exception is not None:
-            out.issues += diagnose(attempt.exception, attempt.tracer.replace("hf_fx", "fx"), model)
+            out.issues += diagnose(attempt.exception, Route(attempt.tracer).rules, model)
     if not found.whole:
         out.hybrid_ok = found.hybrid is not None
         for site, issue in found.opaque:

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from ..capture import batch, shape_general
 from ..capture.dynamo import grown_example
+from ..capture.routes import Route
 from ..core.inputs import ExampleInputs, normalize_example_inputs, split_calls
 from ..errors import EquivalenceError, InputMismatch
 from ..reporting import notes, progress
@@ -48,7 +49,7 @@ def verification(run: Preparation, gm: fx.GraphModule) -> None:
         raise shape_general.NotShapeGeneral(f"the graph captured at {run.proposal.capture_example.describe()} "
                                             f"did not match on the example: {str(err).splitlines()[0][:200]}") from err
     spec = gm.__dict__.get(INPUT_SPEC)
-    if spec is not None and result.tracer.split("+")[0] == "dynamo" and not run.dynamic:
+    if spec is not None and Route(result.tracer).dynamo and not run.dynamic:
         progress.step("other batch sizes")
         concrete = run.request.concrete_args
 

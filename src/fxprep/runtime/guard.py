@@ -49,6 +49,12 @@ from ..errors import InputMismatch
 SCALARS = (bool, int, float, str)
 
 
+# The spec's ``tracer`` when Dynamo's rules made it (static shapes where not declared dynamic), as saves
+# hold it: capture/routes.Route.DYNAMO's value (runtime/ imports nothing of capture/; a test keeps the
+# two equal). Any other value is fx's rules: the structure alone is checked.
+DYNAMO_RULES = "dynamo"
+
+
 class InputSpec:
     """The inputs a prepared module was captured for: ``params`` maps each argument name of the
     generated ``forward`` to a spec node (see the comment above); ``tracer`` says which rules made
@@ -142,7 +148,7 @@ def _describe(value: Any, tracer: str, dynamic: set[int] | None, why: dict[int, 
         return {"kind": "none"}
     if isinstance(value, torch.Tensor):
         example = {"shape": [int(s) for s in value.shape], "dtype": str(value.dtype).removeprefix("torch.")}
-        if tracer != "dynamo":
+        if tracer != DYNAMO_RULES:
             return {"kind": "leaf", "example": example}
         shape = [None if d in (dynamic or set()) else int(s) for d, s in enumerate(value.shape)]
         node = {"kind": "tensor", "shape": shape, "example": example}
@@ -156,7 +162,7 @@ def _describe(value: Any, tracer: str, dynamic: set[int] | None, why: dict[int, 
                 "items": [_describe(v, tracer, None) for v in value]}
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {"kind": "dict", "items": {k: _describe(v, tracer, None) for k, v in value.items()}}
-    if type(value) in SCALARS and tracer == "dynamo":
+    if type(value) in SCALARS and tracer == DYNAMO_RULES:
         return {"kind": "value", "value": value}
     return {"kind": "leaf"}
 
@@ -368,7 +374,7 @@ def _message(spec: InputSpec, problems: list[str]) -> str:
     lines = ["the prepared module was captured for inputs structured like its example, and this call differs "
              "(the graph would silently compute something else):"]
     lines += [f"  - {p}" for p in problems]
-    if spec.tracer == "dynamo" and any("specialised" in p for p in problems):
+    if spec.tracer == DYNAMO_RULES and any("specialised" in p for p in problems):
         lines.append("Prepare with dynamic='batch' (or dynamic={argument: {dim: name}}) to allow other sizes, "
                      "or with tracer='fx'.")
     else:

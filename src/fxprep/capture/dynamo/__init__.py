@@ -45,6 +45,7 @@ from ...families.transformers import model as huggingface
 from ...reporting import progress
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
 from ..request import CaptureRequest
+from ..routes import Route
 from ..shapes.dims import dynamic_dims, dynamic_shapes_spec, grown_example, shortest_length
 from ..sites import Site
 from . import early_limit, guard_log
@@ -65,7 +66,7 @@ from .relift import ROUTE_META, LiftTarget, relift, unreferenced_parameters
 from .reuse import REUSE_META, ReuseJob, capture_reusing
 
 
-def _failure(err: BaseException, start: float, tracer: str = "dynamo") -> tuple[None, CaptureAttempt]:
+def _failure(err: BaseException, start: float, tracer: str = Route.DYNAMO) -> tuple[None, CaptureAttempt]:
     return None, CaptureAttempt.failed(tracer, err, start)
 
 
@@ -108,7 +109,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
     capture failure.
     """
     start = time.perf_counter()
-    tracer = "dynamo+values" if real_values else "dynamo"
+    tracer = Route.DYNAMO_VALUES if real_values else Route.DYNAMO
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
     if route == "flag" and not flag_available():

@@ -36,6 +36,7 @@ from ...errors import InputMismatch
 from ...reporting.diagnose import Issue
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
 from ..request import CaptureRequest
+from ..routes import Route
 from ..sites import Site
 from .fallback import VALUES_TRACER as TRACER
 from .fallback import capture_dynamo_leaves
@@ -53,7 +54,7 @@ def decidable(err: BaseException, model: nn.Module) -> bool:
 
     if stopped_at_data_guard(err):
         return True
-    return any(issue.category == DATA_DEPENDENT_VALUE for issue in diagnose(err, "dynamo", model))
+    return any(issue.category == DATA_DEPENDENT_VALUE for issue in diagnose(err, Route.DYNAMO, model))
 
 
 def worth_deciding(err: BaseException, sites: list[tuple[Site, Issue]], model: nn.Module) -> bool:

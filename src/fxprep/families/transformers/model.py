@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ...capture.common import CaptureAttempt, CaptureResult
+from ...capture.routes import Route
 from ...core.inputs import ExampleInputs
 from .attention import VALUE_DEPENDENT, WINDOW_LIMIT, WINDOWED, eager_attention_paths
 from .methods import rewritten_methods
@@ -337,9 +338,9 @@ def capture_hf_fx(model: nn.Module, example: ExampleInputs | None) -> tuple[Capt
     try:
         gm = hf_symbolic_trace(model, input_names=names)
     except Exception as err:  # noqa: BLE001 - reported like every tracer failure
-        return None, CaptureAttempt.failed("hf_fx", err, start)
+        return None, CaptureAttempt.failed(Route.HF_FX, err, start)
     note = "traced with transformers.utils.fx.symbolic_trace (transformers < 5's HFTracer)."
-    return CaptureResult(gm, "fx", notes=[note]), CaptureAttempt("hf_fx", True, time.perf_counter() - start)
+    return CaptureResult(gm, Route.FX, notes=[note]), CaptureAttempt(Route.HF_FX, True, time.perf_counter() - start)
 
 
 __all__ = [
