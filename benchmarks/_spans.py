@@ -33,16 +33,16 @@ WATCHED = (
     ("fxprep.capture.dynamo.scans", "watch", "scan watch (eager)"),
     ("fxprep.capture.dynamo.values", "broken_on_perturbed", "values: perturbed run"),
     ("fxprep.capture.dynamo.relift", "relift", "relift"),
-    ("fxprep.shape_general", "capture", "shape_general.capture"),
-    ("fxprep.shape_general", "limits", "shape_general.limits (branch trace)"),
-    ("fxprep.shape_general", "fallback", "shape_general.fallback"),
-    ("fxprep.capture.dynamo.branches", "batch_branches", "batch probe trace"),
-    ("fxprep.capture.dynamo.branches", "size_branches", "size_branches"),
+    ("fxprep.capture.shape_general", "capture", "shape_general.capture"),
+    ("fxprep.capture.shape_general", "limits", "shape_general.limits (branch trace)"),
+    ("fxprep.capture.shape_general", "fallback", "shape_general.fallback"),
+    ("fxprep.capture.dynamo.size_branches", "batch_branches", "batch probe trace"),
+    ("fxprep.capture.dynamo.size_branches", "size_branches", "size_branches"),
     ("fxprep.verify", "verify", "verify"),
     ("fxprep.verify", "run_original", "reference run"),
     ("fxprep.api", "_passes", "passes"),
     ("fxprep.api", "_guard_inputs", "input guard"),
-    ("fxprep.verification_stage", "verification", "verification stage"),
+    ("fxprep.pipeline.verification", "verification", "verification stage"),
 )
 
 

@@ -170,7 +170,7 @@ def _build_causal_lm(model_type: str) -> tuple[Any, Any]:
 def _outputs_match(a: Any, b: Any) -> bool:
     import torch
 
-    from fxprep.compare import flatten_output
+    from fxprep.verify.compare import flatten_output
 
     got, want = flatten_output(a), flatten_output(b)
     if [p for p, _ in got] != [p for p, _ in want]:

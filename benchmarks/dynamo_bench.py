@@ -122,7 +122,7 @@ def _capture(method: str, model: Any, args: tuple[Any, ...], kwargs: dict[str, A
         return {"route": gm.meta.get("fxprep_dynamo_route"), "modules": sum(1 for n in gm.graph.nodes if n.op == "call_module")}
     if method == "dynamo_export":
         from fxprep.capture.dynamo.export import default_route, dynamo_export
-        from fxprep.inputs import ExampleInputs
+        from fxprep.core.inputs import ExampleInputs
 
         result = dynamo_export(model, ExampleInputs(args, kwargs), default_route(), None)
         return {"nodes": len(result.graph_module.graph.nodes)}

@@ -55,7 +55,7 @@ class Branchy(nn.Module):
 
 def main() -> None:
     import fxprep
-    from fxprep.inputs import ExampleInputs
+    from fxprep.core.inputs import ExampleInputs
 
     carriers: tuple[type, ...] = (ExampleInputs,)
     try:

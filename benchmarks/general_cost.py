@@ -71,8 +71,8 @@ def build(name: str) -> tuple[Any, dict[str, Any]]:
         return make()
     from transformers import AutoModelForCausalLM
 
-    from fxprep.capture.huggingface import example_inputs_for
     from fxprep.cli.tiny import tiny_configs
+    from fxprep.families.transformers.model import example_inputs_for
 
     failure: Exception | None = None
     model = None

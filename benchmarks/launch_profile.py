@@ -4,7 +4,7 @@
     PYTHONPATH=src python benchmarks/launch_profile.py --cpu    # the same on a tiny width, on the CPU
 
 At batch 1 a GPU forward waits on the host: the prepared graph was 1.055x eager on an H200 (10.61 vs
-10.05 ms) before ``fxprep.forward_code`` (module lookups once per call, ``nn.Module.__call__``
+10.05 ms) before ``fxprep.runtime.forward_code`` (module lookups once per call, ``nn.Module.__call__``
 skipped where it would only call ``forward``), 0.93x-0.95x after. This prints, for eager and
 prepared: wall and host time per forward (host: until the call returns, before synchronising;
 medians of 100 calls each, alternating), cProfile's top functions by own time

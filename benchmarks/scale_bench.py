@@ -11,7 +11,7 @@ fresh one-thread process, and the runs interleaved (run 1 of every model and met
 
 * ``fxprep``: ``prepare_model(model, example_inputs=..., tracer="dynamo", verify=False)``, block reuse
   on (the default): capture, re-lifting, functional → module, unrolling, state-dict parity, report;
-  shape-general by default, so batch and sequence are dynamic (``fxprep.shape_general``);
+  shape-general by default, so batch and sequence are dynamic (``fxprep.capture.shape_general``);
 * ``fxprep_static``: the same with ``dynamic=False`` (static shapes, block reuse on);
 * ``fxprep_noreuse``: static shapes with ``reuse_blocks=False`` (every layer traced by Dynamo); its run
   also clocks the time spent inside ``torch._dynamo.export``'s call, so fxprep's own work over bare
@@ -112,7 +112,7 @@ def capture(method: str, model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs = {**kwargs, "use_cache": False}  # what fxprep does itself for transformers models
     if method == "dynamo_export":
         from fxprep.capture.dynamo.export import default_route, dynamo_export
-        from fxprep.inputs import ExampleInputs
+        from fxprep.core.inputs import ExampleInputs
 
         result = dynamo_export(model, ExampleInputs((), kwargs), default_route(), None)
         return {"nodes": len(result.graph_module.graph.nodes)}

@@ -11,7 +11,7 @@ from torch import nn
 
 import fxprep
 from fxprep import ops
-from fxprep.inputs import ExampleInputs
+from fxprep.core.inputs import ExampleInputs
 from fxprep.passes.state_dict import aliases
 from fxprep.verify import verify
 
@@ -189,7 +189,7 @@ def test_garbage_collector_left_as_found():
     try:
         frozen = gc.get_freeze_count()
         gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 4),))
-        assert fxprep.get_report(gm).tracer == "dynamo"  # Dynamo's export ran (fxprep.heap.freeze_more)
+        assert fxprep.get_report(gm).tracer == "dynamo"  # Dynamo's export ran (fxprep.core.heap.freeze_more)
         # still frozen (the count only drops as frozen objects die), and nothing of prepare's added
         assert 0 < gc.get_freeze_count() <= frozen
     finally:

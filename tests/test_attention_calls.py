@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 
 import fxprep
-from fxprep.capture.hf_attention import VALUE_DEPENDENT, WINDOW_LIMIT, WINDOWED
+from fxprep.families.transformers.attention import VALUE_DEPENDENT, WINDOW_LIMIT, WINDOWED
 
 from . import vlm_models
 from .attention_calls import differences, record
@@ -219,7 +219,7 @@ class _CausalUnlessCompiling(torch.nn.Module):
 
 def test_attention_called_otherwise_is_named_in_the_report() -> None:
     """Where the capture cannot take eager's attention path, the report says so, from the attention
-    calls of verification's two runs (fxprep.attention_calls): a toy library that branches on
+    calls of verification's two runs (fxprep.verify.attention_calls): a toy library that branches on
     compiling."""
     torch.manual_seed(0)
     toy = _CausalUnlessCompiling().eval()
@@ -250,7 +250,7 @@ def _pix2struct_text(dtype: torch.dtype) -> torch.nn.Module:
 def test_a_padding_mask_the_model_fills_with_ones_is_skipped_as_eager_skips_it(build, dtype) -> None:
     """BioGPT and Pix2Struct fill an all-ones padding mask themselves when none is given; eager reads
     it, finds no padding and calls SDPA without one. The graph does too (the mask builder gets none,
-    fxprep.capture.hf_unpadded), at the example's size and at others, exactly; a padding mask the
+    fxprep.families.transformers.unpadded), at the example's size and at others, exactly; a padding mask the
     user gives is still applied."""
     model = build(dtype)
     forward = type(model.base_model if hasattr(model, "base_model") else model).forward
@@ -280,14 +280,14 @@ def _first(output) -> torch.Tensor:
 
 
 def test_the_ones_mask_is_dropped_only_where_the_builder_makes_the_same_mask_without_it() -> None:
-    """fxprep.capture.hf_unpadded: the source rewrite applies only where the mask's one assignment
+    """fxprep.families.transformers.unpadded: the source rewrite applies only where the mask's one assignment
     is the ``torch.ones`` of an ``if mask is None``, and the builder is given none only where that
     is the same mask (2D, as long as the keys, no cache, no positions to look for packing in)."""
     import ast
 
     from transformers import masking_utils
 
-    from fxprep.capture import hf_unpadded
+    from fxprep.families.transformers import unpadded as hf_unpadded
 
     namespace = {"create_causal_mask": masking_utils.create_causal_mask, "torch": torch}
     filled = ast.parse("def f(x, attention_mask=None):\n    if attention_mask is None:\n"

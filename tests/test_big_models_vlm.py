@@ -2,7 +2,7 @@
 
 Qwen2-VL, Qwen2.5-VL and Llava (Pixtral vision tower), tiny, built from their configs: each built
 on ``meta`` and prepared there with the inputs that carry values (token ids, the image grid, image
-sizes) given as real tensors and the pixels on ``meta`` (:mod:`fxprep.stand_ins`); then the weights
+sizes) given as real tensors and the pixels on ``meta`` (:mod:`fxprep.big.stand_ins`); then the weights
 of a checkpoint of the same model loaded with every module on disk, and the graph run whole and
 stage by stage (``run_sequential``): both equal to transformers' ``from_pretrained`` on the same
 checkpoint, bit for bit, in float32 (Llava in bfloat16 too). The stand-ins take no memory: a
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fxprep
-from fxprep.stand_ins import zero_pages
+from fxprep.big.stand_ins import zero_pages
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vlm_models  # noqa: E402
@@ -67,7 +67,7 @@ def test_a_stand_in_takes_no_memory() -> None:
 
 def test_a_meta_model_with_meta_inputs_is_not_stood_in() -> None:
     """The decoder-only path stays as it was: everything on meta, nothing computed."""
-    from fxprep.stand_ins import needed
+    from fxprep.big.stand_ins import needed
 
     model, inputs = vlm_models.qwen2_vl()
     with torch.device("meta"):

@@ -1,7 +1,7 @@
 """control_flow="rewrite" on transformers models: the rewrite beside what fxprep already does to them.
 
 A transformers model gets the shape-general capture (batch and sequence declared dynamic), and some
-of its methods run a copy fxprep changed during capture (:mod:`fxprep.capture.hf_source`); the
+of its methods run a copy fxprep changed during capture (:mod:`fxprep.families.transformers.methods`); the
 control-flow rewrite must keep both. The toy model is defined here because the rewrite reads its
 source.
 """
@@ -19,9 +19,9 @@ from transformers import LlamaConfig, PreTrainedModel
 from transformers.utils.import_utils import torch_compilable_check
 
 import fxprep
-from fxprep.capture import hf_source
 from fxprep.capture.rewrite.source import compile_function, install, method_at, uninstall
 from fxprep.errors import TraceFailure
+from fxprep.families.transformers import methods as hf_source
 
 from .helpers import assert_unchanged, module_snapshot
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fxprep
-from fxprep import diagnose as d
+from fxprep.reporting import diagnose as d
 
 
 def _line_of(fn, text: str) -> int:
@@ -198,7 +198,7 @@ def test_a_dynamo_stop_inside_the_standard_library_is_shown_at_the_models_line(t
     import inspect as inspect_module
     import traceback
 
-    from fxprep.diagnose import UNSUPPORTED, categorise, user_frame
+    from fxprep.reporting.diagnose import UNSUPPORTED, categorise, user_frame
 
     user = tmp_path / "decorators.py"
     user.write_text("def wrapper(self, *args, **kwargs):\n    arguments = signature.bind(self, *args, **kwargs)\n")

@@ -20,13 +20,13 @@ from torch import nn
 
 import fxprep
 from fxprep.capture import dynamo as D
-from fxprep.capture import huggingface as hf
 from fxprep.capture.common import LeafPolicy
 from fxprep.capture.dynamo import names as dynamo_names
 from fxprep.capture.dynamo import record, regroup
 from fxprep.capture.fx import capture_fx
 from fxprep.capture.request import CaptureRequest
-from fxprep.inputs import ExampleInputs
+from fxprep.core.inputs import ExampleInputs
+from fxprep.families.transformers import model as hf
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
 from .helpers import STE, ResidualBlock
@@ -808,7 +808,7 @@ def test_a_forward_writing_into_its_kwargs_then_binding_a_signature_is_captured(
     mutation Dynamo refuses the mappingproxy ``Signature.bind`` reads (Mistral3's vision features
     were opaque for it): fxprep traces from a root whose kwargs are the trace's own."""
     from fxprep.capture.dynamo.export import MUTATED_INPUT_DICT, dynamo_export
-    from fxprep.inputs import ExampleInputs
+    from fxprep.core.inputs import ExampleInputs
 
     torch.manual_seed(0)
     model = KwargsDefaults().eval()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fxprep
-from fxprep.diagnose import DATA_DEPENDENT_BRANCH, SHAPE_DEPENDENT_BRANCH, diagnose, shape_only
+from fxprep.reporting.diagnose import DATA_DEPENDENT_BRANCH, SHAPE_DEPENDENT_BRANCH, diagnose, shape_only
 
 from .helpers import assert_unchanged, module_snapshot
 
@@ -235,7 +235,7 @@ def test_a_failure_in_a_unique_module_is_located_without_running_the_model() -> 
     """The stack alone names the objects (one ``HelperBlock``, a free function): the frames are the
     very ones the eager replay finds, and the sites the same."""
     from fxprep.capture.dynamo.locate import locate, resolve, user_stack
-    from fxprep.inputs import ExampleInputs
+    from fxprep.core.inputs import ExampleInputs
 
     model = Host(HelperBlock()).eval()
     x = torch.randn(2, 8)
@@ -298,7 +298,7 @@ def test_the_perturbed_recording_run_stops_after_the_last_opaque_call() -> None:
     rest of the model (a detector's heads) is not run a second time for nothing."""
     from fxprep.capture.dynamo.recording import record_sites
     from fxprep.capture.sites import Site
-    from fxprep.inputs import ExampleInputs
+    from fxprep.core.inputs import ExampleInputs
 
     class Chain(nn.Module):
         def __init__(self) -> None:

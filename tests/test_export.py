@@ -1,4 +1,4 @@
-"""fxprep.export: ONNX (checked in onnxruntime) and torch.export delivery of prepared modules."""
+"""fxprep.io.export: ONNX (checked in onnxruntime) and torch.export delivery of prepared modules."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torchvision
 from torch import nn
 
 import fxprep
-from fxprep import export
 from fxprep.cli.demo import ModelWithReusedReLU
 from fxprep.errors import ExportError
+from fxprep.io import export
 
 
 def _onnx_nodes(path):

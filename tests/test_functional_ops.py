@@ -824,7 +824,7 @@ def test_mode_dependent_ops_follow_mode(fn: Callable[..., Any], cls: type[nn.Mod
 def test_dropout_binds_each_functions_own_training_default(fn: Callable[..., Any], training: bool,
                                                              expected: type[nn.Module]) -> None:
     """The pass alone, on a graph whose call leaves ``training`` out (as Dynamo records calls)."""
-    from fxprep.inputs import ExampleInputs
+    from fxprep.core.inputs import ExampleInputs
     from fxprep.passes import functional_to_module, values
 
     graph = fx.Graph()

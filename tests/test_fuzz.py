@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxprep
-from fxprep.inputs import ExampleInputs
+from fxprep.core.inputs import ExampleInputs
 from tests import test_property as body
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

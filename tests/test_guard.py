@@ -338,7 +338,7 @@ def test_a_real_branch_on_the_batch_is_not_captured_again() -> None:
 
 
 def test_when_the_batch_general_capture_fails_the_static_graph_stands(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxprep import shape_general
+    from fxprep.capture import shape_general
 
     def fails(*args, **kwargs):
         raise shape_general.NotShapeGeneral("Dynamo refused the batch dimension (simulated)")
@@ -372,7 +372,7 @@ def test_quiet_fx_errors_drops_only_fx_error_prints(capsys) -> None:
     import sys
     import threading
 
-    from fxprep.runs import quiet_fx_errors
+    from fxprep.core.runs import quiet_fx_errors
 
     with quiet_fx_errors():
         print("Traceback (most recent call last):\nCall using an FX-traced Module, line 3 of ...", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""fxprep.export refuses what it cannot export with a message a person can act on: a module that
+"""fxprep.io.export refuses what it cannot export with a message a person can act on: a module that
 is not a prepared GraphModule, or example inputs the prepared module does not take."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import fxprep
-from fxprep import export
 from fxprep.cli.demo import ModelWithReusedReLU
 from fxprep.errors import InvalidInput
+from fxprep.io import export
 
 
 @pytest.fixture(scope="module")

@@ -92,3 +92,145 @@ def test_capture_passes_and_io_do_not_import_the_command_line() -> None:
     for name, path in modules.items():
         if not name.startswith("fxprep.cli"):
             assert not {m for m in _imports(name, path, modules) if m.startswith("fxprep.cli")}, name
+
+
+# The package grouped by role (issue 62, tools/regroup.py): these rules keep the layout true.
+
+# The root: the public entry points, and the modules whose dotted names saves and prepared graphs
+# carry (fxprep.ops.*, fxprep.cond.cond, fxprep.decisions.check_decision) or the docs name as
+# public (fxprep.options.PrepareOptions). Anything else has a role below.
+ROOT_FILES = {"__init__.py", "api.py", "errors.py", "options.py", "version.py", "ops.py", "cond.py", "decisions.py",
+              "py.typed"}
+ROLES = {
+    "core",        # the user's model touched without changing it: inputs, runs, paths, threads, heap
+    "reporting",   # the Report, notes, diagnose, progress
+    "runtime",     # what a prepared module runs and carries
+    "capture",     # tracers (dynamo/, rewrite/, shapes/)
+    "families",    # model-family knowledge (transformers/)
+    "passes",      # GraphModule -> GraphModule
+    "verify",      # original vs prepared
+    "pipeline",    # prepare_model's shared state and stages; check_traceability
+    "big",         # weights after a meta prepare, checkpoints, stages, placement, run_sequential
+    "io",          # save / load, ONNX and torch.export
+    "compat",      # hand-off adapters
+    "cli",         # the fxprep command
+    "view",        # fxprep.show
+}
+# What the layers below the orchestrator never import (they are imported by it, or by the user).
+UPPER = ("fxprep.api", "fxprep.pipeline", "fxprep.cli", "fxprep.compat", "fxprep.view")
+LOWER = ("fxprep.core", "fxprep.reporting", "fxprep.runtime", "fxprep.capture", "fxprep.families", "fxprep.passes",
+         "fxprep.verify", "fxprep.big", "fxprep.ops", "fxprep.cond", "fxprep.decisions", "fxprep.errors")
+# Known exceptions, each to go: AIMET QuantSim's registration is called by api (and by io.load through
+# api.register_with_toolkits) until compat has one adapter contract the pipeline does not import.
+KNOWN_UPWARD = {("fxprep.api", "fxprep.compat.aimet_quantsim"), ("fxprep.io", "fxprep.api")}
+
+
+def _within(name: str, prefixes: tuple[str, ...] | str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in ((prefixes,) if isinstance(prefixes, str) else prefixes))
+
+
+def test_the_package_root_holds_only_its_handful_of_files() -> None:
+    files = {p.name for p in PACKAGE.iterdir() if p.is_file()}
+    assert files <= ROOT_FILES, f"give these a role package (docs/architecture.md): {sorted(files - ROOT_FILES)}"
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= ROLES, f"a package with no role in docs/architecture.md: {sorted(folders - ROLES)}"
+
+
+def test_no_transformers_file_outside_families() -> None:
+    stray = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+             if (p.name.startswith(("hf_", "huggingface")) and "families" not in p.parts)]
+    assert stray == [], f"transformers knowledge lives in families/transformers/: {stray}"
+
+
+def test_the_pipeline_never_imports_an_adapter() -> None:
+    modules = _modules()
+    found = {(name, m) for name, path in modules.items() if not _within(name, "fxprep.compat")
+             for m in _imports(name, path, modules) if _within(m, "fxprep.compat")}
+    assert found <= KNOWN_UPWARD, f"an adapter imported from the pipeline: {sorted(found - KNOWN_UPWARD)}"
+
+
+def test_lower_layers_do_not_import_upper_ones() -> None:
+    modules = _modules()
+    found = {(name, m) for name, path in modules.items() if _within(name, LOWER)
+             for m in _imports(name, path, modules) if _within(m, UPPER)}
+    found |= {(name, m) for name, path in modules.items() if _within(name, "fxprep.io")
+              for m in _imports(name, path, modules) if _within(m, UPPER)}
+    assert found <= KNOWN_UPWARD, f"imports pointing up: {sorted(found - KNOWN_UPWARD)}"
+
+
+def test_core_and_the_graph_vocabulary_use_nothing_above_them() -> None:
+    modules = _modules()
+    allowed = {
+        "fxprep.core": ("fxprep.core", "fxprep.errors"),
+        "fxprep.errors": (),
+        "fxprep.cond": (),
+        "fxprep.decisions": ("fxprep.errors",),
+        "fxprep.ops": ("fxprep.runtime.wrap",),
+        "fxprep.runtime": ("fxprep.runtime", "fxprep.reporting", "fxprep.core", "fxprep.errors", "fxprep.decisions",
+                           "fxprep.ops", "fxprep.cond"),
+    }
+    for name, path in modules.items():
+        for owner, ok in allowed.items():
+            if _within(name, owner):
+                bad = {m for m in _imports(name, path, modules) if not _within(m, ok) and m != "fxprep"}
+                assert not bad, f"{name} imports {sorted(bad)}: {owner} depends on {ok or 'nothing of fxprep'}"
+
+
+def test_the_regroup_script_and_these_rules_agree_on_the_root() -> None:
+    """tools/regroup.py moves everything but its ROOT out of the package root: the same set as above."""
+    tree = ast.parse((PACKAGE.parents[1] / "tools" / "regroup.py").read_text())
+    root = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "ROOT" for t in node.targets))
+    assert set(root) | {"py.typed"} == ROOT_FILES
+
+
+# Route names (capture/routes.py) compared as strings: `tracer == "dynamo"`, `tracer in ("fx", ...)`,
+# `tracer.startswith("dynamo")`, `tracer.split("+")`. A route is asked what it is instead
+# (`Route(tracer).dynamo`), so a new route is one member of Route plus its capture function.
+ROUTES_FILE = PACKAGE / "capture" / "routes.py"
+_STRING_METHODS = {"startswith", "endswith", "split", "rsplit", "partition", "rpartition", "replace", "removeprefix",
+                   "removesuffix"}
+
+
+def _literals(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {s for element in node.elts for s in _literals(element)}
+    return set()
+
+
+def _route_name_uses(source: str, names: set[str]) -> list[int]:
+    """Lines comparing with a route's name, or taking one apart by string methods (``"+"`` included)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(_literals(side) & names for side in [node.left, *node.comparators]):
+            found.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _STRING_METHODS
+              and any(_literals(arg) & (names | {"+"}) for arg in node.args)):
+            found.append(node.lineno)
+    return found
+
+
+def test_route_names_are_compared_only_in_the_route_table() -> None:
+    from fxprep.capture.routes import Route
+
+    names = {route.value for route in Route}
+    found = {str(path.relative_to(PACKAGE)): lines for path in PACKAGE.rglob("*.py") if path != ROUTES_FILE
+             if (lines := _route_name_uses(path.read_text(), names))}
+    assert found == {}, f"ask the route (capture/routes.Route: .dynamo, .leaves, .values), not its name: {found}"
+
+
+def test_the_route_check_finds_comparisons() -> None:
+    names = {"dynamo", "fx"}
+    source = ("a = t == 'dynamo'\nb = t in ('fx', 'x')\nc = t.startswith('dynamo')\nd = t.split('+')[0]\n"
+              "e = t == other\nf = t.startswith('torch.')\n")
+    assert _route_name_uses(source, names) == [1, 2, 3, 4]
+
+
+def test_the_input_guard_spells_dynamo_rules_as_the_route_does() -> None:
+    """runtime/ does not import capture/: its saved spelling of Dynamo's rules is kept equal here."""
+    from fxprep.capture.routes import Route
+    from fxprep.runtime.guard import DYNAMO_RULES
+
+    assert DYNAMO_RULES == Route.DYNAMO.value

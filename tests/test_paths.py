@@ -1,4 +1,4 @@
-"""fxprep.paths: dotted paths read, tested and placed as torch reads them, never into the user's modules."""
+"""fxprep.core.paths: dotted paths read, tested and placed as torch reads them, never into the user's modules."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torchvision
 from torch import nn
 
-from fxprep.paths import get_path, has_path, install
+from fxprep.core.paths import get_path, has_path, install
 
 from .helpers import assert_unchanged, module_snapshot
 

@@ -154,7 +154,7 @@ def test_values_crossing_to_another_accelerator_are_moved_once_before_their_firs
     devices is possible here): each value made on cuda:0 and read on cuda:1 is moved once, every
     reader on cuda:1 reads the moved value, nothing is moved where it already is; with the moves
     pointed at the CPU the graph still computes what it computed."""
-    from fxprep import placement
+    from fxprep.big import placement
 
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**CFG)).eval()

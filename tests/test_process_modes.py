@@ -14,7 +14,7 @@ from torch import nn
 
 import fxprep
 from fxprep import io
-from fxprep.prepared import as_prepared
+from fxprep.runtime.prepared import as_prepared
 
 
 class _Region(nn.Module):

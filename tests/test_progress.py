@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fxprep
-from fxprep import progress
+from fxprep.reporting import progress
 
 
 @dataclasses.dataclass
@@ -124,7 +124,7 @@ def test_terminal_display_in_a_pseudo_terminal(tmp_path):
         import os, pty, sys
         def child():
             import torch, fxprep
-            from fxprep import progress
+            from fxprep.reporting import progress
             assert progress.interactive()
             gm = fxprep.prepare_model(torch.nn.Sequential(torch.nn.Linear(2, 2)).eval(),
                                       example_inputs=torch.randn(1, 2), name="seq")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import fxprep
-from fxprep.report import Report, group_notes
+from fxprep.reporting.report import Report, group_notes
 
 MEANING = "that branch was captured for eval mode and stays fixed; prepare the model in the mode you will use it in."
 

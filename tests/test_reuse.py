@@ -87,7 +87,7 @@ def hf(model_type: str, layers: int = 3, **extra: Any) -> tuple[nn.Module, dict[
     """A tiny transformers model (the zoo's config) with ``layers`` layers in each stack."""
     import transformers
 
-    from fxprep.capture.huggingface import example_inputs_for
+    from fxprep.families.transformers.model import example_inputs_for
 
     auto, arch_extra = HF_ARCHS[model_type]
     known = transformers.AutoConfig.for_model(model_type).to_dict()

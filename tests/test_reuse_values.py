@@ -217,7 +217,7 @@ def test_every_member_recorded_shares_one_copy_of_an_input_it_receives_unchanged
     tensor several members receive unchanged is copied once, not once per layer (a mask of
     seq x seq at real size), and one changed in place in between gets a copy of its own."""
     from fxprep.capture.dynamo.block_calls import Member, record_inputs
-    from fxprep.inputs import ExampleInputs
+    from fxprep.core.inputs import ExampleInputs
 
     class Leaves(fx.Tracer):
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:

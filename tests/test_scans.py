@@ -23,7 +23,7 @@ from fxprep.capture.dynamo.guard_log import AddedGuard
 from fxprep.capture.dynamo.scans import failing_size, hidden_inside
 from fxprep.capture.sites import Site
 from fxprep.cli import specs
-from fxprep.inputs import ExampleInputs
+from fxprep.core.inputs import ExampleInputs
 
 
 def kernel_fallback(fn: Any) -> Any:

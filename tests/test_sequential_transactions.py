@@ -319,7 +319,7 @@ def test_a_load_weights_offload_dir_is_reused_by_name(saved: Any, dtype: torch.d
 def test_clearing_an_offload_folder_removes_nothing_outside_it(tmp_path: Path) -> None:
     """The folder's index.json is read from a folder the user chose: names in it that reach outside
     the folder (``../x``, absolute paths) are not removed when the folder is cleaned."""
-    from fxprep import weight_store
+    from fxprep.big import weight_store
 
     folder, outside = tmp_path / "offload", tmp_path / "precious"
     folder.mkdir()

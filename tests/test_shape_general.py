@@ -147,8 +147,8 @@ def test_a_branch_of_the_model_on_the_length_is_a_limit_every_call_is_checked_ag
             torch.testing.assert_close(gm(input_ids=ids), model(input_ids=ids, use_cache=False))
     with pytest.raises(fxprep.InputMismatch, match=r"input_ids: dim 1 is 13, the graph holds for <= 12 only"):
         gm(input_ids=_ids(2, 13, 1))
-    from fxprep.guard import InputSpec, check
-    from fxprep.prepared import INPUT_SPEC
+    from fxprep.runtime.guard import InputSpec, check
+    from fxprep.runtime.prepared import INPUT_SPEC
 
     spec = InputSpec.from_dict(gm.__dict__[INPUT_SPEC].to_dict())
     with pytest.raises(fxprep.InputMismatch, match="THE LENGTH BRANCH"):
@@ -407,7 +407,7 @@ def test_a_guard_that_leaves_out_the_end_of_a_range_moves_that_end_the_dimension
 
 
 def test_the_sizes_a_guard_holds_for_are_read_from_its_text() -> None:
-    from fxprep.capture.dynamo.guard_range import interval
+    from fxprep.capture.shapes.guard_range import interval
 
     src = "L['kwargs']['input_ids'].size()[1]"
     mpt = f"{src} == (2048 + ((-1)*torch.sym_max(0, 2048 + ((-1)*{src}))))."
@@ -426,10 +426,10 @@ def test_the_guard_shown_for_a_range_is_the_one_that_ends_it() -> None:
     # Qwen3.5's chunked scan: export prints first a guard that holds at every length (the chunk
     # count is never the padded length), then the one the loop over chunks set; the report quoted
     # the first, which said nothing of why the graph holds for one chunk only
-    from fxprep.capture.dynamo import violation
-    from fxprep.capture.dynamo.autodims import Proposal
-    from fxprep.capture.dynamo.guard_range import failing
-    from fxprep.inputs import ExampleInputs
+    from fxprep.capture.shapes import violation
+    from fxprep.capture.shapes.autodims import Proposal
+    from fxprep.capture.shapes.guard_range import failing
+    from fxprep.core.inputs import ExampleInputs
 
     src = "L['input_ids'].size()[1]"
     padded = f"({src} + ((64 + (-1)*({src} % 64)) % 64))"
@@ -477,8 +477,8 @@ class _Branch:
 
 
 def test_an_unproven_range_is_narrowed_to_where_the_branches_hold() -> None:
-    from fxprep.capture.dynamo.autodims import SizeRange
-    from fxprep.shape_general import _where_branches_hold
+    from fxprep.capture.shape_general import _where_branches_hold
+    from fxprep.capture.shapes.autodims import SizeRange
 
     bound = SizeRange(None, 64, "the guards hold", from_guards=True, unproven=True)
     narrowed = _where_branches_hold("seq", bound, [_Branch(lambda n: n <= 20)], {"seq": 8, "batch": 3})
@@ -499,7 +499,7 @@ def test_guards_through_a_float_round_trip_are_read() -> None:
     """XLNet's relative positions (``torch.arange(2 * seq, -seq, -1.0)``) put guards on the length
     through ``math.ceil`` of a float; export cannot prove them over a range and refuses even the
     range it suggests. Read exactly (as fractions), they hold everywhere in it."""
-    from fxprep.capture.dynamo.guard_range import interval
+    from fxprep.capture.shapes.guard_range import interval
 
     src = "L['input_ids'].size()[1]"
     ceil = f"math.ceil(((torch.sym_float((-2)*{src})) / (-1.0)))"

@@ -18,10 +18,10 @@ import transformers
 from torch import nn
 
 import fxprep
-from fxprep.capture.dynamo import autodims
-from fxprep.capture.dynamo.guard_range import interval
+from fxprep.capture.shapes import autodims
+from fxprep.capture.shapes.guard_range import interval
+from fxprep.core.inputs import ExampleInputs
 from fxprep.errors import InputMismatch
-from fxprep.inputs import ExampleInputs
 from tests.attention_calls import differences, record
 
 _W2V = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=32,

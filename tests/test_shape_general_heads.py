@@ -22,9 +22,9 @@ import transformers
 from torch import nn
 
 import fxprep
-from fxprep.capture.dynamo import autodims
+from fxprep.capture.shapes import autodims
 from fxprep.cli.tiny import tiny_config
-from fxprep.inputs import ExampleInputs
+from fxprep.core.inputs import ExampleInputs
 from tests.attention_calls import differences, record
 
 _BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,

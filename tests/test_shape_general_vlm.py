@@ -7,7 +7,7 @@ processor's size). Where every input other than the tokens has one row per sampl
 prompt: Gemma3, PaliGemma, Mllama, Llama 4), the batch is declared with them; transformers' check
 that the image tokens match the features builds its message before the check, and formatting the
 symbolic size would specialise the batch, so the capture builds that message lazily
-(:mod:`fxprep.capture.hf_checks`). Each model is compared with its eager self at a longer and a
+(:mod:`fxprep.families.transformers.compilable_checks`). Each model is compared with its eager self at a longer and a
 shorter prompt (text added or removed at the end, the image tokens untouched) and, where the batch
 is free, on a batch of other samples (other text, other images). Llava with a Pixtral tower and
 Mistral3 decide each image's size from data (``.tolist()``), one set of values per image: their batch
@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 import fxprep
-from fxprep.capture import hf_source
-from fxprep.capture.dynamo import autodims, fallback, violation
+from fxprep.capture.dynamo import fallback
 from fxprep.capture.dynamo.fallback import capture_dynamo_leaves
 from fxprep.capture.request import CaptureRequest
-from fxprep.inputs import ExampleInputs
+from fxprep.capture.shapes import autodims, violation
+from fxprep.core.inputs import ExampleInputs
+from fxprep.families.transformers import methods as hf_source
 
 from . import vlm_models, vlm_models_more
 

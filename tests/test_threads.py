@@ -1,4 +1,4 @@
-"""The concurrency model (docs/security.md, fxprep.threads): prepare_model from several threads at
+"""The concurrency model (docs/security.md, fxprep.core.threads): prepare_model from several threads at
 once, on both capture paths, and an unrelated eager model running in another thread meanwhile.
 
 Before the fix, fx's ``Module.__call__`` patch handed the eager thread Proxies while fxprep traced,

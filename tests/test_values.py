@@ -16,7 +16,7 @@ from torch import nn
 
 import fxprep
 from fxprep.capture.dynamo.recording import perturbed
-from fxprep.inputs import ExampleInputs
+from fxprep.core.inputs import ExampleInputs
 
 from .helpers import assert_unchanged, module_snapshot
 from .test_dynamo_opaque import Tower

@@ -78,7 +78,7 @@ def test_meta_model_is_verified_on_structure_shapes_and_dtypes(tracer: str) -> N
 
 def test_meta_model_with_wrong_output_shape_still_fails() -> None:
     """On meta, what can be checked is checked: a shape difference is an EquivalenceError."""
-    from fxprep.inputs import ExampleInputs
+    from fxprep.core.inputs import ExampleInputs
     from fxprep.verify import verify
 
     with torch.device("meta"):
@@ -153,7 +153,7 @@ def test_llama_with_use_cache_fixed_by_the_user_has_no_stated_difference() -> No
 
 def test_structure_difference_other_than_the_cache_still_fails() -> None:
     """Only the cache is an accepted difference: a missing output anywhere else is a failure."""
-    from fxprep.inputs import ExampleInputs
+    from fxprep.core.inputs import ExampleInputs
     from fxprep.verify import verify
 
     class Two(nn.Module):
@@ -184,8 +184,8 @@ def test_check_traceability_agrees_with_prepare_model_on_llama(with_inputs: bool
 def test_an_output_larger_than_one_comparison_chunk_is_compared_to_its_last_element(dtype: torch.dtype) -> None:
     # outputs are compared a chunk at a time (bounded memory for a VLM's logits): a difference, a NaN
     # or an infinity only in the last chunk, at the last element, is still found
-    from fxprep.compare import _CHUNK
-    from fxprep.compare import compare as _compare
+    from fxprep.verify.compare import _CHUNK
+    from fxprep.verify.compare import compare as _compare
 
     ref = torch.randn(3, _CHUNK + 5, generator=torch.Generator().manual_seed(0)).to(dtype)
     assert _compare((ref,), (ref.clone(),), 0.0, 0.0).problem is None

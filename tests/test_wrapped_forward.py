@@ -130,7 +130,7 @@ def test_output_keys_set_out_of_order_are_compared_key_by_key_and_stated() -> No
 
 def test_a_missing_key_is_still_a_structure_difference() -> None:
     """Only a reordering is accepted: an output the prepared module lacks still fails."""
-    from fxprep.compare import compare as _compare
+    from fxprep.verify.compare import compare as _compare
 
     a, b = torch.ones(2), torch.zeros(2)
     assert _compare({"x": a, "y": b}, {"y": b, "x": a}, 1e-4, 1e-5).problem is None
@@ -167,7 +167,7 @@ def test_fx_on_a_wrapped_forward_is_explained() -> None:
     import inspect
 
     from fxprep.capture.fx import _explained
-    from fxprep.diagnose import DECORATED_FORWARD
+    from fxprep.reporting.diagnose import DECORATED_FORWARD
 
     from .test_verify_meaning import llama_inputs, tiny_llama
 

@@ -24,8 +24,8 @@ from torch import nn
 
 import fxprep
 from fxprep.capture.dynamo import unreferenced_parameters
-from fxprep.capture.huggingface import capture_concrete_args
-from fxprep.inputs import normalize_example_inputs
+from fxprep.core.inputs import normalize_example_inputs
+from fxprep.families.transformers.model import capture_concrete_args
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
 from .helpers import TV_VIT_KWARGS, zoo_params
@@ -94,7 +94,7 @@ def assert_prepared(model: nn.Module, gm: torch.fx.GraphModule, example: Any, sa
     # save -> load -> the same outputs (no pickle; the model libraries are trusted explicitly)
     import tempfile
 
-    from fxprep.compare import flatten_output
+    from fxprep.verify.compare import flatten_output
 
     with tempfile.TemporaryDirectory() as tmp:
         if save_error is not None:  # a known limitation of save(): it must say so clearly, not crash
@@ -299,7 +299,7 @@ def test_timm_zoo(family: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# transformers: tiny configs, random weights, inputs from fxprep.capture.huggingface
+# transformers: tiny configs, random weights, inputs from fxprep.families.transformers.model
 # --------------------------------------------------------------------------------------------------
 TINY = dict(
     vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -384,7 +384,7 @@ def tiny_config(model_type: str, extra: dict[str, Any]) -> Any:
 def build_hf(model_type: str) -> tuple[nn.Module, Any]:
     import transformers
 
-    from fxprep.capture.huggingface import example_inputs_for
+    from fxprep.families.transformers.model import example_inputs_for
 
     auto, extra = HF_ARCHS[model_type]
     config = tiny_config(model_type, extra)

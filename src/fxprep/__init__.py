@@ -42,30 +42,30 @@ from .version import __version__
 
 if TYPE_CHECKING:  # what the names below are, for type checkers and the API reference
     from .api import get_report, prepare_model
-    from .check import TraceReport, check_traceability
-    from .export import export_onnx, export_program
+    from .big.partition import Stage, Stages, partition
+    from .big.ranks import Ranks
+    from .big.sequential import SequentialRun, run_sequential
+    from .big.weights import WeightsError, load_weights, verify_prepared
     from .io import load, save
-    from .opaque import opaque
-    from .partition import Stage, Stages, partition
-    from .ranks import Ranks
-    from .report import Report
-    from .sequential import SequentialRun, run_sequential
+    from .io.export import export_onnx, export_program
+    from .pipeline.traceability import TraceReport, check_traceability
+    from .reporting.report import Report
+    from .runtime.opaque import opaque
     from .view import show
-    from .weights import WeightsError, load_weights, verify_prepared
 
 #: public name -> the submodule that defines it (imported on first use)
 _LAZY = {
     "prepare_model": "api", "get_report": "api",
-    "check_traceability": "check", "TraceReport": "check",
-    "export_onnx": "export", "export_program": "export",
+    "check_traceability": "pipeline.traceability", "TraceReport": "pipeline.traceability",
+    "export_onnx": "io.export", "export_program": "io.export",
     "load": "io", "save": "io",
-    "opaque": "opaque",
-    "partition": "partition", "Stage": "partition", "Stages": "partition",
-    "Ranks": "ranks",
-    "Report": "report",
-    "run_sequential": "sequential", "SequentialRun": "sequential",
+    "opaque": "runtime.opaque",
+    "partition": "big.partition", "Stage": "big.partition", "Stages": "big.partition",
+    "Ranks": "big.ranks",
+    "Report": "reporting.report",
+    "run_sequential": "big.sequential", "SequentialRun": "big.sequential",
     "show": "view",
-    "load_weights": "weights", "verify_prepared": "weights", "WeightsError": "weights",
+    "load_weights": "big.weights", "verify_prepared": "big.weights", "WeightsError": "big.weights",
 }
 
 __all__ = [

@@ -4,7 +4,7 @@ This module only orchestrates; every step lives in its own module and can be use
 :func:`_prepare` reads as its stages (reference run, capture, passes, input guard, verification,
 report), each a function of one :class:`Preparation`: the :class:`~fxprep.capture.request.CaptureRequest`
 made once by :func:`_start`, and what the stages learn on the way. The report's longer note texts
-live in :mod:`fxprep.notes`.
+live in :mod:`fxprep.reporting.notes`.
 """
 
 from __future__ import annotations
@@ -20,23 +20,22 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import baked, decisions, guard, heap, notes, progress, root_hooks, shape_general, stand_ins
-from .arguments import (
-    check_concrete_args,
-    check_dynamic_inputs,
-    check_model,
-    defaults_as_concrete,
-    leaf_policy,
-)
-from .capture import cascade, dynamo_available, huggingface
+from . import decisions
+from .big import stand_ins
+from .big.weights import remember_original
+from .capture import cascade, dynamo_available, shape_general
 from .capture.common import CaptureAttempt, CaptureResult
-from .capture.dynamo import autodims
 from .capture.fx import mode_notes, trace_failure
 from .capture.request import CaptureRequest
 from .capture.rewrite import branches
-from .diagnose import first_line
+from .capture.routes import Route
+from .capture.shapes import autodims
+from .core import heap
+from .core.inputs import ExampleInputs, normalize_example_inputs, split_calls
+from .core.runs import hooks_left_as_found, preserved_state
+from .core.threads import GLOBAL_LOCK
 from .errors import InvalidInput
-from .inputs import ExampleInputs, normalize_example_inputs, split_calls
+from .families.transformers import model as huggingface
 from .options import PrepareOptions
 from .passes import (
     aimet_modules,
@@ -49,14 +48,22 @@ from .passes import (
     unroll,
     values,
 )
-from .preparation import Preparation, UserArguments
-from .prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, get_report, set_preserved
-from .report import Report
-from .runs import hooks_left_as_found, preserved_state
-from .threads import GLOBAL_LOCK
-from .verification_stage import verification
+from .pipeline import root_hooks
+from .pipeline.arguments import (
+    check_concrete_args,
+    check_dynamic_inputs,
+    check_model,
+    defaults_as_concrete,
+    leaf_policy,
+)
+from .pipeline.state import Preparation, UserArguments
+from .pipeline.verification import verification
+from .reporting import notes, progress
+from .reporting.diagnose import first_line
+from .reporting.report import Report
+from .runtime import baked, guard
+from .runtime.prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, get_report, set_preserved
 from .verify import Reference, run_original
-from .weights import remember_original
 
 
 def _block_conversion(model: nn.Module, opts: PrepareOptions) -> Any:
@@ -272,9 +279,9 @@ def _reference_run(run: Preparation, reference: Reference | None) -> None:
 
 def _propose_shapes(run: Preparation, not_general: str | None) -> None:
     """Without ``dynamic=``, propose the shape-general dimensions (a transformers model's batch and
-    sequence: :mod:`fxprep.shape_general`); with it, check it against the example (grown where a size is below 2)."""
+    sequence: :mod:`fxprep.capture.shape_general`); with it, check it against the example (grown where a size is below 2)."""
     opts, request = run.opts, run.request
-    if run.proposal is None and opts.dynamic is not False and request.example is not None and opts.tracer != "fx" \
+    if run.proposal is None and opts.dynamic is not False and request.example is not None and opts.tracer != Route.FX \
             and (opts.control_flow is None or opts.dynamic is None) and dynamo_available():
         run.proposal = (autodims.propose(run.model, request.example) if opts.dynamic is None
                         else autodims.declared(run.model, request.example, opts.dynamic))
@@ -292,7 +299,7 @@ def _capture(run: Preparation) -> CaptureResult:
     tracers, note = cascade.plan(opts.tracer, run.request.example, run.model)
     if note:
         report.note(note)
-    with GLOBAL_LOCK:  # capture patches process-wide state: one thing at a time (fxprep.threads)
+    with GLOBAL_LOCK:  # capture patches process-wide state: one thing at a time (fxprep.core.threads)
         run.rewrite = rewrite = _control_flow(run)
         if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
             static = run.request if run.proposal is None else run.request.replace(dynamic=False)
@@ -308,13 +315,13 @@ def _capture(run: Preparation) -> CaptureResult:
             with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
                 handled = rewrite.learn if rewrite is not None else None
                 result, sites = cascade.capture_with_opaque_parts(run.request.replace(handled=handled), attempts,
-                                                                  fx_too=opts.tracer != "dynamo")
+                                                                  fx_too=opts.tracer != Route.DYNAMO)
         if run.elsewhere is not None:
             result, sites = _fallback_general(run, attempts, result, sites)
         run.dynamic = run.proposal.dynamic if run.proposal is not None else run.request.dynamic
     report.issues.extend(issue for _, issue in sites)
     if result is not None and sites:
-        report.note(notes.opaque_parts(len(sites), dynamo=result.tracer.startswith("dynamo")))
+        report.note(notes.opaque_parts(len(sites), dynamo=Route(result.tracer).dynamo))
     report.attempts = attempts
     if result is None:
         failure = trace_failure(attempts, run.model)
@@ -340,7 +347,7 @@ def _captured_module(run: Preparation) -> fx.GraphModule:
         report.note(note)
     for note in mode_notes(gm, run.model):
         report.note(note)
-    if result.tracer.startswith("dynamo") and not run.dynamic and example is not None:
+    if Route(result.tracer).dynamo and not run.dynamic and example is not None:
         report.note(notes.static_shapes(example))
     return gm
 
@@ -425,7 +432,7 @@ def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Mod
 
 def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
     """Record the inputs ``gm`` was captured for, and the values it took from the model's attributes
-    and globals; each call is checked against them (fxprep.guard), and so is each value the graph
+    and globals; each call is checked against them (fxprep.runtime.guard), and so is each value the graph
     decided from data (fxprep.decisions)."""
     model, report, concrete = run.model, run.report, run.request.concrete_args
     assert run.result is not None
@@ -438,14 +445,14 @@ def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
         if found.unchecked:
             report.note(notes.baked_unchecked(found.assumed()))
     run.assumed = found.assumed()
-    tracer = run.result.tracer.split("+")[0]  # dynamo+leaves: Dynamo's rules (static shapes) with opaque parts
+    tracer = Route(run.result.tracer).rules  # dynamo+leaves: Dynamo's rules (static shapes) with opaque parts
     call = run.prepared_call
-    if call is None and tracer == "dynamo":  # captured on inputs built from a transformers config
+    if call is None and tracer.dynamo:  # captured on inputs built from a transformers config
         built = cascade.dynamo_call(model, None)
         call = split_calls(model, built, concrete)[1] if built is not None else None
     if call is not None:
         dims: dict[str, set[int]] = {}
-        if run.dynamic and tracer == "dynamo":
+        if run.dynamic and tracer.dynamo:
             from .capture.dynamo import dynamic_dims
 
             named = dynamic_dims(model, call, run.dynamic)
@@ -458,7 +465,7 @@ def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
                             shape_general.limits_by_input(run.proposal))
         if spec is not None:
             set_preserved(gm, INPUT_SPEC, spec)
-            if tracer == "dynamo" and any(n.get("kind") == "tensor" and None not in (n.get("shape") or [None])
+            if tracer.dynamo and any(n.get("kind") == "tensor" and None not in (n.get("shape") or [None])
                                           for n in spec.params.values()):
                 report.note(notes.INPUT_CHECKS)
     decided = decisions.summary(gm)
@@ -470,7 +477,7 @@ def _capture_general(run: Preparation, tracers: list[str], *, static_fallback: b
                      ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """The shape-general capture (:func:`shape_general.capture`: Dynamo alone, with the proposal's
     dimensions); when it fails, the static-shape capture as before, said in the report (the reference
-    run is kept), or :class:`~.shape_general.NotShapeGeneral` without ``static_fallback``.
+    run is kept), or :class:`~.capture.shape_general.NotShapeGeneral` without ``static_fallback``.
     ``run.proposal`` becomes the proposal kept (None when static) and ``run.request`` the request
     the capture used."""
     request, proposal = run.request, run.proposal
@@ -479,7 +486,7 @@ def _capture_general(run: Preparation, tracers: list[str], *, static_fallback: b
     def capture_at(call: ExampleInputs, dims: Any, opaque: list[Any], search: bool
                    ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
         return cascade.capture(request.replace(example=call, dynamic=dims, opaque=tuple(opaque), scan_search=search),
-                               ["dynamo"])
+                               [Route.DYNAMO])
 
     try:
         result, attempts, found = shape_general.capture(request.model, request.example, proposal, capture_at,
@@ -491,7 +498,7 @@ def _capture_general(run: Preparation, tracers: list[str], *, static_fallback: b
     except shape_general.NotShapeGeneral as err:
         if proposal.explicit:  # the user's dimensions: the tracers as asked, as before (Dynamo not twice)
             run.proposal, done = None, err.elsewhere.attempts if err.elsewhere is not None else []
-            result, attempts = cascade.capture(request, [t for t in tracers if t != "dynamo"] if done else tracers)
+            result, attempts = cascade.capture(request, [t for t in tracers if t != Route.DYNAMO] if done else tracers)
             return result, done + attempts
         if not static_fallback:
             raise
@@ -512,7 +519,7 @@ def _general_after_rewrite(run: Preparation, rewrite: Any, tracers: list[str], r
     with the plan found is then captured once more with the proposal's dimensions
     (:func:`_capture_general`), kept when Dynamo captures it whole. Otherwise the static capture
     stands and the report says why, or, without a static fallback, :class:`NotShapeGeneral` is raised."""
-    if result is None or result.tracer != "dynamo":
+    if result is None or result.tracer != Route.DYNAMO:
         why = ("with the control-flow rewrite, Dynamo did not capture the model as one graph on static shapes "
                f"({result.tracer if result is not None else 'no capture'}), so its dimensions were not declared")
     else:

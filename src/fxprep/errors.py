@@ -39,7 +39,7 @@ class ModelError(FxprepError):
 class TraceFailure(FxprepError):
     """No tracer could capture the model (or the part of it that was asked for).
 
-    ``issues`` holds the diagnosed :class:`fxprep.diagnose.Issue` objects when there are any.
+    ``issues`` holds the diagnosed :class:`fxprep.reporting.diagnose.Issue` objects when there are any.
     """
 
     def __init__(self, message: str, issues: list[Any] | None = None, attempts: list[Any] | None = None):

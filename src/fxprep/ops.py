@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .wrap import autograd_function_caller
+from .runtime.wrap import autograd_function_caller
 
 
 class Slot:

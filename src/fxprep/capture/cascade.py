@@ -16,15 +16,17 @@ from typing import Any
 
 from torch import nn
 
-from .. import progress
+from ..core.inputs import ExampleInputs, normalize_example_inputs, split_calls
+from ..core.runs import preserved_state
 from ..errors import InvalidInput
-from ..inputs import ExampleInputs, normalize_example_inputs, split_calls
-from ..runs import preserved_state
-from . import dynamo_available, huggingface
+from ..families.transformers import model as huggingface
+from ..reporting import progress
+from . import dynamo_available
 from .common import CaptureAttempt, CaptureResult
 from .fx import capture_fx, restored_attributes
 from .leaves import capture_hybrid
 from .request import CaptureRequest
+from .routes import Route
 
 NO_INPUTS_DYNAMO = ("No example_inputs: Dynamo captured with inputs built from the model config "
                     "(input_ids, attention_mask, ...); the result is not verified.")
@@ -34,14 +36,14 @@ NO_INPUTS_FX = "No example_inputs: only the fx tracer can run, and the result is
 def plan(tracer: str, example: ExampleInputs | None, model: nn.Module) -> tuple[list[str], str | None]:
     """The tracers to try for ``tracer`` ("auto", "dynamo" or "fx"), and a note for the report."""
     if tracer != "auto":
-        if tracer == "dynamo" and example is None and huggingface.example_inputs_for(model) is None:
+        if tracer == Route.DYNAMO and example is None and huggingface.example_inputs_for(model) is None:
             raise InvalidInput("tracer='dynamo' needs example_inputs: Dynamo traces by running the model.")
         return [tracer], None
     if example is None:
         if dynamo_available() and huggingface.example_inputs_for(model) is not None:
-            return ["dynamo", "fx"], NO_INPUTS_DYNAMO
-        return ["fx"], NO_INPUTS_FX
-    return (["dynamo", "fx"] if dynamo_available() else ["fx"]), None
+            return [Route.DYNAMO, Route.FX], NO_INPUTS_DYNAMO
+        return [Route.FX], NO_INPUTS_FX
+    return ([Route.DYNAMO, Route.FX] if dynamo_available() else [Route.FX]), None
 
 
 def dynamo_call(model: nn.Module, example: ExampleInputs | None) -> ExampleInputs | None:
@@ -55,7 +57,7 @@ def dynamo_call(model: nn.Module, example: ExampleInputs | None) -> ExampleInput
 def run_tracer(name: str, request: CaptureRequest) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
     """One tracer's capture of ``request`` (never raises for a capture failure); every attempt it made."""
     model, example = request.model, request.example
-    if name == "fx":
+    if name == Route.FX:
         result, attempt = capture_fx(model, request.policy, request.concrete_args, request.autowrap_functions)
         attempts = [attempt]
         if result is None and not request.concrete_args:  # transformers < 5: its own tracer, if installed
@@ -133,9 +135,9 @@ def capture_with_opaque_parts(request: CaptureRequest, attempts: list[CaptureAtt
     follow the inputs' structure (``dynamo+values``, :mod:`.dynamo.values`); then fx with them
     (``fx+leaves``, unless ``fx_too`` is False: a forced ``tracer="dynamo"`` never takes fx's result). Returns the capture (None when both
     failed) and its opaque parts as ``(site, issue)`` pairs; each run is appended to ``attempts``.
-    The model is left as it was (:func:`fxprep.runs.preserved_state`)."""
+    The model is left as it was (:func:`fxprep.core.runs.preserved_state`)."""
     model, policy, example = request.model, request.policy, request.example
-    failed = next((a.exception for a in attempts if a.tracer == "dynamo" and a.exception is not None), None)
+    failed = next((a.exception for a in attempts if a.tracer == Route.DYNAMO and a.exception is not None), None)
     if failed is not None and example is not None:
         from .dynamo import values
         from .dynamo.fallback import capture_dynamo_leaves

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..opaque import is_opaque_module
+from ..runtime.opaque import is_opaque_module
 
 
 @dataclass
@@ -22,7 +22,7 @@ class LeafPolicy:
     included), modules marked with :func:`fxprep.opaque`, TorchScript modules (nothing can trace
     into them), and modules carrying forward hooks or pre-hooks: tracing into those would silently
     drop the hooks, so they stay calls and their hooks keep running (transformers' own output
-    recorders aside: tracing reproduces them, see :mod:`.recorders`).
+    recorders aside: tracing reproduces them, see :mod:`..families.transformers.recorders`).
     """
 
     modules: tuple[nn.Module, ...] = ()
@@ -44,7 +44,7 @@ class LeafPolicy:
         if module._forward_pre_hooks:
             return "has forward hooks"
         if module._forward_hooks:
-            from .recorders import only_output_recorders
+            from ..families.transformers.recorders import only_output_recorders
 
             if not only_output_recorders(module._forward_hooks.values()):
                 return "has forward hooks"
@@ -69,7 +69,7 @@ class CaptureAttempt:
     def failed(cls, tracer: str, err: BaseException, start: float) -> CaptureAttempt:
         """The attempt of ``tracer`` (started at ``time.perf_counter()`` value ``start``) that
         raised ``err``, with the error described for people (file:line, category)."""
-        from ..diagnose import describe_exception
+        from ..reporting.diagnose import describe_exception
 
         return cls(tracer, False, time.perf_counter() - start, describe_exception(err), type(err).__name__, err)
 

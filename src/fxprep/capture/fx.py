@@ -14,7 +14,7 @@ handles each one deliberately instead:
 * Modules the :class:`LeafPolicy` names are called whole, never traced into.
 
 What cannot be recorded (a Python ``if`` on a tensor, ``range(x.shape[0])``) still fails, and
-:mod:`fxprep.diagnose` turns the failure into a located, categorised :class:`~fxprep.errors.TraceFailure`.
+:mod:`fxprep.reporting.diagnose` turns the failure into a located, categorised :class:`~fxprep.errors.TraceFailure`.
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ import torch.fx as fx
 from torch import nn
 from torch.fx._symbolic_trace import PH
 
+from ..core.frames import FRAMES, call_frames
+from ..core.runs import StateChanges, preserved_state
+from ..core.threads import confined, confined_fx_patches, on_owner_thread
 from ..errors import TraceFailure
-from ..frames import FRAMES, call_frames
-from ..runs import StateChanges, preserved_state
-from ..threads import confined, confined_fx_patches, on_owner_thread
-from ..wrap import TENSOR_CONSTRUCTORS, autograd_function_caller, find_proxy, record_as_call
+from ..runtime.wrap import TENSOR_CONSTRUCTORS, autograd_function_caller, find_proxy, record_as_call
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
+from .routes import Route
 
 # ``x += y`` on a traced tensor must stay in place: fx.Proxy has no __iadd__, so Python falls back
 # to ``x = x + y`` and a view taken earlier would miss the update.
@@ -69,7 +70,7 @@ def _traced_len(obj: Any) -> Any:
 def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
     """Install the recording wrappers for the duration of one trace and always undo them.
 
-    Each one is confined to this thread (:func:`fxprep.threads.confined`): other threads keep
+    Each one is confined to this thread (:func:`fxprep.core.threads.confined`): other threads keep
     running torch's own functions while this one traces."""
     restore: list[Callable[[], None]] = []
     owner = threading.get_ident()
@@ -118,7 +119,7 @@ def _tracing_patches(globals_dicts: list[dict[str, Any]]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def restored_attributes(model: nn.Module, changed: list[str], updated: list[str] | None = None) -> Iterator[None]:
-    """Undo whatever tracing wrote onto the user's modules (:func:`fxprep.runs.preserved_state`).
+    """Undo whatever tracing wrote onto the user's modules (:func:`fxprep.core.runs.preserved_state`).
 
     Some forwards cache values on ``self`` (``self.scales = ...``); during tracing those values
     are Proxies, and leaving them there would break the user's model. Attributes, registries,
@@ -304,7 +305,7 @@ def flatten_container_inputs(model: nn.Module, example: Any, concrete_args: dict
     """``concrete_args`` that give list/tuple/dict inputs one placeholder per tensor (fx ``PH``), so
     ``for img in images`` iterates real Python lists of traced tensors instead of failing; an input
     the example gives as None is fixed to None (as Dynamo does; the prepared module refuses another
-    value, see :mod:`fxprep.guard`)."""
+    value, see :mod:`fxprep.runtime.guard`)."""
     if example is None:
         return concrete_args
     try:
@@ -400,7 +401,7 @@ def capture_fx(
             gm = tracer.make_graph_module(graph, model.__class__.__name__)
         changed = [c for c in changed if not c.rpartition(".")[2].startswith("_tensor_constant")]
     except Exception as err:  # noqa: BLE001 - every tracer failure is reported, not raised
-        return None, CaptureAttempt.failed("fx", _explained(err, model), start)
+        return None, CaptureAttempt.failed(Route.FX, _explained(err, model), start)
     if concrete_args:
         _name_concrete_placeholders(gm, model, concrete_args)
     notes = []
@@ -415,13 +416,13 @@ def capture_fx(
             f"records (the update ran once on the real tensor while tracing; fxprep restored it): the prepared "
             f"module does NOT perform this update. Keep such state outside forward(), or use tracer='dynamo'."
         )
-    result = CaptureResult(gm, "fx", notes=notes, extra_leaves=dict(tracer.extra_leaves))
-    return result, CaptureAttempt("fx", True, time.perf_counter() - start)
+    result = CaptureResult(gm, Route.FX, notes=notes, extra_leaves=dict(tracer.extra_leaves))
+    return result, CaptureAttempt(Route.FX, True, time.perf_counter() - start)
 
 
 def trace_failure(attempts: list[CaptureAttempt], model: nn.Module | None = None) -> TraceFailure:
     """The error raised when every tracer failed: each attempt, located and explained."""
-    from ..diagnose import diagnose
+    from ..reporting.diagnose import diagnose
 
     issues = [i for a in attempts if a.exception is not None for i in diagnose(a.exception, a.tracer, model)]
     lines = ["fxprep could not capture the model:"]

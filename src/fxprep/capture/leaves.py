@@ -21,15 +21,16 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from .. import progress
-from ..diagnose import Issue, diagnose
-from ..inputs import ExampleInputs
-from ..paths import get_path, has_path, install
-from ..threads import GLOBAL_LOCK, confined
-from ..wrap import find_proxy
+from ..core.inputs import ExampleInputs
+from ..core.paths import get_path, has_path, install
+from ..core.threads import GLOBAL_LOCK, confined
+from ..reporting import progress
+from ..reporting.diagnose import Issue, diagnose
+from ..runtime.wrap import find_proxy
 from .common import CaptureAttempt, CaptureResult, LeafPolicy
 from .fx import FxprepTracer, capture_fx, flatten_container_inputs
 from .request import CaptureRequest
+from .routes import Route
 from .sites import FUNCTIONS, MISSING, OpaqueFunction, OpaqueMethod, Site, failure_site, put_back
 
 MAX_ROUNDS = 40
@@ -60,7 +61,7 @@ def _apply_structure(proxy: fx.Proxy, template: Any) -> Any:
 
 def record_structures(model: nn.Module, example: ExampleInputs, sites: list[Site]) -> dict[Site, Any]:
     """Run the model once and note each site's first output structure."""
-    from ..runs import preserved_state, run_model
+    from ..core.runs import preserved_state, run_model
 
     found: dict[Site, Any] = {}
     handles = []
@@ -202,13 +203,13 @@ class HybridTracer(FxprepTracer):
 
 def capture_hybrid(request: CaptureRequest) -> tuple[CaptureResult | None, CaptureAttempt, list[tuple[Site, Issue]]]:
     """Capture ``request`` with the smallest opaque parts that make fx succeed (``request.example``:
-    the call of the prepared module, :func:`fxprep.inputs.split_calls`; None: no structures recorded).
+    the call of the prepared module, :func:`fxprep.core.inputs.split_calls`; None: no structures recorded).
 
     Returns the result (or None), the attempt for the report, and each opaque site with the issue
     that made it opaque (or, on failure, the issue nothing smaller could fix). ``request.handled`` is
     asked first about each failure: True means it was dealt with otherwise (``control_flow="rewrite"``
     rewrote the failing ``if``) and the trace is simply tried again. Runs under
-    :data:`fxprep.threads.GLOBAL_LOCK`: the opaque functions are routed through the tracer in their
+    :data:`fxprep.core.threads.GLOBAL_LOCK`: the opaque functions are routed through the tracer in their
     modules' globals for the length of each trace.
     """
     with GLOBAL_LOCK:
@@ -234,16 +235,16 @@ def _capture_hybrid(request: CaptureRequest) -> tuple[CaptureResult | None, Capt
         finally:
             put_back(patched)
         if result is not None:
-            result.tracer = "fx+leaves"
+            result.tracer = Route.FX_LEAVES
             for site, issue in found:
                 result.extra_leaves[site.qualname] = f"opaque: {issue.category} at {issue.location}"
-            return result, CaptureAttempt("fx+leaves", True, time.perf_counter() - start), found
+            return result, CaptureAttempt(Route.FX_LEAVES, True, time.perf_counter() - start), found
         last_error = attempt.exception
         assert last_error is not None
         if handled is not None and handled(last_error):
             continue
         site = failure_site(last_error, model)
-        issue = diagnose(last_error, "fx", model)[0]
+        issue = diagnose(last_error, Route.FX, model)[0]
         if site is None or (site.path == "" and site.method == "forward") or site in sites:
             found.append((site or Site(""), issue))
             break
@@ -251,7 +252,7 @@ def _capture_hybrid(request: CaptureRequest) -> tuple[CaptureResult | None, Capt
         found.append((site, issue))
         progress.step(f"{site.qualname or 'root'} made opaque ({issue.category})")
     error = f"{type(last_error).__name__}: {str(last_error).splitlines()[0] if str(last_error) else ''}"
-    return None, CaptureAttempt("fx+leaves", False, time.perf_counter() - start, error, type(last_error).__name__, last_error), found
+    return None, CaptureAttempt(Route.FX_LEAVES, False, time.perf_counter() - start, error, type(last_error).__name__, last_error), found
 
 
 __all__ = ["capture_hybrid", "OpaqueMethod", "Site", "failure_site"]

@@ -6,7 +6,7 @@ on each reused block) and, in the opaque-part fallback, the eager recordings its
 Passed loose, each of these was a parameter of every function on the way from ``prepare_model`` to
 the tracer (``capture_dynamo`` took eleven), and a new option meant editing every signature on the
 way. They travel as one frozen :class:`CaptureRequest` instead: created once in ``prepare_model``
-(:mod:`fxprep.api`) or ``check_traceability`` (:mod:`fxprep.check`), handed to the routes of
+(:mod:`fxprep.api`) or ``check_traceability`` (:mod:`fxprep.pipeline.traceability`), handed to the routes of
 :mod:`fxprep.capture.cascade`, which return a :class:`~fxprep.capture.common.CaptureResult`; a
 route that tries a variant (another example size, other dynamic dimensions, Dynamo deciding values
 from data) makes it with :meth:`CaptureRequest.replace`, leaving the caller's request as it was.
@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from ..inputs import ExampleInputs, split_calls
+from ..core.inputs import ExampleInputs, split_calls
 from .common import LeafPolicy
 
 # The fields that decide what an eager recording of an opaque part holds: a variant changing one of
@@ -36,7 +36,7 @@ class CaptureRequest:
     ``model``: the module to capture (never mutated). ``policy``: the modules kept as leaves.
     ``example``: the normalized example inputs (None: fx only, or inputs built from a transformers
     config, :func:`fxprep.capture.cascade.dynamo_call`). ``concrete_args``: arguments baked into the
-    graph (:func:`fxprep.inputs.split_calls`). ``autowrap_functions``: functions fx calls without
+    graph (:func:`fxprep.core.inputs.split_calls`). ``autowrap_functions``: functions fx calls without
     tracing into. ``dynamic``: Dynamo's dynamic dimensions (``"batch"``, ``{arg: {dim: name}}``, False
     for static, None for Dynamo's default). ``reuse``: Dynamo captures each repeated block once
     (:mod:`fxprep.capture.dynamo.reuse`); ``block_pass(block_gm, first_instance)`` then runs once on
@@ -77,7 +77,7 @@ class CaptureRequest:
         return dataclasses.replace(self, **changes)
 
     def calls(self) -> tuple[ExampleInputs, ExampleInputs]:
-        """``(capture_call, prepared_call)`` of the example (:func:`fxprep.inputs.split_calls`): what
+        """``(capture_call, prepared_call)`` of the example (:func:`fxprep.core.inputs.split_calls`): what
         the tracer runs the model on (``concrete_args`` included) and how the prepared module is called."""
         assert self.example is not None, "a capture call needs example inputs"
         return split_calls(self.model, self.example, self.concrete_args)

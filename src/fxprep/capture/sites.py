@@ -260,7 +260,7 @@ def sites_from_frames(frames: list[FrameRecord], model: nn.Module, *, nested: bo
     ``nested``: each function that function calls on the way too, found where its caller looks it up
     (Mamba-2's ``mamba2_scan_forward`` reads the layer's parameters; the ``mamba2_chunk_scan`` it
     calls does not: the per-step loop a scan search wants, :mod:`fxprep.capture.dynamo.scans`)."""
-    from ..diagnose import is_user_file
+    from ..reporting.diagnose import is_user_file
 
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     helpers: dict[int, tuple[str, str]] | None = None

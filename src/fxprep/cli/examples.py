@@ -6,7 +6,7 @@ its token ids, a speech encoder float features with its own bin count, CLIP both
 ``main_input_name`` alone gave CLIP ids only and Whisper integer "features": the model's own
 error, on a model fxprep could prepare.
 
-The candidates come from the config (:func:`~fxprep.capture.huggingface.example_inputs_for`),
+The candidates come from the config (:func:`~fxprep.families.transformers.model.example_inputs_for`),
 fewest inputs first: the main input alone (with decoder ids for an encoder-decoder), audio in
 the other layouts models use (a filter bank where the config gives its bins and frames), then
 every input the config describes. The first the model runs
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capture.huggingface import example_inputs_for
-from ..diagnose import first_line
+from ..core.inputs import ExampleInputs
+from ..core.runs import run_model
 from ..errors import FxprepError, InvalidInput
-from ..inputs import ExampleInputs
-from ..runs import run_model
+from ..families.transformers.model import example_inputs_for
+from ..reporting.diagnose import first_line
 
 Inputs = dict[str, torch.Tensor]
 

@@ -183,7 +183,7 @@ def prepare_command(
             if not saved:
                 return EXIT_DELIVERY
         if onnx is not None:
-            from .. import export
+            from ..io import export
 
             result["onnx"] = {"path": str(onnx), "max_abs_diff": export.export_onnx(gm, built.example_inputs, onnx)}
             clock.lap("ONNX export")

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..api import prepare_model as _fxprep_prepare_model
-from ..capture.huggingface import is_hf_model
+from ..families.transformers.model import is_hf_model
 from ..passes.aimet_modules import aimet_available
 
 __all__ = ["prepare_model", "register_quantsim"]

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..inputs import normalize_example_inputs
+from ..core.inputs import normalize_example_inputs
 from ..passes import fold_constants, shape_prop
 from .retrace import HOLDER, INTEGER_INPUTS, integer_valued, retraceable
 

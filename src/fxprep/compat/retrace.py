@@ -35,8 +35,8 @@ import torch.fx as fx
 from torch.fx.graph import CodeGen, _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
+from ..core.inputs import normalize_example_inputs
 from ..errors import InvalidInput
-from ..inputs import normalize_example_inputs
 from ..passes import casts, fold_constants, shape_prop, tuple_outputs
 
 __all__ = ["retraceable"]

@@ -25,9 +25,9 @@ from torch import nn
 
 from ..api import register_with_toolkits
 from ..errors import FxprepError, SerializationError
-from ..guard import InputSpec
 from ..passes import state_dict as state_dict_pass
-from ..prepared import INPUT_SPEC, REPORT, PreparedModule, set_preserved
+from ..runtime.guard import InputSpec
+from ..runtime.prepared import INPUT_SPEC, REPORT, PreparedModule, set_preserved
 from ..version import __version__
 from . import allowlist, selfcheck, usage
 from .decode import (
@@ -249,7 +249,7 @@ def _load(
         gm.register_load_state_dict_pre_hook(state_dict_pass._fill_aliases)
     set_preserved(gm, REPORT, report_from_dict(manifest.get("report"), directory))
     spec = None
-    if manifest.get("input_guard") is not None:  # plain data (fxprep.guard): what each call is checked against
+    if manifest.get("input_guard") is not None:  # plain data (fxprep.runtime.guard): what each call is checked against
         try:
             spec = InputSpec.from_dict(manifest["input_guard"])
         except ValueError as err:

@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from .. import ops
 from ..errors import SerializationError
-from ..report import Report
+from ..reporting.report import Report
 from . import allowlist
 from .format import (
     CONTAINERS,

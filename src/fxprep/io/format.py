@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.inputs import normalize_example_inputs
 from ..errors import SerializationError
-from ..inputs import normalize_example_inputs
 
 FORMAT = "fxprep.saved_module"
 # 2: tensor slots and constants record dtype and shape; opaque parts and helper objects.

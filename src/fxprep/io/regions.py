@@ -7,7 +7,7 @@ leaving would switch autocast for the whole process at the module's first call: 
 float32 ``mm`` would return bfloat16. So :func:`check_state_regions` checks, before anything runs,
 that every region a graph opens it closes exactly once (issue 28), with the arguments written into
 the graph (a device type and dtype torch.autocast knows: issue 63). A region whose inside raises is
-still left: :mod:`fxprep.modes` puts the mode back after such a run, at load and at each call. Every
+still left: :mod:`fxprep.runtime.modes` puts the mode back after such a run, at load and at each call. Every
 other process-state changer is simply not on the allow-list (:mod:`.reviewed`).
 """
 
@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .. import modes
 from ..errors import SerializationError
+from ..runtime import modes
 from . import allowlist
 
 # the device types an autocast region of a save may name (torch.amp.autocast's own), and its dtypes
@@ -46,7 +46,7 @@ def autocast_role(node: fx.Node, root: nn.Module) -> tuple[str, Any] | None:
 def _check_enter(node: fx.Node, arguments: Any) -> None:
     """An enter's arguments as torch.autocast takes them, written into the graph: a device type
     torch.autocast knows, a floating dtype (or None), and literal flags. A region entered with a
-    device or dtype computed by the graph could not be checked here, nor left by :mod:`fxprep.modes`."""
+    device or dtype computed by the graph could not be checked here, nor left by :mod:`fxprep.runtime.modes`."""
     args, kwargs = arguments
     values = dict(zip(("device_type", "dtype", "enabled", "cache_enabled"), args), **kwargs)
     device, dtype = values.get("device_type"), values.get("dtype")

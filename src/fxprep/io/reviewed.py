@@ -106,8 +106,8 @@ torch.addmm  matmul: sizes checked by torch; multiply-adds counted before it run
 torch.all  reduction: dims and k checked by torch; output no larger than the input
 torch.amax  reduction: dims and k checked by torch; output no larger than the input
 torch.amin  reduction: dims and k checked by torch; output no larger than the input
-torch.amp.autocast_mode._enter_autocast  mode: balanced regions only (checked at load), left on every path (fxprep.modes)
-torch.amp.autocast_mode._exit_autocast  mode: balanced regions only (checked at load), left on every path (fxprep.modes)
+torch.amp.autocast_mode._enter_autocast  mode: balanced regions only (checked at load), left on every path (fxprep.runtime.modes)
+torch.amp.autocast_mode._exit_autocast  mode: balanced regions only (checked at load), left on every path (fxprep.runtime.modes)
 torch.arange  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.as_tensor  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.baddbmm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)

@@ -25,7 +25,7 @@ value a tamper could set to skip the comparison would make the whole check optio
 What no loader can see: a consistent forgery (files, fingerprint and checksums rewritten together:
 the save then describes another model, which is what a save may do), and a module saved without
 example inputs (nothing to run it on: the record says so, and the loaded module is not checked).
-The run leaves the module exactly as it was (:func:`fxprep.runs.preserved_state`), like a call of
+The run leaves the module exactly as it was (:func:`fxprep.core.runs.preserved_state`), like a call of
 the loaded module would if it were not for its state updates.
 """
 
@@ -42,10 +42,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import guard, modes
+from ..core.runs import SEED, preserved_state
 from ..errors import InputMismatch, SerializationError
-from ..guard import InputSpec
-from ..runs import SEED, preserved_state
+from ..runtime import guard, modes
+from ..runtime.guard import InputSpec
 from . import allowlist, budget, peak, pyvalues
 from .format import LIMITS
 

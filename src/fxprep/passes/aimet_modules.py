@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..report import Report
+from ..reporting.report import Report
 from .functional_to_module import bind
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import nn
 
-from ..paths import has_path
-from ..report import Report
+from ..core.paths import has_path
+from ..reporting.report import Report
 
 # ``operator.iadd`` is recorded by Dynamo (and fxprep's fx tracer); a plain fx trace sees ``a + b``.
 _IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",

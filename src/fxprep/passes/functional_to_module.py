@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..report import Report
+from ..reporting.report import Report
 from .input_checks import check_only
 from .naming import add_module, code_scope, fresh_name, scope_of
 from .op_table import (

@@ -2,7 +2,7 @@
 
 A graph can hold checks that compute nothing its outputs use: an assert on a tensor
 (``torch._assert_async``, ``torch._check``), and every op whose results feed only such an assert.
-fxprep's own capture keeps one (transformers' packed-sequence test, :mod:`fxprep.capture.hf_attention`:
+fxprep's own capture keeps one (transformers' packed-sequence test, :mod:`fxprep.families.transformers.attention`:
 ``position_ids[:, :1] - 1``, ``diff``, ``!= 1``, ``any``, ``~``, ``_assert_async``), and models write
 others. Made into modules they were listed beside the model's computation as six modules to
 quantize (``model.sub -> model.diff -> model.ne -> model.any -> model.invert -> model.assert_async``)

@@ -38,8 +38,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..frames import frames_of
-from ..paths import has_path, holds
+from ..core.frames import frames_of
+from ..core.paths import has_path, holds
 
 _MANGLED = re.compile(r"(^|\.)(G___|L__|L\[|G\[)")
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..wrap import TENSOR_CONSTRUCTORS
+from ..runtime.wrap import TENSOR_CONSTRUCTORS
 from .values import OTHER
 
 VIEW_AND_METADATA_METHODS = frozenset(

@@ -25,7 +25,7 @@ from collections import Counter
 import torch.fx as fx
 from torch import nn
 
-from ..report import Report
+from ..reporting.report import Report
 from .naming import fresh_name
 
 _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,

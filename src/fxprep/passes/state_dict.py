@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..prepared import set_preserved
+from ..runtime.prepared import set_preserved
 
 ALIASES_ATTR = "_fxprep_state_aliases"
 METADATA_ATTR = "_fxprep_state_metadata"

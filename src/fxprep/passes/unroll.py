@@ -15,7 +15,7 @@ from collections import OrderedDict
 import torch.fx as fx
 from torch import nn
 
-from ..report import Report
+from ..reporting.report import Report
 from .naming import add_module, fresh_name
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..inputs import ExampleInputs
+from ..core.inputs import ExampleInputs
 
 TENSOR, OTHER, UNKNOWN = "tensor", "other", "unknown"
 

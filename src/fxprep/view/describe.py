@@ -81,8 +81,8 @@ def record_values(gm: fx.GraphModule, example_inputs: Any) -> dict[str, list[dic
     RNG are restored afterwards. Any failure returns what was recorded so far: a view is still worth
     having without shapes.
     """
-    from ..inputs import normalize_example_inputs
-    from ..runs import preserved_state
+    from ..core.inputs import normalize_example_inputs
+    from ..core.runs import preserved_state
 
     example = normalize_example_inputs(example_inputs)
     recorder = _Recorder()
@@ -285,7 +285,7 @@ def describe_saved(directory: Any) -> dict[str, Any]:
 
     from ..io import GRAPH, inspect_saved
     from ..io.format import read_json
-    from ..report import Report
+    from ..reporting.report import Report
 
     directory = Path(directory)
     view = inspect_saved(directory)

@@ -22,7 +22,7 @@ Files, in pipeline order: :mod:`.export` (the Dynamo call and what protects the 
 process around it), :mod:`.names` (Dynamo's names → the user's objects), :mod:`.flag` and
 :mod:`.regroup` (the two routes to ``call_module`` nodes, both tested; :mod:`.record` is the
 regroup route's eager recording run), :mod:`.relift` (the module-level GraphModule), and
-:mod:`.shapes` (dynamic dimensions). The graph clean-ups are passes in
+:mod:`..shapes.dims` (dynamic dimensions). The graph clean-ups are passes in
 :mod:`fxprep.passes.dynamo_cleanup`. This file holds the capture loop.
 
 Nothing here raises for a capture failure: :func:`capture_dynamo` returns it in the
@@ -39,12 +39,14 @@ from typing import Any
 
 from torch import nn
 
-from ... import progress
-from ...inputs import ExampleInputs
-from ...threads import GLOBAL_LOCK
-from .. import huggingface
+from ...core.inputs import ExampleInputs
+from ...core.threads import GLOBAL_LOCK
+from ...families.transformers import model as huggingface
+from ...reporting import progress
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
 from ..request import CaptureRequest
+from ..routes import Route
+from ..shapes.dims import dynamic_dims, dynamic_shapes_spec, grown_example, shortest_length
 from ..sites import Site
 from . import early_limit, guard_log
 from .early_limit import LimitFound
@@ -62,10 +64,9 @@ from .names import resolve_source
 from .opaque import black_box
 from .relift import ROUTE_META, LiftTarget, relift, unreferenced_parameters
 from .reuse import REUSE_META, ReuseJob, capture_reusing
-from .shapes import dynamic_dims, dynamic_shapes_spec, grown_example, shortest_length
 
 
-def _failure(err: BaseException, start: float, tracer: str = "dynamo") -> tuple[None, CaptureAttempt]:
+def _failure(err: BaseException, start: float, tracer: str = Route.DYNAMO) -> tuple[None, CaptureAttempt]:
     return None, CaptureAttempt.failed(tracer, err, start)
 
 
@@ -108,7 +109,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
     capture failure.
     """
     start = time.perf_counter()
-    tracer = "dynamo+values" if real_values else "dynamo"
+    tracer = Route.DYNAMO_VALUES if real_values else Route.DYNAMO
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
     if route == "flag" and not flag_available():

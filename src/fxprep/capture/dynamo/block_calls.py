@@ -22,9 +22,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ... import decisions
-from ...diagnose import first_line
-from ...inputs import ExampleInputs, same_layout
-from ...runs import SEED, preserved_state
+from ...core.inputs import ExampleInputs, same_layout
+from ...core.runs import SEED, preserved_state
+from ...reporting.diagnose import first_line
 from .blocks import call_inputs, freeze
 
 

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch import nn
 
 from ...cond import cond
-from ...paths import get_path, has_path, install
+from ...core.paths import get_path, has_path, install
 from ..common import LeafPolicy
 from .names import Frame, Stacks, default_leaf, frames_meta
 

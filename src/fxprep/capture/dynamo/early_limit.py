@@ -2,7 +2,7 @@
 
 Why: the per-step loop of a scan (Mamba's ``for index in range(seq_len)``, a chunked scan's inner
 loops) ties the graph to the example's length, and tracing it is most of a capture's time (Dynamo
-unrolls it), for a capture the shape-general capture (:func:`fxprep.shape_general.capture`) then
+unrolls it), for a capture the shape-general capture (:func:`fxprep.capture.shape_general.capture`) then
 gives up to look for the scan in its guards (:mod:`.scans`) and capture again with it opaque. Where
 it asks for it (``CaptureRequest.scan_search``), a capture here stops at the first guard that fails
 at a size above the example's of a declared dimension (:class:`Limit`, the ``stop`` of
@@ -31,12 +31,12 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...diagnose import first_line
-from ...inputs import ExampleInputs
+from ...core.inputs import ExampleInputs
+from ...reporting.diagnose import first_line
+from ..shapes.dims import positional_names
 from .blocks import call_inputs
 from .guard_log import AddedGuard, Stopped
 from .scans import failing_size
-from .shapes import positional_names
 
 _VIOLATED = re.compile(r"Constraints violated \((.*?)\)!")
 

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import heap
-from ...inputs import ExampleInputs
-from ...threads import GLOBAL_LOCK, confined, quiet_logs
+from ...core import heap
+from ...core.inputs import ExampleInputs
+from ...core.threads import GLOBAL_LOCK, confined, quiet_logs
+from ..shapes.dims import hints
 from .recording import ORIGINAL_CLASS
-from .shapes import hints
 
 ROUTES = ("auto", "flag", "regroup")
 FLAG = "install_free_tensors_for_export"
@@ -233,7 +233,7 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
     graph as a runtime check (:mod:`fxprep.decisions`). ``fresh_kwargs``: trace from
     :func:`fresh_kwargs_root`.
 
-    Runs under :data:`fxprep.threads.GLOBAL_LOCK` (Dynamo's config and caches are process-wide),
+    Runs under :data:`fxprep.core.threads.GLOBAL_LOCK` (Dynamo's config and caches are process-wide),
     with the recompile limits lifted and the cache entries the call added dropped
     (:class:`DynamoCacheScope`), so the hundredth capture in a process is the same as the first."""
     import torch._dynamo as dynamo
@@ -256,7 +256,7 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
     with GLOBAL_LOCK, dynamo.config.patch(**patches), instance_forward_as_class(model), real, root, DynamoGlobalState(), DynamoCacheScope(), \
             unguarded_kernel_choice(), violations_kept():
         result = dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
-    heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.heap)
+    heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.core.heap)
     return result
 
 
@@ -304,7 +304,7 @@ def violations_kept() -> Iterator[None]:
     Cannot create Dim with inconsistent min=2, max=2``, and the violation, with the guards that say
     which dimension the code specialises, was lost: fxprep gave up on every declared dimension. Here
     a failure to format gives the violation without its suggestions, which
-    :func:`~.violation.findings` reads from the guards themselves."""
+    :func:`~..shapes.violation.findings` reads from the guards themselves."""
     from torch.fx.experimental.symbolic_shapes import DimConstraints
 
     original = DimConstraints.prettify_results
@@ -324,7 +324,7 @@ def violations_kept() -> Iterator[None]:
 
 def _unguarded(choose: Any) -> Any:
     """``choose`` asked with the guards of its tensors' symbolic sizes suppressed (confined to the
-    capturing thread by :func:`fxprep.threads.confined`)."""
+    capturing thread by :func:`fxprep.core.threads.confined`)."""
 
     def chosen(*args: Any, **kwargs: Any) -> Any:
         env = _shape_env(args)

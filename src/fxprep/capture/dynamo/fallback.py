@@ -22,21 +22,22 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ... import progress
-from ...diagnose import DATA_DEPENDENT_VALUE, FIXES, Issue, diagnose
-from ...inputs import ExampleInputs
+from ...core.inputs import ExampleInputs
+from ...reporting import progress
+from ...reporting.diagnose import DATA_DEPENDENT_VALUE, FIXES, Issue, diagnose
 from ..common import CaptureAttempt, CaptureResult
 from ..request import CaptureRequest
+from ..routes import Route
+from ..shapes.violation import specialises
 from ..sites import Site
 from . import capture_dynamo
 from .locate import Located, locate, origin_stack, resolve, user_stack
 from .opaque import excluded_sites, inside
 from .recording import Recorded, record_sites
-from .violation import specialises
 
 MAX_ROUNDS = 40
-TRACER = "dynamo+leaves"
-VALUES_TRACER = "dynamo+values"
+TRACER = Route.DYNAMO_LEAVES
+VALUES_TRACER = Route.DYNAMO_VALUES
 
 
 def _usable(records: dict[Site, list[Recorded]], site: Site) -> bool:
@@ -141,7 +142,7 @@ def capture_dynamo_leaves(request: CaptureRequest, first_error: BaseException | 
             new, made_at = next_sites(err, model, capture_call, sites + excluded, records)
             if not new:
                 break
-            issue = _made_at(diagnose(err, "dynamo", model)[0], made_at)
+            issue = _made_at(diagnose(err, Route.DYNAMO, model)[0], made_at)
             sites.extend(new)
             found.extend((site, issue, new[0] if k else None) for k, site in enumerate(new))
             more = f" and {len(new) - 1} more like it" if len(new) > 1 else ""

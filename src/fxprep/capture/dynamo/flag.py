@@ -14,7 +14,7 @@ import operator
 import torch.fx as fx
 from torch import nn
 
-from ...paths import get_path
+from ...core.paths import get_path
 from .names import Group, Names, Stacks, frames_meta
 
 

@@ -10,7 +10,7 @@ its symbols to the inputs' sizes, and the user frames it is tracing
 
 How: the shape environment's ``_log_guard`` (called for every guard Dynamo adds, before the guard is
 kept; private, so feature-detected: without it nothing is recorded and no scan is found) is wrapped
-for the capturing thread only (:func:`fxprep.threads.confined`). Suppressed guards (a kernel's shape
+for the capturing thread only (:func:`fxprep.core.threads.confined`). Suppressed guards (a kernel's shape
 logic during fake propagation) are not the model's and are left out.
 
 A repeated block captured on its own (block reuse, :mod:`.reuse`) names its inputs' sizes after its
@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...diagnose import is_user_file
-from ...threads import confined
+from ...core.threads import confined
+from ...reporting.diagnose import is_user_file
 
 
 @dataclass(frozen=True)

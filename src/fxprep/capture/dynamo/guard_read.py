@@ -10,7 +10,7 @@ graph is the graph the first one traced: three whole-model traces of a model who
 trace is several times a static one (sparse attention, MoE routing: 11-18x the static prepare).
 
 How: the shape-general capture's first try declares every dimension maybe-dynamic
-(:attr:`~.autodims.Proposal.auto`): Dynamo then traces exactly what the strict capture traces, and
+(:attr:`~..shapes.autodims.Proposal.auto`): Dynamo then traces exactly what the strict capture traces, and
 keeps each guard instead of raising. :func:`limiting` reads the guards it recorded
 (:mod:`.guard_log`, each symbol renamed after the model input's size it is, in a reused block's
 own capture too) and evaluates each at many sizes of each declared dimension (every size up to 66,
@@ -19,7 +19,7 @@ sizes of two dimensions together). Where every guard holds at each, the graph ho
 and it is kept: one capture. Anything else (a guard that fails somewhere, a specialisation, a guard
 on a size that is not a declared dimension, one that does not evaluate to a truth value) is said,
 and the capture is made again with the dimensions declared as before, whose violation says what
-to drop or bound (:func:`fxprep.shape_general.capture`). Guards a block reuse stand-in made while
+to drop or bound (:func:`fxprep.capture.shape_general.capture`). Guards a block reuse stand-in made while
 computing its output (:attr:`~.guard_log.AddedGuard.aside`) are left out: neither graph holds them.
 """
 
@@ -30,10 +30,10 @@ from typing import Any
 
 import sympy
 
-from ...inputs import ExampleInputs
+from ...core.inputs import ExampleInputs
+from ..shapes.dims import SIZE_SOURCE
 from .early_limit import model_sources
 from .guard_log import GuardLog
-from .shapes import SIZE_SOURCE
 
 _SMALL = range(2, 67)
 _LARGE = sorted({n for k in range(7, 25) for n in (2**k - 1, 2**k, 2**k + 1)})
@@ -41,7 +41,7 @@ _TOGETHER = (2, 3, 7, 8, 9, 13, 64, 65, 100, 1000, 4097)  # sizes of two dimensi
 
 
 def limiting(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> str | None:
-    """None when every guard in ``log`` (a capture of ``proposal``, an :class:`~.autodims.Proposal`,
+    """None when every guard in ``log`` (a capture of ``proposal``, an :class:`~..shapes.autodims.Proposal`,
     on ``call``, its dimensions maybe-dynamic) holds at every size tried of the declared dimensions
     (see the module docstring); else the first reason it may not, for the progress line."""
     by_source = _declared_sources(model, call, proposal.dynamic)

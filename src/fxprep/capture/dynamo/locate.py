@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...diagnose import is_user_file
-from ...inputs import ExampleInputs
-from ...runs import SEED, preserved_state
+from ...core.inputs import ExampleInputs
+from ...core.runs import SEED, preserved_state
+from ...reporting.diagnose import is_user_file
 from ..sites import FrameRecord, Site, helper_objects, sites_from_frames, wrapped_codes
 from .opaque import OPAQUE_PREFIX
 

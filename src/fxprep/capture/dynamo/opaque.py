@@ -47,7 +47,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...inputs import ExampleInputs
+from ...core.inputs import ExampleInputs
 from ..common import LeafPolicy
 from ..sites import FUNCTIONS, Site, mutable
 from .names import Names, ReliftError, read_part

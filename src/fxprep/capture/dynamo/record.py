@@ -19,8 +19,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...inputs import ExampleInputs
-from ...runs import SEED, preserved_state
+from ...core.inputs import ExampleInputs
+from ...core.runs import SEED, preserved_state
 from .names import Names
 from .opaque import running_opaque
 

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...inputs import ExampleInputs
-from ...runs import SEED, preserved_state
+from ...core.inputs import ExampleInputs
+from ...core.runs import SEED, preserved_state
 from ..sites import FUNCTIONS, MISSING, Site, put_back
 
 _CONSTANT_LEAVES = (type(None), bool, int, float, str, complex, torch.dtype, torch.device, torch.memory_format,

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...inputs import ExampleInputs
+from ...core.inputs import ExampleInputs
 from ..common import LeafPolicy
 from .flag import direct_call
 from .names import Frame, Group, ReliftError, Stacks, default_leaf, frames_meta, read_part

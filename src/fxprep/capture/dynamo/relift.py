@@ -19,17 +19,17 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...inputs import ExampleInputs
+from ...core.inputs import ExampleInputs
+from ...core.paths import get_path, holds
 from ...passes import dynamo_cleanup
-from ...paths import get_path, holds
 from ..common import LeafPolicy, graph_module
+from ..shapes.dims import positional_names
 from ..sites import Site
 from .cond import relift_conds
 from .flag import module_method_calls
 from .names import Names, ReliftError, Stacks
 from .opaque import BlackBox, drop_size_asserts, relift_opaque, with_opaque
 from .regroup import Regrouper
-from .shapes import positional_names
 
 _GLOBAL_SOURCE = re.compile(r"\s*G(\[|___)")  # Dynamo's source of a global: G['name'], G___import_...
 

@@ -68,8 +68,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...diagnose import first_line, stopped_at_data_guard
-from ...inputs import ExampleInputs
+from ...core.inputs import ExampleInputs
+from ...reporting.diagnose import first_line, stopped_at_data_guard
 from ..common import LeafPolicy
 from ..sites import OpaqueFunction, OpaqueMethod
 from . import early_limit, guard_log

@@ -36,13 +36,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...inputs import ExampleInputs
-from ...runs import SEED, preserved_state
+from ...core.inputs import ExampleInputs
+from ...core.runs import SEED, preserved_state
+from ..shapes.dims import SIZE_SOURCE
 from ..sites import Site
 from .guard_log import AddedGuard, GuardLog
 from .locate import Located, locate, resolve
 from .recording import patched, real_callable
-from .shapes import SIZE_SOURCE
 
 MAX_LOCATED = 4  # stacks matched to live objects per finding (each may cost one eager run)
 _POWERS = [n for k in range(2, 11) for n in (2**k, 2**k + 1)]  # 4, 5, 8, 9 ... 1024, 1025: chunk sizes
@@ -190,7 +190,7 @@ def _limiting(log: GuardLog, symbols: set[str], dynamic: dict[str, dict[int, str
 def find(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call: ExampleInputs,
          taken: list[Site]) -> list[Scan]:
     """The scans behind the guards in ``log`` that limit the declared ``symbols`` of ``proposal`` (an
-    :class:`~.autodims.Proposal` captured on ``call``), not already ``taken``; see the
+    :class:`~..shapes.autodims.Proposal` captured on ``call``), not already ``taken``; see the
     module docstring. Each site is taken once, with the first guard found in it. A site holding a
     limiting guard made by a branch (an ``if``, ``while`` or ``assert`` on the size) is marked
     :attr:`Scan.branched`: :func:`usable` takes it only where it returns tensors alone."""
@@ -318,8 +318,8 @@ def watch(model: nn.Module, call: ExampleInputs, site: Site) -> tuple[list[str],
 def usable(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call: ExampleInputs,
            taken: list[Site]) -> list[Scan]:
     """The scans :func:`find` names for the declared ``symbols`` of ``proposal`` (an
-    :class:`~.autodims.Proposal` captured on ``call``) that hide nothing (:func:`hidden_inside`)."""
-    from ... import progress
+    :class:`~..shapes.autodims.Proposal` captured on ``call``) that hide nothing (:func:`hidden_inside`)."""
+    from ...reporting import progress
 
     out = []
     for found in find(log, symbols, proposal, model, call, taken):

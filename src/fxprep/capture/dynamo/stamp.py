@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...paths import get_path, has_path, holds
+from ...core.paths import get_path, has_path, holds
 from ..common import graph_module
 from ..sites import OpaqueFunction, OpaqueMethod
 from .blocks import call_inputs, freeze, shape_kind

@@ -32,8 +32,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..shapes.dims import hints
 from .blocks import call_inputs, size_key
-from .shapes import hints
 
 Tie = tuple[tuple[int, int], ...]  # (output leaf, input leaf) pairs
 

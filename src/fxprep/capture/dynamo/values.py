@@ -30,12 +30,13 @@ import torch
 from torch import nn
 
 from ... import decisions
-from ...diagnose import Issue
+from ...core.inputs import ExampleInputs
+from ...core.runs import preserved_state
 from ...errors import InputMismatch
-from ...inputs import ExampleInputs
-from ...runs import preserved_state
+from ...reporting.diagnose import Issue
 from ..common import CaptureAttempt, CaptureResult, LeafPolicy
 from ..request import CaptureRequest
+from ..routes import Route
 from ..sites import Site
 from .fallback import VALUES_TRACER as TRACER
 from .fallback import capture_dynamo_leaves
@@ -49,11 +50,11 @@ def decidable(err: BaseException, model: nn.Module) -> bool:
     """Whether Dynamo's failure ``err`` is a value read from data (a size from ``.item()`` or
     ``.tolist()``, a slice bound from a tensor, or a question about such a size: torch's
     ``GuardOnDataDependentSymNode``), which real values could get past."""
-    from ...diagnose import DATA_DEPENDENT_VALUE, diagnose, stopped_at_data_guard
+    from ...reporting.diagnose import DATA_DEPENDENT_VALUE, diagnose, stopped_at_data_guard
 
     if stopped_at_data_guard(err):
         return True
-    return any(issue.category == DATA_DEPENDENT_VALUE for issue in diagnose(err, "dynamo", model))
+    return any(issue.category == DATA_DEPENDENT_VALUE for issue in diagnose(err, Route.DYNAMO, model))
 
 
 def worth_deciding(err: BaseException, sites: list[tuple[Site, Issue]], model: nn.Module) -> bool:
@@ -62,7 +63,7 @@ def worth_deciding(err: BaseException, sites: list[tuple[Site, Issue]], model: n
     was made opaque for one. The second matters where the first stop is something else entirely
     (Qwen-style ``itertools.groupby`` in a helper) and the value read comes after it, from what
     that helper computed."""
-    from ...diagnose import DATA_DEPENDENT_VALUE
+    from ...reporting.diagnose import DATA_DEPENDENT_VALUE
 
     if decidable(err, model):
         return True

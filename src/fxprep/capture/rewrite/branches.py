@@ -21,7 +21,7 @@ from ...cond import branch_modules, is_cond
 from ...passes import functional_to_module, values
 from ...passes.naming import add_module, fresh_name
 from ...passes.unroll import shared_copy
-from ...report import Report
+from ...reporting.report import Report
 
 
 def _prefixed(report: Report, path: str, added: int, left: int) -> None:

@@ -143,7 +143,7 @@ class Recorder:
         return out
 
     def _probe(self, key: str, taken: bool, out: Any, other_fn: Callable[..., Any], operands: tuple[Any, ...]) -> None:
-        from ...runs import preserved_state
+        from ...core.runs import preserved_state
 
         probe = self.probes.setdefault(key, Probe())
         self.speculative += 1

@@ -28,11 +28,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...inputs import ExampleInputs, split_calls
-from ...report import Report, RewrittenSite
-from ...runs import preserved_state, run_model
+from ...core.inputs import ExampleInputs, split_calls
+from ...core.runs import preserved_state, run_model
+from ...families.transformers.methods import source_tree
+from ...reporting.report import Report, RewrittenSite
 from ..common import CaptureAttempt, CaptureResult
-from ..hf_source import source_tree
 from . import runtime
 from .analysis import Effects, Resolver, arm_exit, effects, function_locals, reads_parameters, scoped_walk
 from .sites import (

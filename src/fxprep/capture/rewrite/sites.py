@@ -13,7 +13,7 @@ import linecache
 import traceback
 from dataclasses import dataclass, field
 
-from ...diagnose import is_user_file
+from ...reporting.diagnose import is_user_file
 from .analysis import scoped_walk
 from .source import Method
 

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import api, guard
+from ... import api
+from ...big.partition import Stage, Stages, partition
 from ...errors import EquivalenceError, InputMismatch, InvalidInput, TraceFailure
-from ...partition import Stage, Stages, partition
-from ...prepared import INPUT_SPEC
-from ...report import Report
+from ...reporting.report import Report
+from ...runtime import guard
+from ...runtime.prepared import INPUT_SPEC
 from .reproduce import Difference, compare_subgraphs
 from .twin import Twin, bind_to_model, plain_twin
 

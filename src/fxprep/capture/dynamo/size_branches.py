@@ -1,0 +1,172 @@
+"""Which branches of the model depend on the batch size (or another size), read from Dynamo's own guards.
+
+A static-shape capture bakes the example's sizes in: a branch on ``x.shape[0]`` (``if len(x) > 7``,
+``for i in range(x.shape[0])``) is taken the way the example takes it, and nothing in the graph says
+that it was a branch at all. The batch probe (:mod:`fxprep.capture.batch`) finds such a branch only when
+batch ± 1 takes the other way. Dynamo knows more: traced with dimension 0 of the inputs *symbolic*,
+every Python-level decision on it becomes a guard in Dynamo's ``ShapeEnv`` (``s0 <= 7``,
+``Eq(s0, 2)``), with the user's source line that made it. This module runs that trace (Dynamo only,
+no fxprep passes, the model's state put back after) and returns those guards as :class:`Branch`es.
+
+Only the decisions Dynamo itself evaluated in Python code (frames under ``torch/_dynamo/``) count:
+the guards a kernel's shape check adds (broadcasting, conv sizes) are not branches of the model.
+Sizes 0 and 1 are special to Dynamo (it never makes them symbolic), so an example of batch 1 is
+traced at batch 2; a branch that tells batch 1 from the rest (``if x.size(0) == 1``) is the probe's
+to find.
+
+:func:`size_branches` does the same for the dimensions a shape-general capture declared: where
+Dynamo bounded one (``seq <= 7``), it tells a branch of the model's code (a limit the prepared
+module must keep) from a bound a kernel's shape logic put on the trace (a convolution's backend
+choice reads the batch size: ``batch <= 15``), which the graph does not have.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ...core.inputs import ExampleInputs
+from ...core.runs import preserved_state
+from ..shapes.dims import SIZE_SOURCE, positional_names
+from .export import default_route, dynamo_export
+
+# Dynamo evaluating a Python-level comparison (``if``, ``range``, ``len``) on a symbolic size.
+_DYNAMO_FRAMES = ("/torch/_dynamo/", "\\torch\\_dynamo\\")
+# Batch sizes a branch is checked at: every small one, then powers of two (and one less).
+SIZES = sorted(set(range(2, 65)) | {2**k for k in range(7, 17)} | {2**k - 1 for k in range(7, 17)})
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One decision the model's code made on the batch size: ``condition`` over ``batch`` (as
+    Dynamo's guard states it, e.g. ``batch <= 7``) and ``where`` (``source line  # file:line``)."""
+
+    condition: str
+    where: str
+    expr: Any  # the guard, a sympy boolean over the batch symbols
+
+    def holds_at(self, size: int) -> bool:
+        """Whether the branch goes the same way at batch ``size`` as at the traced one."""
+        value = self.expr.subs({s: size for s in self.expr.free_symbols})
+        return bool(value)
+
+    def names(self, symbol: str) -> bool:
+        """Whether the branch is on ``symbol`` (one of the names its condition is over)."""
+        return symbol in {str(s) for s in self.expr.free_symbols}
+
+    def holds_with(self, sizes: dict[str, int]) -> bool:
+        """Whether the branch goes the same way at ``sizes`` ({symbol: size}, every symbol it names)."""
+        return bool(self.expr.subs({s: sizes[str(s)] for s in self.expr.free_symbols}))
+
+    def restricts(self) -> bool:
+        """Whether some batch size from 2 to 65536 would take the branch the other way (a guard such
+        as ``batch < 2**63`` restricts nothing a user will meet)."""
+        return not all(self.holds_at(n) for n in SIZES)
+
+    def describe(self) -> str:
+        return f"`{self.where}` (the way it goes for {self.condition} only)"
+
+
+def _maybe_dynamic(t: torch.Tensor, dims: Iterable[int]) -> torch.Tensor:
+    """A ``detach()`` view of ``t`` with ``dims`` marked maybe-dynamic: the mark is an attribute on
+    the tensor object, so the user's tensors stay unmarked."""
+    view = t.detach()
+    for d in dims:
+        torch._dynamo.maybe_mark_dynamic(view, d)
+    return view
+
+
+def _marked(call: ExampleInputs, batch: int) -> ExampleInputs:
+    """``call`` with dimension 0 of every tensor of size ``batch`` marked maybe-dynamic."""
+
+    def mark(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dim() == 0 or t.shape[0] != batch else _maybe_dynamic(t, (0,))
+
+    args, kwargs = pytree.tree_map_only(torch.Tensor, mark, (call.args, call.kwargs))
+    return ExampleInputs(tuple(args), dict(kwargs))
+
+
+def _readable(condition: str) -> str:
+    """``Eq(batch, 2)`` / ``Ne(batch, 2)`` as ``batch == 2`` / ``batch != 2`` (sympy's spelling)."""
+    match = re.fullmatch(r"(Eq|Ne)\((.*), (.*)\)", condition)
+    if match is None:
+        return condition
+    return f"{match[2]} {'==' if match[1] == 'Eq' else '!='} {match[3]}"
+
+
+def _shape_env(gm: torch.fx.GraphModule) -> Any:
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and getattr(value, "fake_mode", None) is not None:
+            return value.fake_mode.shape_env
+    return None
+
+
+def _decisions(env: Any, owner: dict[str, str]) -> list[Branch]:
+    """The guards of ``env`` that Dynamo made evaluating Python code (:data:`_DYNAMO_FRAMES`) over
+    the symbols ``owner`` maps ({Dynamo's symbol: the name to say}) and no other: each a
+    :class:`Branch`, its condition and expression in the names said."""
+    import sympy
+
+    found: list[Branch] = []
+    seen: set[tuple[str, str]] = set()
+    for guard in env.guards:
+        symbols = {str(s) for s in guard.expr.free_symbols}
+        framework = str(getattr(guard.sloc, "framework_loc", ""))
+        if not symbols or not symbols <= owner.keys() or not any(f in framework for f in _DYNAMO_FRAMES):
+            continue
+        expr = guard.expr.subs({s: sympy.Symbol(owner[str(s)])
+                                for s in guard.expr.free_symbols})
+        condition, where = str(expr), str(guard.sloc.maybe_user_loc or "").strip() or "(unknown line)"
+        if (condition, where) not in seen:
+            seen.add((condition, where))
+            found.append(Branch(_readable(condition), where, expr))
+    return found
+
+
+def batch_branches(model: nn.Module, call: ExampleInputs, batch: int) -> list[Branch]:
+    """The branches of ``model`` on dimension 0 of the inputs of size ``batch`` (``batch >= 2``), from
+    a Dynamo trace of ``call`` with that dimension symbolic. Raises whatever Dynamo raises when it
+    cannot trace the model that way (the caller words it)."""
+    with preserved_state(model):
+        gm, _ = dynamo_export(model, _marked(call, batch), default_route(), None)
+    env = _shape_env(gm)
+    if env is None:
+        return []
+    batch_symbols = {str(s): "batch" for s, sources in getattr(env, "var_to_sources", {}).items()
+                     if any(getattr(src, "idx", None) == 0 and "SIZE" in str(getattr(src, "prop", "")) for src in sources)}
+    return _decisions(env, batch_symbols)
+
+
+def size_branches(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict[int, str]]) -> list[Branch]:
+    """The branches of ``model``'s code on the dimensions ``dynamic`` names (``{input: {dim: symbol}}``,
+    the form :class:`~..shapes.autodims.Proposal` keeps), over those symbols, from a Dynamo trace of ``call``
+    with them marked maybe-dynamic: Dynamo then records each decision as a guard instead of stopping
+    at a constraint it was told to keep (``call``'s sizes below 2 must have been grown already).
+    Raises whatever Dynamo raises when it cannot trace the model that way."""
+    names = positional_names(model, len(call.args))
+
+    def mark(name: str, value: Any) -> Any:
+        dims = dynamic.get(name)
+        return _maybe_dynamic(value, dims) if dims and isinstance(value, torch.Tensor) else value
+
+    marked = ExampleInputs(tuple(mark(n, a) for n, a in zip(names, call.args)),
+                           {k: mark(k, v) for k, v in call.kwargs.items()})
+    with preserved_state(model):
+        gm, _ = dynamo_export(model, marked, default_route(), None)
+    env = _shape_env(gm)
+    if env is None:
+        return []
+    owner: dict[str, str] = {}
+    for symbol, sources in getattr(env, "var_to_sources", {}).items():
+        for src in sources:
+            found = SIZE_SOURCE.search(src.name() if callable(src.name) else str(src.name))
+            if found is not None and int(found[2]) in dynamic.get(found[1], {}):
+                owner[str(symbol)] = dynamic[found[1]][int(found[2])]
+    return _decisions(env, owner)
