@@ -223,7 +223,7 @@ _CHILD = textwrap.dedent('''
         try:
             out = eval(code)
             outcome = "returned"
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:  # noqa: BLE001 - the child reports whatever the hostile call raised
             outcome = type(err).__name__
         print("DONE", name, i, outcome, flush=True)
 ''')

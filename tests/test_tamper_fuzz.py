@@ -508,7 +508,7 @@ def _load_and_run(directory: Path, save: Save, canary: Canary, counts: dict[str,
         counts["refused"] += 1
         canary.check("during a refused load", log)
         return
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - any other exception is the failure under test
         pytest.fail(f"load raised {type(err).__name__}: {err} (not a SerializationError; mutation: {log})")
     canary.check("at load", log)
     found = _holds(loaded, canary.bad)
@@ -517,7 +517,7 @@ def _load_and_run(directory: Path, save: Save, canary: Canary, counts: dict[str,
     try:
         with canary.armed(), torch.no_grad():
             got = _leaves(loaded(save.x))
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - any other exception is the failure under test
         canary.check("when the loaded module ran", log)
         pytest.fail(f"a mutated save loaded, then failed when run ({type(err).__name__}: {str(err)[:300]}); "
                     f"load must refuse it (mutation: {log})")
@@ -716,7 +716,7 @@ def test_mutated_checkpoint_indexes_never_escape_and_raise_only_fxprep_errors(tm
         except fxprep.WeightsError:  # the checkpoint's fault, never the arguments': WeightsError, not InvalidInput
             counts["refused"] += 1
             return
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - any other exception is the failure under test
             pytest.fail(f"load_weights raised {type(err).__name__}: {str(err)[:300]} (not a WeightsError; index: "
                         f"{str(doc)[:300]}; shard damage: {damage or 'none'})")
         counts["loaded"] += 1

@@ -88,7 +88,7 @@ def run_one(spec: str, inputs: Iterable[str] = (), **options: Any) -> SurveyResu
     except EquivalenceError as err:
         return SurveyResult(spec, "verify_failed", time.perf_counter() - t1, build, parameters=params,
                             max_abs_diff=err.max_abs_diff, error_type=type(err).__name__, error=_first_lines(str(err)))
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - a survey row records any failure of one model and goes on
         return SurveyResult(spec, "failed", time.perf_counter() - t1, build, parameters=params,
                             error_type=type(err).__name__, error=_first_lines(str(err), 4))
     seconds = time.perf_counter() - t1

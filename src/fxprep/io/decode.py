@@ -221,7 +221,7 @@ def _build_one(entry: dict[str, Any], kind: str, decode: Decoder, policy: TrustP
         try:
             with torch.device("meta"):
                 module = cls(**kwargs)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - a class refusing its saved arguments is a SerializationError
             raise SerializationError(f"module {path!r}: {class_name(cls)}(**{str(kwargs)[:200]}) failed: {err}") from err
         for sub, attrs in field_of(entry, "patch", dict).items():
             if sub and not all(is_atom(p) and not p.startswith("__") for p in sub.split(".")):
@@ -447,7 +447,7 @@ def build_graph(graph_json: dict[str, Any], root: nn.Module, policy: TrustPolicy
         graph._codegen = _pytree_codegen(codegen)
     try:
         graph.lint()
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - an invalid saved graph is a SerializationError
         raise SerializationError(f"{GRAPH} does not describe a valid graph: {err}") from err
     return graph
 
@@ -527,7 +527,7 @@ def _pytree_codegen(spec: Any) -> fx.graph.CodeGen:
     try:
         in_spec = None if spec.get("in_spec") is None else pytree.treespec_loads(spec["in_spec"])
         out_spec = None if spec.get("out_spec") is None else pytree.treespec_loads(spec["out_spec"])
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - an unreadable saved spec is a SerializationError
         raise SerializationError(
             f"cannot read the calling convention (pytree spec) in {GRAPH}: {str(err)[:200]}. If it names a container "
             f"type from a library (transformers ModelOutput), import that library before fxprep.load."
@@ -559,7 +559,7 @@ def report_from_dict(data: Any, directory: Path) -> Report:
             raise SerializationError(f"the report in {MANIFEST} is malformed: {str(err)[:200]}") from err
     try:
         report.note(f"loaded from {directory} (fxprep.load)")
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - a malformed saved report is a SerializationError
         raise SerializationError(f"the report in {MANIFEST} is malformed: {str(err)[:200]}") from err
     return report
 

@@ -223,7 +223,7 @@ def _same(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     try:
         return bool(a == b) and type(a) is type(b)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a value whose == raises is not the same value
         return False
 
 
@@ -488,7 +488,7 @@ def codegen_json(graph: fx.Graph) -> dict[str, Any] | None:
                 "in_spec": None if info.in_spec is None else pytree.treespec_dumps(info.in_spec),
                 "out_spec": None if info.out_spec is None else pytree.treespec_dumps(info.out_spec),
             }
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - any spec failure becomes SerializationError
             raise SerializationError(f"cannot save the module's calling convention (pytree spec): {err}") from err
         # defaults of arguments fixed by concrete_args (``targets=None`` of a detector)
         defaults = getattr(codegen, "defaults", None)

@@ -340,7 +340,7 @@ def _export_checked(gm: fx.GraphModule, example: ExampleInputs, expected: list[t
             with _quiet():
                 _onnx_export(clean, example, path, opset, optimize, dynamo)
             break
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - each exporter's failure is collected; ExportError names them all
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {plain_reason(err)}")
     else:
         raise ExportError(
@@ -362,7 +362,7 @@ def _export_checked(gm: fx.GraphModule, example: ExampleInputs, expected: list[t
         got = run_onnx(path, example)
     except ExportError as err:
         raise ExportError(f"{err}{why}") from err
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - any onnxruntime failure becomes ExportError
         raise ExportError(f"onnxruntime could not run the exported model {path}: {type(err).__name__}: {err}{why}"
                           f"{_dtype_hint(gm, example, err)}") from err
     diff = _compare(expected, got, rtol, atol, f"ONNX model {path.name} in onnxruntime",

@@ -120,7 +120,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
     notes: list[str] = []
     try:
         spec = dynamic_shapes_spec(model, capture_call, request.dynamic)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - any failure to build the spec is this route's failure, diagnosed
         return _failure(err, start, tracer)
     try:
         box = black_box(model, policy, [*request.opaque, *(opaque or [])], capture_call, request.records)

@@ -139,14 +139,14 @@ class DynamoGlobalState:
 
             self.backends: dict[int, Any] | None = eval_frame.cached_backends
             self.backends_before = set(self.backends)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a private Dynamo table missing on this torch: nothing to restore
             self.backends = None
         try:
             from torch._dynamo.mutation_guard import GenerationTracker
 
             self.tables = [GenerationTracker.dynamic_classes, GenerationTracker.generation_values]
             self.before = [set(t.values) for t in self.tables]
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a private Dynamo table missing on this torch: nothing to restore
             self.tables = []
         return self
 
@@ -160,7 +160,7 @@ class DynamoGlobalState:
             try:
                 for idx in set(table.values) - before:
                     table._remove_id(idx)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - cleaning Dynamo's private table is best effort
                 pass
 
 
@@ -209,7 +209,7 @@ class DynamoCacheScope:
                 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
                 self.had_entries = bool(_debug_get_cache_entry_list(self.code))
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a private Dynamo helper missing on this torch: the cache is not reset
                 self.code = None
         return self
 

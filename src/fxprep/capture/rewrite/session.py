@@ -179,7 +179,7 @@ class ControlFlowRewrite:
             return
         try:
             out, recorder = self.record(self.example, "example")
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - any eager failure of the rewrite refuses it, with its reason
             changed.route = REFUSED
             changed.reasons.append(f"fxprep's rewrite of it failed when run eagerly ({type(err).__name__}: {err})")
             return

@@ -166,7 +166,7 @@ def _decorate(method: Method, fn: Any, decorators: list[ast.expr]) -> Any:
         try:
             decorator = eval(compile(ast.Expression(dec), method.filename, "eval"), method.raw.__globals__)  # noqa: S307
             result = decorator(result)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - any decorator failure becomes SourceUnavailable, said
             raise SourceUnavailable(f"cannot re-apply the decorator @{text} of {method.qualname}: {err}") from err
     return result
 

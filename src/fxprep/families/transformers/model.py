@@ -329,7 +329,7 @@ def capture_hf_fx(model: nn.Module, example: ExampleInputs | None) -> tuple[Capt
         return None, None
     try:
         import transformers.utils.fx  # type: ignore[import-not-found]  # noqa: F401
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - transformers' fx module failing to import means it has none
         return None, None
     names = list(example.kwargs) if example is not None and example.kwargs else None
     if names is None and example is not None and example.args:
