@@ -260,7 +260,7 @@ def mode_notes(gm: fx.GraphModule, model: nn.Module) -> list[str]:
     mode = "train" if model.training else "eval"
     notes, seen = [], set()
     for qualname, m in model.named_modules():
-        cls = type(m)
+        cls: type = type(m)
         if id(m) in called or cls in seen or cls.__module__.startswith("torch."):
             continue
         seen.add(cls)

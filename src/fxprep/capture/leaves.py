@@ -70,10 +70,6 @@ def record_structures(model: nn.Module, example: ExampleInputs, sites: list[Site
     try:
         for site in sites:
             if site.func is not None:
-                owner = None
-            else:
-                owner = site.owner(model)
-            if site.func is not None:
                 fn, places = FUNCTIONS[site]
 
                 def recording_fn(*args: Any, _site: Site = site, _fn: Any = fn, **kwargs: Any) -> Any:
@@ -84,7 +80,9 @@ def record_structures(model: nn.Module, example: ExampleInputs, sites: list[Site
                 for g in places:
                     g[site.method] = confined(recording_fn, fn)  # other threads call the function itself
                     restore.append((g, site.method, fn))
-            elif site.method == "forward" and site.attr is None:
+                continue
+            owner = site.owner(model)
+            if site.method == "forward" and site.attr is None:
                 def hook(m: nn.Module, i: Any, o: Any, _site: Site = site) -> None:
                     found.setdefault(_site, structure_of(o))  # returns None: a hook's value would replace o
 
@@ -243,14 +241,14 @@ def _capture_hybrid(request: CaptureRequest) -> tuple[CaptureResult | None, Capt
         assert last_error is not None
         if handled is not None and handled(last_error):
             continue
-        site = failure_site(last_error, model)
+        failed = failure_site(last_error, model)
         issue = diagnose(last_error, Route.FX, model)[0]
-        if site is None or (site.path == "" and site.method == "forward") or site in sites:
-            found.append((site or Site(""), issue))
+        if failed is None or (failed.path == "" and failed.method == "forward") or failed in sites:
+            found.append((failed or Site(""), issue))
             break
-        sites.append(site)
-        found.append((site, issue))
-        progress.step(f"{site.qualname or 'root'} made opaque ({issue.category})")
+        sites.append(failed)
+        found.append((failed, issue))
+        progress.step(f"{failed.qualname or 'root'} made opaque ({issue.category})")
     error = f"{type(last_error).__name__}: {str(last_error).splitlines()[0] if str(last_error) else ''}"
     return None, CaptureAttempt(Route.FX_LEAVES, False, time.perf_counter() - start, error, type(last_error).__name__, last_error), found
 

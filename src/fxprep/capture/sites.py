@@ -190,7 +190,7 @@ def _function_of(frame: FrameRecord, caller_globals: dict[str, Any]) -> tuple[An
     ``mamba_selective_scan`` is a ``wrapped`` that may call a compiled kernel) is that wrapper: what
     the callers look up and what the prepared module calls."""
     name = frame.code.co_name
-    places = []
+    places: list[dict[str, Any]] = []
     fn = None
     for g in (caller_globals, frame.globals):
         candidate = g.get(name)

@@ -425,7 +425,7 @@ def guard_differences(guards: list[tuple[str, str]], first: nn.Module, other: nn
 def guard_key(guards: list[tuple[str, str]], block: nn.Module) -> tuple[Any, ...]:
     """What the guarded sources hold on ``block``, hashable: instances with equal keys are grouped
     together for the next capture."""
-    out = []
+    out: list[Any] = []
     for source, kind in guards:
         value = _resolve(source, block)
         if kind == LEAF_HOOKS:

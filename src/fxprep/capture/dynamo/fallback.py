@@ -42,7 +42,9 @@ VALUES_TRACER = Route.DYNAMO_VALUES
 
 def _usable(records: dict[Site, list[Recorded]], site: Site) -> bool:
     calls = records.get(site)
-    return bool(calls) and not any(rec.unsupported for rec in calls)
+    if not calls:
+        return False
+    return not any(rec.unsupported for rec in calls)
 
 
 def _group(located: Located, model: nn.Module, call: ExampleInputs, taken: list[Site],

@@ -24,8 +24,9 @@ import os
 import re
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -146,7 +147,7 @@ def locate(stack: list[tuple[str, str, int]], model: nn.Module, call: ExampleInp
         return None
     target_file, target_name, _ = stack[-1]
     candidates: list[tuple[list[tuple[str, str, int]], list[FrameRecord]]] = []
-    previous = sys.gettrace()
+    previous: Callable[..., Any] | None = sys.gettrace()
 
     def trace(frame: Any, event: str, arg: Any) -> Any:
         # a global trace function is called once per new Python frame (a profile function would
@@ -195,7 +196,7 @@ def _lines(code: types.CodeType) -> range:
     return range(code.co_firstlineno, last + 1)
 
 
-def _matches(code: Any, file: str, name: str, line: int) -> bool:
+def _matches(code: Any, file: str, name: str, line: int) -> TypeGuard[types.CodeType]:
     return (isinstance(code, types.CodeType) and code.co_name == name and _norm(code.co_filename) == file
             and line in _lines(code))
 
@@ -262,7 +263,7 @@ def _function_frame(file: str, name: str, line: int, previous: FrameRecord | Non
     for scope in scopes:
         fn = scope.get(name)
         code = getattr(fn, "__code__", None)
-        if _matches(code, file, name, line):
+        if fn is not None and _matches(code, file, name, line):
             return FrameRecord(code, None, fn.__globals__, line)
     if previous is not None:
         code = _nested(previous.code, file, name, line)

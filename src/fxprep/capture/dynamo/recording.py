@@ -103,7 +103,8 @@ def _recorded(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Record
     flat, spec = pytree.tree_flatten_with_path(out)
     leaves = [TensorMeta.of(v) if isinstance(v, torch.Tensor) else v for _, v in flat]
     paths = [tuple(p) for p, v in flat if isinstance(v, torch.Tensor)]
-    objects: dict[int | str, Any] = {k: v for k, v in [*enumerate(args), *kwargs.items()] if not graphable(v)}
+    named: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+    objects = {k: v for k, v in named if not graphable(v)}
     return Recorded(_describe_inputs(args, kwargs), spec, leaves, paths, objects=objects)
 
 

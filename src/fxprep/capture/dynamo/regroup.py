@@ -276,7 +276,9 @@ class Regrouper:
         return [n for n in nodes if any(u not in members for u in n.users)]
 
     def _by_origin(self, rec: Call, index: int) -> fx.Node | None:
-        kind, value = rec.arg_origin[index] if index < len(rec.arg_origin) else ("other", None)
+        if index >= len(rec.arg_origin):
+            return None
+        kind, value = rec.arg_origin[index]
         if kind == "input" and value < len(self.inputs):
             return self.inputs[value]
         if kind == "tensor":

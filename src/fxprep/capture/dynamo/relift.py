@@ -116,8 +116,7 @@ def build(dgm: fx.GraphModule, stacks: Stacks, targets: dict[fx.Node, str], pytr
             continue
         user = node.meta.pop("fxprep_user_attr", None)
         obj = get_path(model, user) if user is not None else get_path(dgm, str(node.target))
-        if isinstance(obj, nn.Module) and names.module_name(obj) is not None:  # an opaque part's argument
-            qual = names.module_name(obj)
+        if isinstance(obj, nn.Module) and (qual := names.module_name(obj)) is not None:  # an opaque part's argument
             node.target = qual
             holder.install(qual, obj)
         elif isinstance(obj, torch.Tensor) and id(obj) in names.tensors:

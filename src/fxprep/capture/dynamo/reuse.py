@@ -426,9 +426,9 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str], traced: Tra
                            f"where its twins' code is traced, so its inside is captured with the model around it")
     firsts: dict[int, str] = {}
     for key, group in groups.items():
-        first = firsts.setdefault(key[0], group[0].name)
-        if first != group[0].name:
-            why[group[0].name] = f"its inputs differ from those '{first}' is called with"
+        first_name = firsts.setdefault(key[0], group[0].name)
+        if first_name != group[0].name:
+            why[group[0].name] = f"its inputs differ from those '{first_name}' is called with"
     pending = list(groups.values())
     captured: list[_Captured] = []
     sizes = early_limit.input_sizes(outer, model, prepared_call) if job.dynamic_spec is not None else {}

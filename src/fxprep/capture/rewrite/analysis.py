@@ -209,7 +209,8 @@ def _pure_leaf(module: nn.Module) -> str | None:
 def _call_effects(call: ast.Call, resolver: Resolver, arm_locals: set[str], out: Effects) -> None:
     text = ast.unparse(call.func)
     kwargs = {k.arg: k.value for k in call.keywords if k.arg}
-    if "out" in kwargs or (isinstance(kwargs.get("inplace"), ast.Constant) and kwargs["inplace"].value is True):
+    inplace = kwargs.get("inplace")
+    if "out" in kwargs or (isinstance(inplace, ast.Constant) and inplace.value is True):
         out.no_where.append(f"`{text}(...)` writes in place")
     targets = resolver.resolve(call.func)
     if targets:

@@ -27,9 +27,9 @@ from ...reporting.report import Report
 def _prefixed(report: Report, path: str, added: int, left: int) -> None:
     for entry in report.added[added:]:
         entry.name = f"{path}.{entry.name}"
-    for entry in report.left[left:]:
-        entry.node = f"{path}.{entry.node}"
-        entry.scope = f"{path}{'.' + entry.scope if entry.scope else ''}"
+    for functional in report.left[left:]:
+        functional.node = f"{path}.{functional.node}"
+        functional.scope = f"{path}{'.' + functional.scope if functional.scope else ''}"
 
 
 def _branches(gm: fx.GraphModule, prefix: str = "") -> list[tuple[str, fx.GraphModule]]:
