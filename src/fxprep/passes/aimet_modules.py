@@ -232,13 +232,16 @@ def run(gm: fx.GraphModule, *, report: Report | None = None,
 
     ``custom_modules`` returns AIMET's ``aimet_torch.nn.modules.custom`` (default: imported when
     ``aimet_torch`` is installed; without it only the buffer-conv rule applies)."""
-    custom = None
+    custom: Any = None
     if custom_modules is not None:
         custom = custom_modules()
     elif aimet_available():
-        import aimet_torch.nn.modules.custom as custom  # noqa: PLC0415 - optional, and slow to import
+        import aimet_torch.nn.modules.custom as aimet_custom  # noqa: PLC0415 - optional, and slow to import
+
+        custom = aimet_custom
     names = {a.name: a for a in report.added} if report is not None else {}
     swapped = 0
+    kwargs: dict[str, Any]
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue

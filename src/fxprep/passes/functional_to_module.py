@@ -165,9 +165,11 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
     if t is F.linear:
         b = bind("input, weight, bias=None", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"], b["bias"])
-        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node):
+        if not b or not ps or not isinstance(b["input"], fx.Node):
             return None
         w, bias = ps
+        if w is None:
+            return None
         layer = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta", dtype=w.dtype)
         return _sharing(layer, {"weight": w, "bias": bias}, "linear", b["input"])
     if t in _CONVS or t in _TRANSPOSED_CONVS:
@@ -177,11 +179,13 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
     if t is F.embedding:
         b = bind("input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"])
-        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
+        if not b or not ps or not isinstance(b["input"], fx.Node) or _contains_node(
             [b["padding_idx"], b["max_norm"], b["norm_type"]]
         ):
             return None
         (w,) = ps
+        if w is None:
+            return None
         layer = nn.Embedding(w.shape[0], w.shape[1], padding_idx=b["padding_idx"], max_norm=b["max_norm"],
                              norm_type=b["norm_type"], scale_grad_by_freq=b["scale_grad_by_freq"], sparse=b["sparse"],
                              device="meta")
@@ -189,9 +193,11 @@ def _owned_layer(gm: fx.GraphModule, node: fx.Node) -> Replacement | None:
     if t in (F.prelu, torch.prelu):
         b = bind("input, weight", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"])
-        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node):
+        if not b or not ps or not isinstance(b["input"], fx.Node):
             return None
         (w,) = ps
+        if w is None:
+            return None
         layer = nn.PReLU(w.numel(), device="meta")
         return _sharing(layer, {"weight": w}, "prelu", b["input"])
     return None
@@ -214,11 +220,13 @@ def _owned_conv(gm: fx.GraphModule, t: Any, args: tuple[Any, ...], kwargs: dict[
     if t in _CONVS:
         b = bind("input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"], b["bias"])
-        if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
+        if not b or not ps or not isinstance(b["input"], fx.Node) or _contains_node(
             [b["stride"], b["padding"], b["dilation"], b["groups"]]
         ):
             return None
         w, bias = ps
+        if w is None:
+            return None
         groups = b["groups"]
         layer = _CONVS[t](
             w.shape[1] * groups, w.shape[0], tuple(w.shape[2:]), stride=b["stride"], padding=b["padding"],
@@ -227,11 +235,13 @@ def _owned_conv(gm: fx.GraphModule, t: Any, args: tuple[Any, ...], kwargs: dict[
         return _sharing(layer, {"weight": w, "bias": bias}, t.__name__, b["input"])
     b = bind("input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1", args, kwargs)
     ps = b and _params_or_none(gm, b["weight"], b["bias"])
-    if not b or not ps or ps[0] is None or not isinstance(b["input"], fx.Node) or _contains_node(
+    if not b or not ps or not isinstance(b["input"], fx.Node) or _contains_node(
         [b["stride"], b["padding"], b["output_padding"], b["dilation"], b["groups"]]
     ):
         return None
     w, bias = ps
+    if w is None:
+        return None
     groups = b["groups"]
     layer = _TRANSPOSED_CONVS[t](
         w.shape[0], w.shape[1] * groups, tuple(w.shape[2:]), stride=b["stride"], padding=b["padding"],
@@ -257,9 +267,11 @@ def _owned_norm(gm: fx.GraphModule, t: Any, args: tuple[Any, ...], kwargs: dict[
     if t is F.group_norm:
         b = bind("input, num_groups, weight=None, bias=None, eps=1e-05", args, kwargs)
         ps = b and _params_or_none(gm, b["weight"], b["bias"])
-        if not b or not ps or ps[0] is None or ps[1] is None or not isinstance(b["input"], fx.Node) or _contains_node([b["num_groups"], b["eps"]]):
+        if not b or not ps or ps[1] is None or not isinstance(b["input"], fx.Node) or _contains_node([b["num_groups"], b["eps"]]):
             return None
         w, bias = ps
+        if w is None:
+            return None
         layer = nn.GroupNorm(b["num_groups"], w.shape[0], eps=b["eps"], affine=True, device="meta")
         return _sharing(layer, {"weight": w, "bias": bias}, "group_norm", b["input"])
     return None

@@ -121,7 +121,7 @@ def record_aliases(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
     that moves modules: an alias recorded at a path that no longer exists would be filled by
     ``load_state_dict`` and refused as unexpected."""
     original_state = original.state_dict(keep_vars=True)
-    canonical_by_id = {}
+    canonical_by_id: dict[int, str] = {}
     for key, tensor in original_state.items():
         canonical_by_id.setdefault(id(tensor), key)
     found: dict[str, str] = {}
