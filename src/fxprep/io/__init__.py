@@ -312,9 +312,10 @@ def inspect_saved(directory: str | os.PathLike[str]) -> dict[str, Any]:
     classes = {}
     for entry in tree.get("modules", []) if isinstance(tree, dict) else []:
         if isinstance(entry, dict):
-            classes[entry.get("path")] = str(entry.get("class", "")).rpartition(".")[2] or entry.get("kind")
+            name = str(entry.get("class", "")).rpartition(".")[2] or entry.get("kind")
             if entry.get("kind") == "bound_op":
-                classes[entry.get("path")] += f"({entry.get('fn')})"
+                name = f"{name}({entry.get('fn')})"
+            classes[entry.get("path")] = name
     rows = []
     for node in field_of(graph_json, "nodes", list):
         op, target = node.get("op"), node.get("target")

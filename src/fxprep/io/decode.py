@@ -42,7 +42,7 @@ from .format import (
     entries,
     training_flag,
 )
-from .objects import ObjectReader, class_name, method_function
+from .objects import ObjectReader, bare_instance, class_name, method_function
 from .regions import check_state_regions
 from .trust import TrustPolicy, check_attribute, check_getattr, check_member, is_atom
 
@@ -234,7 +234,7 @@ def _build_one(entry: dict[str, Any], kind: str, decode: Decoder, policy: TrustP
         return module
     if kind == "state":
         field_of(entry, "attrs", dict)
-        module = cls.__new__(cls)
+        module = bare_instance(cls)
         nn.Module.__init__(module)
         return module  # attributes are set once the tensors they may refer to exist
     raise SerializationError(f"module {path!r}: unknown kind {kind[:40]!r} in {MODULES}.")

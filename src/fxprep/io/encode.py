@@ -393,8 +393,7 @@ class TreeWriter:
             except SerializationError as err:
                 raise SerializationError(f"cannot save {where}: it could not be loaded back ({err}).") from err
             try:
-                attrs[k] = Encoder(f"{where}, attribute {k!r}", lambda t, k=k: self.tensor_key(t, f"{path}.{k}"),
-                                   lambda obj, _, k=k: self.objects.encode(obj, f"{path}.{k}"))(v)
+                attrs[k] = self._attribute_encoder(f"{where}, attribute {k!r}", f"{path}.{k}")(v)
             except SerializationError as err:
                 if "trusted_modules" in str(err):
                     raise
@@ -405,6 +404,11 @@ class TreeWriter:
                     f"original model."
                 ) from err
         return {"kind": "state", "attrs": attrs}
+
+    def _attribute_encoder(self, where: str, name: str) -> Encoder:
+        """An Encoder for the attribute saved as ``name``: the tensors and helper objects it holds are
+        named after it."""
+        return Encoder(where, lambda t: self.tensor_key(t, name), lambda obj, _: self.objects.encode(obj, name))
 
     def _record_slots(self, path: str, module: nn.Module) -> None:
         for role, slots in (("parameter", module._parameters), ("buffer", module._buffers)):

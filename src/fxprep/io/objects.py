@@ -36,6 +36,11 @@ def class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def bare_instance(cls: type[object]) -> Any:
+    """An instance made by ``cls.__new__`` alone: its ``__init__`` does not run."""
+    return cls.__new__(cls)
+
+
 def trust_hint(code: str, policy: TrustPolicy) -> str:
     """Why code of an untrusted package cannot be saved by name, and what to do."""
     package = code.split(".")[0]
@@ -139,7 +144,7 @@ class ObjectReader:
             raise SerializationError(f"malformed saved object: {str(entry)[:120]}")
         cls = self.policy.object_class(entry.get("class"))
         try:
-            obj = cls.__new__(cls)
+            obj = bare_instance(cls)
         except Exception as err:  # noqa: BLE001 - any class that cannot be created bare
             raise SerializationError(f"cannot rebuild a {class_name(cls)} from its attributes: {err}") from err
         if isinstance(obj, nn.Module):
