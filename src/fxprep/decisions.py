@@ -39,6 +39,7 @@ def check_decision(condition: Any, message: str) -> None:
     (torch.ao) records the aten op on its proxies."""
     if torch.jit.is_tracing():
         return
+    assert _ASSERT_SCALAR is not None, "only a torch that has aten._assert_scalar makes the checks this replaces"
     _ASSERT_SCALAR(condition, message)
 
 

@@ -174,7 +174,8 @@ def qualified_name(fn: Any) -> str:
     except TypeError:  # unhashable callable
         pass
     module = getattr(fn, "__module__", None) or ""
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+    qualname = getattr(fn, "__qualname__", None)
+    name = qualname if qualname else getattr(fn, "__name__", repr(fn))
     short = getattr(fn, "__name__", "")
     if short and (module == "torch" or module.startswith("torch.") or not module):
         # torch's builtins report where they are implemented (``torch._VariableFunctionsClass.add``,

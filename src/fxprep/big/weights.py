@@ -226,9 +226,9 @@ class _Plan:
 def _plan(slots: dict[int, _Slot], checkpoint: Checkpoint, dtype: torch.dtype | None) -> _Plan:
     plan = _Plan()
     by_name: dict[str, _Slot] = {}
-    for slot in slots.values():
-        for name in dict.fromkeys(slot.names + slot.paths):
-            by_name.setdefault(name, slot)
+    for each in slots.values():
+        for name in dict.fromkeys(each.names + each.paths):
+            by_name.setdefault(name, each)
     problems: list[str] = []
     unexpected = [k for k in checkpoint.specs if k not in by_name]
     if unexpected:

@@ -285,7 +285,7 @@ def _own_model_class(config_class: type) -> type | None:
         found = [v for v in vars(module).values()
                  if isinstance(v, type) and issubclass(v, transformers.PreTrainedModel)
                  and v.__module__ == module.__name__ and getattr(v, "config_class", None) is config_class
-                 and v.forward is not nn.Module.forward]  # a family's PreTrainedModel base has no forward
+                 and getattr(v, "forward", None) is not nn.Module.forward]  # a family's PreTrainedModel base has no forward
         if found:
             return min(found, key=lambda c: ("For" in c.__name__, len(c.__name__), c.__name__))
     return None
@@ -296,10 +296,11 @@ def _transformers(name: str) -> BuiltModel:
 
     if name[:1].isupper():  # a class name: BertForSequenceClassification
         cls = getattr(transformers, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module) and getattr(cls, "config_class", None)):
+        config_class = getattr(cls, "config_class", None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module) and config_class):
             classes = [n for n in dir(transformers) if n[:1].isupper() and ("Model" in n or "For" in n)]
             raise SpecError(f"transformers has no model class {name!r}.{did_you_mean(name, classes)}")
-        model = _tiniest(cls.config_class.model_type, cls)
+        model = _tiniest(config_class.model_type, cls)
     else:
         try:
             transformers.AutoConfig.for_model(name)

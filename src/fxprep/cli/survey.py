@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from .. import api
 from ..errors import EquivalenceError, FxprepError, ModelError
 from ..version import __version__
 from .specs import resolve
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
 
 # --- one model -----------------------------------------------------------------------------------
 STATUSES = ("passed", "opaque", "verify_failed", "failed", "model_error", "timeout", "crashed")
@@ -132,6 +135,7 @@ def _context(preload: tuple[str, ...]) -> Any:
     import multiprocessing as mp
 
     if preload not in _CONTEXTS:
+        ctx: BaseContext
         if "forkserver" in mp.get_all_start_methods():
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(list(preload))

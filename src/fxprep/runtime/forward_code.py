@@ -176,13 +176,15 @@ def fast_source(gm: fx.GraphModule, code: str) -> str:
     for node in gm.graph.nodes:
         if node.op not in ("call_module", "get_attr") or not isinstance(node.target, str):
             continue
-        i = where.get(node.name)
-        target = _fast_target(gm, node) if i is not None else None
+        row = where.get(node.name)
+        if row is None:
+            continue
+        target = _fast_target(gm, node)
         if target is None:
             continue
         modules, attribute, call = target
         old = " = " + _format_target("self", node.target)
-        line = lines[i]
+        line = lines[row]
         at = line.find(old)
         end = at + len(old)
         follows = line[end:end + 1]
@@ -193,5 +195,5 @@ def fast_source(gm: fx.GraphModule, code: str) -> str:
             new = _format_target(new, attribute)
         elif call:  # "x = _fxprep_call(<module>, <fast>, a, b)": the call's "(" taken over
             new, end = f"{CALL_HELPER}({new}, {writer.fast_flag()}, ", end + 1
-        lines[i] = line[:at] + " = " + new + line[end:]
+        lines[row] = line[:at] + " = " + new + line[end:]
     return "\n".join(lines)

@@ -272,7 +272,8 @@ def _view(title: str, nodes: list[dict[str, Any]], classes: dict[str, str], repo
 def _saved_values(entry: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Shapes a save recorded for a node (``"values": [{"shape": [...], "dtype": "float32"}]``,
     at the node or under its ``"meta"``), if it did."""
-    for holder in (entry, entry.get("meta") if isinstance(entry.get("meta"), dict) else {}):
+    meta = entry.get("meta")
+    for holder in (entry, meta if isinstance(meta, dict) else {}):
         values = holder.get("values")
         if isinstance(values, list) and all(isinstance(v, dict) and "shape" in v for v in values):
             return [{"shape": list(v["shape"]), "dtype": str(v.get("dtype", ""))} for v in values]
