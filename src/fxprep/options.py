@@ -6,12 +6,20 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from .errors import InvalidInput, UnknownOption
 
-TRACERS = ("auto", "dynamo", "fx")
-STYLES = ("fxprep", "aimet")
+# Each option's accepted values, once: the field's type and what _check accepts come from these.
+Tracer = Literal["auto", "dynamo", "fx"]
+Style = Literal["fxprep", "aimet"]
+Fallback = Literal["leaf", "error"]
+VerifyMode = Literal[True, False, "grad"]
+ControlFlow = Literal[None, "rewrite"]
+Progress = Literal[None, True, False]
+
+TRACERS: tuple[Tracer, ...] = get_args(Tracer)
+STYLES: tuple[Style, ...] = get_args(Style)
 
 
 @dataclass(frozen=True)
@@ -53,8 +61,8 @@ class PrepareOptions:
         (default); the graph is the one a whole-model capture gives. False: trace every block.
     """
 
-    tracer: str = "auto"
-    verify: bool | str = True
+    tracer: Tracer = "auto"
+    verify: VerifyMode = True
     rtol: float | None = None
     atol: float | None = None
     share_parameters: bool = True
@@ -62,12 +70,12 @@ class PrepareOptions:
     unroll: bool = True
     autowrap_functions: tuple[Callable[..., Any], ...] = ()
     name: str | None = None
-    fallback: str = "leaf"
+    fallback: Fallback = "leaf"
     verify_inputs: tuple[Any, ...] = ()
     dynamic: Any = None
-    style: str = "fxprep"
-    control_flow: str | None = None
-    progress: bool | None = None
+    style: Style = "fxprep"
+    control_flow: ControlFlow = None
+    progress: Progress = None
     copy: bool = False
     reuse_blocks: bool = True
 
@@ -97,10 +105,10 @@ def _check(opts: PrepareOptions) -> None:
     """Every option's type and value, each mistake said with what is accepted."""
     _one_of("tracer", opts.tracer, TRACERS)
     _one_of("style", opts.style, STYLES)
-    _one_of("fallback", opts.fallback, ("leaf", "error"))
-    _one_of("verify", opts.verify, (True, False, "grad"))
-    _one_of("control_flow", opts.control_flow, (None, "rewrite"))
-    _one_of("progress", opts.progress, (None, True, False))
+    _one_of("fallback", opts.fallback, get_args(Fallback))
+    _one_of("verify", opts.verify, get_args(VerifyMode))
+    _one_of("control_flow", opts.control_flow, get_args(ControlFlow))
+    _one_of("progress", opts.progress, get_args(Progress))
     for flag in ("share_parameters", "convert_functionals", "unroll", "copy", "reuse_blocks"):
         _one_of(flag, getattr(opts, flag), (True, False))
     for tol in ("rtol", "atol"):

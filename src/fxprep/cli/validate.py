@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import InvalidInput, SerializationError
+from ..options import TRACERS
 
 
 class SpecError(InvalidInput):
@@ -27,7 +28,6 @@ class SpecError(InvalidInput):
 
 
 SOURCES = ("torchvision", "timm", "transformers", "demo")
-TRACERS = ("auto", "dynamo", "fx")
 CONTROL_FLOW = ("rewrite",)
 #: ``--dtype`` of a checkpoint: name -> torch dtype name (None: the checkpoint's own)
 CHECKPOINT_DTYPES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
