@@ -55,7 +55,7 @@ def _click_exception() -> type[Exception]:
         module = importlib.import_module("typer._click.exceptions")
     except ImportError:
         module = importlib.import_module("click.exceptions")
-    return module.ClickException  # type: ignore[no-any-return]
+    return module.ClickException
 
 
 def run(argv: list[str] | None) -> int:

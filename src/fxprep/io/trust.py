@@ -295,7 +295,7 @@ class TrustPolicy:
                 fn = obj
         if fn is _MISSING:
             raise self._refuse(name, "function")
-        return fn  # type: ignore[return-value]
+        return fn
 
     def check_function(self, name: str) -> None:
         """Raise unless ``name`` may be called by a loaded graph. A trusted library's custom op

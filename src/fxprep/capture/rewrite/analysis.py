@@ -132,7 +132,7 @@ def arm_exit(stmts: list[ast.stmt]) -> str:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
             return
         if isinstance(node, ast.Return) or (isinstance(node, (ast.Break, ast.Continue)) and not in_loop):
-            exits.append(node)  # type: ignore[arg-type]
+            exits.append(node)
         loop = isinstance(node, (ast.For, ast.While, ast.AsyncFor))
         for child in ast.iter_child_nodes(node):
             visit(child, in_loop or (loop and child in getattr(node, "body", [])))

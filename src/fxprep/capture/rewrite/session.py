@@ -281,7 +281,7 @@ class ControlFlowRewrite:
             self.methods[key] = method  # type: ignore[index]
         if method is not None:
             method = self.methods[key]  # type: ignore[index]
-        fdef = self.trees.get(key) if key is not None else None  # type: ignore[arg-type]
+        fdef = self.trees.get(key) if key is not None else None
         node = node_at(fdef, line) if fdef is not None else None
         site_key = f"{filename}:{node.lineno if node is not None else line}"  # type: ignore[attr-defined]
         if site_key in self.sites:
