@@ -1,24 +1,13 @@
 """Sequential onloading: a partitioned graph run stage by stage, one stage's weights on the device.
 
-A calibration loop needs the whole model to run, a 70B model fits no single GPU. The loops are
-swapped (llm-compressor's sequential pipeline): for each stage of :func:`fxprep.partition`, its
-weights are onloaded once, every calibration batch passes through it, ``on_stage`` sees its inputs
-and outputs (where a quantizer calibrates, or updates weights GPTQ-style), what it changed is
-written where each weight lives, the weights go back, and the next stage runs on the cached
-activations. Each stage is a transaction: if a batch or ``on_stage`` raises (Ctrl-C included), the
-stage's weights are put back as they were before it and the exception propagates unchanged.
+For each stage of :func:`fxprep.partition`, its weights are onloaded once, every calibration batch
+passes through it, ``on_stage`` runs, changed weights are written where they live, and the next
+stage runs on cached activations. Each stage is a transaction. This module checks the user's
+arguments and runs the stages; the pieces are :mod:`fxprep.big.onload`,
+:mod:`fxprep.big.weight_store`, :mod:`fxprep.big.activation_cache` and :mod:`fxprep.big.ranks`.
+:class:`SequentialRun` reports the bytes held.
 
-The pieces, each in its own module: :mod:`fxprep.big.onload` (a stage's weights onto the device, their
-before-images, change detection, commit and undo; accelerate's offload hooks and weights maps where
-the modules have them), :mod:`fxprep.big.weight_store` (where a weight lives and how a change is written
-there: in memory into the same tensor object, on disk into accelerate's offload folder),
-:mod:`fxprep.big.activation_cache` (activations between stages), :mod:`fxprep.big.ranks` (data-parallel
-ranks under ``torch.distributed``). This module checks what the user gave before anything runs and
-runs the stages in order.
-
-The runner accounts the bytes it holds: the weights attached to the modules on the device, the
-before-images, the batch being run, the activation cache in memory, and any written value it had to
-keep in memory. :class:`SequentialRun` reports their peaks (and, on CUDA, the allocator's own peak).
+See docs/guides/big-models.md.
 """
 
 from __future__ import annotations
