@@ -1,17 +1,12 @@
 """Decisions a capture took from the example's values, and the checks that keep them honest.
 
-When Dynamo stops at a value only the data knows (a size read with ``.item()`` / ``.tolist()``,
-``x[:, : n // p]`` with ``n`` from a tensor: Pixtral's vision tower slices each image to its size
-in ``image_sizes``), fxprep captures again with Dynamo deciding such questions from the example's
-real values (``torch._functorch.config.fake_tensor_propagate_real_tensors``). PyTorch then keeps
-each decision as a runtime check in the graph (``torch.ops.aten._assert_scalar(cond, msg)``), so
-the graph stays valid for every input that decides the same way (other image sizes with the same
-number of patches, say) and cannot silently compute something else for one that does not.
+Where a capture decides a data-dependent value from the example (``dynamo+values``:
+:mod:`fxprep.capture.dynamo.values`), PyTorch keeps each decision as a runtime check in the graph.
+This module names those checks for people: where in the model's code each decision was taken (the
+report lists them), and, when a call fails one, an :class:`~fxprep.errors.InputMismatch` naming the
+line of code and what to do, instead of torch's assertion message.
 
-This module names those checks for people: where in the model's code each decision was taken
-(the report lists them), and, when a call fails one, an :class:`~fxprep.errors.InputMismatch`
-instead of torch's "Runtime assertion failed for expression u4 <= 24 on node 'le_3'", naming the
-line of code and what to do about it.
+See docs/concepts/control-flow.md ("Under the hood").
 """
 
 from __future__ import annotations

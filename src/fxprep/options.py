@@ -24,41 +24,35 @@ STYLES: tuple[Style, ...] = get_args(Style)
 
 @dataclass(frozen=True)
 class PrepareOptions:
-    """Options of ``prepare_model`` (all keyword-only).
+    """Options of ``prepare_model`` (all keyword-only); the pages named have the details.
 
     tracer: "auto" (Dynamo first when example inputs are given, then fx), "dynamo" or "fx".
     verify: True (outputs), "grad" (outputs and gradients) or False. Needs example inputs.
-    rtol / atol: verification tolerances (default by dtype: 1e-4/1e-5 for fp32, 1e-2 for half).
-    share_parameters: unrolled copies of a reused module share its parameters (default) or get
-        independent deep copies (False).
+    rtol / atol: verification tolerances (default by dtype: 1e-4/1e-5 for float32; for half types
+        rtol=0, atol from output magnitude and graph depth: docs/concepts/verification.md).
+    share_parameters: unrolled copies of a reused module share its parameters (default) or are
+        deep copies (False).
     convert_functionals / unroll: switch those passes off.
-    autowrap_functions: extra functions the fx tracer records as single calls (like torch.fx.wrap).
+    autowrap_functions: functions the fx tracer records as single calls (like torch.fx.wrap).
     name: the model name used in the report (default: the class name).
-    verify_inputs: more example inputs (same forms as example_inputs) the prepared module is also
-        verified on: inputs that take the other branch of anything specialised at capture time.
-    fallback: "leaf" (default): when the whole model cannot be captured, make the smallest
-        untraceable submodules opaque leaves and capture the rest; "error": raise TraceFailure.
+    verify_inputs: more example inputs (as example_inputs) also verified on, e.g. ones taking the
+        other branch of something specialised at capture.
+    fallback: "leaf" (default): make the smallest untraceable parts opaque and capture the rest;
+        "error": raise TraceFailure.
     dynamic: dynamic dimensions for the Dynamo tracer: "batch" (dim 0 of every tensor input) or
-        {argument name: {dim: symbol name}} (dimensions sharing a name share one size), e.g.
-        {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}. The
-        prepared module is then also verified on a second input size.
-    style: "fxprep" (default) or "aimet": the modules fxprep adds get AIMET's names
-        (``module_<fn>_<n>``) and, when ``aimet_torch`` is installed, AIMET's own classes where they
-        compute the same thing (what :func:`fxprep.compat.aimet.prepare_model` sets).
-    control_flow: None (default: a Python `if` on a tensor stops capture, as in every tracer) or
-        "rewrite": such an `if` (or conditional expression) in any module's forward is rewritten
-        into torch.where or torch.cond so the model is captured whole; every site is reported
-        (see fxprep.capture.rewrite). The user's code and classes are never changed.
-    progress: show the stages of the work: None (default: a one-line display when standard error is
-        a terminal, nothing on screen otherwise; log records on the "fxprep" logger either way),
-        True (always: plain lines on standard error when it is not a terminal) or False (nothing).
-    copy: prepare a deep copy of the model (default False: the result's leaves are the model's
-        own module objects and parameters, so ``gm.eval()`` switches them too and training-mode
-        runs update their BatchNorm statistics). True gives an independent module, at the cost of
-        a second copy of every parameter.
-    reuse_blocks: on the Dynamo path, capture each repeated block (decoder layer, ViT block, ...)
-        once and stamp its graph out for the other instances that provably run the same code
-        (default); the graph is the one a whole-model capture gives. False: trace every block.
+        {argument name: {dim: symbol name}}, e.g. {"input_ids": {0: "batch", 1: "seq"}} (a shared
+        name is one size); also verified on a second size (docs/shapes.md).
+    style: "fxprep" (default) or "aimet": added modules get AIMET's names and, with ``aimet_torch``,
+        its classes where equal (docs/handoff/aimet.md).
+    control_flow: None (default: a Python `if` on a tensor stops capture) or "rewrite": such sites
+        become torch.where or torch.cond, each reported; the user's code is never changed
+        (docs/concepts/control-flow.md).
+    progress: None (default: a display on a terminal; log records on the "fxprep" logger either
+        way), True (always shown) or False (nothing; docs/guides/progress.md).
+    copy: prepare a deep copy (True: a second copy of every parameter). Default False: the result
+        shares the model's modules and parameters (docs/concepts/sharing.md).
+    reuse_blocks: on the Dynamo path, capture each repeated block once and stamp it out where
+        provably the same (default; docs/concepts/block-reuse.md). False: trace every block.
     """
 
     tracer: Tracer = "auto"

@@ -1,28 +1,13 @@
-"""A stage's weights onto the device and back, as one transaction (the weights of :func:`fxprep.run_sequential`).
+"""A stage's weights onto the device and back, as one transaction (the weights of
+:func:`fxprep.run_sequential`).
 
-Every tensor the stages read is a *slot*: one tensor of the model, however many ``(module, name)``
-places hold it (ties), and where its value waits while its stage is not running:
+Every tensor the stages read is a slot, offloaded (the value in a
+:class:`~fxprep.big.weight_store.Home`) or resident. :class:`Onloader` puts a stage's slots on the
+device, keeps before-images when watching, finds changes bit for bit (:meth:`Onloader.changes`),
+then commits them to every home (:meth:`Onloader.commit`) or undoes them (:meth:`Onloader.undo`),
+and puts every original tensor object back (:meth:`Onloader.release`).
 
-* **offloaded**: the places hold ``meta`` tensors and the value lives in a :class:`~fxprep.big.weight_store.Home`,
-  found from the module's accelerate offload hook (``load_weights(device_map=...)`` with ``"disk"``: the
-  checkpoint's own files or the offload folder) or, for a module that has none, from fxprep's own
-  offload (``offload="cpu"``: the module's original tensor object; ``"disk"``: a ``.dat`` file named by
-  the tensor's path in ``offload_dir``, and the original object, which is put back at the end);
-* **resident**: the places hold the tensor itself (``offload=None``, tensors the graph reads directly,
-  non-persistent buffers).
-
-:meth:`Onloader.onload` puts a stage's slots on the device: each offloaded slot read from its home
-into one tensor placed at all of the stage's places (a tie stays a tie while the stage runs).
-*Watching* (when ``on_stage`` is given), each slot also has a *before-image*, its value before the stage
-(the home's own in-memory object where there is one, else the copy read from disk, while the modules
-compute with a fresh copy). After ``on_stage``, :meth:`Onloader.changes` compares what each place holds
-now with the before-image, bit for bit: whatever changed the weight (in place, through ``.data``, a new
-tensor or ``Parameter`` assigned, a module's weight replaced) is found, with no trust in version
-counters or identities. :meth:`Onloader.commit` writes every change to every home of its slot (all
-prepared, then all applied, Ctrl-C held off while applying); :meth:`Onloader.undo` instead puts the
-resident slots' before-images back (offloaded homes were never touched). :meth:`Onloader.release` then
-puts each place's own tensor object back, so the model is as found: same objects, same ties, no hook
-added. Hooks the modules had (``load_weights``') stay; while a stage runs they neither onload nor offload.
+See docs/guides/big-models.md ("Each stage is a transaction", "Under the hood").
 """
 
 from __future__ import annotations

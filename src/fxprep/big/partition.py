@@ -1,26 +1,12 @@
 """A prepared graph cut into ordered stages at its repeated blocks (decoder layers, ViT blocks, ...).
 
-A model too big for one device is calibrated *sequentially* (llm-compressor's sequential pipeline):
-one block's weights on the device at a time, every calibration batch passed through it, activations
-cached between blocks. That needs the model as disjoint pieces run in order, which is a cut of one
-traceable, module-level graph, which is what :func:`fxprep.prepare_model` makes.
+Sequential calibration needs the model as disjoint pieces run in order. :func:`partition` cuts the
+graph's topological node order into contiguous stages at the target blocks, with the nodes between
+blocks joining the next block's stage unless they hold weights of their own (``head``, ``tail``, a
+projector). Each :class:`Stage` is a ``GraphModule`` calling the user's own modules; it takes and
+returns values by name, and ``stage.frees`` names what no later stage reads.
 
-:func:`partition` cuts ``gm`` (its nodes in graph order, which is a topological order) into
-contiguous *stages*:
-
-* every node of a target block (the nodes whose ``nn_module_stack`` or ``call_module`` /
-  ``get_attr`` target lies under the block's qualified name) is in that block's stage; blocks whose
-  nodes interleave are one stage;
-* the nodes between two blocks join the next block's stage, unless they read weights of their own
-  (a VLM's projector between its vision tower and its language model): then they are a stage of
-  their own, as are the nodes before the first block (``head``) and after the last (``tail``).
-
-Because stages are contiguous pieces of a topological order, running them in order computes what
-``gm`` computes: each stage's inputs are ``gm``'s placeholders or earlier stages' outputs. A stage
-is a :class:`Stage` (a ``GraphModule``) whose ``call_module`` targets are the user's own module
-objects at their own paths (nothing is copied); it takes its inputs as keyword arguments named by
-the values they are in ``gm`` and returns a dict of the values later stages (or ``gm``'s output)
-read. ``stage.frees`` names the values no later stage reads, so a runner can drop them.
+See docs/guides/big-models.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Weights placed by a device map: a graph prepared on ``meta`` loaded over devices, CPU and disk.
 
-``load_weights(gm, checkpoint, device_map=...)`` is the big-model form of
-:func:`fxprep.load_weights`. The map is accelerate's: ``{module name: device}`` with ``"cpu"``,
-``"disk"`` or an accelerator (``0``, ``"cuda:1"``), or ``"auto"``, which accelerate's
-``infer_auto_device_map`` computes from ``max_memory`` without splitting a repeated block
-(:func:`fxprep.big.partition.default_blocks`). Loading goes shard by shard as ``load_weights`` does
-(same checks, ties and recomputed buffers), each tensor straight to its module's device; tensors
-mapped to ``disk`` are never read: accelerate's ``OffloadedWeightsLoader`` index points at the
-checkpoint's own safetensors files (a state_dict is written to the offload folder with
-``offload_weight``). accelerate's ``dispatch_model`` then attaches its hooks: offloaded modules
-onload on each call, and :func:`fxprep.run_sequential` uses the same hooks stage by stage.
+``load_weights(gm, checkpoint, device_map=...)`` loads each tensor straight to its module's device
+under accelerate's map (``"auto"`` keeps repeated blocks whole:
+:func:`fxprep.big.partition.default_blocks`), leaves ``disk`` tensors in the checkpoint's own files,
+and attaches accelerate's hooks; the graph moves activations at device boundaries
+(:func:`_move_between_devices`).
 
-Activations: accelerate's hooks move a hooked module's inputs to its execution device. Modules of
-a prepared graph are called one leaf at a time, so where the map names two execution devices the
-graph itself moves values at the device boundaries (:func:`_move_between_devices`).
+See docs/guides/big-models.md ("Under the hood").
 """
 
 from __future__ import annotations

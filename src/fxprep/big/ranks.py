@@ -1,30 +1,13 @@
-"""Data-parallel calibration: :func:`fxprep.run_sequential` on every rank of a ``torch.distributed`` group.
+"""Data-parallel calibration: :func:`fxprep.run_sequential` on every rank of a ``torch.distributed``
+group.
 
-Each rank runs its share of the batches (batch ``k`` on rank ``k % world``) through each stage, so a
-stage's calibration takes ``1/world`` of the time, and every rank ends where one process running
-every batch would end:
+Each rank runs batch ``k`` when ``k % world`` is its rank, and every rank ends where one process
+would: observers' calls are recorded and replayed in single-process order (bit for bit for min/max
+and histogram observers), the source rank's weight updates are broadcast, and a failure on any rank
+undoes the stage everywhere (:class:`RankFailed` on the others). What ``on_stage`` gathers itself it
+reduces itself.
 
-* **Observers** (``torch.ao``'s min/max family and ``HistogramObserver``): while a stage's batches
-  run, each call of a listed observer is *recorded* instead of observed (a forward pre-hook hands the
-  observer an empty tensor, which it ignores, and a forward hook returns the real input). After the
-  stage, every rank *replays* every rank's calls into its observers in the single-process order
-  (batch by batch, call by call): a min/max observer from the ``(min, max)`` its input had (per
-  channel for per-channel observers), a histogram observer from its input's ``(min, max)`` and the
-  histogram of that input over the range the observer has at that point of the single-process run,
-  which only the owning rank can count, once all ranks' ``(min, max)`` have fixed every range. The
-  result is the single-process result bit for bit (min/max and histogram counts are exact; the
-  histogram rows are summed with exact zeros from the other ranks). A histogram observer's inputs
-  wait on their rank until the stage ends (``1/world`` of them each): memory the size of those inputs.
-* **Weight updates**: what ``on_stage`` changed on rank ``source`` (found bit for bit, as write-back
-  finds it) is broadcast, and every rank takes exactly those weights (its own changes, if it made
-  different ones, are dropped) before each rank writes them back where its weights live.
-* **Failures**: ranks agree after the batches, after ``on_stage`` and before sharing changes; if any
-  rank failed, every rank undoes the stage; the failing rank raises its own exception, the others
-  :class:`RankFailed` (no rank is left waiting in a collective).
-
-Anything else ``on_stage`` gathers (a GPTQ Hessian, an AWQ scale) is reduced by ``on_stage`` itself
-with ``torch.distributed`` (``all_reduce``); sums over ranks add in another order than one process
-does, so such results agree to rounding, not bit for bit.
+See docs/guides/big-models.md ("Data-parallel ranks", "Under the hood").
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Sequential onloading: a partitioned graph run stage by stage, one stage's weights on the device.
 
-A calibration loop needs the whole model to run, a 70B model fits no single GPU. The loops are
-swapped (llm-compressor's sequential pipeline): for each stage of :func:`fxprep.partition`, its
-weights are onloaded once, every calibration batch passes through it, ``on_stage`` sees its inputs
-and outputs (where a quantizer calibrates, or updates weights GPTQ-style), what it changed is
-written where each weight lives, the weights go back, and the next stage runs on the cached
-activations. Each stage is a transaction: if a batch or ``on_stage`` raises (Ctrl-C included), the
-stage's weights are put back as they were before it and the exception propagates unchanged.
+For each stage of :func:`fxprep.partition`, its weights are onloaded once, every calibration batch
+passes through it, ``on_stage`` runs, changed weights are written where they live, and the next
+stage runs on cached activations. Each stage is a transaction. This module checks the user's
+arguments and runs the stages; the pieces are :mod:`fxprep.big.onload`,
+:mod:`fxprep.big.weight_store`, :mod:`fxprep.big.activation_cache` and :mod:`fxprep.big.ranks`.
+:class:`SequentialRun` reports the bytes held.
 
-The pieces, each in its own module: :mod:`fxprep.big.onload` (a stage's weights onto the device, their
-before-images, change detection, commit and undo; accelerate's offload hooks and weights maps where
-the modules have them), :mod:`fxprep.big.weight_store` (where a weight lives and how a change is written
-there: in memory into the same tensor object, on disk into accelerate's offload folder),
-:mod:`fxprep.big.activation_cache` (activations between stages), :mod:`fxprep.big.ranks` (data-parallel
-ranks under ``torch.distributed``). This module checks what the user gave before anything runs and
-runs the stages in order.
-
-The runner accounts the bytes it holds: the weights attached to the modules on the device, the
-before-images, the batch being run, the activation cache in memory, and any written value it had to
-keep in memory. :class:`SequentialRun` reports their peaks (and, on CUDA, the allocator's own peak).
+See docs/guides/big-models.md.
 """
 
 from __future__ import annotations
@@ -103,25 +92,35 @@ def run_sequential(stages: Stages, batches: Iterable[Any], *, device: Any, offlo
                    ranks: Ranks | None = None) -> SequentialRun:
     """Run every batch through ``stages`` (from :func:`fxprep.partition`) one stage at a time.
 
-    ``batches``: the calls of the partitioned graph, each a dict (keyword arguments), a tuple or
-    list (positional ones) or a single tensor. ``device``: where each stage runs (it must exist on
-    this machine). ``offload``: where weights wait while their stage is not running, for modules
-    that no offload hook holds yet: ``"cpu"`` (in memory), ``"disk"`` (``.dat`` files named by each
-    tensor's path, in ``offload_dir/fxprep-sequential`` or a temporary folder, removed at the end) or
-    ``None`` (they stay where they are). Weights ``load_weights(device_map=...)`` put on disk stay
-    there. ``on_stage(stage, inputs, outputs)``: called once per stage with its weights onloaded,
-    after all batches ran through it; ``inputs`` / ``outputs`` are one ``{name: value}`` per batch,
-    as cached. Whatever it changes in the stage's weights (in place, through ``.data``, by assigning
-    a new tensor or ``Parameter``) is written where the weight lives: into the tensor object in
-    memory, or into the offload folder on disk. ``cache``: where activations wait between stages
-    (``"cpu"`` or ``"disk"``). ``ranks``: run data-parallel (:class:`fxprep.Ranks`: each rank runs
-    its share of ``batches``, every rank ends with the single-process result).
+    Each stage is a transaction: if a batch or ``on_stage`` raises (Ctrl-C included), the stage's
+    weights (in memory and on disk), tensor objects and hooks are as before it; earlier stages keep
+    what they wrote (docs/guides/big-models.md). Runs under ``torch.no_grad()``.
 
-    Each stage is a transaction: if one of its batches or ``on_stage`` raises (``KeyboardInterrupt``
-    included), its weights are as they were before it (in memory and on disk), the model holds the
-    tensor objects and hooks it held, and the exception propagates unchanged; stages before it keep
-    what they wrote. Runs under ``torch.no_grad()``. Everything a user can get wrong (the device,
-    the batches' keys and shapes, ``on_stage``'s signature, options) is refused before any stage runs."""
+    Args:
+        stages: the partitioned graph.
+        batches: its calls, each a dict (keyword arguments), a tuple or list (positional ones) or a
+            single tensor.
+        device: where each stage runs (it must exist here).
+        offload: where weights wait while their stage is not running, for modules no offload hook
+            holds yet: ``"cpu"`` (in memory), ``"disk"`` (``.dat`` files named by each tensor's path,
+            in ``offload_dir/fxprep-sequential`` or a temporary folder) or ``None`` (they stay).
+            Weights ``load_weights(device_map=...)`` put on disk stay there.
+        on_stage: ``on_stage(stage, inputs, outputs)``, called once per stage with its weights
+            onloaded, after all batches ran through it; ``inputs`` / ``outputs`` are one
+            ``{name: value}`` per batch. Whatever it changes in the stage's weights (in place,
+            through ``.data``, a new tensor or ``Parameter``) is written where the weight lives.
+        cache: where activations wait between stages, ``"cpu"`` or ``"disk"``.
+        offload_dir: the folder for ``offload="disk"``.
+        ranks: run data-parallel (:class:`fxprep.Ranks`: each rank runs its share of ``batches``,
+            every rank ends with the single-process result).
+
+    Returns:
+        A :class:`SequentialRun`: the outputs, per-stage seconds and the bytes held.
+
+    Raises:
+        What a user can get wrong (the device, the batches' keys and shapes, ``on_stage``'s
+        signature, options), before any stage runs; a stage's own exception, unchanged.
+    """
     target, calls = _checked(stages, batches, device, offload, cache, on_stage, ranks)
     if ranks is None:
         _warn_if_distributed()

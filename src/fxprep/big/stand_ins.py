@@ -1,31 +1,13 @@
 """A model on ``meta`` prepared with inputs that carry values (a VLM's image grid, its token ids).
 
-A model on ``meta`` holds no values, so nothing in its forward may read one: a decoder-only LLM
-reads none and is prepared on ``meta`` as it is. A vision-language model reads its *inputs*:
-Qwen2-VL splits its vision attention by ``grid_thw.tolist()``, builds its rotary positions from the
-grid and the token ids, Llava places image features where ``input_ids`` holds the image token. With
-those inputs on ``meta`` the forward cannot run; with them on the CPU and the weights on ``meta``
-it mixes devices at the first op that meets a weight.
+A vision-language model reads its inputs' values, which a model on ``meta`` cannot. For the
+preparation only, every ``meta`` tensor of the model and the example is replaced by a stand-in: a
+CPU tensor that reads as zeros and takes no memory (:func:`zero_pages`). The forward decides from
+the real input values as on the CPU; afterwards the original ``meta`` tensors are put back
+everywhere, so :func:`fxprep.load_weights` works as usual.
 
-So when the model holds tensors on ``meta`` and the example holds at least one real tensor, the
-values are given to what reads them and nothing else: for the preparation only, every ``meta``
-tensor of the model (parameters, buffers, tensor attributes) and of the example is replaced by a
-*stand-in*, a CPU tensor of its shape and dtype that reads as zeros and takes no memory (pages of
-a private anonymous mapping, which the kernel gives as its one zero page until they are written:
-:func:`zero_pages`), so the model runs as a CPU model whose weights are all zero. Whatever the
-forward decides from its inputs' values (split sizes, positions, where the image features go) is
-decided from the real values, exactly as when preparing the model on the CPU, and the capture is
-the CPU capture. Afterwards the stand-ins are replaced by the original ``meta`` tensors everywhere
-(the model and every module of the prepared graph, by identity), so :func:`fxprep.load_weights`
-loads the weights as for any graph prepared on ``meta``.
-
-Why stand-ins rather than real inputs beside ``meta`` weights: that mixes devices in three worlds
-(eager runs, Dynamo's fake tensors, Dynamo's real-value propagation), each with its own rules, and
-values computed by factories on ``meta`` (``torch.arange(n, device=weight.device)``, the positions
-a padding mask is indexed with) lose their values anyway. What it costs: the example's forward is
-computed on the CPU (its FLOPs, with zero weights) in each eager run of the preparation, and a
-tensor Dynamo copies (a module it calls as a leaf) takes memory while it is copied; nothing is kept. Decisions a forward takes from its *activations* (a mixture-of-experts router's choices) are
-taken on zeros, as on ``meta`` they could not be taken at all.
+See docs/guides/big-models.md ("Vision-language models on meta", "Under the hood") for why and what
+it costs.
 """
 
 from __future__ import annotations

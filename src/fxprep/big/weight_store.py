@@ -1,28 +1,12 @@
 """Where a weight waits while its stage is not running, and how a changed value is written there.
 
-:func:`fxprep.run_sequential` onloads a stage's weights from where they wait and writes back what
-``on_stage`` changed *to that same place*: a weight that waits on disk goes back to disk, not into
-a dict in memory (which grew by the whole model when every Linear changed). A :class:`Home` is one
-such place, found from what reads it (accelerate's ``weights_map`` of the module's offload hook, or
-fxprep's own):
+A :class:`Home` is one such place: a :class:`TensorHome` (a tensor object in memory, written into in
+place) or a :class:`LoaderHome` (a file of accelerate's offload folder, never the checkpoint
+itself). Writing is two-phase (:meth:`Home.prepare`, then ``apply`` or ``discard``) so a stage's
+write-back is all or nothing; homes with the same :meth:`Home.identity` are one storage, so ties are
+kept.
 
-* :class:`TensorHome`: a tensor object in memory (fxprep's CPU offload: the module's own original
-  tensor; the in-memory part of accelerate's ``OffloadedWeightsLoader``; a dict a hook reads). The
-  new value is copied *into* that object, so its identity, and every tie to it, stay.
-* :class:`LoaderHome`: a file of accelerate's offload folder, as ``OffloadedWeightsLoader`` reads
-  it. The value is written in accelerate's own format (``{key}.dat``, memory-mapped) and the loader's
-  index entry (and the folder's ``index.json``) point at it; the file is named by its key, so a folder
-  holds one file per weight however many runs write it. A weight the index reads from a
-  checkpoint's own safetensors file gets a ``.dat`` beside the index: the checkpoint is never written.
-
-Writing is two-phase so that a stage's write-back is all or nothing: :meth:`Home.prepare` does what
-may fail (a file written under a temporary name) and returns a :class:`Pending`; ``apply`` makes
-it current (a rename and an index entry, or an in-memory copy); ``discard`` drops a prepared write.
-Two homes with the same :meth:`Home.identity` are one storage: a tie the modules' tensor objects no
-longer show (accelerate replaces them with fresh ``meta`` tensors on each offload) is still found from
-where they live: one tensor of a checkpoint's safetensors file, or ``.dat`` entries that
-:func:`fxprep.load_weights` (or a write-back) marked as one tensor (``TIE``: the key of the entry
-they share, which is also the path of a resident module's tensor it is tied to).
+See docs/guides/big-models.md ("Offload folders do not grow", "Under the hood").
 """
 
 from __future__ import annotations

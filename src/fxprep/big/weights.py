@@ -1,28 +1,12 @@
 """Weights after preparation: a graph prepared on ``meta`` materialised from a checkpoint.
 
-An LLM is prepared in seconds on the ``meta`` device (no weights in memory); :func:`load_weights`
-then puts the real weights in, shard by shard, by the original parameter names:
+:func:`load_weights` puts a checkpoint's weights into a graph prepared on ``meta``, shard by shard,
+by the original names: each shared tensor replaced everywhere at once so ties stay ties, everything
+checked before anything changes, non-persistent buffers recomputed (:mod:`fxprep.big.recompute`),
+``meta`` device literals moved, hub-layout checkpoints converted. :func:`verify_prepared` then
+compares with the original, which the prepared module remembers (:func:`remember_original`).
 
-* every tensor of the prepared module is one *slot*, however many names and modules share it (tied
-  embeddings, the shallow copies of unrolled modules, ``nn.Linear`` layers built from
-  ``F.linear``): the new tensor replaces the old object everywhere it occurs, in the prepared module
-  and in the model it was prepared from (whose leaf modules it shares), so ties stay ties;
-* everything is checked before anything changes: missing and unexpected keys, shapes, dtypes (a
-  checkpoint of another floating dtype is cast only when ``dtype=`` asks for it, and only to the
-  dtype the graph was prepared in: dtypes baked into the graph at capture would not follow);
-* non-persistent buffers, which no checkpoint holds and ``to_empty`` would leave as garbage
-  (rotary ``inv_freq``, causal masks, ``position_ids``), are recomputed by their owning module's
-  own initialisation (:mod:`fxprep.big.recompute`): transformers' ``_init_weights``, which is how
-  ``from_pretrained`` fills them, or else the module's class built afresh from its own attributes.
-  A value is only taken when two runs from different garbage agree. What cannot be recomputed is
-  an error naming it (its value can be passed in the source);
-* device literals still naming the capture device (``meta``) are moved to the target device;
-* a transformers checkpoint in the hub's layout, whose names do not fit the model's (experts one
-  tensor each, a VLM's old prefixes), is read as transformers converts it (:mod:`fxprep.families.transformers.hub_layout`).
-
-:func:`verify_prepared` then compares the prepared module with the (now materialised) original on
-real inputs. The prepared module remembers its original for both (:func:`remember_original`);
-copies share that reference and pickling drops it.
+See docs/guides/big-models.md ("Under the hood").
 """
 
 from __future__ import annotations

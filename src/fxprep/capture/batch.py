@@ -1,23 +1,12 @@
 """Whether a static-shape Dynamo graph depends on the example's batch size: a probe.
 
-Dynamo captures with static shapes (unless ``dynamic=...``): every size of every input may be baked
-into the graph (``x.view(2, -1)``), and a branch on a size (``if x.shape[0] > 2``) is taken the way
-the example takes it. So the prepared module's input check (:mod:`fxprep.runtime.guard`) starts out
-refusing any shape other than the example's. That is safe but blocks the most common call of all:
-a module prepared on a batch of one and then calibrated or evaluated on batches of 32.
+A static capture may bake in the example's batch, so the input check (:mod:`fxprep.runtime.guard`)
+starts out refusing any other size. The probe runs the example with its batch one smaller and one
+larger through the original and the prepared module, and asks Dynamo for the branches on the batch
+(:mod:`fxprep.capture.dynamo.size_branches`); when both agree and no branch would go the other way,
+dimension 0 is left unchecked, and the report says which evidence decided it.
 
-The probe settles the batch dimension by experiment: the example with its batch one smaller and one
-larger (dimension 0 of every input tensor whose dimension 0 is the example's batch size) is run
-through the original and the prepared module. When both agree at both sizes, dimension 0 is left
-unchecked and the report says which sizes it was compared at; when either size fails or differs
-(a shape-dependent branch, a baked size), the check stays and the report names the batch size the
-graph is specialised to and what happened at the other size. Only the batch dimension is probed:
-other dimensions (sequence length, image size) stay checked. A probe is evidence, not proof: a
-branch on ``x.shape[0] > 7`` is not reached from an example of 2. So the probe also asks Dynamo
-(:mod:`fxprep.capture.dynamo.size_branches`): traced once more with the batch symbolic, every decision the
-code makes on it is a guard with its source line. A branch that some batch size would take the
-other way keeps the check, and the report names it; when Dynamo cannot trace the model that way,
-the report says the probe's evidence is all there is.
+See docs/shapes.md ("Under the hood").
 """
 
 from __future__ import annotations

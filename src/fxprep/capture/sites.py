@@ -1,17 +1,14 @@
-"""Opaque sites: the parts of a model a capture keeps as eager calls, found from the frames of a failure.
+"""Opaque sites: the parts of a model a capture keeps as eager calls, found from the frames of a
+failure.
 
 Both opaque-leaf fallbacks (fx in :mod:`.leaves`, Dynamo in :mod:`.dynamo.fallback`) speak this
-vocabulary. A :class:`Site` is a submodule's ``forward`` (that submodule becomes one opaque
-``call_module``), another method of a submodule (``rpn.filter_proposals``: only that method is
-opaque, the module's layers around it stay module-level), a method of a plain helper object a module
-holds (``rpn.box_coder.decode``) or a free function a module calls. :func:`sites_from_frames` reads
-the sites off the user frames that were running when capture failed, innermost first, so the caller
-makes the *smallest* part opaque. In the prepared graph a method site is an :class:`OpaqueMethod`
-module and a function site an :class:`OpaqueFunction` module, each calling the original code.
+vocabulary. A :class:`Site` is a submodule's ``forward``, another method of a submodule or of a
+helper object it holds, or a free function a module calls; :func:`sites_from_frames` reads them off
+the failing frames, innermost first, so the smallest part is made opaque. In the prepared graph a
+method is an :class:`OpaqueMethod` and a function an :class:`OpaqueFunction`, each calling the
+original code.
 
-Why frames and not names: a frame's ``self`` is the very object running, so a site is found by
-identity (the third of four identical blocks, not "a block"); decorated methods (transformers'
-``@can_return_tuple`` wrappers) are recognised by the code objects of their wrapper chain.
+See docs/concepts/opaque-parts.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """The ``fxprep`` command: a thin layer over the library API.
 
-Commands: ``prepare`` (prepare, verify, save, optionally export ONNX and write the graph view),
-``check`` (can it be captured, and how), ``show`` (a saved graph as an HTML page, text, DOT or SVG),
-``survey`` (a model zoo, one subprocess per model) and ``demo``. ``--json`` prints one JSON object
-for scripts instead of the human output; ``--version`` prints the version.
+Commands: ``prepare``, ``check``, ``show``, ``survey`` and ``demo``; ``--json`` prints one JSON
+object for scripts. Errors are printed as the :class:`~fxprep.errors.FxprepError` message, never a
+traceback (``FXPREP_DEBUG=1`` shows it), and exit with the documented codes (0 success, 1 prepare
+failed, 2 usage, 3 verification, 4 save/load/export, 130 interrupted). This file imports only the
+standard library, so :func:`main` runs (and Ctrl-C is handled) before typer, rich or torch is
+imported; the commands are in :mod:`.application`, :mod:`.prepare` and :mod:`.commands`.
 
-Exit codes (also in ``fxprep --help``)::
-
-    0  success
-    1  fxprep could not prepare the model (capture or a pass failed)
-    2  usage error: bad spec, input, option, or the model itself failed on the inputs
-    3  verification failed: the prepared module computes something else
-    4  saving, loading or exporting failed (including an -o that cannot be written)
-    130 interrupted (Ctrl-C)
-
-Errors are printed as the readable message of the :class:`~fxprep.errors.FxprepError` raised, never
-as a traceback (``FXPREP_DEBUG=1`` shows it); fxprep's own warnings are printed in full on standard
-error, other libraries' warnings are silenced. Progress is shown on a terminal (``--quiet`` hides it,
-``--progress`` forces plain lines into a pipe or a log).
-
-This file imports nothing but the standard library, so that :func:`main` is running (and a Ctrl-C
-is one line and exit 130) before typer, rich or torch is imported; the commands are in
-:mod:`.application` (the typer application and its error handling), :mod:`.prepare` and :mod:`.commands`.
+See docs/cli.md.
 """
 
 from __future__ import annotations

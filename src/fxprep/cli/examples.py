@@ -1,24 +1,14 @@
-"""Example inputs for a transformers model the command line built (``transformers:TYPE``, a checkpoint).
+"""Example inputs for a transformers model the command line built (``transformers:TYPE``, a
+checkpoint).
 
-The command gives one input set where each model wants what its forward needs: a language model
-its token ids, a speech encoder float features with its own bin count, CLIP both towers' inputs
-(its forward fails on ids alone), an encoder-decoder ids for both halves. Guessing from
-``main_input_name`` alone gave CLIP ids only and Whisper integer "features": the model's own
-error, on a model fxprep could prepare.
+Each model wants what its forward needs (token ids, audio features, both of CLIP's towers, ids for
+both halves of an encoder-decoder). The candidates come from the config
+(:func:`~fxprep.families.transformers.model.example_inputs_for`), fewest inputs first, and the first
+the model runs on (a checkpoint's model tried as a twin on ``meta``) is given. When preparing then
+fails, :func:`inputs_explained` says what the model said to each set and which inputs its forward
+takes, so the user can name them with ``--input``.
 
-The candidates come from the config (:func:`~fxprep.families.transformers.model.example_inputs_for`),
-fewest inputs first: the main input alone (with decoder ids for an encoder-decoder), audio in
-the other layouts models use (a filter bank where the config gives its bins and frames), then
-every input the config describes. The first the model runs
-on is the one given; a checkpoint's model is tried as a twin on ``meta``, so that no weights move
-and no real forward is paid for. When none runs, the first is given; if preparing then fails,
-:func:`inputs_explained` runs the model on each set again and, when it still runs on none, says
-what the model said to each and which inputs its forward takes, so that the user names them with
-``--input``. Before, every tracer ran into the model's own error and the report gave advice about
-opaque modules for what was a missing input (BLIP-2 without token ids, Kosmos-2 without its
-image-position mask). A model that refuses the sets on ``meta`` but prepares there anyway (a
-mixture of experts counting tokens) is left alone: only a failure asks. No attention mask: the
-command's inputs are unpadded, and a mask of ones is a value the graph would depend on.
+See docs/cli.md ("Under the hood").
 """
 
 from __future__ import annotations

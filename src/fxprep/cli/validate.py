@@ -1,13 +1,12 @@
 """What ``fxprep prepare`` is given, checked before torch is imported and before any model is built.
 
-A mistake a string can show (a misspelt ``--dtype``, an ``-o`` into a directory that is not a save,
-a checkpoint folder without ``config.json``, a spec naming a path that is not there) used to surface
-after the model was built and often after the whole prepare (``-o`` into a non-empty folder: refused
-after 20 s; ``--dtype float8``: after 15 s). Here each is a usage error (exit 2) or, for a place that
-cannot be written, a save error (exit 4), within a second: the message names the flag or the path
-and, where the right answer is one of a few, the closest (:func:`closest`). What needs the model or
-torch (``--exclude`` names, ``--device cuda`` on this machine, the zoo's model names) is checked as
-soon as that is at hand, still before preparing.
+A mistake a string can show (a misspelt ``--dtype``, an ``-o`` into a folder that is not a save, a
+checkpoint without ``config.json``, a missing path) is a usage error (exit 2) or, for a place that
+cannot be written, a save error (exit 4), within a second, naming the flag or path and, where it
+can, the closest right answer (:func:`closest`). What needs torch or the model is checked as soon as
+that is at hand.
+
+See docs/cli.md.
 """
 
 from __future__ import annotations

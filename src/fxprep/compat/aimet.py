@@ -1,20 +1,13 @@
 """A drop-in for AIMET's ``prepare_model``, and fxprep's modules registered with AIMET's QuantSim.
 
-AIMET's documentation tells users to call ``prepare_model`` "first and then use the returned model
-as input to all the AIMET Quantization features". :func:`prepare_model` takes AIMET's arguments and
-returns fxprep's graph with AIMET's module names and, when ``aimet_torch`` is installed, AIMET's own
-module classes (``style="aimet"``, see :mod:`fxprep.passes.aimet_names` and
-:mod:`fxprep.passes.aimet_modules`), so code and tests written against AIMET's preparer keep
-working. Where AIMET's preparer does something else, fxprep's behaviour is kept on purpose: reused
-modules are unrolled with *shared* parameters (AIMET deep-copies them: untied weights and new
-state_dict keys), keyword arguments are kept (AIMET drops ``approximate='tanh'`` from ``F.gelu`` and
-SDPA's ``is_causal``), ``masked_fill`` stays out of place (AIMET's writes into its input), dropout
-keeps following ``.train()``/``.eval()``, and models AIMET's preparer cannot trace (transformers 5,
-torchvision detectors) are prepared, with Dynamo when example inputs are given.
-
+:func:`prepare_model` takes AIMET's arguments and returns fxprep's graph with AIMET's module names
+and classes (``style="aimet"``: :mod:`fxprep.passes.aimet_names`,
+:mod:`fxprep.passes.aimet_modules`), keeping fxprep's behaviour where AIMET's preparer differs.
 :func:`register_quantsim` gives every :mod:`fxprep.ops` class a quantized definition in QuantSim; it
-runs when this module is imported (with ``aimet_torch`` installed), and fxprep also runs it by
-itself at the end of ``prepare_model`` and ``load`` whenever ``aimet_torch`` is already imported.
+runs on import with ``aimet_torch`` installed, and after ``prepare_model`` and ``load`` when
+``aimet_torch`` is already imported.
+
+See docs/handoff/aimet.md.
 """
 
 from __future__ import annotations

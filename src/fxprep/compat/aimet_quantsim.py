@@ -1,23 +1,12 @@
 """fxprep's module classes registered with AIMET's QuantSim (``aimet_torch`` 2.x).
 
-``QuantizationSimModel`` replaces every leaf module by a quantized twin it finds by *exact* class in
-``QuantizationMixin.cls_to_qcls``; a leaf class it does not know stops construction with
-``UnknownModuleError``. fxprep's op modules (:mod:`fxprep.ops`) are such classes, so each gets a
-quantized definition here, as AIMET defines its own element-wise ops: one input quantizer per tensor
-the op takes (``BoundOp.num_inputs``; QuantSim adds more for ops called with more), one output
-quantizer, and only floating-point tensors quantized (integer, boolean and Python values pass
-through, as AIMET's ``_quantize_dequantize_if_applicable`` does). An op returning a tuple
-(``topk``, ``max`` over a dim) keeps its outputs float.
+QuantSim needs a quantized twin for every leaf class. Each :mod:`fxprep.ops` class gets one here, as
+AIMET defines its own element-wise ops (an input quantizer per tensor input, one output quantizer,
+only floating-point tensors quantized), plus the op-type table entries of the AIMET class it stands
+for; opaque parts stay float. Importing this module imports ``aimet_torch`` (seconds): fxprep does
+so only when asked or when ``aimet_torch`` is already imported.
 
-QuantSim also decides things by op *type*: its connected graph names each module's op type from
-``map_torch_types_to_onnx`` and the config's rules (an Add followed by a ReLU is one supergroup,
-whose Add output is not quantized) match those names. Each fxprep class that stands for the same op
-as an AIMET class gets that class's table entries, before ``QuantizationMixin.implements`` copies
-them to the quantized class. Opaque parts (code kept out of the trace, :mod:`fxprep.capture.leaves`)
-run arbitrary Python: QuantSim is told to leave them float.
-
-Importing this module imports ``aimet_torch`` (seconds): fxprep does it only when asked
-(:func:`fxprep.compat.aimet.register_quantsim`) or when ``aimet_torch`` is already imported.
+See docs/handoff/aimet.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Hand-off to Brevitas' graph mode: :func:`preprocess_for_quantize` and :func:`quantize`.
 
-Brevitas' graph-mode PTQ is ``preprocess_for_quantize(model)`` (its own fx trace, BatchNorm merge,
-functional ops to modules), ``quantize(graph_model)`` (quantized layers and activations), then a
-forward pass under ``calibration_mode``. On transformers models Brevitas' tracer fails on the model
-itself (``co_varnames is too small``); on a prepared graph it re-traces the fx code, which works once
-the graph is :func:`fxprep.compat.retrace.retraceable` (masks and rotary tables folded, device
-conversions gone, every element of a tuple output read). These two functions are Brevitas' own,
-called on that graph, plus one fix of the hand-off:
+Brevitas' own functions, called on a :func:`fxprep.compat.retrace.retraceable` graph, plus fixes of
+the hand-off: :func:`quantize` takes the input quantizer off integer inputs, and hands Tensor
+methods, indexing, ``torch.pow`` and ``number * x`` the dequantized value of a ``QuantTensor``.
+Brevitas is imported only when these are called; its BatchNorm merge writes into the Conv modules
+the prepared graph shares with the user's model.
 
-* Brevitas puts an input quantizer on every placeholder of the graph, integer ones included; a
-  quantized ``input_ids`` tensor sent to a quantized embedding makes Brevitas' embedding handler
-  recurse without end. :func:`quantize` takes the quantizer off the inputs that are integer in
-  the example (token ids are indices, not activations); float inputs keep theirs.
-* A quantized layer returns Brevitas' ``QuantTensor``, which handles torch *functions* (falling back
-  to its dequantized value) but has few Tensor *methods*: ``x.pow(2)``, ``x.mean(-1)``, ``x.rsqrt()`` (RMSNorm's code, inside
-  fxprep's op modules, which Brevitas' tracer traces into) fail on it. :func:`quantize` hands each
-  such method call, and each index (``x[..., :4]`` in rotary code: a QuantTensor is a tuple, indexed
-  as one), and each ``torch.pow`` (GPT-2's ``torch.pow(x, 3.0)``: Brevitas' QuantTensor ``pow`` takes
-  integer exponents only), and each ``number * x`` (GPT-2's ``0.5 * x``: a QuantTensor is a tuple,
-  which Python repeats), the dequantized value of a QuantTensor (``QuantTensor.value``: what Brevitas' own fallback
-  computes with), so it computes as Brevitas computes an op it does not quantize.
-
-Brevitas is imported only when these are called. Brevitas' BatchNorm merge writes into the Conv
-modules it merges into, which a prepared graph shares with the user's model: hand Brevitas a model
-you do not need unchanged (as with Brevitas on the original model, which it changes the same way).
+See docs/handoff/brevitas.md.
 """
 
 from __future__ import annotations

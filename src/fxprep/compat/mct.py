@@ -1,51 +1,14 @@
 """Hand-off to Sony's Model Compression Toolkit: :func:`prepare`, then MCT's own PTQ.
 
-``mct.ptq.pytorch_post_training_quantization(model, representative_data_gen)`` traces the model
-with ``torch.fx`` and builds its own graph from the trace. On transformers models MCT's trace of
-the original fails; a prepared graph traces, once it is :func:`fxprep.compat.retrace.retraceable`
-(MCT refuses any ``Tensor.to`` call, and transformers' mask and rotary code is full of them).
-:func:`prepare` makes that graph and fixes two things of the hand-off that are MCT's limits:
+MCT traces the model with ``torch.fx``; its trace of a transformers model fails, that of a
+:func:`fxprep.compat.retrace.retraceable` graph works. :func:`prepare` makes that graph and works
+around MCT's limits (float calibration inputs, ``Tensor.to`` and dtype methods, boolean or causal
+attention masks, ``MultiheadAttention`` self-attention, tensor indices, sorts);
+:func:`post_training_quantization` runs MCT's PTQ and replaces the quantizers MCT puts on integer
+tensors with identities. Other MCT entry points use :func:`prepare` and
+:func:`integer_input_quantizers`.
 
-* MCT converts every calibration input to ``float32`` before running the model (its
-  ``to_torch_tensor`` default), so token ids reach the embedding as floats, which it refuses. The
-  graph returned casts each input that is integer in the example back to its dtype first, with
-  ``torch.ops.aten._to_copy`` (MCT reads a ``.long()`` method as the dtype ``torch.long``, and a
-  traced ``torch.Tensor.long`` call fails on fx's Proxy).
-* MCT reads a Tensor method by its name on ``torch``, and ``x.float()``/``x.long()`` name dtypes
-  there; they are written as ``torch.ops.aten._to_copy`` calls too.
-* MCT's attention substitution refuses a boolean ``attn_mask``. A folded boolean mask read by
-  ``scaled_dot_product_attention`` is given as the additive float mask it stands for (0 where
-  attended, the dtype's lowest value elsewhere), which SDPA treats the same way. It refuses
-  ``is_causal=True`` too (a shape-general capture of a transformers model keeps SDPA's own causal
-  flag): each such attention is called with the additive causal mask of the example's sizes instead.
-  It also ignores ``enable_gqa`` (grouped-query attention): keys and values get their heads repeated.
-* MCT reads a ``torch.nn.MultiheadAttention`` call only with three distinct query, key and value
-  inputs and both outputs tensors; torchvision's ViT calls it as self-attention with
-  ``need_weights=False`` (outputs ``(out, None)``, whose ``None`` MCT's shape reader fails on). Such
-  a call is written out as what the module computes (:func:`_self_attention_as_functions`): input
-  projection ``F.linear``, ``scaled_dot_product_attention``, output projection ``F.linear``, on the
-  module's own parameters, which MCT reads as two linear layers and an attention.
-* MCT's model builder substitutes graph nodes only at the top level of an op's arguments, so an
-  index that is itself a tensor read (timm EfficientFormer's ``attention_biases[:,
-  attention_bias_idxs]``) reaches its ``getitem`` as an fx Node. An indexing of weights and
-  buffers alone is evaluated once and read as a constant (:func:`_constant_indexing_folded`); MCT
-  copies every weight when it reads the graph anyway, so its model sees the same value.
-* MCT puts an activation quantizer on every input and on every op's output, so the token ids and
-  their cast back are fake-quantized too (with a large vocabulary that changes the ids; on an int64
-  tensor at inference it raises). :func:`post_training_quantization` runs MCT's PTQ on
-  :func:`prepare`'s graph and replaces those quantizers, and those on every other node whose
-  recorded output is an integer tensor (GPT-2's position ids), by identities: ids are indices, not
-  activations. MCT's quantizers on the other integer tensors, which its graph does not tell apart
-  (Mixtral's routing permutations), found by running MCT's model once on the example, are
-  replaced by identities too.
-* Mixtral's experts sort their token-to-expert assignment (``torch.sort``, two outputs, on which
-  MCT's statistics collection fails) and un-sort with an in-place write ``inv[perm] = arange(n)``
-  (MCT rebuilds its model without in-place writes): the sort is written as ``argsort`` + ``gather``
-  and the inverse permutation as ``argsort(perm)``.
-
-``post_training_quantization(gm, example_inputs, representative_data_gen, **mct_options)`` is the
-whole hand-off; :func:`prepare` alone gives the graph for other MCT entry points (GPTQ, QAT), whose
-integer-input quantizers are then the caller's to remove (:func:`integer_input_quantizers`).
+See docs/handoff/mct.md ("Under the hood") for each fix.
 """
 
 from __future__ import annotations

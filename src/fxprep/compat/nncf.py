@@ -1,17 +1,11 @@
 """Hand-off to NNCF: :func:`quantize`, NNCF's ``nncf.quantize`` for a prepared graph.
 
-NNCF picks its backend by the model's type: any ``torch.fx.GraphModule`` goes to its backend for
-``torch.export`` graphs, which expects aten ops and shape metadata on every node, and a prepared
-graph is a module-level torch graph (calls of the user's layers and of fxprep's op modules). For an
-``nn.Module`` NNCF uses its torch backend, which traces the model by running it and intercepting
-torch functions, and quantizes the layers it meets by their module paths. That is the backend that
-quantizes the original model, so it is the one a prepared graph should get: :func:`quantize` hands
-NNCF the graph inside a plain ``nn.Module`` (module paths, as in ``state_dict``, are then the
-user's under ``graph.``) and returns what NNCF returns. The prepared graph itself is not changed (NNCF quantizes a copy by
-default; ``inplace`` options are passed on as given).
+NNCF sends any ``torch.fx.GraphModule`` to its ``torch.export`` backend, which expects aten graphs.
+:func:`quantize` hands it the prepared graph inside a plain ``nn.Module``, so NNCF uses the torch
+backend that quantizes the original model (module paths under ``graph.``), and returns what NNCF
+returns; the prepared graph is not changed.
 
-To go through NNCF's ``torch.export`` backend instead, hand it
-``fxprep.export_program(gm, example).module()``, an aten graph with the metadata it reads.
+See docs/handoff/nncf.md.
 """
 
 from __future__ import annotations

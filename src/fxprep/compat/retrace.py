@@ -1,29 +1,13 @@
 """A prepared graph made for toolkits that re-trace or read it: :func:`retraceable`.
 
-Brevitas' graph mode and Sony MCT trace the module they are given with their own ``torch.fx``
-tracers; NNCF, PT2E quantizers and MCT read shapes off the nodes. A prepared graph traces (it is
-fx code), but it also carries what the model computes besides its layers, which those tracers
-refuse or quantize: transformers' causal masks, position ids and rotary tables built from
-``torch.arange(n, device=input_ids.device)``, device and dtype conversions that convert nothing,
-a ModelOutput dict as output. :func:`retraceable` returns a new GraphModule for one input size,
-sharing every module and tensor of the prepared one (nothing is copied, the prepared graph and the
-user's model are not changed), in which:
+Brevitas and Sony MCT re-trace a graph with their own ``torch.fx`` tracers, and several toolkits
+read shapes off its nodes; both refuse or quantize the mask, position and conversion code a prepared
+graph carries. :func:`retraceable` returns a new GraphModule for one input size, sharing every
+module and tensor, with shapes recorded, shape-only computations folded, identity conversions
+dropped, tuple outputs read and the model's positional calling convention. The adapters
+(:mod:`.brevitas`, :mod:`.mct`) apply it, not ``prepare_model``.
 
-* every node carries ``meta["val"]`` / ``meta["tensor_meta"]`` (:mod:`fxprep.passes.shape_prop`);
-* computations that depend only on static shapes and constants are folded into non-persistent
-  buffers under ``fxprep_constants`` (:mod:`fxprep.passes.fold_constants`); sizes that are
-  dynamic in the graph are not folded;
-* identity conversions are dropped and the others written dtype-only (:mod:`fxprep.passes.casts`);
-* a leaf module's tuple output has every element read, as the model's own code unpacks it
-  (:mod:`fxprep.passes.tuple_outputs`);
-* the calling convention is the model's positional arguments, and the output is the tensors the
-  model returns, in order (one tensor alone, else a tuple): what re-tracers and toolkits that call
-  ``model(*inputs)`` expect.
-
-This is applied by the hand-off adapters (:mod:`.brevitas`, :mod:`.mct`) rather than by
-``prepare_model`` itself: folding specialises the graph to the example's sizes (a prepared graph
-from the fx tracer runs on any size) and adds buffers the size of the mask, and a prepared module
-keeps the output structure and keyword calling of the user's model.
+See docs/concepts/retraceable.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Keeping the garbage collector's full passes off the objects preparing does not own.
 
-Capture allocates hundreds of thousands of short-lived objects, which sets off full
-(oldest-generation) collections, and a full pass walks every object in the process: with
-``transformers`` imported and a Llama model built, one pass took 0.3 s of a 3 s prepare; after
-Dynamo's export of a 7B-shaped Llama, the full passes during fxprep's own passes took 0.19 s of
-0.6 s (measured on the 2-core dev machine). ``gc.freeze()`` moves what exists to the permanent
-generation, so a full pass only walks what was allocated since.
+Capture allocates many short-lived objects, which set off full collections that walk every object in
+the process (a large share of a prepare's time with transformers imported). :func:`frozen_heap`
+freezes the heap with ``gc.freeze()`` for the length of a prepare, and :func:`freeze_more` freezes
+what Dynamo's export left, only inside a freeze fxprep made; a caller's own freeze is left alone and
+nothing is frozen for good. This module depends on nothing of fxprep's.
 
-:func:`frozen_heap` freezes the heap for the length of a prepare and unfreezes it after;
-:func:`freeze_more` (called when Dynamo's export returns) freezes what the export left too, but only
-inside a freeze fxprep made: a caller that froze objects itself (a pre-fork server) keeps its own
-freeze untouched, and nothing is frozen for good. Freezing never frees or keeps anything: garbage
-among frozen objects is collected by the first pass after ``gc.unfreeze()``.
-
-This module depends on nothing of fxprep's.
+See docs/architecture.md ("Under the hood") for the measurements.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Running the user's model without changing it, and seeing what a run would have changed.
 
-Capture (fx's trace, Dynamo's export, the hybrid tracer's structure run) and verification all run the
-user's own model. Each run must leave the model exactly as it was: a train-mode BatchNorm would
-otherwise update its running statistics, a forward that counts calls (``self.calls += 1``) would
-count fxprep's runs, and one that rebinds a buffer (``self.steps = self.steps + 1``) would leave a
-new tensor object in the user's model. :func:`preserved_state` snapshots what a forward can write -
-every module's attribute dict and its parameter/buffer/child registries (by identity), buffer and
-plain tensor attribute values, the contents of plain list/dict attributes - and puts it all back,
-saying what changed (:class:`StateChanges`). Every run also uses fresh copies of the inputs (a model
-may write into them) and the same RNG seed, so dropout in train mode draws the same masks in the
-original and in the prepared module.
+Capture and verification run the user's own model, and each run must leave it exactly as it was.
+:func:`preserved_state` snapshots what a forward can write and puts it back, saying what changed
+(:class:`StateChanges`); runs use fresh input copies and the same RNG seed. :func:`observed_state`
+is what verification compares after the original's and the prepared module's runs, so state updates
+the graph does not make are found by name.
 
-:func:`observed_state` is what verification compares after a run of the original and a run of the
-prepared module: state updates the original makes but the graph does not (counters, running
-averages kept by hand) are found by name, never passed over.
+See docs/concepts/sharing.md ("Under the hood").
 """
 
 from __future__ import annotations

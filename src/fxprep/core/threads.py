@@ -1,32 +1,12 @@
 """Preparing from several threads: what fxprep locks, and why its patches are invisible elsewhere.
 
-Capture has to change process-wide state for the length of a trace. ``torch.fx``'s tracer replaces
-``torch.nn.Module.__call__`` and ``__getattr__`` (and the functions registered with
-``torch.fx.wrap``, and ``math`` functions in the traced code's globals) in place; fxprep's own tracer
-records tensor constructors (``torch.zeros``...), ``autograd.Function.apply``, in-place operators
-on ``fx.Proxy`` and ``len``; the hybrid capture routes chosen functions through itself; Dynamo's
-export patches its config module and shares process-wide caches and counters. Left alone, an eager
-model running in another thread meets those replacements (fx's ``Module.__call__`` wrapper hands it
-Proxies), and two traces at once undo each other's patches in the wrong order, leaving a dead
-tracer's wrapper installed for good.
+Capture patches process-wide state for the length of a trace. Two rules make that safe:
+:data:`GLOBAL_LOCK`, one re-entrant lock, is held around every stretch that patches or depends on
+process-wide state, and every patch is confined to the tracing thread (:func:`confined`,
+:class:`ConfinedPatcher`, :func:`confined_fx_patches`, :func:`quiet_logs`). This module depends on
+nothing of fxprep's, so every tracer can use it.
 
-Two rules make this safe (the concurrency model, also in ``docs/security.md``):
-
-1. :data:`GLOBAL_LOCK`, one re-entrant lock for the process, is held around every stretch of work
-   that patches or depends on process-wide state: each tracer's run (fx, hybrid, Dynamo export and
-   its clean-up of Dynamo's caches). Two threads preparing at once take turns there and run the
-   rest (reference runs, passes, verification) side by side.
-2. Every patch is *confined to the tracing thread*: the replacement checks which thread calls it and
-   hands any other thread the original (:func:`confined`), and fx's own patches go through
-   :class:`ConfinedPatcher` while fxprep traces (:func:`confined_fx_patches`). An eager model in
-   another thread runs torch's own code, unchanged, while fxprep traces.
-
-Logs fxprep quiets while it captures (Dynamo's expected constraint errors, real-value propagation
-warnings) are quieted for the capturing thread only (:func:`quiet_logs`). One exception to rule 2:
-global module hooks (``register_module_forward_hook``) are set aside process-wide while preparing
-(:mod:`fxprep.pipeline.root_hooks`): the dicts ``nn.Module.__call__`` reads cannot be confined to a thread.
-
-This module depends on nothing of fxprep's, so every tracer can use it.
+See docs/security.md ("Concurrency model").
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The objects a saved file may name without ``trusted_modules``: the reviewed list, as objects.
 
-:mod:`.trust` never follows a saved name attribute by attribute (``torch.nn.functional.torch.
-builtins.eval`` *is* ``builtins.eval`` when walked that way). Instead, each name :mod:`.reviewed`
-lists (the callables prepared graphs of fxprep's suites and zoos use, each with the reason it may
-run on a file's arguments) is resolved here once, by a single dictionary lookup in a fixed
-namespace object (``vars(torch.nn.functional)["relu"]``), and a saved name is a key in the table
-this builds: what it resolves to is the object the table holds. Another name of the same object
-(``torch.functional.split`` is ``torch.split``) is accepted because it resolves, by the same single
-lookup, to that very object: aliases follow from identity and are never listed. Nothing outside the
-list is in the table, whatever a namespace holds: a new torch release adds operators to ``torch``,
-not to this list.
+Each name :mod:`.reviewed` lists is resolved once, by a single dictionary lookup in a fixed
+namespace object, and a saved name is a key in the table this builds; an alias is accepted because
+it resolves to the same object, and is never listed. :func:`candidate_function` and friends say what
+an explicit ``allow=`` may add (never an excluded family). Built lazily on first use and cached.
 
-Widening it is the caller's explicit choice (``allow=`` of :func:`fxprep.save` / :func:`fxprep.load`):
-:func:`candidate_function` and friends say what may be allowed that way, any callable of the fixed
-namespaces, never one of the excluded families (raw-pointer tensor makers, process-state changers,
-I/O), which are refused by identity whatever the name. Built lazily on first use and cached.
+See docs/security.md ("How names are resolved").
 """
 
 from __future__ import annotations

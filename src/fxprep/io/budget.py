@@ -1,30 +1,13 @@
-"""What a loaded graph would allocate by itself: constructor calls with literal sizes, counted statically.
+"""What a loaded graph would allocate by itself: constructor calls with literal sizes, counted
+statically.
 
-``load`` runs the loaded module once (its self-check, :mod:`.selfcheck`) within a whole-load budget
-(``LIMITS["probe_bytes"]``). The probe inputs are counted from the input guard's declared shapes;
-sizes that follow from the inputs are bounded by them. But a graph can also *make* tensors of sizes
-written into it: a hand-edited save calling ``torch.zeros(2**40)`` (or ``x.new_empty(...)``,
-``x.expand(2**20, 2**20).contiguous()``, ``x.repeat(...)``) would allocate whatever it names the
-moment the self-check runs. So :func:`literal_allocations` reads every node (and every op module's
-argument template, and nested graphs) *before anything runs* and counts, for each constructor whose
-size arguments are literals, elements x element size. Sizes computed from literals by plain integer
-arithmetic in the graph (``operator.mul(2**20, 2**20)``) are folded first, so splitting a literal
-over two nodes does not hide it. Sizes that depend on the inputs are not counted (not known here,
-and bounded by the probe budget already).
+Before the self-check runs, :func:`literal_allocations` reads every node (op modules' argument
+templates and nested graphs included) and counts what each constructor with literal sizes would
+allocate, folding plain integer arithmetic on literals first; :func:`declared_bytes` sums them,
+counting only the largest view. Sizes that depend on the inputs are left to the probe budget and to
+:mod:`.peak`.
 
-The counts are lower bounds where the result's size depends on its input too (``repeat``,
-``expand``, ``tile``, ``repeat_interleave``, ``interpolate``: at least the literal factor), and use
-the tensor's own dtype where it is not written in the call (``new_zeros``, ``expand``): 4 bytes,
-float32's. :func:`declared_bytes` sums what the constructors allocate; ``expand`` and
-``broadcast_to`` allocate nothing themselves (they are views; what is computed from them is sized
-like any result), so only the largest counts: a graph traced with static shapes writes every size
-as a literal, and a Llama's ``repeat_kv`` expands keys and values in every layer (two 64 MiB views
-per layer at 4096 tokens: 4 GiB summed over 32 layers, for nothing allocated). A real model's literal
-allocations (a causal mask, rotary positions) are a few MB.
-
-What this does not bound: tensors computed *from* these (a thousand additions of one allowed tensor,
-all returned, or a layer applied to the largest probe the budget allows). The forward budget does,
-while the self-check runs, op by op before each op runs (:mod:`.peak`).
+See docs/security.md ("Under the hood") for the rules and a worked example.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Deliver a prepared module as ONNX or as a ``torch.export.ExportedProgram``, verified.
 
-Both exporters lower to aten/ONNX ops, so module identity survives only as scope metadata. fxprep
-makes that metadata name the *prepared* modules: it exports a copy of the graph without the capture
-metadata (otherwise ``torch.export`` keeps the original model's ``nn_module_stack``, where an
-unrolled ``layer1.0.relu_1`` is still called ``layer1.0.relu``). In the ONNX file every node is then
-renamed ``<prepared module>/<OpType>`` (``layer1.0.add/Add``, ``fc/Gemm``; ops outside any module
-keep the exporter's name) and carries the module name as ``fxprep.module`` metadata, so a
-quantization tool reading the ONNX graph finds the same names as in the prepared GraphModule.
+Both exporters see a copy of the graph without capture metadata, so scopes name the prepared
+modules; ONNX nodes are renamed ``<module>/<OpType>`` and carry ``fxprep.module`` metadata.
+``optimize`` chooses between folding constants only (the default: one ONNX op per prepared module
+op), the exporter's full optimizer, or the raw export. Each result is run and compared with the
+prepared module; an ONNX file that fails its check is removed.
 
-``optimize="fold"`` (the default) only folds constants, which leaves one ONNX op per prepared module
-op (resnet18: 69 nodes for 69 modules). ``optimize="full"`` runs the exporter's whole optimizer,
-which also fuses BatchNorm into the preceding Conv (one node then stands for two modules: fine for
-deployment, not for a tool that maps ONNX nodes back to modules); ``"none"`` keeps the raw export.
-
-Each export is checked: the ONNX file runs in onnxruntime (CPU) and the exported program runs in
-torch, and their outputs are compared with the prepared module's on the example inputs. An ONNX file
-that fails its check is removed (with its external data), so a file at ``path`` is always one that
-ran and matched; where onnxruntime lacks the kernels for the model's dtype (bfloat16, on the CPU:
-``Mul``, ``MatMul``...), the error says so and what to export instead.
+See docs/delivery.md and docs/handoff/onnx.md.
 """
 
 from __future__ import annotations

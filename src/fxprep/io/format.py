@@ -1,25 +1,12 @@
 """The files of a saved directory, the manifest that ties them together, and reading them back.
 
-A saved directory holds:
+A saved directory holds ``manifest.json`` (versions, input spec, report, and the sha256 of every
+other file), ``graph.json``, ``modules.json`` (see :data:`KINDS`), ``weights.safetensors`` and
+``forward.py`` (for people; never executed). JSON values are tagged; :data:`TYPES` lists the Python
+types a value may name. Change the format only together with :data:`FORMAT_VERSION`. Reading is
+bounded by :data:`LIMITS`, so a crafted save cannot exhaust memory or the stack.
 
-``manifest.json``
-    format name and version, fxprep and torch versions, the input spec, the fxprep report, and the
-    sha256 of every other file (an edited or truncated file is refused with a clear error).
-``graph.json``
-    the ``torch.fx`` node list (name, op, target, args, kwargs) plus the pytree calling convention.
-``modules.json``
-    the module tree, one entry per path (see :data:`KINDS`), and where each tensor goes.
-``weights.safetensors``
-    every parameter, buffer and tensor constant, each tensor *object* once.
-``forward.py``
-    the generated ``forward`` code, for people to read. It is never executed.
-
-JSON values are tagged (``{"$": "tuple", "v": [...]}``); :data:`TYPES` lists the Python types a
-value may name. Change the format only together with :data:`FORMAT_VERSION`.
-
-Reading is bounded (:data:`LIMITS`): a JSON file larger, deeper or with more entries than any real
-save, a file that is a link or a device rather than a regular file, is refused before it is parsed
-further, so a crafted save cannot exhaust memory or the interpreter's stack.
+See docs/delivery.md for the format and docs/security.md for the limits.
 """
 
 from __future__ import annotations

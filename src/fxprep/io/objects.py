@@ -1,18 +1,11 @@
 """Opaque parts of a hybrid capture, and the plain objects they hold, saved by the name of their code.
 
-An opaque part (:class:`~fxprep.capture.leaves.OpaqueMethod`, ``OpaqueFunction``) runs a model's
-own Python code eagerly: torchvision's detectors keep ``postprocess_detections`` and
-``transform.postprocess`` that way. A save holds no code, so such a part is written as the
-*importable name* of its code (the owner's class and method name, or the function's
-``module.qualname``) plus the owner's state, and only when that code lives in a package the caller
-lists in ``trusted_modules``: loading it imports and runs that package's code, which is exactly what
-trusting it means. The owner (an ``SSD`` model, a ``BoxCoder``) is written as an ``"object"`` value:
-its class by name, its plain attributes, its tensors by key (shared with the module tree), and its
-submodules either as references to the same module objects in the saved tree (``"module"``) or,
-when the tree does not hold them, as objects in turn.
+A save holds no code, so an opaque part (:class:`~fxprep.capture.leaves.OpaqueMethod`,
+``OpaqueFunction``) is written as the importable name of its code plus its owner's state, and only
+when that code lives in a package the caller lists in ``trusted_modules``. Value tags added here:
+``"object"``, ``"ref"`` and ``"module"``.
 
-Value tags added here: ``{"$": "object", "id": n, "class": ..., "attrs": {...}, ...}``,
-``{"$": "ref", "v": n}`` (the same object again) and ``{"$": "module", "v": path}``.
+See docs/delivery.md ("Under the hood") and docs/security.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,12 @@
 """The memory a loaded graph's forward takes, bounded op by op before each op runs.
 
-``load`` runs the loaded module once on a probe shaped like its example (:mod:`.selfcheck`). The probe
-inputs fit the whole-load budget (:mod:`.budget`, counted from the declared shapes), but what the
-forward computes from them does not follow from their size: an edited input guard can describe a
-probe of 2**28 token ids for a model whose embedding makes 8 bytes x its width of each, and every
-layer after it as much again. Counting that before the run would need each op's output size, which
-is what running the op on fake tensors gives (``torch._subclasses.FakeTensorMode``: shapes, dtypes
-and devices, no data, nothing allocated).
+The self-check's probe fits the load budget, but what the forward computes from it need not.
+:class:`Bounded` runs the graph under a dispatch mode (:class:`_Budget`) that runs each aten op
+first on fake copies of its inputs and refuses it, with :class:`ForwardTooLarge` naming its node,
+when what is alive plus what it would make passes ``limit``. Tensor counts, splits, ``tolist`` and
+data-dependent ops are bounded too (:func:`_pieces`, :func:`_data_bound`).
 
-So :class:`Bounded` runs the graph with a dispatch mode (:class:`_Budget`) that sees every aten op
-the forward calls, below whatever Python code called it, and before the op runs, runs it alone on
-fake copies of its inputs: the bytes of the new storages it would return are its need. When what is
-alive (the probe, and every tensor an op made that Python still holds) plus that need passes
-``limit``, the op does not run and :class:`ForwardTooLarge` names the graph node it belongs to.
-Each op's fake run is separate from its real run, so nothing runs twice that is not an aten op: a
-module's hooks, an autocast region's enter and exit, Python code of any kind run once, on the real
-tensors.
-
-Each tensor an op returns costs memory beyond its storage, a view too (~640 bytes each on CPython:
-``x.unbind()`` of 2**28 elements would make 170 GB of views of a 1 GiB tensor), so the tensors ops
-made that are alive are counted as well, up to ``max_tensors``; an op that splits a tensor into
-pieces is refused before it runs (or runs on fake tensors) by the number of pieces its arguments
-ask for (:func:`_pieces`). ``tolist`` is no aten op (it reads the values directly): its node is
-checked for the Python objects it would make (:data:`LIST_ITEM_BYTES` an element). A view makes no
-storage: its need is 0 without a fake run.
-
-An op whose output size depends on values (``nonzero``, ``unique``, ``masked_select``, indexing
-with a mask) cannot run on fake tensors; its need is bounded from its inputs instead
-(:func:`_data_bound`): each such op selects from its inputs, so each result has at most one int64
-index per element and dimension of its largest input, except ``bincount`` and ``repeat_interleave``,
-whose sizes are read from their real inputs (the largest value, the sum of the repeats). An op with
-no fake kernel at all runs, and is counted after it ran.
-
-What is counted: the probe (its caller holds it for the whole run) and every storage an op makes,
-until Python drops the last tensor on it; not the module's own parameters and buffers (a model's
-size is what its user loads anyway, and no op makes them), nor an op's scratch memory inside one
-kernel.
+See docs/security.md ("Under the hood") for what is counted and what is not.
 """
 
 from __future__ import annotations

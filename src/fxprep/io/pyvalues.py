@@ -1,29 +1,13 @@
 """Python values a loaded graph builds, bounded in size (and so in the time to build them) before they
 are built.
 
-A graph computes sizes, indices and shapes with Python's own callables (``operator.mul``,
-``operator.getitem``, ``builtins.len``, ``math.ceil``), which the allow-list keeps (:mod:`.reviewed`).
-On values a save chooses they have no natural bound: ``operator.pow(10, 10**8)`` and
-``operator.lshift(1, 2**40)`` build integers of hundreds of megabits (the load ran on for minutes at
-20 MB, issue 63), ``operator.mul([0], 2**32)`` a list of 4 billion items, and forty
-``operator.add(xs, xs)`` nodes a list of 2**40: quadratic building that no memory budget of
-tensors sees, since none of it is a tensor.
+A graph's Python callables (``operator.mul``, ``operator.pow``, ``len``...) have no natural bound on
+values a save chooses. The self-check's interpreter (:mod:`.peak`) asks :func:`check` before each
+such call and refuses calls whose result would pass the limits in :data:`.format.LIMITS`;
+:func:`count` adds what each call made to the run's total; :func:`literal_problems` refuses literal
+arguments no input makes small, before anything runs.
 
-So the self-check's interpreter (:mod:`.peak`) asks :func:`check` before it runs such a call:
-every argument is bounded (an integer by its bits, a sequence, string or range by its length), and
-the calls that grow their result past their arguments (multiplication, powers and shifts of
-integers, repetition and concatenation of sequences, products, factorials) are refused by the size
-their arguments ask for (a range counts by its length: ``list(range(2**40))`` never starts), and
-``%``-formatting of strings, whose width a format can set to anything, is refused. :func:`count` then adds what each call made to the run's total.
-Limits (:data:`.format.LIMITS`): ``python_int_bits`` per integer, ``python_items`` per sequence,
-``python_total`` items made over the whole run. Every real graph stays far below them: shapes of a
-few dimensions, integers of at most 64 bits.
-
-The probe run reaches only the nodes its input takes (not a ``cond``'s other branch), and a value
-computed from the input's sizes may grow with them (``x.size(0) ** k`` is 1 on a probe of one row).
-So :func:`literal_problems` also reads every Python call of every graph before anything runs, and
-refuses the literal arguments that no input makes small: an integer past the bits bound, a power's
-exponent or a shift's count past it (``operator.pow(n, 10**9)`` builds a gigabit for any ``n`` > 1).
+See docs/security.md ("Under the hood") for the cases and the limits.
 """
 
 from __future__ import annotations

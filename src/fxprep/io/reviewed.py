@@ -1,50 +1,14 @@
 """The default allow-list: every callable a saved graph may name without an opt-in, one per line with
 the reason it may run on arguments a file chose, and the families no opt-in ever allows.
 
-A save is data from someone else (its checksums prove integrity, not authorship), and the graph it
-describes is run by :func:`fxprep.load` (its self-check) and by every call of the loaded module. Every
-callable it may name is a kernel a file can hand arguments to, and torch's kernels are not all
-safe on hostile arguments (a quantization kernel on the previous list wrote past its output through
-a size it was given: the loading process died of SIGSEGV, issue 63). A list of 1,740 callables
-reviewed by family could not be audited kernel by kernel. So the list is the smallest that serves:
+The list is the smallest that serves: exactly the callables that prepared graphs of fxprep's suites
+and zoos name, as measured by ``benchmarks/allowlist_usage.py`` (``tests/test_io_allowlist.py``
+checks the two agree), each with its review reason (``python``, ``pointwise``, ``shape``,
+``construct``, ``checked``, ``mode``...). Callers widen it with ``allow=``, never to
+:data:`EXCLUDED_FUNCTIONS` / :data:`EXCLUDED_METHODS`.
 
-**How it is made.** ``benchmarks/allowlist_usage.py`` prepares and saves every model of fxprep's test
-suites (a pytest plugin reads every module ``prepare_model`` returns and every save a test writes)
-and of its zoos (torchvision with Dynamo and fx, one model per timm family, the transformers
-architectures of ``tests/test_zoo.py`` and every causal-LM type that builds tiny), collects the
-callables their graphs name (:mod:`.usage`) and writes them, each with the models that use it, to
-``benchmarks/allowlist_usage.json``. This file lists exactly the measured names of the default
-namespaces (``tests/test_io_allowlist.py`` checks the two agree); the command that re-derives it is
-in the script's docstring. Python's own callables are kept where graphs use them and bounded in
-what they may build (:mod:`.pyvalues`).
-
-**How each entry was reviewed.** Its reason says what makes it safe on a file's arguments: values
-in, a value out (``python``, ``pointwise``, ``reduction``, ``dtype``); a check that raises or a
-branch between two saved graphs (``control``); sizes, offsets and indices that torch's
-own kernel checks (``shape``, ``indexing``: ``tests/test_io_hostile.py`` runs each such kernel on
-hostile arguments in a child process, which must raise, never crash); sizes that make memory,
-counted before the kernel runs (``construct``: :mod:`.budget` for literal sizes, :mod:`.peak` for the
-rest); costs counted before it runs (``matmul``: ``LIMITS["op_flops"]``); a check fxprep makes before
-torch's kernel (``checked``); a mode entered only in balanced regions and left on every path
-(``mode``). Module classes are the torch.nn layers the suites' graphs hold (their constructors run
-on ``meta``, their forwards on the layer's own checked arguments); every ``fxprep.ops`` class is
-allowed by rule (each runs only the callable it names, which this list checks), and so is every
-``torch.nn`` container (``ModuleList``, ``Sequential``, ``ModuleDict``...: they run only their children).
-
-**Aliases.** A name is looked up once in its fixed namespace (:mod:`.allowlist`); another name of a
-listed object (``torch.functional.split`` is ``torch.split``) is accepted because it resolves to that
-very object. Aliases are never listed.
-
-**Widening it.** ``fxprep.load(dir, allow=["torch.special.xlogy", "Tensor.resize_"])`` (and the same
-``allow=`` to :func:`fxprep.save`, which refuses what load would) lets a caller allow more callables
-for files they trust: any function of the fixed namespaces, Tensor method, aten op or torch.nn
-layer class, never one of :data:`EXCLUDED_FUNCTIONS` / :data:`EXCLUDED_METHODS` (raw memory, process
-state, I/O), refused by identity whatever the name. Budgets, mode regions and the self-check still
-apply to what an opt-in allows.
-
-**Adding an entry.** Re-derive (a new model in the suites or zoos), then review the new callable
-on hostile arguments (its sizes, indices, offsets, strides: does torch's CPU kernel check them, or
-must fxprep check them before it runs?) and write the reason.
+See docs/security.md ("Under the hood") for how it is made, what each reason means, and how to add
+an entry.
 """
 
 from __future__ import annotations

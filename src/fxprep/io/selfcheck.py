@@ -1,32 +1,13 @@
 """A save's self-check: the loaded module, run on a probe input shaped like its example, must compute
 what the saved module computed.
 
-Checksums prove that files are intact, not that they are the files fxprep wrote: whoever edits one
-can recompute its checksum. Every name in a save is checked by identity (:mod:`.trust`), so an edited
-save cannot run code; but it can still describe a module that is broken in ways no single field
-shows - a call that lost an argument, a convolution given three strides, two weights of one shape
-swapped, an input guard that no longer accepts the example - and such a module loads and fails, or
-silently computes something else, far from the file at fault. The same run also catches a loader
-bug: a module rebuilt wrongly from honest files.
+An edited save cannot run code (:mod:`.trust`), but it can describe a module broken in ways no
+single field shows; a loader bug can too. :func:`record` runs the module at save time on a seeded
+probe built from the input guard and keeps the outputs' structure and per-tensor fingerprints in the
+manifest; :func:`check` repeats the run on the loaded module and raises :class:`SerializationError`
+where they differ. The run leaves the module as it was.
 
-So :func:`record` runs the module once at save time on a *probe*: inputs built from the example the
-input guard describes (its shapes and dtypes; floating values drawn from a fixed seed, integers and
-booleans all ones, which is a valid token id, index and mask), with the RNG seeded (train-mode
-dropout draws the same masks). The manifest keeps what the run gave - the outputs' structure,
-shapes and dtypes and, per tensor, a fingerprint of its values (sum, sum of magnitudes, and a sum
-weighted by a fixed pattern, in float64) - or the node where it stopped and the error's type.
-:func:`check` repeats the run on the loaded module and raises :class:`SerializationError` when the
-two differ, naming the node or the output. Values are compared to a tolerance of 1e-4 of the
-output's magnitude (another CPU's kernels round differently); a module saved from another device
-than it is loaded on is compared to 1e-2 (GPU and CPU kernels, TF32 matmuls, differ by more). The
-device the record names must be a device type torch knows: the record is the save's word, and a
-value a tamper could set to skip the comparison would make the whole check optional.
-
-What no loader can see: a consistent forgery (files, fingerprint and checksums rewritten together:
-the save then describes another model, which is what a save may do), and a module saved without
-example inputs (nothing to run it on: the record says so, and the loaded module is not checked).
-The run leaves the module exactly as it was (:func:`fxprep.core.runs.preserved_state`), like a call of
-the loaded module would if it were not for its state updates.
+See docs/security.md ("The self-check" and "Under the hood") for the tolerances and limits.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """What a saved file may name: the trust policy of :func:`fxprep.load`.
 
-A saved directory comes from someone else, and its checksums prove only that the files belong
-together, not who wrote them. So trust rests on **identity**, never on how a name looks:
+Trust rests on identity, never on how a name looks: a name is a key in the allow-list's table of
+objects (:mod:`.allowlist`), or, inside a package listed in ``trusted_modules``, an object that
+names itself exactly so and is defined there. Saved attributes may not replace methods or
+descriptors, ``getattr`` may not fetch a method, and ``call_method`` calls only Tensor methods.
+Anything else raises :class:`~fxprep.errors.SerializationError` saying what would allow it.
 
-* a function or class a save names is looked up in a table of objects (:mod:`.allowlist`: the
-  default list of :mod:`.reviewed`, what prepared graphs of fxprep's suites and zoos name - torch
-  operators and layers, ``math``, ``operator``, builtins - plus what the caller's ``allow=`` adds,
-  never an excluded object). The name is a key; it is never walked attribute by attribute
-  (``torch.nn.functional.torch.builtins.eval`` is not a key); another name of a listed object is
-  accepted because one lookup finds that very object;
-* a name inside a package the caller lists in ``trusted_modules`` is imported from that package and
-  the object found must name itself exactly so (``obj.__module__ + "." + obj.__qualname__``) and be
-  defined inside that package: ``torchvision.models.detection.ssd.torch.hub.load`` finds
-  ``torch.hub.load``, which is defined in ``torch.hub``, and is refused;
-* attribute names a save sets may not replace what the class defines as a method, property or
-  other descriptor (``forward``, ``__class__``), nor nn.Module's own bookkeeping;
-* ``getattr`` in a graph may not fetch a method (the way from data to a callable), and
-  ``call_method`` nodes may call only Tensor methods.
-
-Anything else raises :class:`~fxprep.errors.SerializationError` saying what was refused and, where
-trusting a package or an ``allow=`` entry would allow it, which one would.
+See docs/security.md.
 """
 
 from __future__ import annotations

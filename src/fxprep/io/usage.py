@@ -1,18 +1,11 @@
 """The callables a save names, read from its JSON files (nothing imported, nothing run).
 
-The default allow-list (:mod:`.reviewed`) is the set of callables that prepared graphs of fxprep's
-own test suites and model zoos actually name: a save is data from someone else, and every callable
-it may name is a kernel some file can hand arguments to, so the list is kept to what serves
-(issue 63). This module answers "what does this save name?" for the script that measures it
+Answers "what does this save name?" for the script that measures the default allow-list
 (``benchmarks/allowlist_usage.py``) and for the test that the list and the measurement agree
-(``tests/test_io_allowlist.py``). It reads only what :mod:`.encode` writes:
+(``tests/test_io_allowlist.py``). It reads only what :mod:`.encode` writes: functions, Tensor
+methods, aten ops and module classes, nested graphs included.
 
-* functions: ``call_function`` targets, op modules' callables (``bound_op`` ``fn``), function values
-  (``{"$": "fn"}``) anywhere in the graph or the module tree, nested graphs included;
-* Tensor methods: ``call_method`` targets and op callables named ``Tensor.<method>``;
-* aten ops: function names ``torch.ops.aten.<op>[.<overload>]``;
-* module classes: each module entry's ``class`` (an opaque part's owner classes are trusted code,
-  not listed here).
+See docs/security.md ("Under the hood").
 """
 
 from __future__ import annotations

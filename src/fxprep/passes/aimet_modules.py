@@ -1,25 +1,12 @@
 """AIMET's own module classes for the ops AIMET has classes for (``style="aimet"``).
 
-Code written against AIMET's preparer checks classes (``isinstance(m, aimet_modules.Add)``), and
-AIMET's QuantSim treats its own classes specially (a multiply or divide by a constant gets no
-output quantizer; config rules name op types). So, when ``aimet_torch`` is importable, an
-:mod:`fxprep.ops` module whose call AIMET's class computes *exactly* becomes that class, called with
-the same arguments: ``Add`` of ``operator.add`` becomes ``aimet_torch...custom.Add`` called as
-``(x, y)``, ``Concat`` becomes ``Concat(axis)`` called as ``(*tensors)``, ``F.conv2d`` with a
-computed weight becomes ``DynamicConv2d``. Where AIMET's class would compute something else, the
-fxprep module stays (and is registered with QuantSim by :mod:`fxprep.compat.aimet_quantsim`):
+When ``aimet_torch`` is importable, an :mod:`fxprep.ops` module whose call AIMET's class computes
+exactly becomes that class, called with the same arguments; where AIMET's class would compute
+something else, fxprep's stays (registered with QuantSim by :mod:`fxprep.compat.aimet_quantsim`). A
+``F.conv2d`` on a non-Parameter weight becomes an ``nn.Conv2d`` reading that very tensor as a
+buffer.
 
-* ``masked_fill`` stays out of place: AIMET's ``MaskedFill`` calls ``Tensor.masked_fill_``, which
-  writes into its input;
-* an in-place operator (``out += x``) becomes ``Add`` only when nothing reads ``out`` afterwards,
-  so the difference cannot be seen;
-* ``x.where(cond, y)``, ``torch.rsub``, ``torch.exp2`` and other forms whose argument order or
-  function differ from AIMET's wrapper keep fxprep's class.
-
-Independently of ``aimet_torch``, ``F.conv2d`` on a weight that is a buffer or constant (not a
-Parameter) becomes an ``nn.Conv2d`` as in AIMET, but one that reads that very tensor as a buffer:
-AIMET copies it into a new Parameter (a new state_dict key, twice the memory, and later updates of
-the buffer no longer seen).
+See docs/handoff/aimet.md ("Under the hood") for the cases kept apart.
 """
 
 from __future__ import annotations

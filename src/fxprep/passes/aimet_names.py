@@ -1,23 +1,11 @@
 """AIMET's names for the modules a preparation adds (``style="aimet"``).
 
-Code and tests written against AIMET's ``prepare_model`` look modules up by the names AIMET gives
-them, so :func:`fxprep.compat.aimet.prepare_model` renames the modules fxprep added the way AIMET
-would have named them for the same graph:
+:func:`fxprep.compat.aimet.prepare_model` renames the modules fxprep added the way AIMET would have
+named them for the same graph: ``module_<fx node name>`` for a functional op, under the module whose
+``forward`` made it where AIMET's GraphModule has that path, and ``module_<child>_<k>`` for a reused
+module's extra call sites, numbered by fx's own namer. Only the names change.
 
-* a functional op that became a module is ``module_<fx node name>``: AIMET names it after the
-  ``torch.fx`` node it replaced, and fx numbers node names with one counter per base name over the
-  whole graph, in graph order, shared by every kind of node (``layer1.0.module_add``,
-  ``layer1.1.module_add_1``; after a root ``self.relu`` call, an ``F.relu`` is ``module_relu_1``).
-  It lives under the module whose ``forward`` made the call when AIMET's GraphModule has that path
-  (some leaf or attribute below it is used by the graph), else at the root;
-* the k-th extra call site of a reused module ``a.b.child`` is ``a.b.module_child_<k>``, ``k``
-  being the suffix fx gives that node's name.
-
-fx's own namer (``torch.fx.graph._Namespace``) numbers the names, so suffixes, builtins-shadowing
-(``x.sum()`` is node ``sum_1``) and illegal characters come out as fx makes them. Where the graph was
-captured by Dynamo, in-place operators (``out += x``) are named as their out-of-place form, as in
-a ``torch.fx`` trace. What fxprep does differently from AIMET (shared parameters for unrolled
-copies, keyword arguments kept) is not changed: only the names are.
+See docs/handoff/aimet.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Conversions that convert nothing, dropped; the ones that do, written as a re-tracer accepts them.
 
-transformers writes ``hidden_states.to(torch.float32)`` in every RMSNorm, ``.to(input_dtype)`` after
-it, ``inv_freq.to(x.device)`` in rotary embeddings: in a float32 model on one device these return
-their input. In a graph they are ``call_method`` nodes that toolkits re-tracing the graph refuse
-(Sony MCT has no handler for ``Tensor.to``) or quantize around. With shapes propagated
-(:mod:`fxprep.passes.shape_prop`), a conversion whose input and output have the same dtype and
-device is the identity, and its users can read its input.
+With shapes propagated (:mod:`fxprep.passes.shape_prop`), a ``.to(...)`` whose input and output have
+the same dtype and device is the identity and is dropped, as is a concatenation whose other inputs
+are all empty; a conversion that changes the dtype stays, written ``x.to(dtype)`` with no device
+argument, which re-tracers accept.
 
-A concatenation in which every input but one is empty returns that input (Phi-3's rotary code
-concatenates the rotated half with an empty "pass-through" slice when the whole head is rotated);
-it is dropped too: a quantizer placed on the empty input by a toolkit cannot compute statistics of
-nothing (Brevitas' percentile on an empty tensor raises).
-
-A conversion that changes the dtype (bf16 weights around a float32 RMSNorm) stays; it is written
-``x.to(dtype)`` with the dtype as a literal, no device argument: the device literal or the
-``x.device`` read is what re-tracers fail on, and a dtype-only ``to`` keeps the tensor's device.
+See docs/concepts/retraceable.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """Shape-only computations folded into buffers: what depends on no input value and no dynamic size.
 
-transformers builds its causal mask, position ids and rotary tables inside ``forward`` from
-``torch.arange(seq_len, device=input_ids.device)``, the rotary ``inv_freq`` buffer and the like.
-In a prepared graph that code is a chain of ops (several of them op modules: ``model.add``,
-``model.cumsum``, ``model.le``) that computes the same tensor on every call. A toolkit that
-re-traces the graph with its own tracer (Brevitas, Sony MCT) trips over it (``torch.arange`` with
-a device read off a Proxy, ``Tensor.to(device)``), and one that quantizes every module would put
-quantizers on the mask arithmetic. Folding each such chain into one buffer leaves only the
-network: a constant ``get_attr`` read where the chain's result was used.
+Chains that compute the same tensor on every call (transformers' causal mask, position ids, rotary
+tables) trip re-tracing toolkits and attract quantizers. :func:`run` folds each chain whose result
+depends on no input value, no dynamic size and no saved weight into a non-persistent buffer read by
+``get_attr``, so ``state_dict()`` is unchanged; the chain is removed, with the checks that read only
+it.
 
-A node is *constant* when its result depends on no input value and no size that may change:
-
-* ``x.device`` / ``x.dtype`` of anything, ``x.shape`` / ``x.size()`` / ``x.dim()`` of a tensor whose
-  recorded shape (``meta["val"]`` / ``example_value``) has no symbolic dimension; graphs without a
-  recorded shape (the fx tracer's, valid for any size) never have their sizes folded, unless the
-  caller makes the graph for the example's sizes only (``static_shapes=True``: every size is static);
-* constants and buffers the model does not save (``persistent=False``, like ``inv_freq``) and
-  tensors Dynamo lifted; never a Parameter or a saved buffer (weights and running statistics stay
-  live, so loading other weights still changes the result);
-* a function, method or parameter-free module whose every input is constant and which is
-  deterministic and writes nothing (no random ops, no in-place methods, no dropout).
-
-Only tensors are folded (the last constant node before a live one); the chain behind them then
-has no users and is removed. A check whose inputs are all constant (the packed-sequence check on
-positions the model computes from ``arange``: :mod:`.input_checks`) held for the example and holds on
-every call, so it goes with the chain it reads. The folded values are computed on the example's device and are
-registered as non-persistent buffers, so ``state_dict()`` is unchanged and ``.to(device)`` moves
-them.
+See docs/concepts/retraceable.md ("Under the hood") for what counts as constant.
 """
 
 from __future__ import annotations

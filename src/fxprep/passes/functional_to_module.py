@@ -1,29 +1,12 @@
 """Functional → module: every tensor-computing functional call becomes a ``call_module``.
 
-Matching is by *target identity* (the function object, the Tensor method name, the ``operator``
-function), never by node name: a user function that happens to be called ``add_2`` is not an add.
-Arguments are bound exactly: static values live on the new module, tensors are passed in the call,
-keyword arguments stay keyword arguments (see :class:`fxprep.ops.BoundOp`).
+Matching is by target identity, never by node name, and arguments are bound exactly
+(:class:`fxprep.ops.BoundOp`). In order: a functional on a module's own weights becomes the real
+``torch.nn`` layer sharing them, an activation or dropout becomes its ``torch.nn`` twin, and
+anything else tensor-valued becomes a named op module. Views, Python arithmetic, input checks and
+non-torch functions stay functional, the last listed in the report.
 
-Three kinds of replacement, tried in order:
-
-1. A layer that owns its weights: ``F.linear(x, self.weight, self.bias)``, ``F.conv2d(x, self.w)``
-   (any kernel shape), ``F.layer_norm``, ``F.group_norm``, ``F.embedding``, ``F.prelu`` /
-   ``x.prelu(w)`` whose weights are module Parameters become the real ``torch.nn`` layer holding the
-   *same* Parameter objects.
-2. Activations and dropout with a ``torch.nn`` twin (``F.relu`` → ``nn.ReLU``, ``x.softmax(-1)`` →
-   ``nn.Softmax(-1)``, ``F.gelu(x, approximate='tanh')`` → ``nn.GELU('tanh')``). Dropout (and
-   ``F.rrelu``, torchvision's ``stochastic_depth``) whose ``training`` flag, bound with *that
-   function's* default, equals the mode the model was captured in becomes ``nn.Dropout`` (``RReLU``,
-   ``StochasticDepth``), so it keeps following ``.train()``/``.eval()``.
-3. Everything else tensor-valued: a named :class:`~fxprep.ops.BoundOp` (``Add``, ``MatMul``, ...),
-   one input slot per tensor argument (``x * x`` has two), in-place calls marked impure so fx's
-   dead-code elimination keeps them.
-
-Left functional: the view / metadata / constructor allow-list of :mod:`.op_table` (silently), Python-value
-arithmetic (shapes, never a module), the input checks (:mod:`.input_checks`: reported apart), and non-torch functions (``torch.fx.wrap``-ped or
-``fxprep.opaque``; "torch" means the ``torch``/``torchvision``/``torchaudio`` packages, not any
-module whose name starts with it): those are listed in the report with the reason.
+See docs/concepts/names.md ("Under the hood").
 """
 
 from __future__ import annotations

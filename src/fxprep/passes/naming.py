@@ -1,30 +1,11 @@
 """Readable, deterministic, collision-free names for the modules passes add.
 
-A quantization configuration refers to the modules a graph adds by name (``ignore:
-["re:.*apply_rotary_pos_emb.*"]``, AIMET's and NNCF's per-module settings), so a name says where
-the op is in the model's code and is the same on every run and on every machine:
+A quantization configuration refers to added modules by name, so each name says where the op is in
+the model's code and is the same on every run: ``<owner module path>.<function>.<op>``, numbered in
+graph order when repeated, and never shadowing anything in the prepared module or the original
+model.
 
-    ``<owner module path>.<function>.<op>``
-
-* the **owner** is the user's module whose ``forward`` made the op (``model.layers.0.self_attn``);
-  a module Dynamo saw that is not part of the model (a function wrapped in a module class held as a
-  global, as the ``kernels`` package does to transformers' ``apply_rotary_pos_emb``) is no owner:
-  its name was Dynamo's mangled global (``G___import_transformers_dot_models_...``);
-* the **function** is the function the owner's ``forward`` called that made the op, when it was not
-  made in ``forward`` itself: ``self_attn.apply_rotary_pos_emb.mul`` (transformers' rotary
-  embedding), ``attn.shifted_window_attention.linear`` (torchvision's Swin), ``SelfAttention.
-  compute_bias.log`` (T5's position buckets). The outermost such function is named (the rotary
-  ``neg`` inside ``rotate_half``, which ``apply_rotary_pos_emb`` calls, is ``apply_rotary_pos_emb.neg``):
-  it is the unit a configuration wants to select or skip, and its name does not depend on how that
-  function is wrapped or split up. torch's own Python (``torch.nn.functional``) is never the function;
-* the **op** is what the module computes (``mul``, ``scaled_dot_product_attention``), ``_1``,
-  ``_2`` ... in graph order when the same owner and function make it again.
-
-A name is taken only if neither the prepared module nor the original model has anything at that
-path, so a user's own ``relu_1`` attribute (even one the graph never touches) is never shadowed.
-The function becomes a plain container in the prepared module (``self_attn.apply_rotary_pos_emb``);
-where that path is taken in the model (a submodule of that name), the function is joined to the op
-instead (``self_attn.apply_rotary_pos_emb_mul``).
+See docs/concepts/names.md for the rules and examples.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
-"""A layer made for a module's own raw parameter takes that module's path: ``mlp.gate``, not ``mlp.gate.linear``.
+"""A layer made for a module's own raw parameter takes that module's path: ``mlp.gate``, not
+``mlp.gate.linear``.
 
-transformers' Mixtral router is a module (``mlp.gate``) holding a ``weight`` Parameter and calling
-``F.linear(x, self.weight)`` itself, then a softmax and a top-k. The functional-to-module pass turns
-that call into an ``nn.Linear`` sharing the Parameter, named in the router's scope like any added
-op (``mlp.gate.linear``), a name the user's model does not have. A toolkit configured by the user's
-names (torchao PT2E's ``set_module_name_qconfig("model.layers.0.mlp.gate", None)``, AIMET or NNCF
-ignored scopes) then misses the layer. The router has no layer of its own in the prepared graph
-(it is traced into, and kept as a plain container of what its forward was turned into), so the
-Linear can take its place, and the Parameter keeps its path (``mlp.gate.weight``): ``state_dict()``
-is unchanged. The op modules the container held move beside it (``mlp.gate.softmax`` becomes
-``mlp.gate_softmax``): a layer stays a leaf without children, which toolkits that swap a Linear for
-their quantized one (Brevitas, AIMET's QuantSim) rely on.
+A module that calls ``F.linear`` on its own ``weight`` (Mixtral's router) is traced into, and the
+functional-to-module pass makes an ``nn.Linear`` named in its scope. Where nothing else is at stake
+(the container is fxprep's, its Parameters are exactly the layer's, nothing else calls it), the
+Linear takes the container's place and the op modules it held move beside it, so toolkits configured
+by the user's names find the layer and ``state_dict()`` is unchanged.
 
-Only where nothing else is at stake: the container is one fxprep created (never a user module),
-its Parameters are exactly the layer's under the same names (no buffer besides), every module under it is one fxprep
-added (a user's block holding a LayerNorm beside its own ``F.linear`` stays the block), and no
-node calls the container.
+See docs/concepts/names.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Ops the capture device chose a kernel for, written so that the graph runs on every device.
 
-transformers' mixture-of-experts layers count the tokens routed to each expert with
-``torch.histc`` over the expert ids: as floats on CPU and MPS, which have no integer kernel, and
-as integers elsewhere (CUDA's deterministic kernel takes integers only). That is a branch on
-``device.type``, taken once by the capture. A graph captured on ``meta`` (how an LLM is prepared
-without its weights) or on a GPU therefore holds the integer ``histc``, and once
-:func:`fxprep.load_weights` put the weights on the CPU (or after ``.to("cpu")``) every forward
-failed: ``"histogram_cpu" not implemented for 'Int'``. :func:`run` makes such a histogram count in
-float32 and casts the counts back to the integer dtype: the same counts on every device (exact up
-to 2**24 ids and tokens per bin), the one thing lost being CUDA's deterministic mode, whose float
-``histc`` refuses to run. A graph captured on the CPU never holds the integer form.
+transformers' mixture-of-experts layers count tokens per expert with ``torch.histc`` as integers on
+CUDA and ``meta`` but as floats on CPU, a branch the capture takes once; a graph captured on
+``meta`` or a GPU then failed on the CPU. :func:`run` makes such a histogram count in float32 and
+casts back: the same counts on every device, except under CUDA's deterministic mode.
+
+See docs/guides/big-models.md ("Under the hood").
 """
 
 from __future__ import annotations

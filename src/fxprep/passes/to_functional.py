@@ -1,17 +1,12 @@
 """fxprep's op modules back to function calls, for toolkits that match functional patterns.
 
-Most toolkits attach quantizers to modules, which is why fxprep turns ``x + y`` into an
-:class:`fxprep.ops.Add` module. torch's own FX graph-mode quantization (``prepare_fx``) works the
-other way round: it knows ``operator.add``, ``torch.cat``, ``F.relu`` and the ``torch.nn`` layers by
-pattern, and leaves a module class it does not know alone, so on a prepared graph it would skip
-every add. This pass gives such a toolkit what it expects: each :class:`~fxprep.ops.BoundOp` call
-becomes the very call it stands for (``operator.add(x, y)``, ``x.softmax(-1, dtype=...)``), with the
-same arguments; everything else stays as prepared: the user's layers, and the ``torch.nn`` layers
-fxprep made from functionals on module parameters (``F.linear(x, self.w)`` → ``nn.Linear``), which
-such toolkits handle better as modules. Reused modules stay unrolled.
+torch's FX graph-mode quantization recognises ``operator.add``, ``torch.cat`` and ``F.relu`` by
+pattern and skips unknown module classes. :func:`run` turns each :class:`~fxprep.ops.BoundOp` call
+back into the call it stands for, with the same arguments; the user's layers and the ``torch.nn``
+layers made from functionals stay modules. It removes modules from the graph it is given, so run it
+on a copy; :func:`fxprep.compat.torch_ao.prepare_fx` does both.
 
-Run it on a copy (``copy.deepcopy(gm)``): the BoundOp modules are removed from the module it is
-given. :func:`fxprep.compat.torch_ao.prepare_fx` does both.
+See docs/handoff/torch-ao.md.
 """
 
 from __future__ import annotations

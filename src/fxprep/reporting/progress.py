@@ -1,23 +1,12 @@
 """Progress of long work: which stage ``prepare_model`` is in, while it is in it.
 
-A detector takes minutes to prepare and a large language model tens of seconds; a blank screen for
-that long looks like a hang. Every stage (reference run, capture attempt k with its tracer, the
-passes, verification) and the cheap-to-report steps inside a long capture (a Dynamo retry, a part
-made opaque) are announced here, and shown in one of three ways:
+Every stage and the cheap-to-report steps inside a long capture are announced through a context
+variable (:func:`step`, no progress object passed down), and shown as ``logging`` records on the
+``"fxprep"`` logger, as a one-line ``rich`` display on an interactive terminal, or as plain lines
+when ``progress=True`` forces them into a pipe. ``progress=False`` shows and logs nothing. ``rich``
+is imported only when the display is shown.
 
-* as Python ``logging`` records on the ``"fxprep"`` logger (level INFO), always unless the caller
-  asked for silence: a program that configured logging gets plain lines, one that did not gets
-  nothing (Python's default handler only prints warnings);
-* as a one-line ``rich`` display on standard error (spinner, stage, elapsed time) when standard
-  error is an interactive terminal, removed when the work ends: the report says what was done;
-* as plain lines on standard error (through a handler on the ``"fxprep"`` logger) when the caller
-  forces progress (``progress=True``) and standard error is not a terminal (a CI log, a pipe).
-
-``progress=None`` (the default) means: the display on a terminal, nothing on screen otherwise;
-``progress=True``: always something on screen; ``progress=False``: nothing at all, not even log
-records. The stages are reported through a context variable, so code deep inside capture can call
-:func:`step` without a progress object being passed down to it. This module imports ``rich`` only
-when the display is shown, so ``import fxprep`` stays light.
+See docs/guides/progress.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The report: what fxprep did to a model, and how sure it is of the result.
 
-Reachable from every prepared module as ``gm.fxprep_report`` (or :func:`fxprep.get_report`), and
-rendered as text (``print(report)``), markdown or JSON. It holds each capture attempt with its error,
-every module added and why, every op left functional and why, reused modules unrolled, the input
-checks kept as calls, notes on anything specialised at capture time, the verification result with
-its measured difference, and timings that add up to the time ``prepare_model`` took.
+Reachable as ``gm.fxprep_report`` (or :func:`fxprep.get_report`) and rendered as text, markdown or
+JSON: capture attempts, modules added, ops left functional, unrolled modules, input checks, notes,
+the verification result and timings. The text is short by default; ``report.to_text(verbose=True)``
+lists every module added, unrolled and checked by name.
 
-The text is short by default: the verdict, the route, the opaque parts, the notes and the timings,
-with the modules added counted by class (a 4-layer Llama's report was 144 lines, 127 of them one
-per added module). ``report.to_text(verbose=True)`` (``fxprep prepare --verbose``, the graph view's
-report panel) lists every module added, every reused module unrolled and every input check: what a
-quantization configuration that names modules is written from.
+See docs/getting-started.md and docs/cli.md.
 """
 
 from __future__ import annotations

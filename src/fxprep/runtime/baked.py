@@ -1,35 +1,13 @@
 """Values baked into the graph: what a forward reads that is not an input, a parameter or a buffer,
 checked at each call, or named in the report as assumed.
 
-Both tracers turn a Python value the forward reads from a module attribute or a module-level global
-into constants of the graph: ``x * self.scale``, ``if USE_BIAS:``, ``self.dims[1]`` of a list
-attribute, ``self.heads[name]`` of a dict, ``CONFIG.width`` of a module-level config object,
-``self.config.rope_theta`` of a transformers config (Dynamo guards on them; fx just sees the
-values). The prepared module shares the user's modules and follows their tensors, so a user who
-later sets ``model.scale = 5.0``, appends to ``model.dims`` or edits ``CONFIG.width`` expects the
-prepared module to follow; it would silently keep computing with the old values, and verification
-said "passed" (issue 28 for scalars, issue 63 for everything else).
+Both tracers turn Python values a forward reads from module attributes or globals into constants of
+the graph. :func:`record_baked` records them for every module whose forward was traced into (scalars
+and immutable values by identity and equality, data structures as snapshots, up to :data:`MAX_DEPTH`
+and :data:`MAX_LEAVES`), and a change raises :class:`~fxprep.errors.InputMismatch` naming it. A copy
+of the prepared module checks nothing.
 
-So :func:`record_baked` records, for every module whose forward was traced into (not a module the
-graph calls whole, nor inside one, nor an opaque part's owner) and for the globals those forwards
-and their private helpers load:
-
-* scalars (bool, int, float, str, None) and other immutable values (dtypes, devices, sizes, enum
-  members, tuples of those): compared at each call by identity, then type and equality;
-* data (lists, tuples, dicts, sets, and objects whose state is a ``__dict__`` of data: dataclasses,
-  namespaces, config objects, nested to :data:`MAX_DEPTH`): a snapshot of their whole structure,
-  compared at each call (the attribute still bound to the same object, and the object's contents
-  the same: an ``append`` in place is a change). Inside data, tensors, modules, functions and
-  classes count by identity; a value of more than :data:`MAX_LEAVES` parts is not checked but
-  named in the report as assumed, with its value.
-
-Not recorded: tensors, modules and code (functions, classes, Python modules: the graph's code, not
-its values), ``training`` (the graph is prepared for one mode), what the forward itself writes
-(``self.calls += 1``, a cache dict it fills: the reference run says which containers a forward
-changes), loggers, locks and other objects of the standard library's runtime, and a library's
-private module state (``_REGISTRY``: filled as models are built; private scalars are still checked). A change raises
-:class:`~fxprep.errors.InputMismatch` naming it. A copy of the prepared module (deepcopy, pickle,
-save) checks nothing: it no longer shares the objects that were read.
+See docs/baked-values.md for what is and is not recorded.
 """
 
 from __future__ import annotations

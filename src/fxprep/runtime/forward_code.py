@@ -1,49 +1,13 @@
 """The code a prepared module runs: fx's own, with submodules reached through ``_modules``.
 
-fx writes a call to ``layer1.0.conv1`` as ``getattr(self.layer1, "0").conv1(x)``. Every step of
-that chain is an ``nn.Module.__getattr__`` call (the child is not in the instance ``__dict__``, so
-Python's own lookup fails first, then torch's fallback runs in Python): ~1.3 us a step on torch
-2.14. A prepared graph reaches every leaf from the root, three to five steps deep, where the eager
-model reaches most of them one step from its own ``self``: on small-op-dense models
-(mobilenet_v3_small, a small Llama) the chains alone cost 7-13% of the forward.
+fx reaches each leaf through a chain of ``nn.Module.__getattr__`` calls, which costs several percent
+of a small-op-dense forward. :func:`fast_source` rewrites each chain to look every module up once
+per call through ``_modules`` (or ``getattr`` where a module is not a plain container), and module
+calls skip ``nn.Module.__call__`` only where it would do nothing but call ``forward``
+(:func:`call_module`, :func:`fast_calls`). Lookups stay live, so a toolkit that swaps, hooks or
+wraps a module is followed. ``gm.code`` stays fx's readable text.
 
-:func:`fast_source` rewrites each chain as ``_fxprep_child(_fxprep_m1, ('conv1',))``: each module
-on the way is looked up once per call, by the first line under it, which binds it to a local
-(``_fxprep_child((_fxprep_m1 := _fxprep_child((_fxprep_m0 := self._modules['layer1']), ('0',))),
-('conv1',))``); every later line steps once from that local (fx's code is straight-line, so the
-binding line runs first). Each step:
-
-* from a plain ``nn.Module`` (the containers ``GraphModule`` builds for the paths of its targets) is
-  a dict read of its ``_modules``: for that class, ``getattr`` gives nothing else (names that are
-  attributes of ``nn.Module`` itself, ``eval`` say, keep fx's chain);
-* from anything else (a user's module, or a wrapper a toolkit put in a container's place: AIMET's
-  ONNX markers forward ``__getattr__`` to the module they wrap) is ``getattr``, as fx has it.
-
-So the lookup is decided at each call, never cached across calls, and stays live: every way of
-replacing a submodule (``setattr``, ``add_module``, torch.ao's ``parent._modules[name] = new``)
-writes ``_modules``, and a toolkit that swaps a module gets the new one called from the next call
-on. The last step of a ``get_attr`` (a parameter, buffer or constant) stays an ordinary attribute
-access, so symbolic tracers that hook parameter access still see it. A chain is rewritten only if it
-resolves to the object fx's chain gives at compile time; a graph with a node named like the
-rewrite's locals (``_fxprep_...``) keeps fx's code.
-
-A module call with positional arguments (every leaf, and fxprep's op modules: ``add``, ``matmul``,
-``sdpa``, ~27 a Llama layer) is written ``_fxprep_call(<module>, _fxprep_fast, a, b)``: where
-``nn.Module.__call__`` would do nothing but call ``forward``, :func:`call_module` calls ``forward``
-itself, skipping ``_wrapped_call_impl``/``_call_impl``. What could make that call do more is
-checked: per forward, once, by :func:`fast_calls` (``torch.compile``/``torch.export``, a tracer's
-patch of ``nn.Module.__call__``, global module hooks, ``torch.jit.trace``); per call, on the module
-(its hooks, ``__call__`` replaced on its class, ``Module.compile()``; a ``forward`` replaced on its
-class or instance is the one called). So a toolkit that hooks, wraps or swaps a module (AIMET's QuantSim, torch.ao's observers, NNCF's
-pre-hooks, fx and Dynamo re-tracing) gets ``module(*args)`` exactly as fx's code has it.
-
-Measured (an 8-layer Llama, hidden 64, bf16, 16 tokens, one thread of a 2-core CPU, 200 alternating
-rounds, transformers' CPU-only CUDA-capture probe taken out of eager): the prepared forward went
-from 1.02x-1.045x eager to 0.93x-0.98x, on torch 2.11 and 2.14 (``benchmarks/README.md``).
-
-``gm.code`` (what ``print(gm)`` shows, what :func:`fxprep.save` writes for reading) stays fx's
-readable text; only the compiled ``forward`` uses the rewritten one, with the same lines in the same
-places, so tracebacks and fx's line map still point at the right node.
+See docs/concepts/sharing.md ("Under the hood") for the rules and the measurements.
 """
 
 from __future__ import annotations

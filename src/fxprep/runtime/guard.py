@@ -1,33 +1,13 @@
 """What a prepared module checks about its inputs before computing anything.
 
-A captured graph is valid for inputs structured like the example it was captured on, and no more:
-a list of 3 images is flattened into 3 placeholders (``fx_pytree.tree_flatten_spec`` then takes
-the first 3 items of a list of 4 without a word), an argument that was None is baked in as None,
-a dict's keys are fixed, Dynamo specialises every Python scalar it is given and, unless told
-``dynamic=...``, every dimension of every tensor. Called otherwise, the graph does not fail: it
-computes something else (the sum of the first 3 tensors; one detection dict for two images).
+A captured graph is valid only for inputs structured like its example, and called otherwise it
+computes something else rather than failing. :func:`record` keeps that structure as an
+:class:`InputSpec`, and :func:`check` compares each call with it (lengths, keys, None-ness,
+specialised scalars, and on the Dynamo path every dimension not declared dynamic), raising
+:class:`~fxprep.errors.InputMismatch`. The spec is plain data; the check is skipped while the module
+is traced or compiled. This module depends only on :mod:`fxprep.errors`.
 
-So the prepared module records the structure it was captured for (:class:`InputSpec`, built by
-:func:`record` from the prepared call) and checks each call against it (:func:`check`), raising
-:class:`~fxprep.errors.InputMismatch` that names the difference. What is checked:
-
-* list/tuple lengths (a list and a tuple of the same length are interchangeable), dict keys,
-  None-ness, and that a tensor is given where a tensor was captured;
-* values of Python scalars Dynamo specialised, and of arguments fixed by ``concrete_args`` (their
-  placeholders are left unused: another value would be ignored);
-* on the Dynamo path, every tensor dimension except those named in ``dynamic`` (Dynamo assumes
-  static shapes, so any of them may be baked into the graph). The fx path traces sizes
-  symbolically and checks none.
-
-The values a graph takes from the model's attributes and globals are checked by :mod:`fxprep.runtime.baked`.
-
-The check runs at the module's call boundary (:class:`fxprep.runtime.prepared.PreparedModule`), where the
-caller's structure still exists (the generated ``forward`` has already flattened it away), like
-``torch.export``'s own input check on the modules it returns. The spec is plain data, so it is
-saved and loaded as data (never as code to trust), deep-copied and pickled with the module. It
-is skipped while the module is being traced or compiled (``torch.compile``, ``torch.export``,
-ONNX export, a ``torch.fx`` re-trace): there the inputs are symbolic, and export checks its own.
-This module depends only on :mod:`fxprep.errors`.
+See docs/concepts/shapes.md.
 """
 
 from __future__ import annotations

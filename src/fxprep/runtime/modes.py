@@ -1,23 +1,13 @@
 """Process modes a graph enters, left on every path: an op that raises inside a region does not leave
 the region's mode on for the whole process.
 
-A prepared graph may hold ``with torch.autocast(...):`` regions (timm's EfficientViT keeps float32
-islands): Dynamo records them as an ``_enter_autocast`` call and an ``_exit_autocast`` call of its
-result, and fxprep's functional → module pass may make each a ``Functional`` op module. The graph
-runs them as plain calls, not as a ``with`` block, so when an op between the two raises (an index
-out of range on one input, a shape check, a failing decision check) the exit never runs: autocast
-stays on, with its nesting level and cast cache, and the user's next float32 matmul returns
-bfloat16 (issue 63). The same holds for grad mode (``_set_grad_enabled`` calls; fxprep's passes
-take them out of prepared graphs, and a save may not name them) and for any other mode a graph can
-switch.
+A graph runs ``torch.autocast`` regions (and other mode switches) as plain enter and exit calls, so
+an op raising in between would leave the mode on. :func:`entered` finds from the graph which modes
+it can enter; :func:`snapshot` reads them before a run and :func:`restore` puts them back after a
+run that raised. :class:`fxprep.runtime.prepared.PreparedModule` and :mod:`fxprep.io.selfcheck` use
+it. This module depends only on :mod:`fxprep.ops`.
 
-:func:`entered` finds, from the graph alone, which modes a module's graphs can enter (nested graphs
-and op modules included); :func:`snapshot` reads those modes before a run and :func:`restore` puts
-them back after a run that raised, the way the region's own exit would have: the device's autocast
-flag and dtype, the cache flag, and the nesting level (the cache is cleared when it falls to zero).
-:class:`fxprep.runtime.prepared.PreparedModule` does this around every call of a module whose graph enters
-a mode, and :mod:`fxprep.io.selfcheck` around the probe runs of ``save`` and ``load``. This module
-depends only on :mod:`fxprep.ops`.
+See docs/security.md ("Global state: modes left on every path").
 """
 
 from __future__ import annotations

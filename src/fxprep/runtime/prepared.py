@@ -1,21 +1,12 @@
 """The GraphModule fxprep returns, and what keeps it whole through copies and pickling.
 
-A prepared module is a ``torch.fx.GraphModule`` (a :class:`PreparedModule`, a plain subclass) that
-also carries fxprep's attributes: its report (``gm.fxprep_report``) and the state-dict alias table
-that makes ``state_dict()`` match the original's keys, and the input spec each call is checked
-against (:mod:`fxprep.runtime.guard`). Two kinds of copy would lose them or worse:
+A :class:`PreparedModule` is a plain ``torch.fx.GraphModule`` subclass carrying fxprep's report, the
+state-dict alias table and the input spec (:mod:`fxprep.runtime.guard`). :func:`set_preserved`
+registers them so ``copy.deepcopy`` keeps them, and :meth:`PreparedModule.__reduce__` pickles the
+graph itself rather than re-tracing its code. For files meant to outlive a torch version, use
+:func:`fxprep.save`.
 
-* ``copy.deepcopy`` rebuilds a GraphModule from its graph and keeps only what torch knows about
-  (hooks, ``meta``); deep copies are common (``prepare_fx(copy.deepcopy(gm), ...)``, AIMET's
-  QuantSim). torch restores the attributes named in ``gm.meta["_user_preserved_attributes"]``, so
-  fxprep registers its own there (:func:`set_preserved`).
-* ``pickle`` / ``torch.save`` of a plain GraphModule stores the generated code and re-traces it with
-  ``torch.fx`` on loading. That loses the calling convention (a ``ModelOutput`` comes back as a
-  dict, keyword arguments as positional ones), turns constructor calls into constants, and needs the
-  tracer class to be constructible without arguments. :meth:`PreparedModule.__reduce__` pickles the
-  graph itself instead (node metadata that holds tracer internals, such as fake tensors, is left
-  out), so the loaded module is the same graph. For files meant to outlive a torch version, use
-  :func:`fxprep.save`, whose format does not depend on torch internals.
+See docs/concepts/sharing.md ("Under the hood").
 """
 
 from __future__ import annotations

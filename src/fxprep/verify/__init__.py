@@ -1,19 +1,12 @@
 """Prove the prepared module computes what the original does, and say by how much they differ.
 
-Both modules run on fresh copies of the example inputs with the same RNG seed (so dropout in train
-mode draws the same masks), and with every buffer restored afterwards (a train-mode BatchNorm must
-not have its running statistics updated by verification: that would mutate the user's model).
-Outputs are flattened through tuples, lists, dicts, dataclasses and ``ModelOutput`` and compared
-leaf by leaf (:mod:`fxprep.verify.compare`); NaNs must sit at the same positions, and the max difference
-is taken over the rest.
+Both modules run on fresh copies of the example inputs with the same RNG seed and the model's state
+restored; outputs are flattened and compared leaf by leaf (:mod:`fxprep.verify.compare`). When they
+differ, the first diverging node (:mod:`fxprep.verify.locate_node`) and leaf module are named. In
+half precision both run with SDPA's math kernel and the tolerance follows dtype, scale and depth
+(:func:`default_tolerances`, :func:`pinned_kernels`).
 
-When they differ, the first diverging node is named: the first call whose inputs agree with eager's
-and whose output does not, op modules and functions included (:mod:`fxprep.verify.locate_node`), and the
-first diverging *leaf module* (each leaf's output recorded in the original by forward hooks and in
-the prepared graph by an Interpreter, in call order).
-
-In half precision both modules run with SDPA's math kernel and the tolerance follows the dtype,
-the output's scale and the graph's depth (:func:`default_tolerances`, :func:`pinned_kernels`).
+See docs/concepts/verification.md.
 """
 
 from __future__ import annotations

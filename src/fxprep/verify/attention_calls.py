@@ -1,20 +1,13 @@
 """The attention calls of a run, recorded, so that the graph's can be compared with eager's.
 
-Why: which kernel ``F.scaled_dot_product_attention`` runs is decided by its arguments, not by its
-result. A graph that passes a materialised causal mask where eager passes ``attn_mask=None,
-is_causal=True`` computes the same values (verification passes), yet on CUDA it cannot use the
-flash kernel: another rounding in bf16, and slower at long sequences. fxprep makes the capture
-take eager's path where that is static (:mod:`fxprep.families.transformers.attention`, and
-:mod:`fxprep.families.transformers.unpadded` for a padding mask a model fills with ones itself); where a model
-builds its mask from values the capture cannot follow, only a comparison of the two runs shows it. The
-reference run and the prepared run of verification each record their calls (a
-``TorchFunctionMode``, which sees every torch function call of the run), and a difference is
-named in the report.
+Which SDPA kernel runs is decided by its arguments, not its result, so a graph passing a mask where
+eager passes none verifies yet runs another kernel. Where the capture cannot take eager's path
+(:mod:`fxprep.families.transformers.attention`), only comparing the runs shows it: each verification
+run records its calls with a ``TorchFunctionMode`` (whether a mask is passed, ``is_causal``,
+``dropout_p``, ``scale``, ``enable_gqa``; never the mask's values), and a difference is named in the
+report.
 
-Only what decides the kernel is recorded: whether a mask is passed (its shape and dtype, never its
-values: reading them would synchronise a GPU), ``is_causal``, ``dropout_p``, ``scale`` and
-``enable_gqa``. Calls inside an attention function (``F.multi_head_attention_forward`` calls SDPA)
-are not seen separately: the mode is off while its function runs, in both runs alike.
+See docs/concepts/verification.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The first node of a prepared graph whose inputs agree with eager and whose output does not.
 
-Why: comparing leaf modules only (``verify.first_divergence``) cannot see the ops between them: a
-broken attention (``scaled_dot_product_attention`` called with another mask) showed up as the
-next ``Linear`` whose input already differed (issue 27: "first diverging module:
-model.layers.0.mlp.down_proj"). Here every torch call is compared, op modules and functions
-included: each call the original makes and each call the prepared graph makes are recorded with a
-``TorchFunctionMode`` (function, tensor inputs, output), the prepared run through an
-``fx.Interpreter`` so each call is known by the node that made it. A prepared call is paired with the
-next eager call of the same function whose tensor inputs agree; the first pair whose outputs do not
-agree names its node. A node whose inputs already differ is downstream of the cause and is passed
-over, which is what makes the answer the cause rather than its first symptom.
+Every torch call of the original and of the prepared graph (through an ``fx.Interpreter``) is
+recorded with a ``TorchFunctionMode``; a prepared call is paired with the next eager call of the
+same function whose tensor inputs agree, and the first pair whose outputs differ names its node.
+Nodes whose inputs already differ are passed over, so the answer is the cause, not its first
+symptom.
+
+See docs/concepts/verification.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """``fxprep.show``: a prepared graph as a page a person can read, from Python or the command line.
 
-One self-contained HTML file (no server, no network at view time) shows what fxprep changed at a
-glance: modules it added for functional ops, unrolled copies of reused modules, opaque parts and
-why, ops left functional; the shapes and dtypes on the edges; the report; a search box to find a
-module by name; and a layout that stays usable for big graphs (folded into the module hierarchy,
-unfolded on demand). ``fxprep show DIR -o graph.html`` and ``fxprep.show(gm, "graph.html")`` write
-the same page from the same code.
+One self-contained HTML file (no server, no network at view time) shows what fxprep changed: modules
+added, unrolled copies, opaque parts, ops left functional, shapes and dtypes on the edges, the
+report, a search box, and a layout folded into the module hierarchy for big graphs. ``fxprep show
+DIR -o graph.html`` and ``fxprep.show(gm, "graph.html")`` write the same page from the same code.
 
-Why not an existing viewer: Google's Model Explorer (``ai-edge-model-explorer``) runs a local web
-server and a large web app and reads ``torch.export`` (ATen-level) programs, not a module-level fx
-graph with fxprep's report; Netron also needs its app. Graphviz lays out well but its SVG has no
-folding or search and ``dot`` is often not installed, so it stays an option (``--format dot/svg``).
+See docs/pictures.md (including why not an existing viewer).
 """
 
 from __future__ import annotations

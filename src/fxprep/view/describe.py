@@ -1,16 +1,11 @@
 """A prepared graph described for a person: what each node is, what fxprep did to it, and what flows.
 
-The page (:mod:`.html`) needs one plain, JSON-able description of the graph, whether it comes from a
-live ``GraphModule`` (with its report) or from a saved directory (read from its JSON files only:
-nothing imported or run, so it is safe on files from anyone). Each node gets:
+The page (:mod:`.html`) needs one plain, JSON-able description of the graph, from a live
+``GraphModule`` or from a saved directory (read from its JSON files only: nothing imported or run).
+Each node gets a ``kind`` (:data:`KINDS`: what fxprep did there), a ``scope`` (the module the page
+folds it into) and ``values`` (shape and dtype of what it computes).
 
-* ``kind``: what fxprep did there, the colour and shape on the page (:data:`KINDS`): a module fxprep
-  added for a functional op, an unrolled copy of a reused module, an opaque part (and why), an op
-  left functional with the reason, a view/metadata op, the user's own module, an input/output;
-* ``scope``: the module it belongs to (``layer1.0``), which the page folds into one box, so a big
-  graph opens as its top-level modules and not as a 12,000-point column of nodes;
-* ``values``: shape and dtype of what it computes, shown on its outgoing edges, from the capture's
-  own records (Dynamo's ``example_value``), a run on ``example_inputs``, or what a save recorded.
+See docs/pictures.md ("Under the hood").
 """
 
 from __future__ import annotations

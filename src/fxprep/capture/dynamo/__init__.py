@@ -1,32 +1,14 @@
 """Dynamo capture, re-lifted to module level.
 
-``torch._dynamo.export`` records a torch-level graph and fails less often than ``torch.fx`` on real
-code (shape arithmetic, ``len``, most Python). What it gives back is not what a quantization
-toolkit wants, though: modules are inlined or bound to Dynamo's own copies named
-``L__self___layer1_0_conv1``, parameters are attributes with mangled names, the call signature is
-flattened, ``torch.no_grad`` regions are ``_set_grad_enabled`` calls and devices are baked in as
-literals. This package turns that graph back into one that looks like an fx capture of the user's
-model:
+``torch._dynamo.export`` captures more real code than ``torch.fx``, but inlines modules, mangles
+parameter names and flattens the signature. This package turns its graph back into one that looks
+like an fx capture of the user's model: each leaf layer one ``call_module`` bound to the user's own
+module, parameters read under their own names, the original call signature and output type. This
+file holds the capture loop; :func:`capture_dynamo` returns a failure in the
+:class:`~fxprep.capture.common.CaptureAttempt` rather than raising, so the cascade can fall back to
+fx.
 
-* every leaf module (``torch.nn``/``torch.ao.nn`` layers, as in fx; user subclasses that keep such a
-  layer's ``forward``; plus what the :class:`~fxprep.capture.common.LeafPolicy` names) is ONE
-  ``call_module`` bound to the user's own module object under its original qualified name, found by
-  identity;
-* parameters and buffers are ``get_attr`` nodes reading the user's own tensors under their
-  original names, so ``state_dict`` keys and Parameter identity are preserved;
-* ``node.meta['nn_module_stack']`` holds fx-style ``(qualified name, class)`` values;
-* the prepared module is called exactly like the original (keyword arguments included) and
-  returns exactly the original output type (``ModelOutput``, dict, tuple, registered dataclass).
-
-Files, in pipeline order: :mod:`.export` (the Dynamo call and what protects the model and the
-process around it), :mod:`.names` (Dynamo's names → the user's objects), :mod:`.flag` and
-:mod:`.regroup` (the two routes to ``call_module`` nodes, both tested; :mod:`.record` is the
-regroup route's eager recording run), :mod:`.relift` (the module-level GraphModule), and
-:mod:`..shapes.dims` (dynamic dimensions). The graph clean-ups are passes in
-:mod:`fxprep.passes.dynamo_cleanup`. This file holds the capture loop.
-
-Nothing here raises for a capture failure: :func:`capture_dynamo` returns it in the
-:class:`~fxprep.capture.common.CaptureAttempt` so the cascade can fall back to fx.
+See docs/concepts/capture.md ("Under the hood") for the files in pipeline order and the full story.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Repeated blocks: which submodules are many instances of one block, and when two run the same code.
 
-Block reuse (:mod:`.reuse`) captures one instance of a repeated block (a decoder layer, a ViT
-block, a ResNet bottleneck) and stamps its graph out for the others. That is only right where the
-other instance provably runs the same code path on the same kind of inputs. This module holds the
-three checks, from cheapest to strongest:
+Block reuse (:mod:`.reuse`) stamps one instance's graph out for the others only where they provably
+run the same code on the same kind of inputs. Three checks, cheapest first: the same module tree and
+settings (:func:`find_groups`, :func:`signature`), the same input specs at the call
+(:func:`input_key`), and the first instance's Dynamo guards holding for the other
+(:func:`guard_differences`). Also here: :func:`groups_apart_from` and :func:`structure_whys`.
 
-* :func:`find_groups` and :func:`signature`: the same class, the same module tree under it (the
-  same classes at the same relative paths, the same parameter and buffer shapes, dtypes and
-  devices, the same training flags, hooks and leaf decisions, and equal settings of every
-  ``torch.nn`` leaf inside: a convolution's stride changes the shapes after it), and nothing
-  shared with the rest of the model (a tensor reachable under two names keeps the first name, which
-  would then differ between a stamped copy and a whole-model capture);
-* :func:`input_key`: the same input specs at the call, read from the outer graph's Dynamo example
-  values (shapes, strides, dtypes, devices, requires_grad, which arguments are the same tensor) and
-  equal non-tensor arguments;
-* :func:`guard_differences`: the guards Dynamo installed while capturing the first instance,
-  evaluated for the other one. Every attribute the block's ``forward`` read (``self.layer_idx`` in
-  a branch, Gemma's ``sliding_window``, a MoE layer's ``is_sparse``) is guarded; where the other
-  instance's value fails the guard, its code path may differ and it is captured on its own. A
-  leaf's hooks are compared by the code they run, not by identity (:func:`leaf_hook_guards`), and
-  an opaque part's patch by nothing (:func:`beside_parts`): each copy calls its own part.
-
-Also here: :func:`groups_apart_from`, the groups kept apart by the parts Dynamo calls without
-tracing into (an instance that is one or lies inside one is left out; instances holding other parts
-are grouped apart), and :func:`structure_whys`, why an instance with another module tree is not stamped.
+See docs/concepts/block-reuse.md ("Under the hood") for what each check compares.
 """
 
 from __future__ import annotations

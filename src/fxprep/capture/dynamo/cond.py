@@ -1,21 +1,12 @@
 """``torch.cond`` in a Dynamo graph, re-lifted like the rest of the graph.
 
-Dynamo records ``torch.cond(pred, true_fn, false_fn, operands)`` as
-``torch.ops.higher_order.cond(pred, cond_true_0, cond_false_0, (operands..., weights...))`` whose
-branch subgraphs inline every module and take the parameters they read as extra operands: a
-branch calls ``torch._C._nn.linear(x, weight, bias)`` on raw weights, which no toolkit can quantize
-as a layer. Here, in each branch:
+Dynamo's ``cond`` branches inline every module and take weights as extra operands. In each branch,
+leaf-module calls are collapsed back into ``call_module`` nodes of the user's modules, weight
+operands become ``get_attr`` nodes, and the HOP becomes :func:`fxprep.cond.cond`. Each re-lifted
+branch is checked against Dynamo's on random operands; one that does not match keeps Dynamo's form
+(reported).
 
-* every call of a leaf module (``torch.nn`` layers and the leaf policy's) that takes one tensor and
-  gives one is collapsed back into ONE ``call_module`` of the user's own module;
-* every parameter/buffer operand becomes a ``get_attr`` of the user's own tensor (read through the
-  user's module where the branch holds it), and leaves the operand list;
-* the module stacks get fx's form, so the later passes name what they add by the user's paths.
-
-The HOP node becomes :func:`fxprep.cond.cond` (a Python ``if`` eagerly, ``torch.cond`` under
-compile/export). Each re-lifted branch is run against Dynamo's original on random operands of the
-recorded shapes; a branch that does not match keeps Dynamo's form (reported). Nested ``cond``\\ s are
-handled the same way.
+See docs/concepts/control-flow.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """A capture that specialises or bounds a declared dimension, stopped and said in the model's terms.
 
-Why: the per-step loop of a scan (Mamba's ``for index in range(seq_len)``, a chunked scan's inner
-loops) ties the graph to the example's length, and tracing it is most of a capture's time (Dynamo
-unrolls it), for a capture the shape-general capture (:func:`fxprep.capture.shape_general.capture`) then
-gives up to look for the scan in its guards (:mod:`.scans`) and capture again with it opaque. Where
-it asks for it (``CaptureRequest.scan_search``), a capture here stops at the first guard that fails
-at a size above the example's of a declared dimension (:class:`Limit`, the ``stop`` of
-:func:`.guard_log.stopping` or :func:`.guard_log.renamed`), or at the violation that ends it, and
-raises :class:`LimitFound`: the guard it stopped at is where the scan search starts. Only when
-none is found there, or the one found does not make the capture succeed, is the model captured
-again without stopping, and that capture's own failure decides what is dropped or bounded, as
-before.
+Where the shape-general capture asks for it (``CaptureRequest.scan_search``), a capture stops at the
+first guard that fails above the example's size of a declared dimension (:class:`Limit`), or at the
+violation that ends it, and raises :class:`LimitFound`, so the scan search (:mod:`.scans`) starts
+there instead of after a whole failed trace. Both the whole model's capture (:func:`model_sources`)
+and a reused block's own capture (:func:`input_sizes`, :func:`sources`) stop so.
 
-Two captures stop so: the whole model's (:func:`model_sources`) and, under block reuse
-(:mod:`.reuse`), each repeated block's own, whose inputs' sizes it names after its own arguments
-(``L['args'][0].size()[1]``, ``L['position_embeddings'][0].size()[1]``): each that is, where the outer
-graph calls the block, exactly a declared dimension of the model's inputs is recorded under that
-input's name (:func:`input_sizes`, :func:`sources`), and the whole-model capture reuse would fall
-back to (every block traced, failing the same way at the same line, at a cost that grows with depth)
-does not run.
+See docs/shapes.md ("Under the hood").
 """
 
 from __future__ import annotations

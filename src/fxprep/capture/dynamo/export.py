@@ -1,21 +1,12 @@
 """The Dynamo call itself, and what protects the user's model and the process around it.
 
-``torch._dynamo.export`` (``aten_graph=False``) records a torch-level graph (``F.relu``,
-``operator.add``, Tensor methods). Around each call:
+Each ``torch._dynamo.export`` call runs with the user's modules kept as they were
+(:class:`AttributeGuard`), Dynamo's process-wide state put back (:class:`DynamoGlobalState`), the
+flag route's private config feature-detected (:func:`flag_available`), and a few of torch's
+shape-logic quirks worked around (:func:`unguarded_kernel_choice`, :func:`violations_kept`,
+:func:`_real_value_propagation`).
 
-* the user's modules are kept exactly as they were (:class:`AttributeGuard`): attributes ``forward``
-  writes (Dynamo replays them with *fake* tensors) are restored, and tensor caches in dict
-  attributes (timm LeViT's ``attention_bias_cache``) are emptied so the graph computes them from the
-  parameters instead of baking them in as constants;
-* Dynamo's process-wide state is put back (:class:`DynamoGlobalState`): its "dynamic class" marks,
-  and the backend-cache entries that would keep every prepared model alive;
-* the private config flag of the flag route is feature-detected (:func:`flag_available`);
-* torch's choice of a convolution kernel leaves no guard on the sizes it reads
-  (:func:`unguarded_kernel_choice`: a declared batch is not bounded to 15), and a constraint
-  violation torch fails to write suggestions for is kept (:func:`violations_kept`);
-* with real values, torch's cross-check of fake against real outputs neither guards on a symbolic
-  storage offset nor gives fresh sizes to an output wrong in its dtype alone
-  (:func:`_real_value_propagation`).
+See docs/concepts/capture.md ("Under the hood") for what each protection does and why.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The opaque-leaf fallback on the Dynamo path: make the smallest failing part opaque, capture again.
 
-When Dynamo cannot capture the whole model, :func:`capture_dynamo_leaves` finds where it failed
-(:func:`~.locate.locate`: Dynamo's user stack, matched to the live objects by an eager replay),
-makes the smallest enclosing part opaque (a free function, else a method, else a module's
-``forward``: :mod:`fxprep.capture.sites`), and captures again with that part called as one
-``call_module`` (:mod:`.opaque`), until Dynamo succeeds. The other instances that reach the same
-code the same way (the other blocks of a stack of identical layers) are made opaque in the same
-round: they would fail the same way, one capture each. Everything else stays one module-level
-graph; every opaque part is reported with the failure that made it opaque.
+:func:`capture_dynamo_leaves` locates each Dynamo failure in the live model (:mod:`.locate`), makes
+the smallest enclosing function, method or module ``forward`` opaque (:mod:`fxprep.capture.sites`,
+:mod:`.opaque`), and captures again until Dynamo succeeds; the other instances reaching the same
+code are made opaque in the same round. Every opaque part is reported with the failure that made it
+opaque.
 
-Shape conditions (``if x.dim() == 4``) never get here: Dynamo specialises them (static shapes),
-which is why a model such as Faster R-CNN keeps ``box_predictor``'s layers as modules on this path.
+See docs/concepts/opaque-parts.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Each guard Dynamo adds during a capture, with the user frames that made it.
 
-Why: when a declared dimension is specialised or bounded, export's error says which symbol and, for
-a specialisation, one user stack; it does not say which *line* of the model's code made each
-guard that bounds a range (Qwen3.5's chunked scan: ``(padded // 64) == 1``), and a guard's text
-names symbols, not the inputs. :mod:`.scans` needs both to find the per-step loop behind a limit.
-Dynamo knows them at the moment it adds a guard: the expression, the shape environment that maps
-its symbols to the inputs' sizes, and the user frames it is tracing
-(``TracingContext.extract_stack``). :func:`recording` keeps those for the length of a capture.
+:mod:`.scans` needs to know which line of the model made each guard that bounds a declared
+dimension, which export's error does not say. :func:`recording` wraps the shape environment's
+private ``_log_guard`` (feature-detected) for the capturing thread only and keeps each guard with
+its expression, symbols and user frames; :func:`renamed` names a reused block's input sizes after
+the model's inputs.
 
-How: the shape environment's ``_log_guard`` (called for every guard Dynamo adds, before the guard is
-kept; private, so feature-detected: without it nothing is recorded and no scan is found) is wrapped
-for the capturing thread only (:func:`fxprep.core.threads.confined`). Suppressed guards (a kernel's shape
-logic during fake propagation) are not the model's and are left out.
-
-A repeated block captured on its own (block reuse, :mod:`.reuse`) names its inputs' sizes after its
-own arguments (``L['args'][0].size()[1]``); within :func:`renamed` each such name that is a declared
-dimension of the model's inputs where the block is called is recorded under the model input's
-name instead, so that its guards read as the whole-model capture's would.
+See docs/shapes.md ("Under the hood").
 """
 
 from __future__ import annotations

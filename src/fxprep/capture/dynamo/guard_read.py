@@ -1,26 +1,13 @@
-"""Whether one capture with the declared dimensions maybe-dynamic holds at every size: read from its guards.
+"""Whether one capture with the declared dimensions maybe-dynamic holds at every size: read from its
+guards.
 
-Why: the shape-general capture declares the found dimensions to Dynamo as ``Dim``\\ s, and export
-raises a constraint violation for any guard its solver cannot prove over the declared range, at
-the end of a whole trace. Where the guards hold at every size but are written so that the solver
-cannot prove it (DeepSeek's sparse-attention indexer takes ``min(2048, seq)`` tokens: the guard
-``Min(2048, seq) <= seq``), that cost a capture for the violation, a capture with the range it
-suggested, refused the same way, and a third with the dimension maybe-dynamic (``Dim.AUTO``), whose
-graph is the graph the first one traced: three whole-model traces of a model whose every dynamic
-trace is several times a static one (sparse attention, MoE routing: 11-18x the static prepare).
+The shape-general capture's first try declares every dimension maybe-dynamic (``Dim.AUTO``), so
+Dynamo keeps its guards instead of raising. :func:`limiting` evaluates each recorded guard
+(:mod:`.guard_log`) at many sizes of each declared dimension; where all hold, the graph is kept
+after one capture, otherwise what failed is said and the capture is made again with the dimensions
+declared strictly.
 
-How: the shape-general capture's first try declares every dimension maybe-dynamic
-(:attr:`~..shapes.autodims.Proposal.auto`): Dynamo then traces exactly what the strict capture traces, and
-keeps each guard instead of raising. :func:`limiting` reads the guards it recorded
-(:mod:`.guard_log`, each symbol renamed after the model input's size it is, in a reused block's
-own capture too) and evaluates each at many sizes of each declared dimension (every size up to 66,
-powers of two and their neighbours up to 2**24, the sizes around each constant a guard holds, and
-sizes of two dimensions together). Where every guard holds at each, the graph holds at every size,
-and it is kept: one capture. Anything else (a guard that fails somewhere, a specialisation, a guard
-on a size that is not a declared dimension, one that does not evaluate to a truth value) is said,
-and the capture is made again with the dimensions declared as before, whose violation says what
-to drop or bound (:func:`fxprep.capture.shape_general.capture`). Guards a block reuse stand-in made while
-computing its output (:attr:`~.guard_log.AddedGuard.aside`) are left out: neither graph holds them.
+See docs/shapes.md ("Under the hood") for the sizes tried and the cost this saves.
 """
 
 from __future__ import annotations

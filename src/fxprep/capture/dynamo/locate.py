@@ -1,21 +1,11 @@
 """Where in the user's model a Dynamo failure happened: from Dynamo's user stack to live objects.
 
-Dynamo reports a failure with the user frames it was tracing (``err.real_stack``: file, line and
-function name of each), but not with the objects running them: the stack says
-``PixtralAttention.forward`` failed, not *which* attention. The eager model knows: :func:`locate`
-runs it once on the captured inputs with a trace hook (``sys.settrace``, frame entries only) and stops at every call
-of the failing function whose callers are the frames of Dynamo's stack, call line for call line.
-Each such call gives the live frames (their ``self`` objects), from which
-:func:`~fxprep.capture.sites.sites_from_frames` reads the opaque sites. Dynamo traces in program
-order, so the first matching call is the one it failed in; the later ones are the other instances
-reaching the same code through the same path (the next layers of a stack of identical blocks),
-which would fail the same way.
+Dynamo's error names the frames it was tracing, not which instance ran them. :func:`resolve` names
+the objects from the stack alone where each frame's class has one instance in the model; otherwise
+:func:`locate` replays the model eagerly with a trace hook and stops at each call matching the
+stack, giving the live frames and the other instances that would fail the same way.
 
-The eager run costs one forward of the model per failure (5 s for a Mask R-CNN on one CPU thread),
-and it is only needed when the stack alone cannot name the objects. :func:`resolve` tries that
-first: when every frame's function is found in the model's code and each method frame's class has
-exactly one instance in the model (a detector's ``rpn`` and ``roi_heads``), the frames are known
-without running anything, and there are no other instances to make opaque alongside.
+See docs/concepts/opaque-parts.md ("Under the hood") for the matching rules and costs.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """Opaque parts on the Dynamo path: a module, method or function Dynamo calls without tracing into.
 
-Dynamo traces into every Python call; an excluded module (``modules_to_exclude``) or a part the
-fallback found untraceable must instead be ONE call in its graph, whatever its code does. How:
+Three steps: the parts' outputs are recorded by an eager run (:mod:`.recording`); during the capture
+each part is patched with a shim that Dynamo writes as one ``call_function`` returning fake tensors
+of the recorded shapes (:class:`BlackBox`); the graph is re-lifted so each such call is a
+``call_module`` of the user's own module or an :class:`~fxprep.capture.sites.OpaqueMethod` /
+``OpaqueFunction`` (:func:`relift_opaque`). Nothing of fxprep is left in the graph at that point.
 
-* **Record** (:func:`~.recording.record_sites`, in :mod:`.recording`): the model runs eagerly with
-  each site wrapped; every call's output is kept as its pytree structure with tensors described
-  (shape, dtype, device, strides) and other leaves kept as values. A second run on perturbed inputs
-  (floating-point inputs shuffled) tells which output sizes follow the data (boxes kept by NMS)
-  rather than the input shapes.
-* **Capture** (:class:`BlackBox`, :meth:`BlackBox.installed`): each site is patched (the instance's
-  ``forward``, the method on the instance, the function in its callers' globals) with a *shim*:
-  plain Python Dynamo traces, calling a per-site function registered with
-  ``torch.compiler.allow_in_graph``. Dynamo writes that function into its graph as one
-  ``call_function`` and runs it on fake tensors for the shapes; on fake tensors it returns fresh
-  tensors of the recorded shapes (a size that followed the data becomes an *unbacked* symbolic size,
-  so nothing downstream is specialised to the example's count). The shim rebuilds the recorded
-  output structure (tuples, dicts, ``ModelOutput``) around the returned tensors.
-  Under real-tensor propagation (the values capture, :mod:`.values`) the part also runs on its
-  inputs' real values and its fake outputs carry the results (:func:`_propagate_real`), so a
-  value read downstream from what the part computed is decided from the truth.
-* **Re-lift** (:func:`relift_opaque`): each such node becomes a ``call_module`` of the user's own
-  module (or of an :class:`~fxprep.capture.sites.OpaqueMethod` / ``OpaqueFunction`` calling the
-  original method or function), with the call's own arguments, and each tensor it returned is read
-  from the call's output by its path. No custom op and no fxprep function is left in the graph: the
-  prepared module runs the original code eagerly at that point.
-
-The cost: up to two eager runs of the model per set of new sites (recording), one eager run of each
-part per values capture, and nothing at run time.
-Python values an opaque part returns (an ``int``, a list length) are those of the example inputs.
+See docs/concepts/opaque-parts.md ("Under the hood") for the details and costs.
 """
 
 from __future__ import annotations

@@ -1,59 +1,14 @@
 """Block reuse: each repeated block captured once, its graph stamped out for the other instances.
 
-Dynamo re-traces the bytecode of every decoder layer of an LLM although all 32 (or 80) are the same
-class with the same configuration; capture time grows with depth. Here, instead:
+Dynamo re-traces every decoder layer of an LLM although they are all one class, so capture time
+grows with depth. Here the model is captured once with its repeated blocks as single calls
+(:mod:`.stubs`), the calls are grouped by signature, inputs and guards (:mod:`.blocks`), one member
+of each group is captured on its own, and its graph is stamped out for the others (:mod:`.stamp`).
+:func:`capture_reusing` returns None when there is nothing to reuse or a step fails (the reason
+noted), and the caller captures the whole model.
 
-1. The repeated blocks are found (:func:`.blocks.find_groups`): the outermost submodules that
-   share their class and module tree with another one, owning everything under them.
-2. The model is captured once with those blocks as single calls (:class:`.stubs.Stubs`): for the length
-   of the capture each instance gets a subclass of its own class that Dynamo treats like a
-   ``torch.nn`` layer (one ``call_module`` node, never traced into). Dynamo still needs each
-   call's output as a fake tensor; the subclass computes it by running the real ``forward`` on a
-   fake copy of the first instance called with each kind of input and repeats that result for the
-   others, so the cost does not grow with depth. The graph is re-lifted as usual.
-3. The calls are grouped: same block signature and same input specs at the call
-   (:func:`.blocks.input_key`). The first call of a group is captured on its own, with Dynamo, on
-   the inputs it really receives (recorded by one run of the outer graph that stops as soon as
-   they are all seen: :func:`.block_calls.record_inputs`); its guards are evaluated for the others
-   (:func:`.blocks.guard_differences`). Those it does not hold for form new groups, captured in a
-   next round. Layer-index-dependent code (Gemma's sliding-window layers, a MoE layer every k-th
-   layer, ``self.layer_idx`` in a branch) ends up in groups of its own this way.
-4. Each group's graph is inlined at the calls of its instances (:mod:`.stamp`), bound to each
-   instance's own submodules and tensors; device literals are made to follow the input; the
-   prepared module is assembled. The result is the graph a whole-model capture gives.
-
-:func:`capture_reusing` returns None when there is nothing to reuse, and when any step fails (the
-reason is noted): the caller then captures the whole model as before. Two failures are retried
-first: a block whose output one call cannot return (a dict, a ``ModelOutput``) is replaced by its
-children, and a block kind whose instances return differently shaped outputs gets each output
-computed. Memory stays flat: nothing is copied but the recorded inputs of the first call of each
-group, and the stub never copies a parameter (fake copies hold no data).
-
-Under dynamic shapes (``dynamic=``, or the batch and sequence dimensions found automatically) the
-outer capture declares the model's dynamic dimensions, the stubs' fake outputs carry the symbolic
-sizes, and each block is captured with every dimension that is symbolic at its call declared
-dynamic (:func:`.block_calls.block_spec`); shapes are compared with their symbolic sizes as "any"
-(:func:`.blocks.shape_kind`), since each capture names its symbols afresh. A stand-in's output is
-then tied to an input's symbolic sizes by a static run (:mod:`.tied`), and each tie is proven in the
-block's own graph, with the block's shape guards, before anything is stamped; a tie that does not
-hold redoes the outer capture with that block's output computed on the symbols.
-
-Where values read from data are decided from the example (``dynamo+values``, :mod:`.values`), each
-block's capture decides them from the inputs it receives, and its checks stay in every copy; the
-graph of a group's first member is run on each other member's recorded inputs, and a member whose
-inputs fail one of its checks is captured in a next round (:func:`decided_otherwise`).
-
-Opaque parts inside a block (a scan kept opaque in every layer of a state-space model, an excluded
-class in every layer, :mod:`.opaque`) stay calls in its own capture, which sees them with paths
-relative to the block (:meth:`.opaque.BlackBox.within`; a call's recording is matched by its input
-sizes, since a block alone does not make its calls at the model's positions). The modules calling
-an opaque method or function are stamped out with the graph, each bound to its own instance's
-method (:func:`_opaque_parts`, :func:`.stamp._rebind`); Dynamo's guards on the parts themselves (each
-instance's part has its own patch) do not keep instances apart (:func:`.blocks.beside_parts`), the
-parts they hold do (:func:`.blocks.groups_apart_from`). Where the shape-general capture asks for it
-(``ReuseJob.scan_search``), a block's own capture that specialises or bounds a declared dimension
-ends the capture (:mod:`.early_limit`), for the scan to be looked for in that block's guards
-before the whole model is captured.
+See docs/concepts/block-reuse.md ("Under the hood") for the steps, dynamic shapes, values and opaque
+parts.
 """
 
 from __future__ import annotations

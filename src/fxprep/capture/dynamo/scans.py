@@ -1,28 +1,12 @@
 """A per-step loop kept out of the graph, so that the length it loops over stays dynamic.
 
-Why: a state-space or linear-attention layer computes its scan in plain Python when the compiled
-kernel is absent (transformers' torch fallbacks: Mamba's ``mamba_selective_scan``, Falcon-H1's
-``mamba2_chunk_scan``, Qwen3.5's ``torch_chunk_gated_delta_rule``, RecurrentGemma's ``_rnn_scan``):
-``for t in range(seq_len)`` or ``for i in range(num_chunks)``. Dynamo unrolls the loop, so the graph
-holds the example's number of steps: the length is specialised (Mamba: 8 tokens, and no other) or
-bounded (Qwen3.5: one 64-token chunk). Yet that function holds no layer; traced or not, a quantizer
-sees the same linear and convolution layers around it. Called as one opaque ``call_module`` (the
-user's function, run eagerly: :mod:`.opaque`) it takes any length, and the layers stay module-level.
+A state-space or linear-attention layer's Python scan (``for t in range(seq_len)``) is unrolled by
+Dynamo, which specialises or bounds the length, yet it holds no layer. :func:`find` reads the guards
+that limit a declared dimension (:mod:`.guard_log`), locates the smallest non-``forward`` site
+around them, and keeps it only where it hides no layer or parameter (:func:`hidden_inside`); the
+capture is then retried with those scans opaque.
 
-How: while the shape-general capture runs, every guard Dynamo adds is recorded with the user frames
-that made it (:mod:`.guard_log`). When export says a declared dimension is specialised or bounded,
-:func:`find` evaluates each guard on that dimension at other sizes (the example's other symbols at
-their values); a guard that fails at a size above the example's is what limits it. Its frames are
-matched to the live objects (:func:`~.locate.resolve`, else an eager replay, :func:`~.locate.locate`),
-and the smallest site around the guard that is not a module's ``forward`` (the free function a
-module's method calls, or a helper method of the module) is the scan. Only a site that hides no
-layer and no parameter (:func:`hidden_inside`: one eager call watched for module calls and for
-parameters it did not receive as arguments) is taken; nor is one that branches on the size (an ``if`` made a limiting guard inside it) and returns
-anything but tensors (transformers' sliding-window mask returns None below the window: opaque, the
-graph would hold None at every length). The capture is then tried again with the
-scans opaque; ``prepare_model`` verifies the result at a size where each guard failed (the loop's
-step count differs from the example's: :attr:`Scan.past`) besides the second size, and takes static
-shapes where anything of this does not hold.
+See docs/shapes.md ("Under the hood") for the models, the rules and how the result is verified.
 """
 
 from __future__ import annotations

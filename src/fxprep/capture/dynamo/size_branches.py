@@ -1,23 +1,13 @@
-"""Which branches of the model depend on the batch size (or another size), read from Dynamo's own guards.
+"""Which branches of the model depend on the batch size (or another size), read from Dynamo's own
+guards.
 
-A static-shape capture bakes the example's sizes in: a branch on ``x.shape[0]`` (``if len(x) > 7``,
-``for i in range(x.shape[0])``) is taken the way the example takes it, and nothing in the graph says
-that it was a branch at all. The batch probe (:mod:`fxprep.capture.batch`) finds such a branch only when
-batch ± 1 takes the other way. Dynamo knows more: traced with dimension 0 of the inputs *symbolic*,
-every Python-level decision on it becomes a guard in Dynamo's ``ShapeEnv`` (``s0 <= 7``,
-``Eq(s0, 2)``), with the user's source line that made it. This module runs that trace (Dynamo only,
-no fxprep passes, the model's state put back after) and returns those guards as :class:`Branch`es.
+A static capture bakes in how the example takes a branch on ``x.shape[0]``. Traced with dimension 0
+symbolic, each Python decision on it becomes a Dynamo guard with its source line; this module runs
+that trace and returns those guards as :class:`Branch` es, leaving out the guards kernels' shape
+checks add. :func:`size_branches` does the same for a shape-general capture's declared dimensions,
+telling a branch of the model from a kernel's bound.
 
-Only the decisions Dynamo itself evaluated in Python code (frames under ``torch/_dynamo/``) count:
-the guards a kernel's shape check adds (broadcasting, conv sizes) are not branches of the model.
-Sizes 0 and 1 are special to Dynamo (it never makes them symbolic), so an example of batch 1 is
-traced at batch 2; a branch that tells batch 1 from the rest (``if x.size(0) == 1``) is the probe's
-to find.
-
-:func:`size_branches` does the same for the dimensions a shape-general capture declared: where
-Dynamo bounded one (``seq <= 7``), it tells a branch of the model's code (a limit the prepared
-module must keep) from a bound a kernel's shape logic put on the trace (a convolution's backend
-choice reads the batch size: ``batch <= 15``), which the graph does not have.
+See docs/shapes.md ("Under the hood").
 """
 
 from __future__ import annotations

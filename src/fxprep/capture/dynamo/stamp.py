@@ -1,17 +1,11 @@
 """Stamping: one captured block graph inlined at every call of an instance that runs the same code.
 
-Block reuse (:mod:`.reuse`) captures the model with its repeated blocks as single ``call_module``
-nodes and each distinct block on its own. :func:`inline` replaces one such call with a copy of the
-block's module-level graph, bound to *that* instance: its ``call_module`` targets and ``get_attr``
-targets are the instance's own qualified names (so its own submodules and tensors), its inputs are
-the call's arguments, and the call's users read the copy's outputs. :func:`assemble` then builds the
-prepared ``GraphModule`` the way :func:`.relift.build` does for a whole-model capture: fresh
-containers holding the user's own leaf modules and tensors at their original paths, in the
-original order.
+:func:`inline` replaces a block's ``call_module`` with a copy of the block's graph bound to that
+instance's own submodules and tensors; :func:`assemble` builds the prepared ``GraphModule`` the way
+:func:`.relift.build` does for a whole-model capture. Anything that does not line up raises
+:class:`StampError`, and reuse falls back to the whole-model capture.
 
-Anything that does not line up (the block's outputs against what the outer graph made of the
-call, an argument structure, a name) raises :class:`StampError`; reuse then falls back to the
-whole-model capture.
+See docs/concepts/block-reuse.md ("Under the hood").
 """
 
 from __future__ import annotations

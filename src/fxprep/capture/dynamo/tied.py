@@ -1,24 +1,13 @@
 """Tied outputs: a stand-in's output under dynamic shapes taken from a static run, then proven.
 
-Why: under dynamic shapes a block stand-in (:mod:`.stubs`) needs its output as a fake tensor with
-symbolic sizes. Running the block's ``forward`` on the outer capture's symbolic fake tensors gives
-it, but every op then reasons about symbols: for a 7B Llama decoder layer that one run took 1.1 s,
-a fifth of the whole shape-general prepare on ``meta``, and the block's own capture runs the same
-ops again right after.
+Under dynamic shapes a block stand-in (:mod:`.stubs`) needs a symbolic fake output. Rather than
+running the block on symbols (slow), it runs once on static fake tensors and ties each output to the
+input whose shape it has (:func:`guess`); after the block's own capture, :func:`disproof` checks the
+tie and the block's shape guards, and a failed tie redoes the capture with the block run on the
+symbols. Only used where the outer capture has symbolic sizes and does not decide values read from
+data.
 
-Instead, the block runs once on static fake tensors at the sizes the symbols stand for (their
-hints: milliseconds), and each output tensor is *tied* to the one input whose shape it has there
-(a decoder layer returns a tensor shaped like its ``hidden_states``). The stand-in then returns,
-at every call, a fresh contiguous tensor shaped like that input's symbolic sizes
-(:func:`guess`). A guess is not a proof: once the block has been captured on its own
-(:mod:`.reuse`), :func:`disproof` checks the tie in that graph, where Dynamo has worked out the
-output's sizes in terms of the block's inputs, and checks that every shape guard the block's
-capture made holds at each call in the outer graph (the outer capture, not having run the
-block's code on its symbols, never saw those guards). Where either fails, the capture is redone
-with the block's ``forward`` run on the symbols, as before.
-
-Only where the outer capture has symbolic sizes and does not decide values read from data (whose
-unbacked symbols only the symbolic run can make).
+See docs/concepts/block-reuse.md ("Under the hood") for the measured cost that motivated it.
 """
 
 from __future__ import annotations

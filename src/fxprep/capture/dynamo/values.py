@@ -1,24 +1,12 @@
 """dynamo+values: capture again deciding values read from data from the example, when that is sound.
 
-Some models size their tensors from tensor *values*: Pixtral slices each image's patch grid to
-its ``image_sizes`` (``embed[..., : size[0] // p]``), Qwen2-VL splits its vision attention by
-``cu_seqlens.tolist()``. Dynamo stops there ("Could not guard on data-dependent expression"), and
-the opaque-leaf fallback (:mod:`.fallback`) then keeps the enclosing part eager, hiding its layers
-from a quantizer (Pixtral's whole vision tower).
+Where Dynamo stops at a data-dependent expression (Pixtral's ``image_sizes``, Qwen2-VL's
+``cu_seqlens``), it can instead answer from the example's real values and keep each answer as a
+runtime check (:mod:`fxprep.decisions`). This module decides whether that is worth it and sound: the
+fallback's opaque parts must hide layers (:func:`hidden_layers`), and the decisions must survive
+shuffled floating-point inputs (:func:`broken_on_perturbed`).
 
-Dynamo can instead carry the example's real values along (:func:`.export.dynamo_export` with
-``real_values``): each question about such a value is answered from the example and kept in the
-graph as a runtime check (:mod:`fxprep.decisions`), so the graph is exact for every input that
-decides the same way and refuses the others with :class:`~fxprep.errors.InputMismatch`.
-
-That is only worth it, and only sound enough, when two things hold, and this module checks both:
-
-* the opaque parts of the fallback hide layers (:func:`hidden_layers`): otherwise the fallback's
-  graph is as useful to a quantizer and runs for any input (detection post-processing);
-* the decisions follow the inputs' *structure* (sizes, grids, token ids), not the values a layer
-  computes: the captured graph must pass its own checks on inputs whose floating-point values are
-  shuffled (:func:`broken_on_perturbed`). A branch on activations (``if count % 2``) fails that and
-  stays an opaque part, which runs both ways.
+See docs/concepts/control-flow.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """What a data-dependent ``if`` (or conditional expression) is, and which rewrite may replace it.
 
-Read from the AST of the method, with the method's live globals and instances at hand to resolve
-what each call reaches (``torch.log``, ``self.linear`` being an ``nn.Linear`` in eval mode).
+Read from the method's AST with its live globals and instances at hand. :func:`site_shape` says how
+the branches leave the site (``form`` is ``"return"``, ``"assign"`` or ``"expr"``; anything else is
+refused); :func:`effects` lists, per arm, what rules out ``torch.where`` (which computes both sides)
+and what rules out ``torch.cond`` too.
 
-* :func:`site_shape` says how the branches leave the site: both ``return`` (``form="return"``, an
-  ``if`` whose arm returns at the top of the method may take the rest of the method as its other
-  arm), both fall through assigning locals (``form="assign"``), or an expression
-  (``form="expr"``); anything else (a ``break``, a ``return`` inside a nested block) is refused.
-* :func:`effects` lists, per arm, what rules ``torch.where`` out (it computes BOTH sides, so a
-  side effect, a random draw, an in-place write, an op that raises or gives NaN/inf outside its
-  domain, or a call fxprep cannot see into would change what the model does or its gradients) and
-  what rules ``torch.cond`` out too (Python side effects: attribute writes, prints, appends to
-  outside containers, ``global``, ``raise``).
+See docs/concepts/control-flow.md ("Under the hood").
 """
 
 from __future__ import annotations

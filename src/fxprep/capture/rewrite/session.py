@@ -1,19 +1,12 @@
 """The ``control_flow="rewrite"`` loop: capture, learn the failing site, rewrite it, capture again.
 
-A site is found the way a person would find it: the tracer fails, and the innermost frame of the
-user's code it failed in is an ``if`` (or conditional expression) on a tensor in a method of one
-of the model's modules (root included). The site gets the route its code allows
-(:mod:`.analysis`): ``torch.where`` when both arms are side-effect-free tensor expressions,
-``torch.cond`` when they are at least free of Python side effects, refused otherwise. The
-rewritten model is then run eagerly on the example inputs (a :class:`~.runtime.Recorder` active):
-it must give exactly what the original gives, and each ``where`` site's untaken arm is computed
-on the side, so that a side that raises, gives NaN/inf, another dtype, or a shape ``torch.where``
-cannot join without repeating values sends the site to ``torch.cond`` instead. A tracer failure
-inside a rewritten site moves it one step further (``where`` → ``cond`` → refused). Refused sites
-and loops stay what they are today: the enclosing module opaque (the hybrid capture), diagnosed.
+A site is the innermost user frame a tracer failed in, when it is an ``if`` on a tensor. It gets
+``torch.where``, ``torch.cond`` or a refusal (:mod:`.analysis`); the rewritten model is run eagerly
+and must match the original, and a site whose untaken arm misbehaves, or that fails to trace, moves
+one step further. Refused sites stay opaque, diagnosed. Rewritten methods are bound to the instances
+only inside :meth:`ControlFlowRewrite.bound`.
 
-Nothing here edits the user's files or classes: rewritten methods are bound to the instances only
-inside :meth:`ControlFlowRewrite.bound`.
+See docs/concepts/control-flow.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The AST rewrite of a method's data-dependent sites.
 
-Given the method's ``def`` (as parsed, with the file's line numbers) and the sites to rewrite (by
-line, each with its route), :func:`rewrite` returns a new ``def`` in which
+:func:`rewrite` takes the method's ``def`` and the sites to rewrite (by line, each with its route)
+and returns a new ``def`` in which each ``if`` and conditional expression becomes a call of
+``__fxprep_branch__`` with the arms as nested functions, and the test's ``and``/``or``/``not``
+become fxprep's tensor-aware helpers. Generated nodes keep the site's line; sites of another shape
+are returned as problems, untouched.
 
-* ``if c: <A> else: <B>`` becomes two nested functions of the locals the arms read, and a call
-  ``__fxprep_branch__(route, key, c, _fxprep_true_L, _fxprep_false_L, (operands...))`` that
-  either ``return``\\ s (both arms return; an arm that returns at the top of the method takes the
-  rest of the method as the other arm) or assigns the locals the arms assign (arms that fall
-  through; a local an arm leaves alone is passed through);
-* ``a if c else b`` becomes the same call with two lambdas;
-* the test's ``and``/``or``/``not`` become ``__fxprep_and__``/``__fxprep_or__``/``__fxprep_not__``,
-  which combine tensors with ``logical_*`` while tracing and are plain Python otherwise.
-
-Every generated node carries the site's line, so tracebacks and fxprep's diagnostics keep
-pointing at the user's code. Private names are mangled as the class body would have mangled them.
-Sites whose shape is not one of these are returned as problems, untouched.
+See docs/concepts/control-flow.md ("Under the hood") for the exact forms.
 """
 
 from __future__ import annotations

@@ -1,50 +1,13 @@
 """Dynamic dimensions found automatically: a transformers model's batch and sequence dimensions.
 
-Dynamo captures with static shapes unless told otherwise, so a language model prepared on one
-example (batch 1, 8 tokens) would refuse batch 4 or 64 tokens, although calibration data for a
-quantizer comes in every batch size and length, and AIMET's and torch.fx's graphs never had this
-limit. What the dimensions of a transformers model's inputs mean is not a guess: the library names
-its inputs (``input_ids``, ``attention_mask``, ``token_type_ids``, ``position_ids``,
-``inputs_embeds``, ``pixel_values`` ...) and fixes their layout (batch first, then sequence). So
-for such a model, when the user says nothing about ``dynamic``, :func:`propose` declares
-dimension 0 of every input ``batch`` and dimension 1 of the token-level inputs ``seq`` (the
-decoder's ``decoder_seq``) and gives the example to capture on, grown where a size is below 2
-(Dynamo specialises sizes 0 and 1; extra rows and positions repeat existing ones, so ids and masks stay
-valid), and with batch and sequence sizes kept apart (equal sizes would share one symbol).
-``prepare_model`` captures with them, verifies the result on the user's example and on a second
-size, and falls back to static shapes (saying why) when any of that fails.
+transformers names its inputs and fixes their layout, so when the user says nothing about
+``dynamic``, :func:`propose` declares dimension 0 ``batch`` and the token dimension ``seq`` (and
+``choices``, ``images``, a speech model's samples or frames where those layouts apply), and grows
+the example where a size is below 2. ``prepare_model`` captures with the proposal, verifies on a
+second size, and narrows it (:attr:`Proposal.narrower`) or falls back to static shapes, saying why.
+:func:`~.violation.findings` reads which dimensions the model's code specialised.
 
-Where a declared dimension turns out to be specialised by the model's code, Dynamo says so in a
-constraint violation; :func:`~.violation.findings` reads which dimensions and why, so the capture is retried
-without them and the report and :class:`~fxprep.errors.InputMismatch` name them.
-
-A multimodal example (token inputs beside inputs this table does not know: ``pixel_values``,
-an image grid, image sizes) gets its batch only where every such input has one row per sample (its
-dimension 0 is the prompts' batch: one image per prompt, as Gemma3, PaliGemma, Mllama and Llama 4
-take them): those rows are declared ``batch`` too, and the example grown by repeating whole
-samples. Where that batch does not hold (the model's code specialises it, a value is read from each
-image's data, or the second size fails), the prompt's length alone is tried (:attr:`Proposal.narrower`)
-before static shapes. Elsewhere (patches of every image in one tensor, several tiles of one
-prompt's image) how many rows belong to one sample is each model's own layout, and the number of
-image tokens in ``input_ids`` must match the images: the length alone is declared, the batch stays at
-the example's size, and the report and :class:`~fxprep.errors.InputMismatch` say why
-(:data:`MULTIMODAL_BATCH`).
-
-A multiple-choice head's token inputs have one more dimension, the choices, between the batch and
-the tokens (:func:`_multiple_choice`); it is declared ``choices``.
-
-A contrastive text-image model's texts and images (CLIP, SigLIP: :func:`_two_towers`) are two
-sets, each of its own count: the images' dimension 0 is declared ``images``, apart from the texts'
-``batch``.
-
-A speech model's audio input (no prompt beside it) is laid out as the library's feature
-extractors make it: batch first, then the waveform's samples or the filter bank's frames
-(:func:`_audio`), which are declared ``seq`` as a prompt's tokens are (a padding mask shares them).
-
-Not proposed (the model keeps static shapes and the batch probe, as before): models outside
-transformers, an example with an input this table does not know and no token input, and a
-multimodal example whose other inputs have a dimension of the sequence's size (it would have to
-grow with the prompt; Mllama's ``cross_attention_mask`` is in the table, its layout known).
+See docs/shapes.md for what is declared for which model, and "Under the hood" for the rules.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The sizes for which Dynamo's guards on one dimension hold, read from the guards' text.
 
-Why: when a declared dimension does not satisfy a guard the model's code put on it, export says so
-("Not all values of seq = L['input_ids'].size()[1] in the specified range satisfy the generated
-guard ...") and usually suggests a ``Dim`` range. For a guard written through ``sym_max``, ``%`` or
-``//`` it suggests nothing (MPT slices its ALiBi table to the length: ``seq == 2048 - max(0, 2048 -
-seq)``, i.e. ``seq <= 2048``), and the dimension was given up for the example's size. Each such
-guard is an integer expression in that one size; evaluated at integer sizes it tells the interval
-around the example's size where every guard holds, and a graph captured for that interval is right
-inside it: that is what Dynamo's guards mean.
+When export refuses a declared dimension and suggests no range (a guard written through ``sym_max``,
+``%`` or ``//``), the guards on that one size are evaluated at integer sizes, from the parsed
+expression and never with ``eval``, to find the interval around the example's size where all hold. A
+guard naming another size, or sizes that do not form one interval, give no interval.
 
-Only the arithmetic Dynamo writes is evaluated (integers, ``+ - * // %``, comparisons, ``and`` /
-``or`` / ``not``, ``torch.sym_max`` / ``sym_min``, ``IntInfinity()`` as a size past any real one,
-and the float round trip of a size: ``torch.sym_float``, ``/``, float constants, ``math.ceil`` /
-``math.floor`` / ``math.trunc``, which XLNet's relative positions and a padding mask's length
-through convolutions (Moonshine) write, ``torch.arange(2 * seq, -seq, -1.0)``,
-evaluated exactly as fractions), from the parsed expression, never with ``eval``;
-a guard naming another size, or anything else, gives no interval. The interval is searched
-outwards from the example's size (doubling, then bisecting to the first size that fails) and then
-checked at spread sizes inside it; where a check fails (the sizes that hold are not one interval)
-there is no interval either.
+See docs/shapes.md ("Under the hood") for the arithmetic understood and the search.
 """
 
 from __future__ import annotations

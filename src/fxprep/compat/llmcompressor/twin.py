@@ -1,19 +1,12 @@
 """A plain twin of a wrapped model, captured in its place, and the graph bound back to the model.
 
-By the time llm-compressor's pipeline runs, compressed-tensors has wrapped the model: every module's
-``_parameters`` and ``_buffers`` are an ``OffloadCache`` (a mapping that onloads on access), its
-``forward`` an instance attribute that moves the inputs first, quantized layers a second forward
-wrapper; accelerate's hooks do the same for a model loaded with a device map. Dynamo cannot trace
-through them (a data pointer comparison, an exception in the offload wrapper), and they move
-tensors the capture does not need.
+compressed-tensors and accelerate wrap a model's modules in ways Dynamo cannot trace.
+:func:`plain_twin` makes a twin of the module tree (same classes and attributes, plain tensors, no
+hooks), sharing the model's tensors where they are real and on one device and holding ``meta``
+tensors otherwise; :func:`bind_to_model` puts the model's own modules back at the paths the graph
+calls. The model itself is never changed.
 
-:func:`plain_twin` makes a twin of the module tree: each module a new object of the same class with
-the same attributes (its config among them, shared), its tensors in plain dicts, no hooks, its
-class's ``forward``. The twin shares every tensor with the model where all of them are real and on
-one device (nothing is copied); otherwise (weights on disk or ``meta``, or spread over devices) it
-holds ``meta`` tensors of the same shapes and dtypes. :func:`bind_to_model` then puts the model's
-own modules at the paths the graph calls, so at calibration the stages call them, wrappers and the
-modifiers' hooks included. The model itself is never changed.
+See docs/handoff/llm-compressor.md ("Under the hood").
 """
 
 from __future__ import annotations

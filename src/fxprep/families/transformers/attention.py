@@ -1,56 +1,14 @@
 """transformers' attention taken the eager way under capture: the graph calls SDPA as eager does.
 
-Why: transformers decides, when it builds an attention mask, whether SDPA can do without one
-(``attn_mask=None, is_causal=True``, which lets CUDA pick its flash kernel) or needs a materialised
-4D mask. It takes the materialised branch whenever it sees a trace: ``masking_utils`` asks
-``is_torchdynamo_exporting()`` (transformers >= 5.24; ``torch._dynamo.export`` counts as exporting)
-or ``is_tracing(padding_mask)`` (earlier 5.x, true for any Dynamo trace even when there is no
-padding mask), because an exported graph with ``is_causal=True`` baked in is wrong once it is fed a
-cache (pytorch#108108). fxprep captures with ``use_cache=False`` (:mod:`.model`), so the
-query and key lengths are the same size by construction, and a decision made from the input
-*structure* (no padding mask given, the sequence lengths) holds for every call the prepared
-module's input guard lets through. Taking the traced branch there made the graph call another
-kernel than eager on CUDA: in bf16 the results differed in the last bits and the difference grew
-with depth (a 32-layer Llama failed verification), and 8k-token attention ran 1.3x slower.
+Under a trace transformers materialises attention masks that eager skips, so the graph would call
+another SDPA kernel than eager (results drifting with depth in bf16, slower on CUDA).
+:func:`eager_attention_paths` patches transformers' mask decisions, for the capturing thread only
+and the length of a capture, so they are taken from the inputs' structure as eager takes them; what
+cannot follow eager is named (:data:`VALUE_DEPENDENT`, :data:`WINDOW_LIMIT`, :data:`WINDOWED`).
+Outside a trace each replacement answers as transformers' own function does.
 
-What is patched, for the capturing thread only and for the length of a capture
-(:func:`eager_attention_paths`):
-
-* ``masking_utils.is_torchdynamo_exporting`` -> ``False``: the mask builders decide as under
-  ``torch.compile``;
-* ``masking_utils.is_tracing(x)`` -> false when ``x`` is ``None`` (no tensor whose values would
-  be read), transformers' own answer otherwise: a padding mask's *values* still count as unknown,
-  so a given ``attention_mask`` still gives a materialised mask (the place fxprep cannot follow
-  eager, :data:`VALUE_DEPENDENT`);
-* ``masking_utils.find_packed_sequence_indices`` (only when the example gives no ``position_ids``,
-  so the model computes them, ``arange`` from 0 without a cache): eager reads the positions and
-  finds one sequence per row, under a trace the packed-sequence mask is always built. The graph
-  takes eager's answer and keeps a check (``torch._assert_async``, a tensor op: the value is
-  not read on the host) that the positions the model computed hold no sequence start after the
-  first token;
-* ``sdpa_attention.is_torchdynamo_compiling`` -> ``False``: a one-token query with grouped KV heads
-  is packed (``pack_gqa``) as in eager rather than expanded with ``repeat_kv``;
-* ``masking_utils._ignore_causal_mask_sdpa`` / ``_ignore_bidirectional_mask_sdpa`` for a layer
-  with a local window (sliding-window or chunked attention) when the sequence length is dynamic:
-  eager skips the mask only while the sequence is shorter than the window, a decision on the
-  length, not on the input structure, so no graph can follow eager on both sides. Taken the eager
-  way as it was, it became a bound Dynamo put on the length, and a call past the window computed
-  full causal attention where eager masks the window, without a word. Now the example decides: an
-  example shorter than the window keeps eager's calls (no mask), and the graph holds below the
-  window only, a limit the prepared module checks (:data:`WINDOW_LIMIT`); an example at least as
-  long as the window gets the windowed mask at every length, right on both sides (another kernel
-  than eager below the window: :data:`WINDOWED`).
-
-* transformers' registered ``sdpa`` attention function: an ``is_causal`` that reaches it as a
-  ``SymBool`` is made a ``bool``. A model that writes ``is_causal = self.is_causal and mask is None
-  and q_len > 1`` (Moonshine) hands SDPA the last operand itself, the symbolic ``q_len > 1``, once the
-  length is declared dynamic; SDPA refuses it ("argument 'is_causal' must be bool, not SymBool", as
-  transformers' own note in ``sdpa_attention.py`` says of export), and the length stayed at the
-  example's. Made a ``bool`` it is decided as eager decides it (a guard on the length, where Dynamo
-  cannot tell it from the declared range).
-
-Each replacement gives eager code (and any other thread) exactly what transformers' own function gives it (outside a trace
-both answer ``False``), so runs fxprep makes during the capture are unchanged too.
+See docs/checkpoints.md ("The graph calls attention as eager does", "Under the hood") for each
+patch.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """transformers' run-time checks whose message is built before the check, made lazy during capture.
 
-A multimodal transformers model checks that the prompt holds as many image tokens as its vision
-tower made features: ``torch_compilable_check(cond, f"... features: {n_image_features}")`` (152
-``get_placeholder_mask`` methods in transformers 5, and some ``forward`` methods). Under tracing that
-function drops the message and calls ``torch._check(cond)``; but the f-string is an argument, built
-before the call, and Dynamo formats the size it holds. Formatting a symbolic size specialises it: the
-number of features follows the batch (one image per sample), so a batch declared dynamic is
-specialised by a message that is never shown, and the graph refuses every other batch.
+``torch_compilable_check(cond, f"...")`` builds its f-string message before the call, and formatting
+a symbolic size specialises it (a dynamic batch fixed by a message never shown). During capture each
+such call in the model's transformers methods runs in a copy (:mod:`.methods`) whose message is a
+``lambda``, built only when the check fails; the check itself is traced unchanged.
 
-``torch_compilable_check`` also takes its message as a callable, built only when the check fails.
-During capture each method of the model's transformers classes that passes an f-string runs a copy
-(:mod:`.methods`, decorated ``forward`` methods included) whose message is ``lambda: f"..."``;
-nothing else in the method changes, so the check itself is traced as before.
+See docs/shapes.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """A transformers checkpoint written in another layout than the model keeps in memory.
 
-transformers 5 keeps some weights in memory in another layout than the hub's files hold them: a
-mixture of experts' per-expert ``Linear`` weights are one 3D tensor per layer (Mixtral, Qwen-MoE,
-GraniteMoE ...), a VLM's language model moved (``language_model.model.*`` is
-``model.language_model.*``), some heads were renamed (GPT-NeoX's ``embed_out`` is ``lm_head``).
-``save_pretrained`` writes the hub's layout and ``from_pretrained`` converts it back, by rules each
-model type registers: a few hundred of them, changing from release to release.
-:func:`fxprep.load_weights` matches a checkpoint's keys to the prepared module's by name, so such a
-checkpoint did not fit a module prepared from the model: ``fxprep prepare DIR --meta`` failed on
-every mixture-of-experts and most VLM checkpoints, real ones from the hub included.
+transformers 5 keeps some weights in memory in another layout than the hub's files (stacked experts,
+moved VLM prefixes, renamed heads) and converts them in ``from_pretrained``. Rather than reimplement
+those rules, :func:`converted` has transformers load the checkpoint into a model of the prepared
+model's class (safetensors only, no checkpoint code) and hands its state_dict, uncopied, to
+:func:`fxprep.load_weights`; keys transformers did not find stay missing.
 
-Rather than reimplement those rules, :func:`converted` has transformers load the checkpoint into a
-model of the prepared model's class, as ``from_pretrained`` does for the user, and gives its
-state_dict (the model's own layout) to ``load_weights`` as the source. The tensors are handed on,
-not copied, so the weights are in memory once, as ``from_pretrained`` would have them. Keys
-transformers did not find in the files (its ``missing_keys``, which it initialised at random) are
-left out, so that ``load_weights`` still names them missing; only safetensors files are read
-(``use_safetensors=True``), never pickle, and no code from the checkpoint runs (the class is the
-prepared model's own, or one transformers itself defines).
+See docs/checkpoints.md ("Checkpoints in the hub's layout").
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """transformers methods that run a rewritten copy during capture, so that the graph follows eager.
 
-Some code in transformers takes another path under a trace than eager takes, for reasons that are
-plain from the method's source but not from the values Dynamo sees:
+Some transformers code takes another path under a trace, for reasons plain from its source
+(:mod:`.compilable_checks`, :mod:`.unpadded`). Each such method is parsed, changed and compiled with
+the control-flow rewrite's machinery (:mod:`fxprep.capture.rewrite.source`), and the copy is
+installed on the instances for the ``with`` block only (:func:`rewritten_methods`); the class is
+never touched, and a method that cannot be rewritten keeps its code. Copies are compiled once per
+class attribute.
 
-* :mod:`.compilable_checks`: a check's message built before the check (an f-string argument) formats a
-  symbolic size and specialises it;
-* :mod:`.unpadded`: a padding mask the method fills with ones itself is read for its values by
-  the mask builder, which under a trace gives up and materialises the mask eager skips.
-
-For each method of the model's transformers classes whose code may hold one of these, the source
-is parsed, every change that applies is made, and the copy is compiled with the control-flow
-rewrite's machinery (:mod:`...capture.rewrite.source`: the method's globals and closure, its decorators
-applied again, private names mangled as its class body would). The copy is installed on the
-instances that run the method for the ``with`` block only (:func:`rewritten_methods`); the class
-is never touched. A method whose source cannot be read, parsed, recompiled or decorated again keeps
-its original code. Copies are compiled once per class attribute.
+See docs/checkpoints.md ("Under the hood").
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """A padding mask a transformers model fills with ones itself, passed to the mask builders as none.
 
-Why: several transformers models (BioGPT, ConvBERT, I-BERT, LiLT, Pix2Struct, Splinter, ...; 30
-methods in transformers 5.24) start their ``forward`` with::
+Several transformers models fill ``attention_mask`` with ones when none is given, and under a trace
+the mask builder then materialises a mask eager skips. During capture (:mod:`.methods`) such a
+method runs a copy that remembers it filled the mask and calls the builder through :func:`unpadded`,
+which passes ``attention_mask=None`` where that is plainly the same mask. Encoder-decoder models
+that skip the fill under ``is_torchdynamo_compiling()`` get eager's branch back.
 
-    if attention_mask is None:
-        attention_mask = torch.ones(batch_size, seq_length, device=...)
-
-and hand that mask to ``create_causal_mask`` / ``create_bidirectional_mask``. In eager the builder
-reads the mask's values, finds no padding and skips the mask: SDPA runs with ``attn_mask=None,
-is_causal=True`` (or no mask at all for an encoder), the call that lets CUDA pick its flash kernel.
-Under a trace the values are unknown, so the builder materialises the 4D mask: another kernel than
-eager, the very difference issue 27 is about (in bf16 the last bits differ, and grow with depth).
-Yet that the mask is all ones is not a value here but the input *structure*: the ``if`` took the
-branch because the caller gave no mask, a Python decision the graph is captured for.
-
-During capture (:mod:`.methods`) such a method runs a copy that remembers that it filled the mask
-(``_fxprep_ones_<name> = True`` in the ``if``) and calls the mask builder through :func:`unpadded`,
-which gives the builder ``attention_mask=None`` instead. For the builder that is the same mask
-exactly: no padding to add, and the key length it would have read from the mask taken from the
-embeddings. :func:`unpadded` drops the mask only where that equivalence is plain from the call:
-a 2D mask as long as the keys, no cache (whose offsets read the mask otherwise) and no
-``position_ids`` / ``block_sequence_ids`` (with no mask the builder would look for packed sequences
-in them). Everywhere else, and for every other use of the mask in the method (BioGPT's positions
-are a cumulative sum of it), the mask is the ones tensor as before.
-
-The copy is made only where the name is assigned once in the method (that ``torch.ones``), so the
-flag cannot outlive the mask it is about; and only for calls to transformers' own builders, checked
-by identity in the method's namespace.
-
-Sixteen encoder-decoder models fill the mask only ``if attention_mask is None and not
-is_torchdynamo_compiling()``. Under a trace the mask stays None, and T5-style encoders (LongT5,
-Switch Transformers) then index it and fail, so Dynamo gave up on the whole model and its encoder
-was made opaque, with static shapes. Where that branch computes nothing but sizes and the ones, the
-copy drops the ``is_torchdynamo_compiling()`` clause: the capture takes eager's branch.
+See docs/checkpoints.md ("Under the hood") for the exact conditions.
 """
 
 from __future__ import annotations
