@@ -12,7 +12,7 @@ import fxprep
 from fxprep import io
 from fxprep.cli.demo import ModelWithElementwiseAddOp, ModelWithReusedReLU
 from fxprep.errors import SerializationError
-from tests.test_io import Holder, Opaque
+from tests.helpers_io import Holder, Opaque
 
 SAVE_FILES = sorted([io.MANIFEST, io.GRAPH, io.MODULES, io.WEIGHTS, io.CODE])
 
