@@ -481,7 +481,7 @@ def test_save_refuses_a_graph_that_load_would_refuse_for_its_literal_allocations
 
 @pytest.mark.off_list
 def test_cli_allow_option_saves_a_graph_calling_a_callable_off_the_list(tmp_path):
-    from tests.test_cli import invoke
+    from tests.helpers_cli import invoke
 
     model_file = tmp_path / "xlogy_model.py"
     model_file.write_text("import torch\n\n\nclass Net(torch.nn.Module):\n    def forward(self, x):\n"

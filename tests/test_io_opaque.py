@@ -109,7 +109,7 @@ def test_torchvision_detector_saves_and_loads_with_torchvision_trusted(tmp_path,
 
 
 def test_cli_trust_option_saves_a_detector(tmp_path):
-    from tests.test_cli import invoke
+    from tests.helpers_cli import invoke
 
     spec = "torchvision:ssdlite320_mobilenet_v3_large"
     refused = invoke("prepare", spec, "--tracer", "fx", "-o", str(tmp_path / "no"))

@@ -136,7 +136,7 @@ def test_unwritable_places_are_serialization_errors(prepared, tmp_path):
 
 
 def test_cli_output_onto_an_existing_file_exits_4(tmp_path):
-    from tests.test_cli import invoke
+    from tests.helpers_cli import invoke
 
     target = tmp_path / "out.txt"
     target.write_text("keep")
