@@ -11,7 +11,7 @@ suites and model zoos use (``fxprep.io.reviewed``). This script measures them:
 ``zoo``
     prepares, saves and loads the model zoos, a few models per subprocess: torchvision (Dynamo, and
     fx for the classification models), one model per timm family, the transformers architectures of
-    ``tests/test_zoo.py``, and every transformers causal-LM type that builds tiny through
+    ``tests/zoo_models.py``, and every transformers causal-LM type that builds tiny through
     ``fxprep.cli.tiny.tiny_configs`` (``--only`` picks suites, ``--limit`` a sample of each);
 ``write``
     merges the records into ``benchmarks/allowlist_usage.json`` (each name with the first models that
@@ -132,18 +132,18 @@ def run_tests(out: Path, extra: list[str], name: str) -> int:
 def _zoo_builders() -> dict[str, tuple[list[str], Callable[[str], tuple[Any, Any]], str]]:
     """suite -> (model names, build(name) -> (model, example), tracer)."""
     sys.path.insert(0, str(ROOT))
-    from tests import test_zoo, test_zoo_fx
+    from tests import zoo_models as zoo
 
     def tv_fx_train(name: str) -> tuple[Any, Any]:
-        return test_zoo_fx.build(name, training=True)
+        return zoo.build_fx(name, training=True)
 
     return {
-        "torchvision": (test_zoo.TV_CLASSIFICATION + test_zoo.TV_SEGMENTATION + test_zoo.TV_VIDEO + test_zoo.TV_FLOW,
-                        test_zoo.build_torchvision, "dynamo"),
-        "torchvision_fx": (list(test_zoo_fx.ALL_MODELS), test_zoo_fx.build, "fx"),
-        "torchvision_fx_train": (list(test_zoo_fx.ALL_MODELS), tv_fx_train, "fx"),
-        "timm": (sorted(test_zoo.TIMM_FAMILIES), test_zoo.build_timm, "dynamo"),
-        "transformers": (sorted(test_zoo.HF_ARCHS), test_zoo.build_hf, "dynamo"),
+        "torchvision": (zoo.TV_CLASSIFICATION + zoo.TV_SEGMENTATION + zoo.TV_VIDEO + zoo.TV_FLOW,
+                        zoo.build_torchvision, "dynamo"),
+        "torchvision_fx": (list(zoo.ALL_MODELS), zoo.build_fx, "fx"),
+        "torchvision_fx_train": (list(zoo.ALL_MODELS), tv_fx_train, "fx"),
+        "timm": (sorted(zoo.TIMM_FAMILIES), zoo.build_timm, "dynamo"),
+        "transformers": (sorted(zoo.HF_ARCHS), zoo.build_hf, "dynamo"),
         "causal_lm": (_causal_lm_types(), _build_causal_lm, "auto"),
     }
 

@@ -48,16 +48,16 @@ import sys, torch
 torch.set_num_threads(1)
 sys.path.insert(0, {root!r})
 import fxprep
-from tests import test_zoo
+from tests import zoo_models
 kind, name, *rest = {spec!r}.split(":")
 if kind == "torchvision":
-    model, example = test_zoo.build_torchvision(name)
+    model, example = zoo_models.build_torchvision(name)
     if int(rest[0]) > 1:
         example = (example[0].repeat(int(rest[0]), 1, 1, 1),)
 elif kind == "timm":
-    model, example = test_zoo.build_timm(name)
+    model, example = zoo_models.build_timm(name)
 else:
-    model, example = test_zoo.build_hf(name)
+    model, example = zoo_models.build_hf(name)
 gm = fxprep.prepare_model(model, example_inputs=example, progress=False)
 fxprep.save(gm, {directory!r}, trusted_modules=("torchvision", "timm", "transformers"), overwrite=True)
 print("SAVED")

@@ -46,3 +46,23 @@ def seed_save(tmp_path):
     x = torch.randn(1, 3, 32, 32)
     gm = fxprep.prepare_model(model, example_inputs=x)
     return io.save(gm, tmp_path / "saved"), gm, x
+
+
+@pytest.fixture
+def _restore_process_state(monkeypatch):
+    """The CLI quiets torch's logging and Python warnings for its (short-lived) process; undo that
+    after each in-process invocation so other test files see the defaults. Requested by the files
+    that invoke the CLI in-process (``pytestmark = pytest.mark.usefixtures(...)``, see tests/helpers_cli.py)."""
+    import logging
+    import warnings
+
+    import torch._logging
+
+    for var in ("TRANSFORMERS_VERBOSITY", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, os.environ.get(var, "")) if var in os.environ else monkeypatch.delenv(var, raising=False)
+    level = logging.getLogger("torch").level
+    filters = list(warnings.filters)
+    yield
+    warnings.filters[:] = filters
+    logging.getLogger("torch").setLevel(level)
+    torch._logging.set_logs()

@@ -131,3 +131,17 @@ class ResidualBlock(nn.Module):
         if self.by_rows:
             y = y.reshape(x.shape[0], 2, -1).flatten(1)
         return y + x
+
+
+# --- quantization toolkits (tests/test_aimet_handoff.py, test_torch_ao.py, toolkit_cases.py) ------
+QUANT = {"default_output_bw": 8, "default_param_bw": 8}  # AIMET QuantSim: 8-bit activations and weights
+ENGINE = "x86" if "x86" in torch.backends.quantized.supported_engines else "qnnpack"  # torch.ao's backend
+
+
+def _float(out):
+    """The first tensor of an output (QuantSim returns AIMET's dequantized tensors)."""
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if isinstance(out, dict):
+        out = next(iter(out.values()))
+    return out.dequantize() if hasattr(out, "dequantize") else out

@@ -24,19 +24,9 @@ from torch import nn
 import fxprep
 from fxprep.compat import aimet as compat
 
-from .helpers import with_batchnorm_statistics
+from .helpers import QUANT, _float, with_batchnorm_statistics
 
 torch.set_num_threads(1)
-QUANT = {"default_output_bw": 8, "default_param_bw": 8}
-
-
-def _float(out):
-    """The first tensor of an output (QuantSim returns AIMET's dequantized tensors)."""
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    if isinstance(out, dict):
-        out = next(iter(out.values()))
-    return out.dequantize() if hasattr(out, "dequantize") else out
 
 
 def sqnr_db(reference: torch.Tensor, quantized: torch.Tensor) -> float:

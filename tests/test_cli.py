@@ -10,42 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from fxprep import cli, io
+from fxprep import io
 from fxprep.cli.specs import SpecError, inputs_from_strings, parse_input, resolve, zoo_specs
 
-runner = CliRunner()
+from .helpers_cli import as_json, invoke
 
-
-@pytest.fixture(autouse=True)
-def _restore_process_state(monkeypatch):
-    """The CLI quiets torch's logging and Python warnings for its (short-lived) process; undo that
-    after each in-process invocation so other test files see the defaults."""
-    import logging
-    import os
-    import warnings
-
-    import torch._logging
-
-    for var in ("TRANSFORMERS_VERBOSITY", "HF_HUB_OFFLINE"):
-        monkeypatch.setenv(var, os.environ.get(var, "")) if var in os.environ else monkeypatch.delenv(var, raising=False)
-    level = logging.getLogger("torch").level
-    filters = list(warnings.filters)
-    yield
-    warnings.filters[:] = filters
-    logging.getLogger("torch").setLevel(level)
-    torch._logging.set_logs()
-
-
-def invoke(*args: str):
-    result = runner.invoke(cli.app, list(args))
-    assert "Traceback" not in result.output + (result.stderr or ""), result.output
-    return result
-
-
-def as_json(result) -> dict:
-    return json.loads(result.stdout.strip().splitlines()[-1])
+pytestmark = pytest.mark.usefixtures("_restore_process_state")  # tests/conftest.py: undo what the CLI changes
 
 
 # --- specs and inputs ---------------------------------------------------------------------------

@@ -13,7 +13,9 @@ import transformers as tf
 
 import fxprep
 
-from .test_cli import _restore_process_state, as_json, invoke  # noqa: F401 - the fixture is autouse
+from .helpers_cli import as_json, invoke
+
+pytestmark = pytest.mark.usefixtures("_restore_process_state")  # tests/conftest.py: undo what the CLI changes
 
 IDS = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(0))
 

@@ -10,55 +10,17 @@ points at the page's line and ``inspect`` finds the source of the classes a page
 
 from __future__ import annotations
 
-import re
-import sys
-import types
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
+from .helpers_docs import ALL_PAGES, DOCS, FENCE, ROOT, page_script, run_page
+
 # what a fence may say: runnable python, a fragment that is not run, or something that is not python
 LANGUAGES = {"python", "py-norun", "text", "bash", "sh", "shell", "console", "json", "yaml", "toml", "ini", "html",
              "css", "js", "xml", "csv", "diff", "dot", "mermaid", ""}
 
 
-def python_blocks(page: Path) -> list[tuple[int, str]]:
-    """(first line number of the code, the code) of each ```python block of ``page``."""
-    text = page.read_text()
-    return [(text.count("\n", 0, m.start(2)) + 1, m.group(2)) for m in FENCE.finditer(text)
-            if m.group(1).strip() == "python"]
-
-
-def page_script(page: Path) -> str:
-    """The page's python blocks, each line at its line number in the page (the rest blank)."""
-    lines: list[str] = []
-    for first, code in python_blocks(page):
-        lines += [""] * (first - 1 - len(lines))
-        lines += code.splitlines()
-    return "\n".join(lines) + "\n"
-
-
-def run_page(page: Path, workdir: Path) -> dict:
-    """Run ``page``'s blocks as a module whose file is ``workdir/<page>.py``; its namespace."""
-    name = "docs_page_" + re.sub(r"\W", "_", str(page.relative_to(ROOT).with_suffix("")))
-    script = workdir / f"{name}.py"
-    script.write_text(page_script(page))
-    module = types.ModuleType(name)
-    module.__file__ = str(script)
-    sys.modules[name] = module  # classes a page defines get an importable module (pickle, inspect)
-    try:
-        exec(compile(script.read_text(), str(script), "exec"), module.__dict__)  # noqa: S102 - the docs' own code
-    finally:
-        sys.modules.pop(name, None)
-    return module.__dict__
-
-
 # the hand-off pages (QuantSim, torch.ao, ...) are the slow ones: they run in tests/test_docs_handoff.py,
-# another file, so that pytest-xdist's --dist loadfile puts them on another worker
-ALL_PAGES = sorted(p for p in DOCS.rglob("*.md") if python_blocks(p))
+# another file, so that pytest-xdist's --dist loadfile puts them on another worker;
 # checkpoints.md runs in tests/test_docs_checkpoints.py, which first writes the checkpoint the page names
 OWN_RUNNER = {"checkpoints.md"}
 PAGES = [p for p in ALL_PAGES if p.relative_to(DOCS).parts[0] != "handoff" and str(p.relative_to(DOCS)) not in OWN_RUNNER]

@@ -9,10 +9,13 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 import torch
 import transformers as tf
 
-from .test_cli import _restore_process_state, invoke  # noqa: F401 - the fixture is autouse
+from .helpers_cli import invoke
+
+pytestmark = pytest.mark.usefixtures("_restore_process_state")  # tests/conftest.py: undo what the CLI changes
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_docs import ALL_PAGES, DOCS, run_page
+from .helpers_docs import ALL_PAGES, DOCS, run_page
 
 os.environ.setdefault("NNCF_EXTENSION_LOAD_TIMEOUT", "0")  # NNCF compiles its CPU kernels once (minutes on 2 cores)
 

@@ -18,6 +18,7 @@ import fxprep
 from fxprep.reporting.diagnose import DATA_DEPENDENT_BRANCH, SHAPE_DEPENDENT_BRANCH, diagnose, shape_only
 
 from .helpers import assert_unchanged, module_snapshot
+from .helpers_models import Tower
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -84,36 +85,6 @@ def test_excluded_module_is_one_call_dynamo_never_traces_into(middle: type, how:
         y = torch.randn(*shape)
         torch.testing.assert_close(gm(y), model(y))
     assert_unchanged(model, before)
-
-
-class Block(nn.Module):
-    """A block whose data-dependent part is one helper function: only it must be opaque."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(8, 8)
-        self.down = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
-        for k, c in enumerate((h > 0).sum(-1).tolist()):  # control flow on data-dependent values
-            if c % 2:
-                h = h + k
-        return self.down(h)
-
-
-class Tower(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def test_dynamo_fallback_makes_only_the_failing_parts_opaque() -> None:

@@ -23,7 +23,9 @@ from torch import nn
 import fxprep
 from fxprep.cli.advice import in_flag_terms
 
-from .test_cli import _restore_process_state, as_json, invoke  # noqa: F401 - the fixture is autouse
+from .helpers_cli import invoke
+
+pytestmark = pytest.mark.usefixtures("_restore_process_state")  # tests/conftest.py: undo what the CLI changes
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(0))

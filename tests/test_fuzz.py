@@ -1,8 +1,8 @@
 """Model fuzz suite (issue 10): hypothesis-generated models, each prepared, verified and checked.
 
 ``test_property.py`` generates the *body* of a model (layers, functional ops, reuse, in-place ops,
-buffers, nested blocks, hooks) and traces it with fx. This suite wraps such a body in what real
-forwards add around their layers, and drives both tracers:
+buffers, nested blocks, hooks; the generator is ``tests/model_programs.py``) and traces it with fx.
+This suite wraps such a body in what real forwards add around their layers, and drives both tracers:
 
 * branches on static attributes (``if self.flag``, ``if self.mode == "sum"``) - fixed at capture;
 * keyword arguments: a Python float (Dynamo specialises it) and an optional tensor (None or not);
@@ -35,7 +35,7 @@ from torch import nn
 
 import fxprep
 from fxprep.core.inputs import ExampleInputs
-from tests import test_property as body
+from tests import model_programs as body
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 

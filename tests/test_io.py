@@ -15,6 +15,7 @@ import fxprep
 from fxprep import io, ops
 from fxprep.cli.demo import ModelWithElementwiseAddOp, ModelWithFunctionalReLU, ModelWithReusedReLU
 from fxprep.errors import SerializationError
+from tests.helpers_io import Holder, Opaque, Tied, _edit, _module, _node
 
 
 def roundtrip(gm, tmp_path: Path, example, **load_kwargs):
@@ -79,25 +80,6 @@ def test_resnet18_round_trip_and_files(tmp_path):
     # the BatchNorm buffers (running stats, num_batches_tracked) come back as buffers, persistent
     assert torch.equal(loaded.bn1.running_var, model.bn1.running_var)
     assert loaded.bn1.num_batches_tracked.dtype == torch.int64
-
-
-class Tied(nn.Module):
-    """Tied embedding/output weights, a reused Linear (unrolled with shared weights), a buffer that is
-    not persistent, and a parameter the forward never reads."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 8)
-        self.proj = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 10, bias=False)
-        self.head.weight = self.emb.weight
-        self.register_buffer("scale", torch.tensor(0.5), persistent=False)
-        self.unused = nn.Parameter(torch.ones(3))
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        h = self.proj(F.gelu(self.proj(h))) * self.scale
-        return self.head(h)
 
 
 def test_tied_and_shared_weights_stay_tied(tmp_path):
@@ -303,32 +285,13 @@ def test_module_names_that_are_not_identifiers(tmp_path):
 
 
 # --- what cannot be saved is refused at save time --------------------------------------------------
-class Opaque(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fn(self.lin(x))
-
-
-class Holder(nn.Module):
-    def __init__(self, leaf):
-        super().__init__()
-        self.block = leaf
-
-    def forward(self, x):
-        return self.block(x) + 1
-
-
 def test_leaf_with_unknown_state_is_refused_at_save(tmp_path):
     model = Holder(Opaque(lambda t: t * 2)).eval()
     gm = fxprep.prepare_model(model, [model.block], example_inputs=torch.randn(2, 4))
     with pytest.raises(SerializationError) as info:
         io.save(gm, tmp_path / "x")
     message = str(info.value)
-    assert "tests.test_io.Opaque" in message and "'block'" in message and "'fn'" in message
+    assert "tests.helpers_io.Opaque" in message and "'block'" in message and "'fn'" in message
 
 
 def test_user_leaf_needs_trust_to_load(tmp_path):
@@ -336,9 +299,9 @@ def test_user_leaf_needs_trust_to_load(tmp_path):
     x = torch.randn(2, 4)
     gm = fxprep.prepare_model(model, [model.block], example_inputs=x)
     directory = io.save(gm, tmp_path / "x")
-    with pytest.raises(SerializationError, match=r"tests\.test_io\.Opaque.*trusted_modules=\['tests.test_io'\]"):
+    with pytest.raises(SerializationError, match=r"tests\.helpers_io\.Opaque.*trusted_modules=\['tests.helpers_io'\]"):
         io.load(directory)
-    loaded = io.load(directory, trusted_modules=["tests.test_io"])
+    loaded = io.load(directory, trusted_modules=["tests.helpers_io"])
     assert type(loaded.block) is Opaque and loaded.block.fn is torch.tanh
     assert torch.equal(loaded(x), gm(x))
 
@@ -388,26 +351,6 @@ def saved(tmp_path):
     model = ModelWithReusedReLU().eval()
     gm = fxprep.prepare_model(model, example_inputs=torch.randn(1, 3, 32, 32))
     return io.save(gm, tmp_path / "saved")
-
-
-def _edit(directory: Path, name: str, change) -> None:
-    """Edit one JSON file and re-sign it, as an attacker who also rewrites the manifest would."""
-    path = directory / name
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
-    manifest = json.loads((directory / io.MANIFEST).read_text())
-    manifest["sha256"][name] = io.format.sha256(path)
-    (directory / io.MANIFEST).write_text(json.dumps(manifest))
-
-
-def _node(data, target):
-    """The node calling module ``target`` (or the function named ``target``): names depend on the tracer."""
-    return next(n for n in data["nodes"] if n["target"] in (target, {"fn": target}))
-
-
-def _module(data, path):
-    return next(m for m in data["modules"] if m["path"] == path)
 
 
 def test_load_never_unpickles(saved, monkeypatch):

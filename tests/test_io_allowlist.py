@@ -23,7 +23,7 @@ from fxprep import io
 from fxprep.errors import SerializationError
 from fxprep.io import allowlist, reviewed, trust, usage
 from fxprep.passes import op_table
-from tests.test_io import _edit, _node
+from tests.helpers_io import _call, _edit, _node
 
 
 @pytest.fixture
@@ -134,7 +134,7 @@ def test_save_refuses_a_callable_off_the_list_and_names_the_opt_in(tmp_path):
 def test_what_a_module_names_is_what_its_save_names(tmp_path, model):
     """usage.names_of_module (what the measurement reads from each prepared module) agrees with
     usage.names_in (what the save it writes names)."""
-    from tests.test_io import Tied
+    from tests.helpers_io import Tied
 
     if model == "seed":
         from fxprep.cli.demo import ModelWithReusedReLU
@@ -198,16 +198,6 @@ def test_what_fxprep_puts_in_graphs_can_be_loaded():
 
 
 # --- the issue's exploits --------------------------------------------------------------------------------
-def _call(directory: Path, fn: str, args: list, extra: list | None = None) -> None:
-    """Make the node calling conv1 a call of ``fn`` (and insert ``extra`` nodes after it)."""
-    def change(data):
-        node = _node(data, "conv1")
-        node.update(op="call_function", target={"fn": fn}, args=args, kwargs={})
-        at = data["nodes"].index(node) + 1
-        data["nodes"][at:at] = extra or []
-    _edit(directory, io.GRAPH, change)
-
-
 @pytest.mark.parametrize("fn, args", [
     ("torch._from_blob", [8, [16]]),  # an integer is an address: SIGSEGV inside fxprep.load before
     ("torch.ops.aten._from_blob", [8, [16]]),
@@ -452,7 +442,7 @@ def test_views_with_literal_sizes_count_once_not_per_layer(saved):
 def test_literal_allocations_in_an_op_module_are_counted(tmp_path):
     """The same constructor as an op module (fxprep's functional -> module pass makes calls into
     BoundOps): its argument template is read, with the call site's literals filled in."""
-    from tests.test_io import _module
+    from tests.helpers_io import _module
 
     class _Adds(nn.Module):
         def __init__(self) -> None:
@@ -491,7 +481,7 @@ def test_save_refuses_a_graph_that_load_would_refuse_for_its_literal_allocations
 
 @pytest.mark.off_list
 def test_cli_allow_option_saves_a_graph_calling_a_callable_off_the_list(tmp_path):
-    from tests.test_cli import invoke
+    from tests.helpers_cli import invoke
 
     model_file = tmp_path / "xlogy_model.py"
     model_file.write_text("import torch\n\n\nclass Net(torch.nn.Module):\n    def forward(self, x):\n"

@@ -24,7 +24,7 @@ from fxprep.cli.demo import ModelWithReusedReLU
 from fxprep.errors import SerializationError
 from fxprep.io import format as io_format
 from fxprep.io import pyvalues
-from tests.test_io import _edit
+from tests.helpers_io import _edit
 
 
 def _fn(name: str, fn: str, args: list, kwargs: dict | None = None) -> dict:

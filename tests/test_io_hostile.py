@@ -273,7 +273,7 @@ def test_listed_kernels_raise_on_hostile_arguments_and_never_crash():
     ("torch.ops.aten.embedding_bag", [{"$": "node", "v": "x"}, {"$": "node", "v": "x"}]),
 ])
 def test_kernels_off_the_list_are_refused_by_name_before_anything_runs(seed_save, fn, args):
-    from tests.test_io_allowlist import _call
+    from tests.helpers_io import _call
 
     directory, _, _ = seed_save
     _call(directory, fn, args)

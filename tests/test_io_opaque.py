@@ -14,8 +14,7 @@ import fxprep
 from fxprep import io
 from fxprep.capture.leaves import OpaqueFunction, OpaqueMethod
 from fxprep.errors import SerializationError
-from tests.test_io import _edit, _module
-from tests.test_leaves import WithMethods
+from tests.helpers_io import WithMethods, _edit, _module
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,7 @@ def test_opaque_parts_need_their_package_trusted_to_save(with_methods, tmp_path)
     with pytest.raises(SerializationError) as info:
         io.save(with_methods, tmp_path / "s")
     message = str(info.value)
-    assert "opaque part" in message and "tests.test_leaves.WithMethods.post" in message
+    assert "opaque part" in message and "tests.helpers_io.WithMethods.post" in message
     assert "trusted_modules=['tests']" in message and not (tmp_path / "s").exists()
     with pytest.raises(SerializationError, match="trusted_modules=\\['torchvision'\\] does not include it"):
         io.save(with_methods, tmp_path / "s", trusted_modules=["torchvision"])
@@ -40,12 +39,12 @@ def test_methods_helpers_and_functions_round_trip_when_trusted(with_methods, tmp
     gm = with_methods
     directory = io.save(gm, tmp_path / "s", trusted_modules=["tests"])
     entries = {e["path"]: e for e in json.loads((directory / io.MODULES).read_text())["modules"]}
-    assert entries["post"]["kind"] == "opaque_method" and entries["post"]["owner"]["class"] == "tests.test_leaves.WithMethods"
+    assert entries["post"]["kind"] == "opaque_method" and entries["post"]["owner"]["class"] == "tests.helpers_io.WithMethods"
     helper = entries["post"]["owner"]["attrs"]["helper"]
-    assert helper["class"] == "tests.test_leaves.Helper"  # saved once, then referred to
+    assert helper["class"] == "tests.helpers_io.Helper"  # saved once, then referred to
     assert entries["helper_clip"]["owner"] == {"$": "ref", "v": helper["id"]}
-    assert entries["_topk_like"] == {**entries["_topk_like"], "kind": "opaque_function", "fn": "tests.test_leaves._topk_like"}
-    with pytest.raises(SerializationError, match="refusing to load.*tests.test_leaves"):
+    assert entries["_topk_like"] == {**entries["_topk_like"], "kind": "opaque_function", "fn": "tests.helpers_io._topk_like"}
+    with pytest.raises(SerializationError, match="refusing to load.*tests.helpers_io"):
         io.load(directory)
     loaded = io.load(directory, trusted_modules=["tests"])
     assert loaded.code == gm.code
@@ -71,9 +70,9 @@ def test_a_trusted_package_does_not_trust_names_leading_out_of_it(with_methods, 
                 _module(data, "post")["owner"]["attrs"]["helper"]["class"] = cls
         return change
 
-    for change in (to(method="__init__"), to(method="__class__"), to(fn="tests.test_leaves.torch.load"),
-                   to(fn="tests.test_leaves.nn.functional.torch.builtins.eval"), to(fn="os.system"),
-                   to(cls="tests.test_leaves.torch.hub.Path"), to(cls="subprocess.Popen")):
+    for change in (to(method="__init__"), to(method="__class__"), to(fn="tests.helpers_io.torch.load"),
+                   to(fn="tests.helpers_io.nn.functional.torch.builtins.eval"), to(fn="os.system"),
+                   to(cls="tests.helpers_io.torch.hub.Path"), to(cls="subprocess.Popen")):
         copy = tmp_path / f"c{id(change)}"
         copy.mkdir()
         for name in io.CHECKED_FILES + (io.MANIFEST,):
@@ -110,7 +109,7 @@ def test_torchvision_detector_saves_and_loads_with_torchvision_trusted(tmp_path,
 
 
 def test_cli_trust_option_saves_a_detector(tmp_path):
-    from tests.test_cli import invoke
+    from tests.helpers_cli import invoke
 
     spec = "torchvision:ssdlite320_mobilenet_v3_large"
     refused = invoke("prepare", spec, "--tracer", "fx", "-o", str(tmp_path / "no"))

@@ -22,7 +22,7 @@ from fxprep.cli.demo import ModelWithReusedReLU
 from fxprep.errors import SerializationError
 from fxprep.io import format as io_format
 from fxprep.io import peak
-from tests.test_io import Tied
+from tests.helpers_io import Tied
 
 
 def _edit_guard(directory, change) -> None:

@@ -12,7 +12,7 @@ import fxprep
 from fxprep import io
 from fxprep.cli.demo import ModelWithElementwiseAddOp, ModelWithReusedReLU
 from fxprep.errors import SerializationError
-from tests.test_io import Holder, Opaque
+from tests.helpers_io import Holder, Opaque
 
 SAVE_FILES = sorted([io.MANIFEST, io.GRAPH, io.MODULES, io.WEIGHTS, io.CODE])
 
@@ -136,7 +136,7 @@ def test_unwritable_places_are_serialization_errors(prepared, tmp_path):
 
 
 def test_cli_output_onto_an_existing_file_exits_4(tmp_path):
-    from tests.test_cli import invoke
+    from tests.helpers_cli import invoke
 
     target = tmp_path / "out.txt"
     target.write_text("keep")

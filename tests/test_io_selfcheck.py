@@ -15,7 +15,7 @@ import fxprep
 from fxprep import io
 from fxprep.cli.demo import ModelWithReusedReLU
 from fxprep.errors import SerializationError
-from tests.test_io import _edit, _module, _node
+from tests.helpers_io import _edit, _module, _node
 
 
 def _edit_manifest(directory, change) -> None:

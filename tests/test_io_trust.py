@@ -19,7 +19,7 @@ import fxprep
 from fxprep import io
 from fxprep.cli.demo import ModelWithElementwiseAddOp
 from fxprep.errors import SerializationError
-from tests.test_io import _edit, _module, _node
+from tests.helpers_io import _edit, _module, _node
 
 
 @pytest.fixture
@@ -204,11 +204,11 @@ def test_allow_list_holds_objects_and_refuses_file_and_global_state_functions():
 def test_trusted_modules_resolve_by_identity(tmp_path):
     """A trusted package's object is found under its own canonical name only."""
     policy = io.TrustPolicy(("tests",))
-    from tests.test_io import Opaque
+    from tests.helpers_io import Opaque
 
-    assert policy.module_class("tests.test_io.Opaque") is Opaque
-    for name in ["tests.test_io.torch.nn.Linear", "tests.test_io.nn.Linear", "tests.test_io.Opaque.__init__",
-                 "tests.test_io.pickle.loads", "tests.test_io.json.loads"]:
+    assert policy.module_class("tests.helpers_io.Opaque") is Opaque
+    for name in ["tests.helpers_io.torch.nn.Linear", "tests.helpers_io.nn.Linear", "tests.helpers_io.Opaque.__init__",
+                 "tests.helpers_io.pickle.loads", "tests.helpers_io.json.loads"]:
         with pytest.raises(SerializationError):
             policy.module_class(name)
         with pytest.raises(SerializationError):

@@ -306,3 +306,45 @@ def test_the_docstring_check_finds_long_ones() -> None:
     source = f'"""{essay}"""\n\ndef f():\n    """{essay} {essay}"""\n\nclass C:\n    """short"""\n'
     assert _long_docstrings(source) == [("<module>", 151), ("f", 302)]
     assert _long_docstrings('"""A short one."""\n') == []
+# --- test files share helpers through helper modules, never through each other -----------------------------
+REPO = PACKAGE.parents[1]
+
+
+def _test_module_imports(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, module) of each import of a ``tests`` test module (``test_*.py``) in ``source``, a module
+    of ``package`` (``tests``, ``tests.llmcompressor``, ``benchmarks``), at module level or inside functions."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else (node.module or "")
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [(node.lineno, name) for name in names
+                  if name.split(".")[0] == "tests" and name.split(".")[-1].startswith("test_")]
+    return found
+
+
+def test_no_file_imports_a_test_module() -> None:
+    """A helper two test files share lives in tests/helpers*.py (fixtures in tests/conftest.py, model
+    lists in tests/zoo_models.py): importing a test module couples the files and runs its module-level
+    code (and hands over its autouse fixtures) wherever it is imported."""
+    found = {}
+    for path in [*(REPO / "tests").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py")]:
+        package = ".".join(path.parent.relative_to(REPO).parts)
+        if lines := _test_module_imports(path.read_text(), package):
+            found[str(path.relative_to(REPO))] = lines
+    assert found == {}, f"move what these import into tests/helpers*.py or tests/conftest.py: {found}"
+
+
+def test_the_test_import_check_finds_them() -> None:
+    source = ("from .test_io import _edit\nfrom tests.test_io import Tied\nfrom tests import test_zoo, zoo_models\n"
+              "import tests.test_cli\nfrom . import test_docs\nfrom .helpers_io import _edit\nfrom tests import helpers\n"
+              "def f():\n    from ..test_docs import run_page\n    import test_utils\n")
+    assert _test_module_imports(source, "tests.llmcompressor") == [
+        (1, "tests.llmcompressor.test_io"), (2, "tests.test_io"), (3, "tests.test_zoo"), (4, "tests.test_cli"),
+        (5, "tests.llmcompressor.test_docs"), (9, "tests.test_docs")]

@@ -11,6 +11,7 @@ import fxprep
 from fxprep.capture.leaves import OpaqueFunction, OpaqueMethod
 
 from .helpers import assert_unchanged, module_snapshot
+from .helpers_io import WithMethods
 
 
 class Gate(nn.Module):
@@ -122,38 +123,6 @@ def test_root_forward_untraceable_fails_with_issue():
     with pytest.raises(fxprep.TraceFailure) as info:
         fxprep.prepare_model(RootBranch(), example_inputs=torch.randn(3))
     assert "if x.mean() > 0:" in str(info.value)
-
-
-class Helper:
-    """A plain object held by a module, with a data-dependent method."""
-
-    def clip(self, x):
-        if x.max() > 1:
-            return x.clamp(max=1)
-        return x
-
-
-def _topk_like(x):
-    n = int(x.shape[0])
-    if x.sum() > 0:
-        return x[: max(n - 1, 1)]
-    return x
-
-
-class WithMethods(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.helper = Helper()
-
-    def post(self, x):
-        return x if x.min() > 0 else x.abs()
-
-    def forward(self, x):
-        y = self.post(self.a(x))
-        y = self.helper.clip(y)
-        return self.b(_topk_like(y))
 
 
 def test_methods_helpers_and_functions_become_opaque_calls():

@@ -210,7 +210,7 @@ def test_a_copy_shares_the_original_and_verify_needs_it(llama_dir: Path) -> None
 def test_block_reuse_page_example_runs(tmp_path: Path, monkeypatch: Any) -> None:
     """docs/concepts/block-reuse.md (the LLM example that was the README's): prepared on meta, one
     decoder layer captured and the other stamped out, then filled by load_weights and verified."""
-    from tests.test_docs import DOCS, run_page
+    from tests.helpers_docs import DOCS, run_page
 
     monkeypatch.chdir(tmp_path)
     scope = run_page(DOCS / "concepts" / "block-reuse.md", tmp_path)

@@ -122,7 +122,7 @@ def test_grad_mode_cannot_be_entered_by_a_save(tmp_path):
 
 def test_an_autocast_region_entered_with_computed_arguments_fails_to_load(tmp_path):
     """An enter whose device type is not a literal torch.autocast knows cannot be checked (nor left)."""
-    from tests.test_io import _edit
+    from tests.helpers_io import _edit
 
     directory = io.save(_prepared(), tmp_path / "s")
 

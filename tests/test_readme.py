@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .test_docs import FENCE, run_page
+from .helpers_docs import FENCE, run_page
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -17,7 +17,7 @@ from torch import nn
 import fxprep
 import fxprep.capture.dynamo as dynamo_route
 from fxprep.capture.sites import OpaqueFunction, OpaqueMethod
-from tests.test_scans import Recurrent, selective_scan
+from tests.helpers_models import Recurrent, selective_scan
 
 
 def _stamped(gm: nn.Module) -> dict[str, list[str]]:

@@ -21,7 +21,7 @@ import fxprep
 from fxprep import decisions
 from tests import vlm_models
 from tests.helpers import ResidualBlock
-from tests.test_reuse import _shape, _stamped, assert_reuse_exact, hf
+from tests.helpers_reuse import _shape, _stamped, assert_reuse_exact, hf
 
 
 class _Gated(nn.Module):

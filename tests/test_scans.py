@@ -9,7 +9,6 @@ method), then the real ones: Mamba (one step per token) and Kimi-Linear (one ste
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -25,26 +24,7 @@ from fxprep.capture.sites import Site
 from fxprep.cli import specs
 from fxprep.core.inputs import ExampleInputs
 
-
-def kernel_fallback(fn: Any) -> Any:
-    """A decorator like transformers' hub-kernel fallback: the module binds the wrapper."""
-
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    return wrapped
-
-
-@kernel_fallback
-def selective_scan(x: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
-    """One step per position; ``decay`` is a parameter the caller passes in."""
-    state = torch.zeros_like(x[:, 0])
-    out = []
-    for t in range(x.shape[1]):
-        state = state * torch.sigmoid(decay) + x[:, t]
-        out.append(state)
-    return torch.stack(out, dim=1)
+from .helpers_models import Recurrent, selective_scan
 
 
 def scan_through(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
@@ -70,29 +50,6 @@ class Scanned(nn.Module):
         h = self.inp(x)
         h = scan_through(h, self.mix) if self.through_layer else selective_scan(h, self.decay)
         return self.out(h)
-
-
-class Recurrent(nn.Module):
-    """A helper method runs the loop, as RecurrentGemma's ``_rnn_scan``; ``reads_weight``: the
-    method reads a parameter of its module itself (then it must stay traced)."""
-
-    def __init__(self, reads_weight: bool):
-        super().__init__()
-        self.gate = nn.Linear(8, 8)
-        self.decay = nn.Parameter(torch.linspace(-1, 1, 8))
-        self.reads_weight = reads_weight
-
-    def _scan(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        state = torch.zeros_like(x[:, 0])
-        out = []
-        for t in range(x.shape[1]):
-            decay = torch.sigmoid(self.decay) if self.reads_weight else gate[:, t]
-            state = state * decay + x[:, t]
-            out.append(state)
-        return torch.stack(out, dim=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._scan(x, torch.sigmoid(self.gate(x)))
 
 
 class Stack(nn.Module):
@@ -200,7 +157,8 @@ def test_a_guard_made_by_a_branch_is_told_from_one_made_by_a_loop() -> None:
     branch = first + next(i for i, code in enumerate(lines) if "BRANCH" in code)
     lines, first = inspect.getsourcelines(selective_scan)
     loop = first + next(i for i, code in enumerate(lines) if "for t in range" in code)
-    assert on_branch(__file__, branch) and not on_branch(__file__, loop) and not on_branch(__file__, branch + 2)
+    scan_file = inspect.getsourcefile(inspect.unwrap(selective_scan))  # tests/helpers_models.py
+    assert on_branch(__file__, branch) and not on_branch(scan_file, loop) and not on_branch(__file__, branch + 2)
 
 
 def chunked_scan(x: torch.Tensor, chunk: int = 4) -> torch.Tensor:

@@ -61,7 +61,7 @@ from fxprep import io
 from fxprep.cli.demo import ModelWithReusedReLU
 from fxprep.errors import SerializationError
 from fxprep.io import selfcheck
-from tests.test_io import Tied
+from tests.helpers_io import Tied
 
 # hypothesis's max_examples per model; it calls the test about twice per counted example, so a CI
 # run mutates about 900 saves (the printed count is exact). FXPREP_TAMPER_EXAMPLES=3000 for a longer hunt.

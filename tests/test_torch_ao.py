@@ -24,9 +24,7 @@ import fxprep
 from fxprep import ops
 from fxprep.passes import to_functional
 
-from .helpers import with_batchnorm_statistics
-
-ENGINE = "x86" if "x86" in torch.backends.quantized.supported_engines else "qnnpack"
+from .helpers import ENGINE, with_batchnorm_statistics
 
 
 def quantized_ops(gm: fx.GraphModule) -> int:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fxprep
-from tests.test_reuse import _stamped, hf
+from tests.helpers_reuse import _stamped, hf
 
 
 def _scaled(module: nn.Module, args: Any, out: Any) -> Any:

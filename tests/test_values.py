@@ -19,7 +19,7 @@ from fxprep.capture.dynamo.recording import perturbed
 from fxprep.core.inputs import ExampleInputs
 
 from .helpers import assert_unchanged, module_snapshot
-from .test_dynamo_opaque import Tower
+from .helpers_models import Tower
 
 
 class Head(nn.Module):

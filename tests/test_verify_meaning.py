@@ -12,26 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 import fxprep
 
+from .helpers_models import llama_inputs, tiny_llama
+
 torch.set_num_threads(1)
-
-
-def tiny_llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def llama_inputs() -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "attention_mask": torch.ones(2, 5, dtype=torch.long)}
 
 
 class ReturnsNone(nn.Module):

@@ -169,7 +169,7 @@ def test_fx_on_a_wrapped_forward_is_explained() -> None:
     from fxprep.capture.fx import _explained
     from fxprep.reporting.diagnose import DECORATED_FORWARD
 
-    from .test_verify_meaning import llama_inputs, tiny_llama
+    from .helpers_models import llama_inputs, tiny_llama
 
     model = tiny_llama()
     report = fxprep.check_traceability(model, example_inputs=llama_inputs())

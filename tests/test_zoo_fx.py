@@ -23,31 +23,23 @@ from typing import Any
 import pytest
 import torch
 import torch.fx as fx
-import torchvision
 from torch import nn
 
 import fxprep
 from fxprep.passes.functional_to_module import remaining_compute_ops
 
 from .helpers import TV_VIT_KWARGS, zoo_params
+from .zoo_models import ALL_MODELS, INPUT_SIZE, TRAIN_INPUT_SIZE
+from .zoo_models import build_fx as build
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
-ALL_MODELS: list[str] = sorted(torchvision.models.list_models(module=torchvision.models))
 
 # Models plain ``torch.fx.symbolic_trace`` cannot trace, with the reason. They are skipped by the zoo
 # test and ``test_untraceable_list_is_current`` proves each one still fails, so the list cannot rot
 # into hiding a model that fxprep should handle. Empty since torchvision 0.29: all 80 classification
 # models trace with plain fx.
 FX_UNTRACEABLE: dict[str, str] = {}
-
-# Smallest input each architecture accepts (default 64x64: five stride-2 stages leave a 2x2 map).
-INPUT_SIZE: dict[str, int] = {
-    "inception_v3": 75,  # its stem needs >= 75 pixels
-    "maxvit_t": 224,  # partition_size 7 must divide every stage: 224 / 32 = 7
-}
-# In train mode inception_v3's auxiliary head pools 5x5 over Mixed_6e, which is 17x17 only at 299.
-TRAIN_INPUT_SIZE: dict[str, int] = {"inception_v3": 299}
 
 # Default run: one of each family that exercises something different (~40 s on one core).
 SUBSET: list[str] = [
@@ -127,18 +119,6 @@ class Snapshot:
         state = model.state_dict()
         changed = [k for k, v in self.state.items() if not torch.equal(state[k], v)]
         assert not changed, f"original model values changed: {changed[:5]}"
-
-
-def build(name: str, training: bool = False) -> tuple[nn.Module, torch.Tensor]:
-    """The model (weights=None, seeded init, in the requested mode) and its smallest valid input;
-    batch 2 in train mode, where BatchNorm needs more than one value per channel."""
-    torch.manual_seed(0)
-    model = torchvision.models.get_model(name, weights=None, **TV_VIT_KWARGS.get(name, {})).train(training)
-    size = (TRAIN_INPUT_SIZE if training else INPUT_SIZE).get(name, INPUT_SIZE.get(name, 64))
-    batch = 2 if training else 1
-    if "image_size" in TV_VIT_KWARGS.get(name, {}):
-        size = TV_VIT_KWARGS[name]["image_size"]
-    return model, torch.randn(batch, 3, size, size)
 
 
 def assert_prepared_contract(model: nn.Module, gm: fx.GraphModule) -> None:

@@ -39,10 +39,11 @@ from fxprep.compat import mct as fx_mct  # noqa: E402
 from fxprep.compat import nncf as fx_nncf  # noqa: E402
 from fxprep.compat.retrace import retraceable  # noqa: E402
 
-from .helpers import with_batchnorm_statistics  # noqa: E402
-from .test_aimet_handoff import QUANT as AIMET_QUANT  # noqa: E402
-from .test_aimet_handoff import _float as aimet_float  # noqa: E402
-from .test_torch_ao import ENGINE  # noqa: E402
+from .helpers import ENGINE, with_batchnorm_statistics  # noqa: E402
+from .helpers import QUANT as AIMET_QUANT  # noqa: E402
+from .helpers import _float as aimet_float  # noqa: E402
+
+torch.set_num_threads(1)  # as importing tests/test_aimet_handoff.py (which this file did until issue 62) set it
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32)

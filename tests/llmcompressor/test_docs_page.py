@@ -3,7 +3,7 @@ tests/test_docs_handoff.py leaves this page to this file)."""
 
 from __future__ import annotations
 
-from tests.test_docs import DOCS, run_page
+from tests.helpers_docs import DOCS, run_page
 
 
 def test_llm_compressor_page_runs(tmp_path, monkeypatch):
