@@ -12,9 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "fxprep"
 
 # A pass over torch.cond branches whose keyword-only options mirror functional_to_module.run's.
-EXEMPT = {("capture/rewrite/branches.py", "run"),
-          # the fallback step of the capture strategy; the strategy as one object (issue 62) takes its state
-          ("capture/shape_general.py", "after_fallback")}
+EXEMPT = {("capture/rewrite/branches.py", "run")}
 MAX_PARAMETERS = 6
 
 ROUTES = {

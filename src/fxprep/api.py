@@ -1,16 +1,19 @@
 """``prepare_model``: capture cascade → passes → verify → report.
 
-This module only orchestrates; every step lives in its own module and can be used alone.
-:func:`_prepare` reads as its stages (reference run, capture, passes, input guard, verification,
-report), each a function of one :class:`Preparation`: the :class:`~fxprep.capture.request.CaptureRequest`
-made once by :func:`_start`, and what the stages learn on the way. The report's longer note texts
-live in :mod:`fxprep.reporting.notes`.
+This module only orchestrates; every step lives in its own module and can be used alone. It runs
+the capture plan (:mod:`fxprep.pipeline.plan`: which attempts and captures, in which order, and why)
+without deciding it. :func:`_prepare`, one attempt, reads as its stages (reference run, capture,
+passes, input guard, verification, report), each a function of one :class:`Preparation`: the
+:class:`~fxprep.capture.request.CaptureRequest` made once by :func:`_start`, and what the stages learn
+on the way. The report's longer note texts live in :mod:`fxprep.reporting.notes`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import inspect
 import sys
 import time
@@ -48,7 +51,7 @@ from .passes import (
     unroll,
     values,
 )
-from .pipeline import root_hooks
+from .pipeline import plan, root_hooks
 from .pipeline.arguments import (
     check_concrete_args,
     check_dynamic_inputs,
@@ -127,30 +130,36 @@ def _counted(report: Report, stage: str, total: float) -> None:
 def _prepare_model(model: nn.Module, modules_to_exclude: list[nn.Module] | None,
                    module_classes_to_exclude: list[type] | None, concrete_args: dict[str, Any] | None,
                    example_inputs: Any, options: dict[str, Any]) -> fx.GraphModule:
+    """The attempts of the capture plan (:mod:`fxprep.pipeline.plan`), each the stages run once, until
+    one is kept and none follows it."""
     title = str(options.get("name") or type(model).__name__)
     start = time.perf_counter()
     with heap.frozen_heap(), progress.reporting(options.get("progress"), title), hooks_left_as_found(model), \
             huggingface.output_capturing_hooks(model), root_hooks.set_aside(model) as aside:
         user = UserArguments(modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs)
-        tries: list[float] = []  # the seconds of each attempt (_prepare call), for the report's timings
-        try:
-            gm, run = _prepare(model, user, options, tries=tries)
-        except shape_general.NotShapeGeneral as err:  # found dimensions did not hold: static shapes, as before
-            why, reference, narrower = str(err), err.reference, err.narrower
-        else:
-            gm = _batch_general(model, user, options, gm, run, tries) if run.batch_baked else gm
-            return _timed(root_hooks.carry(gm, aside, get_report(gm)), start, tries)
-        if narrower is not None:  # a multimodal example's batch did not hold: its prompt length alone
-            try:
-                gm, _ = _prepare(model, user, options, reference=reference,
-                                 proposal=autodims.batch_not_held(narrower, why), static_fallback=True, tries=tries)
-                return _timed(root_hooks.carry(gm, aside, get_report(gm)), start, tries)
-            except shape_general.NotShapeGeneral as err:
-                why, reference = f"{why}; with the prompt's length alone: {err}", err.reference
-        # outside the except block: the first attempt's frames (its capture, its copy of the model
-        # with copy=True) are freed before the second one starts; its reference run is reused
-        gm, _ = _prepare(model, user, {**options, "dynamic": False}, not_general=why, reference=reference, tries=tries)
-        return _timed(root_hooks.carry(gm, aside, get_report(gm)), start, tries)
+        capture_plan = plan.CapturePlan()
+        step: plan.Step | None = capture_plan.first()
+        gm: fx.GraphModule | None = None
+        while step is not None:
+            # a refused attempt's frames (its capture, its copy of the model with copy=True) are freed
+            # before the next one starts; its reference run is reused
+            made, outcome = _prepare(model, user, options, step)
+            capture_plan.record(outcome)
+            if step.kind is plan.Kind.BATCH:  # kept or not, the report says so; the static graph before stands
+                assert gm is not None
+                before = [n for n in get_report(gm).notes if n.startswith("Shape-general capture")]
+                gm = made[0] if made is not None else gm
+                get_report(gm).note(plan.batch_note(outcome, before))
+                break
+            if made is None:
+                step = plan.after_refused(outcome)
+                continue
+            gm, run = made
+            batch = functools.partial(_batch_proposal, model, run)  # made only where the batch was baked in
+            step = plan.after_kept(step, run.batch_baked, batch, options.get("dynamic"),
+                                   get_report(gm).reuse.get("captured", {}), run.reference)
+        assert gm is not None
+        return _timed(root_hooks.carry(gm, aside, get_report(gm)), start, capture_plan.seconds)
 
 
 def _timed(gm: fx.GraphModule, start: float, tries: list[float]) -> fx.GraphModule:
@@ -168,61 +177,36 @@ def _timed(gm: fx.GraphModule, start: float, tries: list[float]) -> fx.GraphModu
     return gm
 
 
-def _batch_general(model: nn.Module, user: UserArguments, options: dict[str, Any], gm: fx.GraphModule,
-                   run: Preparation, tries: list[float]) -> fx.GraphModule:
-    """A static graph the batch probe found specialised to the example's batch with no branch on it
-    (a ViT's ``cls_token.expand(B, -1, -1)``) prepared again with dimension 0 declared dynamic
-    (:func:`autodims.batch_proposal`), the reference run reused; kept when it verifies on the example
-    and on a second batch, else the static graph, which says why."""
-    proposal = autodims.batch_proposal(model, run.request.calls()[0])
-    if proposal is None or options.get("dynamic") is not None:
-        return gm
-    captured = get_report(gm).reuse.get("captured", {})
-    stamped, off = sum(len(v) for v in captured.values()), ""
-    if stamped < len(captured):  # reuse stamped fewer blocks than it captured: under dynamic shapes each
-        options = {**options, "reuse_blocks": False}  # capture costs more, and reuse cost Swin 5x
-        off = f" Block reuse was off for it: the static capture stamped {stamped} block(s) for {len(captured)} captured."
-    try:
-        general, _ = _prepare(model, user, options, reference=run.reference, proposal=proposal, tries=tries)
-    except Exception as err:  # noqa: BLE001 - the static graph stands; why the other did not is said
-        get_report(gm).note(f"Prepared again with dimension 0 of the inputs declared dynamic, not kept: "
-                            f"{type(err).__name__}: {first_line(err)}")
-        return gm
-    before = [n for n in get_report(gm).notes if n.startswith("Shape-general capture")]  # why the first try was static
-    get_report(general).note(f"The static-shape capture baked the example's batch into the graph ({proposal.describe()}): "
-                             f"captured again with it declared dynamic.{off}" + "".join(f" Before that: {n}" for n in before))
-    return general
+def _batch_proposal(model: nn.Module, run: Preparation) -> autodims.Proposal | None:
+    """Dimension 0 of the example's inputs as ``batch`` (:func:`autodims.batch_proposal`)."""
+    return autodims.batch_proposal(model, run.request.calls()[0])
 
 
-def _prepare(model: nn.Module, user: UserArguments, options: dict[str, Any], not_general: str | None = None,
-             reference: Reference | None = None, proposal: autodims.Proposal | None = None,
-             static_fallback: bool | None = None, tries: list[float] | None = None
-             ) -> tuple[fx.GraphModule, Preparation]:
-    """The stages of ``prepare_model``, in order; each is a function of the preparation ``run``.
-    ``reference``: the original's run on the example from an attempt before. ``proposal``: the
-    dimensions to capture with, and by default no static fallback (:func:`_batch_general`). ``tries``
-    gets the seconds this attempt took, kept or not."""
+def _prepare(model: nn.Module, user: UserArguments, options: dict[str, Any], step: plan.Step
+             ) -> tuple[tuple[fx.GraphModule, Preparation] | None, plan.Outcome]:
+    """One attempt of the plan: the stages of ``prepare_model``, in order, each a function of the
+    preparation ``run``; the prepared module and its preparation when kept, and the outcome. A
+    failure in ``step.refusals`` is the outcome's reason (with the reference run made, and the
+    narrower dimensions the proposal had, for the next attempt); any other is raised."""
     began = time.perf_counter()
+    run: Preparation | None = None
     try:
-        run = _start(model, user, options)
-        run.proposal = proposal
-        run.static_fallback = proposal is None if static_fallback is None else static_fallback
-        _reference_run(run, reference)
-        try:
-            return _stages(run, not_general), run
-        except shape_general.NotShapeGeneral as err:
-            err.reference, err.narrower = run.reference, run.proposal.narrower if run.proposal is not None else None
-            raise
-    finally:
-        if tries is not None:
-            tries.append(time.perf_counter() - began)
+        run = _start(model, user, step.with_options(options))
+        _reference_run(run, step.reference)
+        gm = _stages(run, step)
+    except step.refusals as err:
+        reference = run.reference if run is not None else None
+        narrower = run.proposal.narrower if run is not None and run.proposal is not None else None
+        return None, plan.Outcome(step, False, time.perf_counter() - began, str(err),
+                                  f"{type(err).__name__}: {first_line(err)}", reference, narrower)
+    return (gm, run), plan.Outcome(step, True, time.perf_counter() - began)
 
 
-def _stages(run: Preparation, not_general: str | None) -> fx.GraphModule:
+def _stages(run: Preparation, step: plan.Step) -> fx.GraphModule:
     """What follows the reference run, in order (see :func:`_prepare`)."""
-    _propose_shapes(run, not_general)
+    _propose_shapes(run, step)
     t1 = time.perf_counter()
-    run.result = _capture(run)
+    run.result = _capture(run, step.static_fallback)
     run.report.timings["capture"] = time.perf_counter() - t1
     gm = _captured_module(run)
     t2 = time.perf_counter()
@@ -277,10 +261,13 @@ def _reference_run(run: Preparation, reference: Reference | None) -> None:
         run.report.timings["reference run"] = time.perf_counter() - start
 
 
-def _propose_shapes(run: Preparation, not_general: str | None) -> None:
-    """Without ``dynamic=``, propose the shape-general dimensions (a transformers model's batch and
-    sequence: :mod:`fxprep.capture.shape_general`); with it, check it against the example (grown where a size is below 2)."""
+def _propose_shapes(run: Preparation, step: plan.Step) -> None:
+    """The dimensions to capture with: the attempt's own (``step.proposal``), else without ``dynamic=``
+    the shape-general proposal (a transformers model's batch and sequence:
+    :mod:`fxprep.capture.shape_general`); with it, it checked against the example (grown where a size
+    is below 2). A static attempt's report opens with why the dimensions were not kept."""
     opts, request = run.opts, run.request
+    run.proposal = step.proposal
     if run.proposal is None and opts.dynamic is not False and request.example is not None and opts.tracer != Route.FX \
             and (opts.control_flow is None or opts.dynamic is None) and dynamo_available():
         run.proposal = (autodims.propose(run.model, request.example) if opts.dynamic is None
@@ -288,37 +275,40 @@ def _propose_shapes(run: Preparation, not_general: str | None) -> None:
     if opts.dynamic and request.example is not None:
         grown = run.proposal.capture_example if run.proposal is not None and run.proposal.explicit else None
         check_dynamic_inputs(request if grown is None else request.replace(example=grown), opts.dynamic)
-    if not_general:
-        run.report.note(shape_general.not_kept_note(not_general))
+    if step.note:
+        run.report.note(step.note)
 
 
-def _capture(run: Preparation) -> CaptureResult:
-    """The capture: the tracers in order (with the control-flow rewrite, or shape-general first),
-    then the opaque-leaf fallback; raises the located failure when nothing captures the model."""
+def _capture(run: Preparation, static_fallback: bool) -> CaptureResult:
+    """The capture: the plan's captures (:mod:`fxprep.pipeline.plan`; with the control-flow rewrite, or
+    shape-general first), then the opaque-part fallback; the request, dimensions and shapes of the
+    capture kept are the preparation's from here. Raises the located failure when nothing captures
+    the model, :class:`~.capture.shape_general.NotShapeGeneral` when the dimensions did not hold and
+    the attempt has no static fallback."""
     opts, report = run.opts, run.report
     tracers, note = cascade.plan(opts.tracer, run.request.example, run.model)
     if note:
         report.note(note)
     with GLOBAL_LOCK:  # capture patches process-wide state: one thing at a time (fxprep.core.threads)
         run.rewrite = rewrite = _control_flow(run)
+        first = plan.first_capture(run.request, run.proposal, tracers)
         if rewrite is not None:  # control_flow="rewrite": data-dependent ifs rewritten, site by site
-            static = run.request if run.proposal is None else run.request.replace(dynamic=False)
-            result, attempts = rewrite.capture(lambda: cascade.capture(static, tracers))
-            if run.proposal is not None:
-                result, attempts = _general_after_rewrite(run, rewrite, tracers, result, attempts)
-        elif run.proposal is not None:  # proposed only with an example
-            result, attempts = _capture_general(run, tracers, static_fallback=run.static_fallback)
+            step, result, attempts = _capture_rewritten(run, rewrite, first, static_fallback)
         else:
-            result, attempts = cascade.capture(run.request, tracers)
+            step, result, attempts = _capture_first(run, first, static_fallback)
+        second = plan.second(step, result)  # decided on the static capture, made after the opaque-part fallback
         sites: list[Any] = []
         if result is None and opts.fallback == "leaf":  # Dynamo again with the failing parts opaque, then fx
             with rewrite.bound() if rewrite is not None else contextlib.nullcontext():
                 handled = rewrite.learn if rewrite is not None else None
-                result, sites = cascade.capture_with_opaque_parts(run.request.replace(handled=handled), attempts,
+                result, sites = cascade.capture_with_opaque_parts(step.request.replace(handled=handled), attempts,
                                                                   fx_too=opts.tracer != Route.DYNAMO)
-        if run.elsewhere is not None:
-            result, sites = _fallback_general(run, attempts, result, sites)
-        run.dynamic = run.proposal.dynamic if run.proposal is not None else run.request.dynamic
+        if second is not None:
+            step, result = _capture_second(run, second, step, attempts, result, sites)
+        if step.note:
+            report.note(step.note)
+        run.request, run.proposal = step.request, step.proposal
+        run.dynamic = step.proposal.dynamic if step.proposal is not None else step.request.dynamic
     report.issues.extend(issue for _, issue in sites)
     if result is not None and sites:
         report.note(notes.opaque_parts(len(sites), dynamo=Route(result.tracer).dynamo))
@@ -473,14 +463,28 @@ def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
         report.note(notes.decided_values(decided))
 
 
-def _capture_general(run: Preparation, tracers: list[str], *, static_fallback: bool
-                     ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+def _capture_first(run: Preparation, first: plan.CaptureStep, static_fallback: bool) -> plan.Captured:
+    """``first`` (:func:`plan.first_capture`), and where it is a shape-general capture that is
+    refused, the capture :func:`plan.after_general` says comes next (static shapes, or the tracers
+    as asked); raises :class:`~.capture.shape_general.NotShapeGeneral` when none does."""
+    if first.kind is not plan.CaptureKind.GENERAL:
+        return plan.Captured(first, *cascade.capture(first.request, list(first.tracers)))
+    general = _capture_general(run, first)
+    if isinstance(general, plan.Captured):
+        return general
+    step = plan.after_general(first, general, static_fallback)
+    if step is None:
+        raise shape_general.NotShapeGeneral(general.why)
+    result, attempts = cascade.capture(step.request, list(step.tracers))
+    done = general.elsewhere.attempts if step.kind is plan.CaptureKind.AS_ASKED and general.elsewhere is not None else []
+    return plan.Captured(step, result, done + attempts)
+
+
+def _capture_general(run: Preparation, step: plan.CaptureStep) -> plan.Captured | plan.Refusal:
     """The shape-general capture (:func:`shape_general.capture`: Dynamo alone, with the proposal's
-    dimensions); when it fails, the static-shape capture as before, said in the report (the reference
-    run is kept), or :class:`~.capture.shape_general.NotShapeGeneral` without ``static_fallback``.
-    ``run.proposal`` becomes the proposal kept (None when static) and ``run.request`` the request
-    the capture used."""
-    request, proposal = run.request, run.proposal
+    dimensions), kept with the proposal's limits; or why not (a branch of the model's code bounding
+    the user's own dimensions: the tracers as asked, where an opaque part takes both ways)."""
+    request, proposal = step.request, step.proposal
     assert proposal is not None and request.example is not None
 
     def capture_at(call: ExampleInputs, dims: Any, opaque: list[Any], search: bool
@@ -491,59 +495,57 @@ def _capture_general(run: Preparation, tracers: list[str], *, static_fallback: b
     try:
         result, attempts, found = shape_general.capture(request.model, request.example, proposal, capture_at,
                                                         scans_of=shape_general.scans_finder(request))
-        run.proposal = shape_general.limits(request.model, found, request.replace(example=found.capture_example).calls()[0])
-        if run.proposal.explicit and run.proposal.limits:  # the tracers as asked: an opaque part takes both ways
-            raise shape_general.NotShapeGeneral("a branch of the model's code bounds them")
-        return result, attempts
     except shape_general.NotShapeGeneral as err:
-        if proposal.explicit:  # the user's dimensions: the tracers as asked, as before (Dynamo not twice)
-            run.proposal, done = None, err.elsewhere.attempts if err.elsewhere is not None else []
-            result, attempts = cascade.capture(request, [t for t in tracers if t != Route.DYNAMO] if done else tracers)
-            return result, done + attempts
-        if not static_fallback:
-            raise
-        run.proposal = None
-        run.request = request.replace(dynamic=False)
-        result, attempts = cascade.capture(run.request, tracers)
-        if result is None and err.elsewhere is not None:  # the static fallback, then maybe with the dimensions
-            run.elsewhere = (err.elsewhere, str(err))
-        else:
-            run.report.note(shape_general.not_kept_note(str(err)))
-        return result, attempts
+        return plan.Refusal(str(err), err.elsewhere)
+    kept = shape_general.limits(request.model, found, request.replace(example=found.capture_example).calls()[0])
+    if kept.explicit and kept.limits:
+        return plan.Refusal("a branch of the model's code bounds them", None)
+    return plan.Captured(dataclasses.replace(step, proposal=kept), result, attempts)
 
 
-def _general_after_rewrite(run: Preparation, rewrite: Any, tracers: list[str], result: CaptureResult | None,
-                           attempts: list[CaptureAttempt]) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-    """``control_flow="rewrite"`` with the shape-general proposal. The sites are found and rewritten
-    on static shapes (each round is a capture, and a failure's cause is plainest there); the model
-    with the plan found is then captured once more with the proposal's dimensions
-    (:func:`_capture_general`), kept when Dynamo captures it whole. Otherwise the static capture
-    stands and the report says why, or, without a static fallback, :class:`NotShapeGeneral` is raised."""
-    if result is None or result.tracer != Route.DYNAMO:
-        why = ("with the control-flow rewrite, Dynamo did not capture the model as one graph on static shapes "
-               f"({result.tracer if result is not None else 'no capture'}), so its dimensions were not declared")
-    else:
-        try:
-            with rewrite.bound():
-                general, more = _capture_general(run, tracers, static_fallback=False)
-            return general, attempts + more
-        except shape_general.NotShapeGeneral as err:
-            why = str(err)
-    if not run.static_fallback:
+def _capture_rewritten(run: Preparation, rewrite: Any, first: plan.CaptureStep, static_fallback: bool
+                       ) -> plan.Captured:
+    """``control_flow="rewrite"``. The sites are found and rewritten on static shapes (each round is
+    a capture, and a failure's cause is plainest there); with dimensions proposed, the model with
+    the plan found is then captured once more with them (:func:`_capture_general`), kept when Dynamo
+    captures it whole. Otherwise the static capture stands and the report says why, or, without a
+    static fallback, :class:`~.capture.shape_general.NotShapeGeneral` is raised."""
+    static = first.request if first.proposal is None else first.request.replace(dynamic=False)
+    made = plan.Captured(dataclasses.replace(first, kind=plan.CaptureKind.STATIC, proposal=None),
+                         *rewrite.capture(lambda: cascade.capture(static, list(first.tracers))))
+    if first.kind is not plan.CaptureKind.GENERAL:
+        return made
+    why = plan.not_after_rewrite(made)
+    if why is None:
+        with rewrite.bound():
+            general = _capture_general(run, first)
+            if isinstance(general, plan.Captured):
+                return general._replace(attempts=made.attempts + general.attempts)
+            step = plan.after_general(first, general, static_fallback=False)
+            if step is not None:  # the user's own dimensions: the tracers as asked
+                result, attempts = cascade.capture(step.request, list(step.tracers))
+                done = general.elsewhere.attempts if general.elsewhere is not None else []
+                return plan.Captured(step, result, made.attempts + done + attempts)
+        why = general.why
+    step = plan.static_instead(made.step, why, static_fallback)
+    if step is None:
         raise shape_general.NotShapeGeneral(why)
-    run.proposal = None
-    run.report.note(shape_general.not_kept_note(why))
-    return result, attempts
+    return made._replace(step=step)
 
 
-def _fallback_general(run: Preparation, attempts: list[CaptureAttempt], result: CaptureResult | None,
-                      sites: list[Any]) -> tuple[CaptureResult | None, list[Any]]:
-    """The static fallback's capture, or the shape-general one :func:`shape_general.after_fallback` takes."""
-    assert run.elsewhere is not None
-    (elsewhere, why), run.elsewhere = run.elsewhere, None
-    general = run.request.replace(dynamic=None)
-    result, sites, kept = shape_general.after_fallback(general, elsewhere, why, attempts, result, sites, run.report)
-    if kept is not None:
-        run.proposal = shape_general.limits(run.model, kept, general.replace(example=kept.capture_example).calls()[0])
-        run.request = general
-    return result, sites
+def _capture_second(run: Preparation, second: plan.CaptureStep, static: plan.CaptureStep,
+                    attempts: list[CaptureAttempt], result: CaptureResult | None, sites: list[Any]
+                    ) -> tuple[plan.CaptureStep, CaptureResult | None]:
+    """The static fallback's capture (``result``, made from the ``static`` step's request), or where
+    Dynamo made it (with parts opaque, maybe deciding values read from data), the same capture with
+    the dimensions (``second``: :func:`shape_general.fallback`) when that holds, with their limits;
+    else the static step, its report note saying why."""
+    assert second.elsewhere is not None and second.proposal is not None
+    why_not = plan.second_not_tried(result)
+    if why_not is None:
+        assert result is not None
+        dims, found, why_not = shape_general.fallback(second.request, second.elsewhere, attempts, result.tracer, sites)
+        if dims is not None and found is not None:
+            call = second.request.replace(example=found.capture_example).calls()[0]
+            return dataclasses.replace(second, proposal=shape_general.limits(run.model, found, call)), dims
+    return dataclasses.replace(static, why=f"{static.why}; {why_not}"), result

@@ -363,23 +363,6 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
     return result, found, ""
 
 
-def after_fallback(request: CaptureRequest, elsewhere: Elsewhere, why: str, attempts: list[CaptureAttempt],
-                   result: CaptureResult | None, sites: list[Any], report: Report
-                   ) -> tuple[CaptureResult | None, list[Any], autodims.Proposal | None]:
-    """The static fallback's capture (``result``, ``sites``), or, where Dynamo made it (with parts
-    opaque, maybe deciding values read from data), the same capture with ``elsewhere``'s dimensions
-    (:func:`fallback`) when that holds (third value: the dimensions kept, else None); the report
-    says which and why (``why``: the shape-general capture's own failure)."""
-    if result is None or result.tracer not in FALLBACK_TRACERS:
-        report.note(not_kept_note(f"{why}; {NOT_TRIED}"))
-        return result, sites, None
-    dims, found, why_not = fallback(request, elsewhere, attempts, result.tracer, sites)
-    if dims is None or found is None:
-        report.note(not_kept_note(f"{why}; {why_not}"))
-        return result, sites, None
-    return dims, sites, found
-
-
 def not_kept_note(why: str) -> str:
     """The report's note when the shape-general capture (or its verification) failed: ``why``."""
     return (f"Shape-general capture (the dimensions found from the input names declared dynamic) was tried and "

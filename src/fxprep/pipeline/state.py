@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from ..capture import shape_general
 from ..capture.common import CaptureResult
 from ..capture.request import CaptureRequest
 from ..capture.shapes import autodims
@@ -50,13 +49,11 @@ class Preparation:
     original_call: ExampleInputs | None = None
     prepared_call: ExampleInputs | None = None
     reference: Reference | None = None
-    proposal: autodims.Proposal | None = None
+    proposal: autodims.Proposal | None = None  # the dimensions captured with: proposed, then the capture's kept
     rewrite: Any = None
     result: CaptureResult | None = None
     dynamic: Any = None
-    elsewhere: tuple[shape_general.Elsewhere, str] | None = None  # a shape-general capture for the fallback
     batch_baked: bool = False  # the batch probe found the example's batch baked into the static graph
-    static_fallback: bool = True  # a failed shape-general capture falls back to static shapes (else raises)
     assumed: list[str] = field(default_factory=list)  # values the graph holds and no call checks (fxprep.runtime.baked)
 
     @property
