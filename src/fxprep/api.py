@@ -447,10 +447,10 @@ def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
 
             named = dynamic_dims(model, call, run.dynamic)
             given = {**dict(zip(inspect.signature(gm.forward).parameters, call.args)), **call.kwargs}
-            for name, spec in named.items():
+            for name, declared in named.items():
                 value = given.get(name)
                 rank = value.dim() if isinstance(value, torch.Tensor) else 0
-                dims[name] = {d % rank for d in spec} if rank else set()
+                dims[name] = {d % rank for d in declared} if rank else set()
         spec = guard.record(gm, call.args, call.kwargs, tracer, dims, shape_general.specialised_reasons(run.proposal),
                             shape_general.limits_by_input(run.proposal))
         if spec is not None:

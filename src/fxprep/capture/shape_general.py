@@ -1,19 +1,11 @@
 """Shape-general by default: a transformers model captured with its batch and sequence dimensions
 dynamic, and proven so, unless the user said otherwise.
 
-:mod:`fxprep.capture.shapes.autodims` says which dimensions those are and gives the example to
-capture on. This module runs that capture for ``prepare_model`` (:func:`capture`: Dynamo alone,
-block reuse kept; a dimension the model's code specialises is taken out, with why, and the capture
-retried; where Dynamo stopped for another reason, :func:`fallback` captures again with the
-dimensions the way the static fallback did, with the same parts opaque and the same values read
-from data decided: Llava's Pixtral tower, the Qwen family's rope index); ``prepare_model`` checks
-the result on a second size (batch and sequence 3 larger than the example's) and reports it
-(:func:`notes`). Any failure is a
-:class:`NotShapeGeneral`: ``prepare_model`` then captures with static shapes as before (after a
-failed capture at once, after a failed verification by preparing again) and says why
-(:func:`not_kept_note`). The batch probe (:mod:`fxprep.capture.batch`, one more whole-model Dynamo trace
-plus two verification runs) has nothing left to find where the batch dimension is declared and
-verified, so it does not run then.
+:mod:`fxprep.capture.shapes.autodims` says which dimensions; this module runs the capture
+(:func:`capture`), takes out a dimension the model's code specialises (saying why), captures again
+after a static fallback with the same opaque parts (:func:`fallback`), and writes the notes. Any
+failure is a :class:`NotShapeGeneral`, after which ``prepare_model`` captures with static shapes
+(:mod:`fxprep.pipeline.plan`). See docs/shapes.md, "Shape-general capture, step by step".
 """
 
 from __future__ import annotations

@@ -2,18 +2,12 @@
 what came of it.
 
 Two levels, each a small frozen step that a plain function of the previous outcome decides
-(:mod:`fxprep.api` runs them; docs/architecture.md, "The capture plan"):
-
-* an **attempt** (:class:`Step`) runs the stages again, capture to verification: as asked
-  (shape-general where dimensions are proposed), then where those dimensions did not hold a
-  multimodal example's prompt length alone, then static shapes; after a static graph the batch
-  probe found specialised to the example's batch, the same with dimension 0 declared.
-  :class:`CapturePlan` records each attempt's :class:`Outcome`.
-* inside one attempt's capture stage, a **capture** (:class:`CaptureStep`): shape-general, then the
-  static fallback (the tracers as asked, for the user's own dimensions), then, where Dynamo had
-  stopped for another reason than the dimensions, the static fallback's route with them declared.
-
-The report's story of what was not kept comes from here (:attr:`Step.note`, :attr:`CaptureStep.note`, :func:`batch_note`).
+(:mod:`fxprep.api` runs them): an **attempt** (:class:`Step`: as asked, the prompt length alone,
+static shapes, dimension 0 declared) runs the stages again from capture to verification, and
+:class:`CapturePlan` records each one's :class:`Outcome`; inside one attempt, a **capture**
+(:class:`CaptureStep`: shape-general, the static fallback, the fallback's route with the dimensions
+declared). The report's story of what was not kept comes from here. See docs/architecture.md,
+"The capture plan".
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Hooks registered on the model itself (not on one of its layers): run around the graph, not in it.
 
-``torch.fx.symbolic_trace`` and Dynamo trace ``model.forward``; hooks on the model run around that
-call, so no graph holds them. Left on the model during capture they are worse than absent: a
-pre-forward hook taking keyword arguments stops Dynamo's whole-graph export, and a hook changing
-the output makes verification compare a hooked original with an unhooked graph. So
-:func:`set_aside` takes the model's forward and pre-forward hooks off for the length of
-``prepare_model`` (the dicts themselves, put back on exit, so the user's handles stay valid) and
-:func:`carry` registers the same callables, with the same options and in the same order, on the
-prepared module: ``gm(x)`` then runs them as ``model(x)`` does. Backward hooks are carried the
-same way (they play no part in a forward capture and stay on the model). Hooks on submodules are
-the capture's business (:mod:`fxprep.capture.dynamo.regroup`).
-
-Global module hooks (``register_module_forward_hook``: a profiler's, a tracer's) stop Dynamo the
-same way; they are set aside too, process-wide, for the length of the preparation (fxprep's
-captures hold :data:`fxprep.core.threads.GLOBAL_LOCK`; another thread running a model meanwhile does not
-see them). They need no carrying: they apply to the prepared module's calls as to any module's.
+Left on the model during capture they stop Dynamo's export (a pre-forward hook taking keyword
+arguments) or make verification compare a hooked original with an unhooked graph, so
+:func:`set_aside` takes them off for the length of ``prepare_model`` (the user's handles stay
+valid) and :func:`carry` registers the same callables, in the same order, on the prepared module.
+Global module hooks are set aside too, process-wide, under the capture lock.
+See docs/concepts/capture.md, "Hooks on the model itself".
 """
 
 from __future__ import annotations
