@@ -200,7 +200,8 @@ HF_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "rembert": ("AutoModel", {"input_embedding_size": 32, "output_embedding_size": 32}),
     "xlm-roberta-xl": ("AutoModel", {}), "layoutlm": ("AutoModel", {}),
     # decoders
-    "gpt2": ("AutoModelForCausalLM", {}), "openai-gpt": ("AutoModelForCausalLM", {}), "gpt_neo": ("AutoModelForCausalLM", {"attention_types": [[["global", "local"], 1]], "num_layers": 2}),
+    "gpt2": ("AutoModelForCausalLM", {}), "openai-gpt": ("AutoModelForCausalLM", {}),
+    "gpt_neo": ("AutoModelForCausalLM", {"attention_types": [[["global", "local"], 1]], "num_layers": 2}),
     "gptj": ("AutoModelForCausalLM", {"rotary_dim": 8}), "gpt_neox": ("AutoModelForCausalLM", {}),
     "gpt_bigcode": ("AutoModelForCausalLM", {}), "codegen": ("AutoModelForCausalLM", {"rotary_dim": 4, "n_head": 4}),
     "opt": ("AutoModelForCausalLM", {"ffn_dim": 37, "word_embed_proj_dim": 32}), "bloom": ("AutoModelForCausalLM", {}),
@@ -219,7 +220,8 @@ HF_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "blenderbot": ("AutoModelForSeq2SeqLM", {}), "m2m_100": ("AutoModelForSeq2SeqLM", {}),
     # vision
     "vit": ("AutoModelForImageClassification", {}), "deit": ("AutoModel", {}),
-    "beit": ("AutoModelForImageClassification", {}), "swin": ("AutoModelForImageClassification", {"depths": [1, 1], "num_heads": [1, 2], "window_size": 2, "patch_size": 4}),
+    "beit": ("AutoModelForImageClassification", {}),
+    "swin": ("AutoModelForImageClassification", {"depths": [1, 1], "num_heads": [1, 2], "window_size": 2, "patch_size": 4}),
     "convnext": ("AutoModelForImageClassification", {"hidden_sizes": [8, 16], "depths": [1, 1]}),
     "resnet": ("AutoModelForImageClassification", {"hidden_sizes": [8, 16], "depths": [1, 1], "embedding_size": 8}),
     "mobilevit": ("AutoModelForImageClassification", {"image_size": 64, "hidden_sizes": [16, 24, 32], "neck_hidden_sizes": [8, 8, 16, 16, 24, 32, 64]}),
@@ -231,14 +233,17 @@ HF_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         "projection_dim": 16}),
     "segformer": ("AutoModel", {"num_encoder_blocks": 2, "depths": [1, 1], "sr_ratios": [2, 1], "hidden_sizes": [8, 16],
                                 "patch_sizes": [7, 3], "strides": [4, 2], "num_attention_heads": [1, 2], "mlp_ratios": [2, 2]}),
-    "dinov2": ("AutoModel", {}), "regnet": ("AutoModelForImageClassification", {"hidden_sizes": [8, 16], "depths": [1, 1], "embedding_size": 8, "groups_width": 8}),
+    "dinov2": ("AutoModel", {}),
+    "regnet": ("AutoModelForImageClassification", {"hidden_sizes": [8, 16], "depths": [1, 1], "embedding_size": 8, "groups_width": 8}),
     "poolformer": ("AutoModelForImageClassification", {"hidden_sizes": [8, 16, 24, 32], "depths": [1, 1, 1, 1]}),
     "bit": ("AutoModelForImageClassification", {"hidden_sizes": [32, 64], "depths": [1, 1], "embedding_size": 32, "num_groups": 2}),
     "convnextv2": ("AutoModelForImageClassification", {"hidden_sizes": [8, 16], "depths": [1, 1]}),
     # audio
     "whisper": ("AutoModel", {"num_mel_bins": 16, "max_source_positions": 16, "max_target_positions": 16}),
-    "wav2vec2": ("AutoModel", {"conv_dim": [8, 8], "conv_stride": [5, 4], "conv_kernel": [10, 8], "num_conv_pos_embeddings": 8, "num_conv_pos_embedding_groups": 2}),
-    "hubert": ("AutoModel", {"conv_dim": [8, 8], "conv_stride": [5, 4], "conv_kernel": [10, 8], "num_conv_pos_embeddings": 8, "num_conv_pos_embedding_groups": 2}),
+    "wav2vec2": ("AutoModel", {"conv_dim": [8, 8], "conv_stride": [5, 4], "conv_kernel": [10, 8],
+                           "num_conv_pos_embeddings": 8, "num_conv_pos_embedding_groups": 2}),
+    "hubert": ("AutoModel", {"conv_dim": [8, 8], "conv_stride": [5, 4], "conv_kernel": [10, 8],
+                           "num_conv_pos_embeddings": 8, "num_conv_pos_embedding_groups": 2}),
 }
 
 

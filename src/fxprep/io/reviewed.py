@@ -35,37 +35,37 @@ builtins.len  python: the length of a value the graph holds; builds nothing
 fxprep.cond.cond  control: runs one of two saved branch graphs, each loaded and checked like the main graph
 fxprep.decisions.check_decision  control: compares a value with the one decided at capture and raises on a difference; computes nothing
 fxprep.io.checked.grouped_mm  checked: torch._grouped_mm behind fxprep's check of its offsets (monotone, within the input) before the kernel runs
-math.sqrt  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.abs  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.add  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.and_  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.eq  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.floordiv  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.ge  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+math.sqrt  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.abs  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.add  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.and_  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.eq  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.floordiv  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.ge  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
 operator.getitem  python: an item of a tuple/list/dict a node made, or Tensor.__getitem__ (indices checked by torch; hostile cases in tests/test_io_hostile.py)
-operator.gt  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.iadd  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.imul  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.invert  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.itruediv  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.le  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.lt  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.gt  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.iadd  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.imul  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.invert  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.itruediv  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.le  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.lt  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
 operator.matmul  matmul: Tensor.__matmul__; sizes checked by torch, multiply-adds counted before it runs (op_flops)
-operator.mod  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.mul  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.ne  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.neg  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.or_  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.pow  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.sub  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
-operator.truediv  python: Python's own arithmetic on ints/floats (bounded by io/pyvalues.py: bits, items, time); on tensors the Tensor operator, checked by torch
+operator.mod  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.mul  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.ne  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.neg  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.or_  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.pow  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.sub  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.truediv  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
 torch.Size  python: a tuple of ints (a shape built from sizes), bounded by io/pyvalues.py
 torch._C._nn.pad  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch._assert  control: raises when its condition is false; computes nothing
 torch._assert_async  control: raises when its condition is false; computes nothing
-torch.abs  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.add  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.addcmul  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.abs  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.add  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.addcmul  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.addmm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
 torch.all  reduction: dims and k checked by torch; output no larger than the input
 torch.amax  reduction: dims and k checked by torch; output no larger than the input
@@ -78,70 +78,70 @@ torch.baddbmm  matmul: sizes checked by torch; multiply-adds counted before it r
 torch.bincount  reduction: bins/minlength make memory, counted by io/peak.py before it runs; bins checked by torch
 torch.bmm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
 torch.cat  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
-torch.ceil  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.ceil  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.chunk  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.clamp  pointwise: bounds broadcast against the input (checked by torch)
-torch.clip  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.clip  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.clone  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.concat  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.concatenate  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
-torch.cos  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.cos  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.cumsum  reduction: dims and k checked by torch; output no larger than the input
 torch.diff  reduction: dims and k checked by torch; output no larger than the input
-torch.div  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.div  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.einsum  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
 torch.empty  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.empty_like  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
-torch.eq  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.erf  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.exp  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.eq  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.erf  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.exp  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.eye  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.flatten  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
-torch.floor  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.floor_divide  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.fmod  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.floor  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.floor_divide  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.fmod  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.full  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.full_like  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.fx._symbolic_trace._assert_is_none  control: raises when its condition is false; computes nothing
 torch.gather  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
 torch.histc  reduction: bins/minlength make memory, counted by io/peak.py before it runs; bins checked by torch
-torch.isfinite  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.lerp  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.isfinite  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.lerp  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.linalg.vector_norm  reduction: dims and k checked by torch; output no larger than the input
 torch.linspace  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
-torch.log  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.log2  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.logical_and  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.logical_not  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.log  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.log2  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.logical_and  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.logical_not  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.logsumexp  reduction: dims and k checked by torch; output no larger than the input
 torch.masked_fill  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
 torch.matmul  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
 torch.max  reduction: dims and k checked by torch; output no larger than the input
-torch.maximum  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.maximum  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.mean  reduction: dims and k checked by torch; output no larger than the input
 torch.meshgrid  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.min  reduction: dims and k checked by torch; output no larger than the input
-torch.minimum  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.minimum  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.mm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
-torch.mul  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.multiply  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.neg  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.mul  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.multiply  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.neg  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.nn.functional.adaptive_avg_pool1d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.adaptive_avg_pool2d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.adaptive_max_pool1d_with_indices  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.adaptive_max_pool2d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
-torch.nn.functional.alpha_dropout  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.alpha_dropout  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.nn.functional.avg_pool1d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.avg_pool2d  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.batch_norm  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.conv1d  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
 torch.nn.functional.conv2d  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
 torch.nn.functional.cosine_similarity  reduction: dims and k checked by torch; output no larger than the input
-torch.nn.functional.dropout  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.dropout  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.nn.functional.embedding  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
-torch.nn.functional.feature_alpha_dropout  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.feature_alpha_dropout  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.nn.functional.fold  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
-torch.nn.functional.gelu  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.gelu  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.nn.functional.group_norm  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.instance_norm  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.interpolate  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
@@ -157,7 +157,7 @@ torch.nn.functional.normalize  reduction: dims and k checked by torch; output no
 torch.nn.functional.one_hot  indexing: indices and num_classes checked by torch (an index past num_classes raises); output counted by io/peak.py
 torch.nn.functional.pad  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.prelu  pointwise: its weight broadcast over channels (checked by torch)
-torch.nn.functional.rrelu  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.nn.functional.rrelu  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.nn.functional.scaled_dot_product_attention  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
 torch.nn.functional.softmax  reduction: dims and k checked by torch; output no larger than the input
 torch.nn.functional.unfold  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
@@ -166,34 +166,34 @@ torch.norm  reduction: dims and k checked by torch; output no larger than the in
 torch.ones  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.ones_like  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.permute  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
-torch.polar  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.pow  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.polar  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.pow  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.prod  reduction: dims and k checked by torch; output no larger than the input
 torch.repeat_interleave  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.reshape  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.rms_norm  layer: normalized_shape and weight checked by torch against the input; output counted by io/peak.py
 torch.roll  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
-torch.rsqrt  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.rsub  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.sign  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.sin  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.rsqrt  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.rsub  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.sign  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.sin  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.softmax  reduction: dims and k checked by torch; output no larger than the input
 torch.sort  reduction: dims and k checked by torch; output no larger than the input
-torch.special.erf  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.special.expm1  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.special.i1  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.special.erf  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.special.expm1  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.special.i1  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.split  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
-torch.sqrt  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
-torch.square  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.sqrt  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.square  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.stack  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
-torch.sub  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.sub  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.sum  reduction: dims and k checked by torch; output no larger than the input
 torch.swapaxes  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.sym_float  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
 torch.sym_ite  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
 torch.sym_max  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
 torch.sym_not  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
-torch.tanh  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch); no size, index or stride taken
+torch.tanh  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.tensor  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.tensor_split  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.topk  reduction: dims and k checked by torch; output no larger than the input
@@ -309,41 +309,41 @@ numpy_T  shape: the reversed-dims view of its input (no size or index taken)
 
 # torch.nn / torch.ao.nn / torchvision.ops layer classes (fxprep.ops classes are allowed by rule).
 CLASSES = table("""
-torch.nn.modules.activation.CELU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.ELU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.GELU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.GLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Hardshrink  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Hardsigmoid  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Hardswish  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Hardtanh  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.LeakyReLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.LogSigmoid  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.LogSoftmax  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Mish  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.MultiheadAttention  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.PReLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.RReLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.ReLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.ReLU6  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.SELU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.SiLU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Sigmoid  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Softmax  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Softmin  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Softplus  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Softshrink  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Softsign  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Tanh  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Tanhshrink  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.activation.Threshold  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.batchnorm.BatchNorm1d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.batchnorm.BatchNorm2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.conv.Conv1d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.conv.Conv2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.conv.Conv3d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.conv.ConvTranspose1d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.conv.ConvTranspose2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.activation.CELU  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.ELU  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.GELU  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.GLU  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Hardshrink  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Hardsigmoid  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Hardswish  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Hardtanh  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.LeakyReLU  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.LogSigmoid  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.LogSoftmax  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Mish  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.MultiheadAttention  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.PReLU  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.RReLU  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.ReLU  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.ReLU6  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.SELU  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.SiLU  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Sigmoid  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Softmax  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Softmin  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Softplus  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Softshrink  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Softsign  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Tanh  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Tanhshrink  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.activation.Threshold  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.batchnorm.BatchNorm1d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.batchnorm.BatchNorm2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.conv.Conv1d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.conv.Conv2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.conv.Conv3d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.conv.ConvTranspose1d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.conv.ConvTranspose2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.dropout.AlphaDropout  layer: random mask of its input's shape; identity in eval
 torch.nn.modules.dropout.Dropout  layer: random mask of its input's shape; identity in eval
 torch.nn.modules.dropout.Dropout1d  layer: random mask of its input's shape; identity in eval
@@ -352,29 +352,29 @@ torch.nn.modules.dropout.Dropout3d  layer: random mask of its input's shape; ide
 torch.nn.modules.dropout.FeatureAlphaDropout  layer: random mask of its input's shape; identity in eval
 torch.nn.modules.flatten.Flatten  layer: a view of its input; dims checked by torch
 torch.nn.modules.flatten.Unflatten  layer: a view of its input; dims checked by torch
-torch.nn.modules.fold.Unfold  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.linear.Bilinear  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.fold.Unfold  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.linear.Bilinear  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.linear.Identity  layer: a view of its input; dims checked by torch
-torch.nn.modules.linear.Linear  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.linear.NonDynamicallyQuantizableLinear  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.linear.Linear  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.linear.NonDynamicallyQuantizableLinear  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.module.Module  container: holds saved children; runs nothing of its own but them
-torch.nn.modules.normalization.GroupNorm  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.normalization.LayerNorm  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.normalization.RMSNorm  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.padding.ConstantPad2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.padding.ZeroPad2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.pixelshuffle.PixelShuffle  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.pooling.AdaptiveAvgPool2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.pooling.AvgPool1d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.pooling.AvgPool2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.pooling.MaxPool1d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.pooling.MaxPool2d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.pooling.MaxPool3d  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.rnn.GRU  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.rnn.LSTM  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.sparse.Embedding  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.transformer.TransformerEncoderLayer  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
-torch.nn.modules.upsampling.Upsample  layer: built on meta from saved constructor values; its forward calls torch's checked kernels on its own weights
+torch.nn.modules.normalization.GroupNorm  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.normalization.LayerNorm  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.normalization.RMSNorm  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.padding.ConstantPad2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.padding.ZeroPad2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.pixelshuffle.PixelShuffle  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.pooling.AdaptiveAvgPool2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.pooling.AvgPool1d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.pooling.AvgPool2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.pooling.MaxPool1d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.pooling.MaxPool2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.pooling.MaxPool3d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.rnn.GRU  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.rnn.LSTM  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.sparse.Embedding  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.transformer.TransformerEncoderLayer  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.upsampling.Upsample  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torchvision.ops.stochastic_depth.StochasticDepth  layer: random mask of its input's shape; identity in eval
 """)
 

@@ -410,7 +410,8 @@ def _special(node: fx.Node, training: bool) -> Replacement | None:
             act = None
         if act is not None:
             cls = ops.Softmax if act[0].name in ("softmax", "log_softmax", "softmin") else ops.Activation
-            return _bound_op(cls, target, node, act[0].name, f"{_describe_target(node)} with arguments nn.{act[0].module.__name__} cannot hold → {cls.__name__}")  # type: ignore[arg-type]
+            reason = f"{_describe_target(node)} with arguments nn.{act[0].module.__name__} cannot hold → {cls.__name__}"
+            return _bound_op(cls, target, node, act[0].name, reason)  # type: ignore[arg-type]
         if target in DROPOUTS:
             return _bound_op(ops.Dropout, target, node, target.__name__,  # type: ignore[union-attr]
                              f"{_describe_target(node)} with training fixed in the source (not self.training) → Dropout, mode fixed")
