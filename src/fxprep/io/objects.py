@@ -37,6 +37,13 @@ def bare_instance(cls: type[object]) -> Any:
 def trust_hint(code: str, policy: TrustPolicy) -> str:
     """Why code of an untrusted package cannot be saved by name, and what to do."""
     package = code.split(".")[0]
+    if policy.package_of(code) is not None:  # trusted, and still not found there by its own name
+        return (
+            f"{code} is not what that name resolves to inside {package!r}, which you trust (an object of "
+            f"another kind stands there, or the code was defined elsewhere and assigned to it), so a load could "
+            f"not find it by name. Save the original model instead, or make that part traceable (fxprep check "
+            f"shows why it is not)."
+        )
     listed = f" (trusted_modules={list(policy.modules)} does not include it)" if policy.modules else ""
     return (
         f"a saved directory holds no code, so loading it means importing {package}'s code by name, which fxprep "

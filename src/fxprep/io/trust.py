@@ -158,6 +158,31 @@ def _valid_path(name: Any) -> bool:
     return isinstance(name, str) and bool(name) and all(p.isidentifier() and not p.startswith("__") for p in name.split("."))
 
 
+def _named_within(obj: Any, name: str) -> Any:
+    """``obj`` where it names itself ``name``; else the one function a wrapper at ``name`` holds that
+    does: ``functools.wraps``' ``__wrapped__``, or a closure cell of the wrapper class's own
+    ``forward`` / ``__call__`` (the ``kernels`` package replaces transformers' scan functions by such
+    modules; fxprep's opaque part calls the function inside, which names itself after the
+    attribute). Identity, not text: the function is the object found there. ``_MISSING`` else."""
+    if obj is _MISSING or canonical_name(obj) == name:
+        return obj
+    inside: list[Any] = [inspect.getattr_static(obj, "__wrapped__", None)]
+    for attr in ("forward", "__call__"):
+        method = inspect.getattr_static(type(obj), attr, None)
+        if isinstance(method, types.FunctionType) and method.__closure__:
+            inside += [cell.cell_contents for cell in method.__closure__ if _filled(cell)]
+    found = [fn for fn in inside if isinstance(fn, types.FunctionType) and canonical_name(fn) == name]
+    return found[0] if len(found) == 1 else _MISSING
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises ValueError
+    except ValueError:
+        return False
+    return True
+
+
 def _find_in(package: str, name: str) -> Any:
     """The object ``name`` names, imported from inside ``package`` only: the longest importable
     module prefix (never outside the package), then the rest through class dicts (no attribute
@@ -227,8 +252,8 @@ class TrustPolicy:
         package = self.package_of(name)
         if package is None or not _valid_path(name):
             return _MISSING
-        obj = _find_in(package, name)
-        if obj is _MISSING or canonical_name(obj) != name or self.package_of(getattr(obj, "__module__", None)) is None:
+        obj = _named_within(_find_in(package, name), name)
+        if obj is _MISSING or self.package_of(getattr(obj, "__module__", None)) is None:
             return _MISSING
         return obj
 
