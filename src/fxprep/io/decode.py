@@ -49,7 +49,7 @@ from .trust import TrustPolicy, check_attribute, check_getattr, check_member, is
 _DTYPES = allowlist.dtype_table(torch.dtype)
 _ENUMS = {"dtype": _DTYPES, "memory_format": allowlist.dtype_table(torch.memory_format),
           "layout": allowlist.dtype_table(torch.layout)}
-_LIST_TAGS = frozenset({"tuple", "dict", "slice", "size", "complex"})
+_LIST_TAGS = frozenset({"tuple", "dict", "slice", "size", "complex", "set", "frozenset"})
 
 
 @dataclass
@@ -90,6 +90,10 @@ class Decoder:
             return tuple(self(i) for i in x)
         if tag == "dict":
             return {self(k): self(i) for k, i in x}
+        if tag in ("set", "frozenset"):  # numbers and strings only: nothing a hash could run code for
+            if not all(i is None or type(i) in (bool, int, float, str) for i in x):
+                raise SerializationError(f"a saved {tag} may hold only numbers and strings: {str(x)[:80]}")
+            return set(x) if tag == "set" else frozenset(x)
         if tag == "slot":
             if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < 100_000:
                 raise SerializationError(f"bad op input slot {str(x)[:20]}")

@@ -127,6 +127,11 @@ class Encoder:
             return [self(x) for x in v]
         if type(v) is dict or isinstance(v, fx.immutable_collections.immutable_dict):
             return {"$": "dict", "v": [[self(k), self(x)] for k, x in v.items()]}
+        if type(v) in (set, frozenset):  # of plain values only (transformers' _keep_in_fp32_modules)
+            if not all(x is None or type(x) in (bool, int, float, str) for x in v):
+                raise SerializationError(f"cannot save {self.where}: a {type(v).__name__} of other than numbers and "
+                                         f"strings has no safe saved form.")
+            return {"$": type(v).__name__, "v": sorted(v, key=repr)}
         if isinstance(v, slice):
             return {"$": "slice", "v": [self(v.start), self(v.stop), self(v.step)]}
         if v is Ellipsis:
@@ -155,7 +160,8 @@ class Encoder:
             return self.objects(v, self.where)
         raise SerializationError(
             f"cannot save {self.where}: a {type(v).__qualname__} has no safe saved form (fxprep saves tensors, "
-            f"numbers, strings, dtypes, devices, slices, tuples/lists/dicts of those, and functions with an importable name)."
+            f"numbers, strings, dtypes, devices, slices, tuples/lists/dicts of those, sets of numbers and strings, and functions "
+            f"with an importable name)."
         )
 
 
