@@ -210,6 +210,30 @@ CASES: dict[str, list[str]] = {
     "torch.nn.functional.group_norm": ["F.group_norm(img, 3)", "F.group_norm(img, 0)", "F.group_norm(img, 2, torch.ones(9))"],
     "torch.nn.functional.instance_norm": ["F.instance_norm(img, torch.ones(9), torch.ones(9))",
                                           "F.instance_norm(img, weight=torch.ones(7))"],
+    # added with the zoo measurement of the whole causal-LM zoo (issue 63)
+    "torch.broadcast_tensors": ["torch.broadcast_tensors(x, torch.ones(3, 5))", "torch.broadcast_tensors(x[:1].expand(big, 6), x)"],
+    "torch.index_select": ["torch.index_select(x, 0, torch.tensor([9]))", "torch.index_select(x, 1, torch.tensor([-9]))",
+                           "torch.index_select(x, 5, torch.tensor([0]))", "torch.index_select(x, 0, torch.tensor([big]))"],
+    "torch.nn.functional.grid_sample": ["F.grid_sample(img, torch.full((1, 4, 4, 2), 1e30), align_corners=False)",
+                                        "F.grid_sample(img, torch.full((1, 4, 4, 2), float('nan')), align_corners=False)",
+                                        "F.grid_sample(img, torch.full((1, 4, 4, 2), -1e30), mode='nearest', padding_mode='border', "
+                                        "align_corners=True)",
+                                        "F.grid_sample(img, torch.full((1, 4, 4, 2), float('inf')), padding_mode='reflection', "
+                                        "align_corners=False)",
+                                        "F.grid_sample(img, torch.zeros(1, 4, 4, 3), align_corners=False)",
+                                        "F.grid_sample(img, torch.zeros(2, 4, 4, 2), align_corners=False)"],
+    "torch.scalar_tensor": ["torch.scalar_tensor(big)", "torch.scalar_tensor(float('nan'), dtype=torch.int64)",
+                            "torch.scalar_tensor(1.0, dtype=torch.int8)"],
+    "torch.scatter": ["torch.scatter(x, 1, torch.tensor([[9]]), 1.0)", "torch.scatter(x, 0, torch.tensor([[-9]]), 1.0)",
+                      "torch.scatter(x, 5, torch.tensor([[0]]), 1.0)", "torch.scatter(x, 1, torch.zeros(9, 9, dtype=torch.long), 1.0)"],
+    "torch.std": ["torch.std(x, dim=9)", "torch.std(x, dim=(0, 0))", "torch.std(x, correction=big)"],
+    "Tensor.expand_as": ["x.expand_as(torch.ones(3, 3))", "x[:1].expand_as(torch.ones(2, 7))"],
+    "Tensor.index_add": ["x.index_add(0, torch.tensor([9]), torch.ones(1, 6))", "x.index_add(1, torch.tensor([-9]), torch.ones(4, 1))",
+                         "x.index_add(0, torch.tensor([0]), torch.ones(3, 3))"],
+    "Tensor.index_select": ["x.index_select(0, torch.tensor([4]))", "x.index_select(1, torch.tensor([-7]))"],
+    "Tensor.scatter": ["x.scatter(1, torch.tensor([[6]]), 1.0)", "x.scatter(0, torch.tensor([[-5]]), 1.0)"],
+    "Tensor.sort": ["x.sort(dim=9)", "x.sort(dim=-9)"],
+    "Tensor.view_as": ["x.view_as(torch.ones(5, 5))", "x.t().view_as(torch.ones(24))"],
 }
 
 _CHILD = textwrap.dedent('''

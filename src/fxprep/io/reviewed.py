@@ -55,6 +55,7 @@ operator.mod  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, ite
 operator.mul  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
 operator.ne  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
 operator.neg  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
+operator.not_  python: the truth of a value, negated (a tensor's through bool(), checked by torch); builds nothing
 operator.or_  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
 operator.pow  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
 operator.sub  python: arithmetic on ints/floats (io/pyvalues.py bounds bits, items, time); on tensors the Tensor operator, checked by torch
@@ -77,6 +78,7 @@ torch.as_tensor  construct: sizes make memory, counted before it runs (io/budget
 torch.baddbmm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
 torch.bincount  reduction: bins/minlength make memory, counted by io/peak.py before it runs; bins checked by torch
 torch.bmm  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
+torch.broadcast_tensors  shape: views of the inputs at their broadcast shape; shapes checked by torch
 torch.cat  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.ceil  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.chunk  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
@@ -94,7 +96,9 @@ torch.empty  construct: sizes make memory, counted before it runs (io/budget.py 
 torch.empty_like  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.eq  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.erf  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.erfinv  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.exp  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.expm1  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.eye  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.flatten  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.floor  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
@@ -105,15 +109,18 @@ torch.full_like  construct: sizes make memory, counted before it runs (io/budget
 torch.fx._symbolic_trace._assert_is_none  control: raises when its condition is false; computes nothing
 torch.gather  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
 torch.histc  reduction: bins/minlength make memory, counted by io/peak.py before it runs; bins checked by torch
+torch.index_select  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
 torch.isfinite  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.lerp  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.linalg.vector_norm  reduction: dims and k checked by torch; output no larger than the input
 torch.linspace  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
 torch.log  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.log1p  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.log2  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.logical_and  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.logical_not  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.logsumexp  reduction: dims and k checked by torch; output no larger than the input
+torch.lt  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.masked_fill  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
 torch.matmul  matmul: sizes checked by torch; multiply-adds counted before it runs (op_flops)
 torch.max  reduction: dims and k checked by torch; output no larger than the input
@@ -142,6 +149,7 @@ torch.nn.functional.embedding  indexing: indices/masks checked against the input
 torch.nn.functional.feature_alpha_dropout  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.nn.functional.fold  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.gelu  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.nn.functional.grid_sample  layer: samples at the grid's coordinates (outside ones padded, never read out of bounds); output counted by io/peak.py
 torch.nn.functional.group_norm  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.instance_norm  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
 torch.nn.functional.interpolate  layer: kernel sizes, strides, pads, output sizes checked by torch; output counted by io/peak.py
@@ -175,6 +183,8 @@ torch.rms_norm  layer: normalized_shape and weight checked by torch against the 
 torch.roll  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.rsqrt  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.rsub  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
+torch.scalar_tensor  construct: a 0-d tensor of one value; sizes make memory, counted before it runs (io/budget.py, io/peak.py)
+torch.scatter  indexing: indices/masks checked against the input by torch's CPU kernel (tests/test_io_hostile.py)
 torch.sign  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.sin  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.softmax  reduction: dims and k checked by torch; output no larger than the input
@@ -186,12 +196,14 @@ torch.split  shape: dims, sizes and split points checked by torch against the in
 torch.sqrt  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.square  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.stack  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
+torch.std  reduction: dims and k checked by torch; output no larger than the input
 torch.sub  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.sum  reduction: dims and k checked by torch; output no larger than the input
 torch.swapaxes  shape: dims, sizes and split points checked by torch against the input; new memory counted by io/peak.py
 torch.sym_float  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
 torch.sym_ite  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
 torch.sym_max  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
+torch.sym_min  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
 torch.sym_not  python: a symbolic-size helper on plain ints/bools at load (bounded by io/pyvalues.py)
 torch.tanh  pointwise: values in, one value out of the broadcast shape (checked by torch); no size, index or stride taken
 torch.tensor  construct: sizes make memory, counted before it runs (io/budget.py for literals, io/peak.py for the rest)
@@ -223,6 +235,8 @@ bool  dtype: the same values in another dtype (or device: only those this proces
 chunk  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 clamp  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 clamp_  pointwise: in place, never resizes (a broadcast that would grow self raises in torch)
+clamp_max  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+clamp_min  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 clone  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 contiguous  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 copy_  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
@@ -231,15 +245,20 @@ cumsum  reduction: dims and k checked by torch; output no larger than the input
 detach  dtype: the same values in another dtype (or device: only those this process has)
 dim  python: a number read from a tensor
 div  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+div_  pointwise: in place, never resizes (a broadcast that would grow self raises in torch)
+double  dtype: the same values in another dtype (or device: only those this process has)
 erfc  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 exp  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 expand  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+expand_as  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 fill_  pointwise: in place, never resizes (a broadcast that would grow self raises in torch)
 flatten  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 flip  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 float  dtype: the same values in another dtype (or device: only those this process has)
 floor  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 gather  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
+index_add  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
+index_select  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
 int  dtype: the same values in another dtype (or device: only those this process has)
 item  python: a number or a shape read from a tensor
 log  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
@@ -272,11 +291,13 @@ reshape  shape: dims and sizes checked by torch against the input; new memory co
 reshape_as  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 round  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 rsqrt  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
+scatter  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
 scatter_  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
 sigmoid_  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 sin  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 size  python: a number or a shape read from a tensor
 softmax  reduction: dims and k checked by torch; output no larger than the input
+sort  reduction: dims and k checked by torch; output no larger than the input
 split  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 sqrt  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
 square  pointwise: values in, one value out of the broadcast shape (broadcasting checked by torch)
@@ -297,6 +318,7 @@ unfold  shape: dims and sizes checked by torch against the input; new memory cou
 unsqueeze  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 var  reduction: dims and k checked by torch; output no larger than the input
 view  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
+view_as  shape: dims and sizes checked by torch against the input; new memory counted by io/peak.py
 where  indexing: indices/masks checked against the tensor by torch's CPU kernel (tests/test_io_hostile.py)
 zero_  pointwise: in place, never resizes (a broadcast that would grow self raises in torch)
 """)
@@ -339,6 +361,7 @@ torch.nn.modules.activation.Tanhshrink  layer: built on meta from saved construc
 torch.nn.modules.activation.Threshold  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.batchnorm.BatchNorm1d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.batchnorm.BatchNorm2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.batchnorm.BatchNorm3d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.conv.Conv1d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.conv.Conv2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.conv.Conv3d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
@@ -353,6 +376,7 @@ torch.nn.modules.dropout.FeatureAlphaDropout  layer: random mask of its input's 
 torch.nn.modules.flatten.Flatten  layer: a view of its input; dims checked by torch
 torch.nn.modules.flatten.Unflatten  layer: a view of its input; dims checked by torch
 torch.nn.modules.fold.Unfold  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.instancenorm.InstanceNorm2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.linear.Bilinear  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.linear.Identity  layer: a view of its input; dims checked by torch
 torch.nn.modules.linear.Linear  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
@@ -364,9 +388,12 @@ torch.nn.modules.normalization.RMSNorm  layer: built on meta from saved construc
 torch.nn.modules.padding.ConstantPad2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.padding.ZeroPad2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.pixelshuffle.PixelShuffle  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.pooling.AdaptiveAvgPool1d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.pooling.AdaptiveAvgPool2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.pooling.AdaptiveAvgPool3d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.pooling.AvgPool1d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.pooling.AvgPool2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
+torch.nn.modules.pooling.AvgPool3d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.pooling.MaxPool1d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.pooling.MaxPool2d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
 torch.nn.modules.pooling.MaxPool3d  layer: built on meta from saved constructor values; forward runs torch's checked kernels on its weights
