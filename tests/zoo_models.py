@@ -263,7 +263,10 @@ def tiny_config(model_type: str, extra: dict[str, Any]) -> Any:
 def build_hf(model_type: str) -> tuple[nn.Module, Any]:
     import transformers
 
-    from fxprep.families.transformers.model import example_inputs_for
+    try:
+        from fxprep.families.transformers.model import example_inputs_for
+    except ImportError:  # an fxprep from before the regroup (benchmarks/load_bench.py's --base tree)
+        from fxprep.capture.huggingface import example_inputs_for  # type: ignore[no-redef]
 
     auto, extra = HF_ARCHS[model_type]
     config = tiny_config(model_type, extra)
