@@ -273,3 +273,25 @@ def test_an_in_place_op_makes_no_new_tensor():
 
     x = torch.zeros(4)
     assert torch.equal(peak.Bounded(_graph(build), 2**20, 3).run(x), torch.full((4,), 1000.0))
+
+
+def test_what_an_op_makes_is_kept_by_its_arguments_and_every_budget_still_checks_it():
+    """The second run of an op on arguments of the same metadata takes its size and flops from the
+    per-process table instead of a fake run, and a budget with a lower limit still refuses it; an
+    argument of other metadata (another shape, or a view sharing the first's storage) is its own entry."""
+    mib4 = 1024 * 1024 * 4
+    peak._NEEDS.clear()
+    x = torch.ones(1024, 1024)
+    with peak._Budget(limit=8 * mib4, held=0, max_tensors=100):
+        y = x + 1
+        del y
+    key = peak._op_key(torch.ops.aten.add.Tensor, (x, 1), {})
+    assert peak._NEEDS[key][0] == mib4
+    assert peak._op_key(torch.ops.aten.add.Tensor, (x[:2], 1), {}) != key
+    assert peak._op_key(torch.ops.aten.add.Tensor, (x, x), {}) != peak._op_key(torch.ops.aten.add.Tensor, (x, x.clone()), {})
+    with peak._Budget(limit=mib4 // 2, held=0, max_tensors=100), pytest.raises(peak.ForwardTooLarge):
+        x + 1  # noqa: B018 - the op is the test
+    with peak._Budget(limit=8 * mib4, held=0, max_tensors=100, max_flops=10), pytest.raises(peak.ForwardTooLarge):
+        torch.mm(x, x)
+    with peak._Budget(limit=8 * mib4, held=0, max_tensors=100, max_flops=10), pytest.raises(peak.ForwardTooLarge):
+        torch.mm(x, x)  # the second time from the table: still over the flops budget

@@ -194,6 +194,39 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return 0
 
 
+# What an op makes and its flops follow from the op and its arguments' metadata alone (the fake run
+# sees nothing else): kept per process by that metadata, so the repeated layers of a model, and the
+# next load of it, are counted without running the op on fake tensors again.
+_NEEDS: dict[Any, tuple[int, int]] = {}
+_MAX_NEEDS = 20_000
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _op_key(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The op and everything its fake run reads of its arguments: per tensor its shape, strides,
+    offset, dtype, device, grad flag and storage (its size, and which argument's storage it shares);
+    plain values themselves; each argument's number of leaves. None where an argument is anything
+    else (then the op is run on fake tensors, as always)."""
+    storages: dict[int, int] = {}
+    parts: list[Any] = [func, tuple(kwargs)]
+    for value in (*args, *kwargs.values()):
+        leaves = tree_leaves(value)
+        parts.append(len(leaves))
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if type(leaf) is not torch.Tensor and type(leaf) is not torch.nn.Parameter:
+                    return None  # a tensor subclass may compute its metadata otherwise
+                storage = leaf.untyped_storage()
+                index = storages.setdefault(storage.data_ptr(), len(storages))
+                parts.append((tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype, leaf.device,
+                              leaf.requires_grad, index, storage.nbytes()))
+            elif type(leaf) in _PLAIN:
+                parts.append((type(leaf), leaf))
+            else:
+                return None
+    return tuple(parts)
+
+
 class _Budget(TorchDispatchMode):
     """Refuses an op whose outputs would take what is alive past ``limit`` (see the module's
     docstring), and follows every storage an op makes until the last tensor holding it is garbage.
@@ -246,18 +279,27 @@ class _Budget(TorchDispatchMode):
         it has no fake kernel."""
         if _is_view(func):
             return 0
-        try:
-            with self.fake:
-                fake_args, fake_kwargs = tree_map(self._faked, (args, kwargs))
-                written = _written(func, fake_args, fake_kwargs)
-                before = _sizes(written)
-                out = func(*fake_args, **fake_kwargs)
-                need = _new_bytes(out, (fake_args, fake_kwargs)) + _growth(written, before)
-        except DynamicOutputShapeException:
-            return _data_bound(func, args, kwargs)
-        except Exception:  # noqa: BLE001 - any op the fake run cannot follow: counted after it ran
-            return None
-        flops = _flops(func, fake_args, fake_kwargs, out)
+        key = _op_key(func, args, kwargs)
+        known = _NEEDS.get(key) if key is not None else None
+        if known is not None:
+            need, flops = known
+        else:
+            try:
+                with self.fake:
+                    fake_args, fake_kwargs = tree_map(self._faked, (args, kwargs))
+                    written = _written(func, fake_args, fake_kwargs)
+                    before = _sizes(written)
+                    out = func(*fake_args, **fake_kwargs)
+                    need = _new_bytes(out, (fake_args, fake_kwargs)) + _growth(written, before)
+            except DynamicOutputShapeException:
+                return _data_bound(func, args, kwargs)
+            except Exception:  # noqa: BLE001 - any op the fake run cannot follow: counted after it ran
+                return None
+            flops = _flops(func, fake_args, fake_kwargs, out)
+            if key is not None:
+                if len(_NEEDS) >= _MAX_NEEDS:
+                    _NEEDS.clear()
+                _NEEDS[key] = (need, flops)
         if self.max_flops is not None and flops > self.max_flops:
             raise ForwardTooLarge(self.node, 0, flops, self.max_flops, "flops")
         return need
