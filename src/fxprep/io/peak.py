@@ -205,7 +205,7 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.me
 def _op_key(func: Any, args: tuple, kwargs: dict) -> Any:
     """The op and everything its fake run reads of its arguments: per tensor its shape, strides,
     offset, dtype, device, grad flag and storage (its size, and which argument's storage it shares);
-    plain values themselves; each argument's number of leaves. None where an argument is anything
+    layout and conjugate/negative bits; plain values themselves; each argument's number of leaves. None where an argument is anything
     else (then the op is run on fake tensors, as always)."""
     storages: dict[int, int] = {}
     parts: list[Any] = [func, tuple(kwargs)]
@@ -219,7 +219,7 @@ def _op_key(func: Any, args: tuple, kwargs: dict) -> Any:
                 storage = leaf.untyped_storage()
                 index = storages.setdefault(storage.data_ptr(), len(storages))
                 parts.append((tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype, leaf.device,
-                              leaf.requires_grad, index, storage.nbytes()))
+                              leaf.requires_grad, leaf.layout, leaf.is_conj(), leaf.is_neg(), index, storage.nbytes()))
             elif type(leaf) in _PLAIN:
                 parts.append((type(leaf), leaf))
             else:
