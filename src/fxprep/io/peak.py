@@ -214,8 +214,8 @@ def _op_key(func: Any, args: tuple, kwargs: dict) -> Any:
         parts.append(len(leaves))
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                if type(leaf) is not torch.Tensor and type(leaf) is not torch.nn.Parameter:
-                    return None  # a tensor subclass may compute its metadata otherwise
+                if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf.layout is not torch.strided:
+                    return None  # a subclass or a sparse tensor: its metadata is not all here
                 storage = leaf.untyped_storage()
                 index = storages.setdefault(storage.data_ptr(), len(storages))
                 parts.append((tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype, leaf.device,
