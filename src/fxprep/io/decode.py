@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from .. import ops
 from ..errors import SerializationError
 from ..reporting.report import Report
-from . import allowlist
+from . import allowlist, parametrized
 from .format import (
     CONTAINERS,
     GRAPH,
@@ -227,6 +227,9 @@ def _build_one(entry: dict[str, Any], kind: str, decode: Decoder, policy: TrustP
                 module = cls(**kwargs)
         except Exception as err:  # noqa: BLE001 - a class refusing its saved arguments is a SerializationError
             raise SerializationError(f"module {path!r}: {class_name(cls)}(**{str(kwargs)[:200]}) failed: {err}") from err
+        if "parametrize" in entry:  # torch's own weight_norm applied again (io/parametrized.py)
+            with torch.device("meta"):
+                parametrized.apply(module, entry["parametrize"], f"module {path!r}")
         for sub, attrs in field_of(entry, "patch", dict).items():
             if sub and not all(is_atom(p) and not p.startswith("__") for p in sub.split(".")):
                 raise SerializationError(f"module {path!r}: malformed submodule name {sub[:80]!r} to patch.")

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from .. import ops
 from ..errors import SerializationError
-from . import checked
+from . import checked, parametrized
 from .allowlist import canonical_name
 from .format import CONTAINERS, HOOK_DICTS, TYPE_NAMES, own_attrs, tensor_record
 from .objects import ObjectWriter, class_name, opaque_code_name, trust_hint
@@ -233,12 +233,18 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _class_of(module: nn.Module) -> Any:
+    """A module's class; for a class torch.nn.utils.parametrize generated (a new one per module), the
+    class it was made from."""
+    return ("parametrized", type(module).__bases__) if parametrized.is_parametrized(module) else type(module)
+
+
 def _structure_matches(original: nn.Module, rebuilt: nn.Module) -> bool:
     """Same subtree paths and classes, same tensor slots (names, None-ness, shapes), same buffer
     persistence and no more hooks than the constructor itself registers."""
     a = list(original.named_modules(remove_duplicate=False))
     b = list(rebuilt.named_modules(remove_duplicate=False))
-    if [(n, type(m)) for n, m in a] != [(n, type(m)) for n, m in b]:
+    if [(n, _class_of(m)) for n, m in a] != [(n, _class_of(m)) for n, m in b]:
         return False
     for (_, x), (_, y) in zip(a, b):
         for slots in ("_parameters", "_buffers"):
@@ -328,6 +334,8 @@ class TreeWriter:
                     "kwargs": {k: enc(v) for k, v in module.kwargs.items()}}
         if opaque_code_name(module) is not None:
             return self._opaque(path, module)
+        if parametrized.is_parametrized(module):
+            return self._parametrized(path, module, owned, where)
         if any(getattr(module, h) for h in HOOK_DICTS if not cls.__module__.startswith("torch.")):
             raise SerializationError(f"cannot save {where}: it has forward/backward hooks, which have no saved form.")
         if cls in CONTAINERS:
@@ -340,16 +348,40 @@ class TreeWriter:
                 return described
         return self._state(path, module)
 
-    def _init(self, path: str, module: nn.Module, owned: set[str]) -> dict[str, Any] | None:
+    def _parametrized(self, path: str, module: nn.Module, owned: set[str], where: str) -> dict[str, Any]:
+        """A torch.nn layer with torch's weight_norm (:mod:`.parametrized`): its base class's
+        constructor call plus the parametrizations load applies again with torch's own code."""
+        base, spec = parametrized.describe(module, where)
+        if not base.__module__.startswith(("torch.nn.", "torch.ao.nn.")):
+            raise SerializationError(
+                f"cannot save {where}: fxprep saves weight_norm on torch.nn layers only (rebuilt from their "
+                f"constructor arguments), and {class_name(base)} is not one. Remove the parametrization first "
+                f"(torch.nn.utils.parametrize.remove_parametrizations), or save the original model."
+            )
+        described = self._init(path, module, owned, base, spec)
+        if described is None:
+            raise SerializationError(
+                f"cannot save {where}: a {class_name(base)} with weight_norm is saved as that layer rebuilt from its "
+                f"constructor arguments with torch's weight_norm applied again, and this one is not what that "
+                f"rebuilds (other hooks, tensors or submodules, or parts shared with other modules)."
+            )
+        return {**described, "class": class_name(base), "parametrize": spec}
+
+    def _init(self, path: str, module: nn.Module, owned: set[str], base: type[nn.Module] | None = None,
+              spec: dict[str, Any] | None = None) -> dict[str, Any] | None:
         kwargs = init_kwargs(module)
         if kwargs is None:
             return None
         try:
             with torch.device("meta"):
-                rebuilt = type(module)(**kwargs)
+                rebuilt = (base or type(module))(**kwargs)
+                if spec is not None:
+                    parametrized.apply(rebuilt, spec, path)
         except Exception:  # noqa: BLE001 - not reconstructible this way: fall back to "state"
             return None
         if not _structure_matches(module, rebuilt):
+            return None
+        if spec is not None and not all(parametrized.same_hooks(x, y) for x, y in zip(module.modules(), rebuilt.modules())):
             return None
         # Everything the constructor creates below this module must not be shared with the outside.
         for m in module.modules():
@@ -389,7 +421,8 @@ class TreeWriter:
         cls = type(module)
         where = f"module {path!r} of class {class_name(cls)}"
         if any(getattr(module, h) for h in (*HOOK_DICTS, "_state_dict_hooks", "_load_state_dict_pre_hooks")):
-            raise SerializationError(f"cannot save {where}: it has hooks, which have no saved form.")
+            raise SerializationError(f"cannot save {where}: it has hooks, which have no saved form."
+                                     + parametrized.hooks_hint(module))
         attrs = {}
         for k, v in own_attrs(module).items():
             if k.startswith("__"):

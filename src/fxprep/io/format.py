@@ -40,7 +40,8 @@ CHECKED_FILES = (GRAPH, MODULES, WEIGHTS, CODE)
 KINDS = {
     "root": "the GraphModule itself",
     "container": "a plain nn.Module / Sequential / ModuleList / ModuleDict: created empty, children added",
-    "init": "a torch.nn layer rebuilt by calling its constructor with the recorded arguments",
+    "init": "a torch.nn layer rebuilt by calling its constructor with the recorded arguments (then torch's weight_norm "
+            "where it records a parametrization: io/parametrized.py)",
     "owned": "a child the parent's constructor creates (MultiheadAttention.out_proj): only checked",
     "bound_op": "an fxprep.ops op: its callable's name plus the argument templates",
     "state": "any other trusted module class: created without __init__, its plain attributes restored",
