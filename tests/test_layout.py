@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fxprep"
@@ -120,9 +121,14 @@ ROLES = {
 UPPER = ("fxprep.api", "fxprep.pipeline", "fxprep.cli", "fxprep.compat", "fxprep.view")
 LOWER = ("fxprep.core", "fxprep.reporting", "fxprep.runtime", "fxprep.capture", "fxprep.families", "fxprep.passes",
          "fxprep.verify", "fxprep.big", "fxprep.ops", "fxprep.cond", "fxprep.decisions", "fxprep.errors")
-# Known exceptions, each to go: AIMET QuantSim's registration is called by api (and by io.load through
-# api.register_with_toolkits) until compat has one adapter contract the pipeline does not import.
-KNOWN_UPWARD = {("fxprep.api", "fxprep.compat.aimet_quantsim"), ("fxprep.io", "fxprep.api")}
+# Known exceptions, each to go (none left: AIMET QuantSim's registration is the adapter's hook, run by
+# runtime/toolkits.py, since compat has one adapter contract, fxprep/compat/contract.py).
+KNOWN_UPWARD: set[tuple[str, str]] = set()
+# What may import an adapter: compat itself and the command above it.
+ADAPTER_USERS = ("fxprep.compat", "fxprep.cli")
+# The one place outside them that names an adapter, as data: the toolkit hooks' table, read by
+# prepare_model and load; the adapter is imported only once its toolkit is (tests/test_compat_contract.py).
+ADAPTERS_NAMED = {("fxprep.runtime.toolkits", "fxprep.compat.aimet_quantsim")}
 
 
 def _within(name: str, prefixes: tuple[str, ...] | str) -> bool:
@@ -142,11 +148,27 @@ def test_no_transformers_file_outside_families() -> None:
     assert stray == [], f"transformers knowledge lives in families/transformers/: {stray}"
 
 
+def _adapter_names(source: str) -> set[str]:
+    """String literals that are the dotted name of ``fxprep.compat`` or a module in it (an import by
+    name: ``importlib.import_module("fxprep.compat.nncf")``); a docstring mentioning one is not."""
+    return {node.value for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Constant)
+            and isinstance(node.value, str) and re.fullmatch(r"fxprep\.compat(\.\w+)*", node.value)}
+
+
 def test_the_pipeline_never_imports_an_adapter() -> None:
     modules = _modules()
-    found = {(name, m) for name, path in modules.items() if not _within(name, "fxprep.compat")
+    found = {(name, m) for name, path in modules.items() if not _within(name, ADAPTER_USERS)
              for m in _imports(name, path, modules) if _within(m, "fxprep.compat")}
     assert found <= KNOWN_UPWARD, f"an adapter imported from the pipeline: {sorted(found - KNOWN_UPWARD)}"
+    named = {(name, m) for name, path in modules.items() if not _within(name, ADAPTER_USERS)
+             for m in _adapter_names(path.read_text())}
+    assert named == ADAPTERS_NAMED, f"an adapter named outside compat/ (a hook goes in runtime/toolkits.HOOKED): {named}"
+
+
+def test_the_adapter_check_finds_imports_by_name() -> None:
+    source = ('"""Mentions fxprep.compat.aimet in prose."""\nimport importlib\n'
+              'importlib.import_module("fxprep.compat.nncf")\nx = "fxprep.compat"\ny = "fxprep.compatible"\n')
+    assert _adapter_names(source) == {"fxprep.compat.nncf", "fxprep.compat"}
 
 
 def test_lower_layers_do_not_import_upper_ones() -> None:

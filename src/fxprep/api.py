@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import functools
 import inspect
-import sys
 import time
 from typing import Any
 
@@ -64,7 +63,7 @@ from .pipeline.verification import verification
 from .reporting import notes, progress
 from .reporting.diagnose import first_line
 from .reporting.report import Report
-from .runtime import baked, guard
+from .runtime import baked, guard, toolkits
 from .runtime.prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, get_report, set_preserved
 from .verify import Reference, run_original
 
@@ -372,7 +371,7 @@ def _passes(run: Preparation, gm: fx.GraphModule) -> None:
 
 def _finish(run: Preparation, gm: fx.GraphModule) -> fx.GraphModule:
     """The report completed and attached, the original remembered (for ``load_weights`` and
-    ``verify_prepared``), fxprep's module classes registered with the toolkits imported."""
+    ``verify_prepared``), the hooks of the toolkits imported run (:mod:`fxprep.runtime.toolkits`)."""
     report, result = run.report, run.result
     assert result is not None
     if run.rewrite is not None:
@@ -380,18 +379,8 @@ def _finish(run: Preparation, gm: fx.GraphModule) -> fx.GraphModule:
     report.timings["total"] = time.perf_counter() - run.start
     set_preserved(gm, REPORT, report)
     remember_original(gm, run.model, run.request.concrete_args)  # for fxprep.load_weights / verify_prepared
-    register_with_toolkits()
+    toolkits.run_hooks()  # the toolkits already imported accept the module (AIMET QuantSim)
     return gm
-
-
-def register_with_toolkits() -> None:
-    """Register fxprep's module classes with the quantization toolkits already imported, so the
-    prepared module goes straight into them (AIMET QuantSim: :mod:`fxprep.compat.aimet_quantsim`).
-    A toolkit that is not imported is not imported here: that would cost seconds."""
-    if sys.modules.get("aimet_torch") is not None:
-        from .compat.aimet_quantsim import register
-
-        register()
 
 
 def _control_flow(run: Preparation) -> Any:

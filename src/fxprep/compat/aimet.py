@@ -20,8 +20,12 @@ from torch import nn
 from ..api import prepare_model as _fxprep_prepare_model
 from ..families.transformers.model import is_hf_model
 from ..passes.aimet_modules import aimet_available
+from .contract import Adapter
 
-__all__ = ["prepare_model", "register_quantsim"]
+__all__ = ["ADAPTER", "prepare_model", "register_quantsim"]
+
+ADAPTER = Adapter(toolkit="AIMET", module="aimet_torch", requires="aimet-torch>=2.20",
+                  entry_points=("prepare_model", "register_quantsim"), page="handoff/aimet.md")
 
 
 def register_quantsim() -> dict[type, type]:

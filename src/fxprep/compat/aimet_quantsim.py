@@ -27,6 +27,9 @@ except ImportError:  # aimet-torch before its v2 API moved up a level (2.20 has 
 
 from .. import ops
 from ..capture.leaves import OpaqueFunction, OpaqueMethod
+from .contract import Adapter
+
+__all__ = ["ADAPTER", "register"]
 
 # fxprep class name → the AIMET class it stands for (same op, hence the same op-type entries).
 TWINS: dict[str, str] = {
@@ -109,4 +112,6 @@ def register() -> dict[type, type]:
     return dict(_REGISTERED)
 
 
+ADAPTER = Adapter(toolkit="AIMET QuantSim", module="aimet_torch", requires="aimet-torch>=2.20",
+                  entry_points=("register",), page="handoff/aimet.md", hook=register)
 register()

@@ -17,9 +17,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .contract import Adapter
 from .retrace import INTEGER_INPUTS, integer_valued, retraceable
 
-__all__ = ["preprocess_for_quantize", "quantize"]
+__all__ = ["ADAPTER", "preprocess_for_quantize", "quantize"]
+
+ADAPTER = Adapter(toolkit="Brevitas", module="brevitas", requires="brevitas>=0.13",
+                  entry_points=("preprocess_for_quantize", "quantize"), page="handoff/brevitas.md")
 
 _ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.truediv)
 

@@ -25,9 +25,14 @@ from torch import nn
 from .. import ops
 from ..core.inputs import normalize_example_inputs
 from ..passes import fold_constants, shape_prop
+from .contract import Adapter
 from .retrace import HOLDER, INTEGER_INPUTS, integer_valued, retraceable
 
-__all__ = ["prepare", "post_training_quantization", "integer_input_quantizers"]
+__all__ = ["ADAPTER", "prepare", "post_training_quantization", "integer_input_quantizers"]
+
+ADAPTER = Adapter(toolkit="Sony MCT", module="model_compression_toolkit", requires="model-compression-toolkit>=2.6",
+                  entry_points=("prepare", "post_training_quantization", "integer_input_quantizers"),
+                  page="handoff/mct.md")
 
 
 def prepare(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:

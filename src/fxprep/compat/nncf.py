@@ -18,8 +18,12 @@ import torch.fx as fx
 from torch import nn
 
 from ..errors import InvalidInput
+from .contract import Adapter
 
-__all__ = ["quantize", "AsModule"]
+__all__ = ["ADAPTER", "quantize", "AsModule"]
+
+ADAPTER = Adapter(toolkit="NNCF", module="nncf", requires="nncf>=3.4", entry_points=("quantize", "AsModule"),
+                  page="handoff/nncf.md")
 
 
 class AsModule(nn.Module):

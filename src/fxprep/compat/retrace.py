@@ -22,8 +22,13 @@ from torch.utils import _pytree as pytree
 from ..core.inputs import normalize_example_inputs
 from ..errors import InvalidInput
 from ..passes import casts, fold_constants, shape_prop, tuple_outputs
+from .contract import Adapter
 
-__all__ = ["retraceable"]
+__all__ = ["ADAPTER", "retraceable"]
+
+# the graph for any torch.fx re-tracer (Brevitas and MCT use it): torch is all it needs
+ADAPTER = Adapter(toolkit="torch.fx re-tracers", module="torch", requires="", entry_points=("retraceable",),
+                  page="concepts/retraceable.md")
 
 HOLDER = "fxprep_constants"
 INTEGER_INPUTS = "fxprep_integer_inputs"  # the adapters' note, on the graph they return, of its integer inputs

@@ -23,9 +23,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..api import register_with_toolkits
 from ..errors import FxprepError, SerializationError
 from ..passes import state_dict as state_dict_pass
+from ..runtime import toolkits
 from ..runtime.guard import InputSpec
 from ..runtime.prepared import INPUT_SPEC, REPORT, PreparedModule, set_preserved
 from ..version import __version__
@@ -257,7 +257,7 @@ def _load(
         set_preserved(gm, INPUT_SPEC, spec)
     # the module does, on fake inputs shaped like its example, what the saved one did (io/selfcheck.py)
     selfcheck.check(gm, spec, manifest.get("self_check"), str(directory), until)
-    register_with_toolkits()
+    toolkits.run_hooks()  # the toolkits already imported accept the module (AIMET QuantSim)
     return gm
 
 
