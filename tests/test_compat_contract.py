@@ -9,7 +9,6 @@ import ast
 import importlib
 import subprocess
 import sys
-import tomllib
 import types
 from pathlib import Path
 
@@ -73,6 +72,8 @@ def test_every_adapter_declares_the_contract() -> None:
 
 
 def test_what_an_adapter_requires_is_what_pyproject_states() -> None:
+    import tomllib
+
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     stated = {requirement for group in extras.values() for requirement in group}
     for name, path in _adapter_sources().items():

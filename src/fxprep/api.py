@@ -6,6 +6,8 @@ without deciding it. :func:`_prepare`, one attempt, reads as its stages (referen
 passes, input guard, verification, report), each a function of one :class:`Preparation`: the
 :class:`~fxprep.capture.request.CaptureRequest` made once by :func:`_start`, and what the stages learn
 on the way. The report's longer note texts live in :mod:`fxprep.reporting.notes`.
+
+See docs/getting-started.md (using it) and docs/architecture.md ("The pipeline").
 """
 
 from __future__ import annotations
@@ -95,13 +97,25 @@ def prepare_model(
 ) -> fx.GraphModule:
     """Turn ``model`` into a clean, module-level ``torch.fx.GraphModule`` and verify it.
 
-    Drop-in for AIMET's ``prepare_model(model, modules_to_exclude, module_classes_to_exclude,
-    concrete_args)``. With ``example_inputs`` (a tensor, a tuple of positional arguments or a dict of
-    keyword arguments) the result is checked against the original and the max difference recorded.
-    The user's model is never mutated and its parameters are never copied: the returned module's
-    leaves are the user's own module objects. ``gm.fxprep_report`` says what was done.
+    A drop-in for AIMET's ``prepare_model``. The model is never changed and its parameters never copied:
+    the result's leaves are the user's own modules (docs/getting-started.md).
 
-    Options are keyword-only; see :class:`fxprep.options.PrepareOptions`.
+    Args:
+        model: The ``nn.Module`` to prepare.
+        modules_to_exclude: Module instances kept as single calls, never traced into.
+        module_classes_to_exclude: Module classes whose instances are kept as single calls.
+        concrete_args: ``{argument name: value}`` fixed at capture, as in ``torch.fx``.
+        example_inputs: A tensor, a tuple of positional or a dict of keyword arguments; Dynamo captures on them and the result is verified on them.
+        **options: Keyword-only options, each a field of :class:`fxprep.options.PrepareOptions`.
+
+    Returns:
+        The prepared ``GraphModule``; ``gm.fxprep_report`` says what was done.
+
+    Raises:
+        InvalidInput: An argument or option of the wrong kind (``UnknownOption`` for an unknown option name).
+        ModelError: The model itself fails on ``example_inputs``.
+        TraceFailure: No tracer could capture the model; the message locates each issue.
+        EquivalenceError: The prepared module computes something else than the model on the examples.
     """
     start = time.perf_counter()
     if options.get("copy") is True and stand_ins.needed(model, example_inputs):

@@ -97,7 +97,11 @@ def _copy_op_type(cls: type, twin_name: str | None) -> None:
 
 
 def register() -> dict[type, type]:
-    """Give every fxprep op class a QuantSim definition (idempotent); ``{class: quantized class}``."""
+    """Give every fxprep op class a QuantSim definition (idempotent); opaque parts stay float.
+
+    Returns:
+        ``{fxprep class: its quantized class}``.
+    """
     for cls in _op_classes():
         if cls in _REGISTERED or cls in QuantizationMixin.cls_to_qcls:
             continue
