@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fxprep"
@@ -120,9 +121,14 @@ ROLES = {
 UPPER = ("fxprep.api", "fxprep.pipeline", "fxprep.cli", "fxprep.compat", "fxprep.view")
 LOWER = ("fxprep.core", "fxprep.reporting", "fxprep.runtime", "fxprep.capture", "fxprep.families", "fxprep.passes",
          "fxprep.verify", "fxprep.big", "fxprep.ops", "fxprep.cond", "fxprep.decisions", "fxprep.errors")
-# Known exceptions, each to go: AIMET QuantSim's registration is called by api (and by io.load through
-# api.register_with_toolkits) until compat has one adapter contract the pipeline does not import.
-KNOWN_UPWARD = {("fxprep.api", "fxprep.compat.aimet_quantsim"), ("fxprep.io", "fxprep.api")}
+# Known exceptions, each to go (none left: AIMET QuantSim's registration is the adapter's hook, run by
+# runtime/toolkits.py, since compat has one adapter contract, fxprep/compat/contract.py).
+KNOWN_UPWARD: set[tuple[str, str]] = set()
+# What may import an adapter: compat itself and the command above it.
+ADAPTER_USERS = ("fxprep.compat", "fxprep.cli")
+# The one place outside them that names an adapter, as data: the toolkit hooks' table, read by
+# prepare_model and load; the adapter is imported only once its toolkit is (tests/test_compat_contract.py).
+ADAPTERS_NAMED = {("fxprep.runtime.toolkits", "fxprep.compat.aimet_quantsim")}
 
 
 def _within(name: str, prefixes: tuple[str, ...] | str) -> bool:
@@ -142,11 +148,27 @@ def test_no_transformers_file_outside_families() -> None:
     assert stray == [], f"transformers knowledge lives in families/transformers/: {stray}"
 
 
+def _adapter_names(source: str) -> set[str]:
+    """String literals that are the dotted name of ``fxprep.compat`` or a module in it (an import by
+    name: ``importlib.import_module("fxprep.compat.nncf")``); a docstring mentioning one is not."""
+    return {node.value for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Constant)
+            and isinstance(node.value, str) and re.fullmatch(r"fxprep\.compat(\.\w+)*", node.value)}
+
+
 def test_the_pipeline_never_imports_an_adapter() -> None:
     modules = _modules()
-    found = {(name, m) for name, path in modules.items() if not _within(name, "fxprep.compat")
+    found = {(name, m) for name, path in modules.items() if not _within(name, ADAPTER_USERS)
              for m in _imports(name, path, modules) if _within(m, "fxprep.compat")}
     assert found <= KNOWN_UPWARD, f"an adapter imported from the pipeline: {sorted(found - KNOWN_UPWARD)}"
+    named = {(name, m) for name, path in modules.items() if not _within(name, ADAPTER_USERS)
+             for m in _adapter_names(path.read_text())}
+    assert named == ADAPTERS_NAMED, f"an adapter named outside compat/ (a hook goes in runtime/toolkits.HOOKED): {named}"
+
+
+def test_the_adapter_check_finds_imports_by_name() -> None:
+    source = ('"""Mentions fxprep.compat.aimet in prose."""\nimport importlib\n'
+              'importlib.import_module("fxprep.compat.nncf")\nx = "fxprep.compat"\ny = "fxprep.compatible"\n')
+    assert _adapter_names(source) == {"fxprep.compat.nncf", "fxprep.compat"}
 
 
 def test_lower_layers_do_not_import_upper_ones() -> None:
@@ -345,3 +367,198 @@ def test_the_test_import_check_finds_them() -> None:
     assert _test_module_imports(source, "tests.llmcompressor") == [
         (1, "tests.llmcompressor.test_io"), (2, "tests.test_io"), (3, "tests.test_zoo"), (4, "tests.test_cli"),
         (5, "tests.llmcompressor.test_docs"), (9, "tests.test_docs")]
+
+
+# --- the public API's docstrings: Google-style sections (issue 62) -------------------------------------
+# Every public function says its arguments (``Args:``, each parameter by name), what it returns
+# (``Returns:``, unless it returns None) and what it raises (``Raises:``: required for everything
+# ``fxprep`` exports, and naming each fxprep error a function raises itself). mkdocs renders the
+# sections (``docstring_style: google``). Public: ``fxprep.__all__`` (its errors aside), each adapter's
+# ``__all__`` in ``fxprep.compat``, and the names the docs call public besides.
+PUBLIC_BESIDES = [("fxprep.options", "PrepareOptions"), ("fxprep.passes.to_functional", "run"),
+                  ("fxprep.io", "inspect_saved"), ("fxprep.compat.contract", "Adapter"),
+                  ("fxprep.compat.llmcompressor.reproduce", "compare_subgraphs")]
+# Public classes a user constructs: their constructor's parameters (or dataclass fields) under Args:.
+# The others (Report, Stages, SequentialRun, TraceReport, ...) are results fxprep makes.
+CONSTRUCTED = {"PrepareOptions", "Ranks", "AsModule", "Adapter"}
+_SECTION = re.compile(r"^(Args|Returns|Raises):\s*$")
+_ENTRY = re.compile(r"^ {4}(\*{0,2}\w+)\s*(?:\([^)]*\))?:")
+
+
+def _sections(doc: str) -> dict[str, list[str]]:
+    """A Google-style docstring's ``Args`` / ``Returns`` / ``Raises`` sections: each one's entry names
+    (``Returns``: its lines)."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in doc.splitlines():
+        if (header := _SECTION.match(line)) is not None:
+            current = out.setdefault(header.group(1), [])
+        elif line and not line.startswith(" "):
+            current = None
+        elif current is not None and line.strip():
+            entry = _ENTRY.match(line)
+            if entry is not None or current is out.get("Returns"):
+                current.append(entry.group(1).lstrip("*") if entry else line.strip())
+    return out
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    args = node.args
+    names = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
+    names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+    return [n for n in names if n not in ("self", "cls")]
+
+
+def _raised_errors(node: ast.AST, errors: set[str]) -> set[str]:
+    """The fxprep errors ``node``'s own body raises by name (``raise InvalidInput(...)``)."""
+    found = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Raise) and sub.exc is not None:
+            call = sub.exc.func if isinstance(sub.exc, ast.Call) else sub.exc
+            name = call.attr if isinstance(call, ast.Attribute) else getattr(call, "id", None)
+            if name in errors:
+                found.add(name)
+    return found
+
+
+def _docstring_problems(node: ast.AST, *, raises_required: bool, errors: set[str],
+                        exceptions: set[str]) -> list[str]:
+    """What the docstring of a public function or class lacks (empty: nothing)."""
+    doc = ast.get_docstring(node)  # type: ignore[arg-type]
+    if not doc:
+        return ["no docstring"]
+    sections = _sections(doc)
+    if isinstance(node, ast.ClassDef):
+        if node.name not in CONSTRUCTED:
+            return []
+        init = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+        wanted = _parameters(init) if init is not None else [
+            n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            and "ClassVar" not in ast.unparse(n.annotation)]
+        missing = [p for p in wanted if p not in sections.get("Args", [])]
+        return [f"Args: lacks {missing}"] if missing else []
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    problems = []
+    wanted = _parameters(node)
+    documented = sections.get("Args", [])
+    if wanted and "Args" not in sections:
+        problems.append("no Args: section")
+    elif missing := [p for p in wanted if p not in documented]:
+        problems.append(f"Args: lacks {missing}")
+    if stale := [p for p in documented if p not in wanted]:
+        problems.append(f"Args: names {stale}, not parameters")
+    if node.returns is not None and ast.unparse(node.returns) != "None" and not sections.get("Returns"):
+        problems.append("no Returns: section")
+    raised = _raised_errors(node, errors)
+    if (raises_required or raised) and not sections.get("Raises"):
+        problems.append(f"no Raises: section{f' (it raises {sorted(raised)})' if raised else ''}")
+    elif missing := sorted(raised - set(sections.get("Raises", []))):
+        problems.append(f"Raises: lacks {missing}")
+    if unknown := [e for e in sections.get("Raises", []) if e not in exceptions]:
+        problems.append(f"Raises: names {unknown}, not exceptions")
+    return problems
+
+
+def _definition(module: str, name: str, modules: dict[str, Path]) -> tuple[str, ast.AST] | None:
+    """Where ``module.name`` is defined: ``(module, node)``, following ``from .x import name``."""
+    path = modules[module]
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return module, node
+        if isinstance(node, ast.ImportFrom) and node.level and any(a.name == name and not a.asname for a in node.names):
+            base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+            source = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+            return _definition(source, name, modules) if source in modules else None
+    return None
+
+
+def _public_api(modules: dict[str, Path]) -> dict[str, tuple[str, ast.AST, bool]]:
+    """``dotted name -> (defining module, definition, Raises: required)`` of every public callable."""
+    init = ast.parse(modules["fxprep"].read_text())
+    values = {t.id: node.value for node in init.body if isinstance(node, ast.Assign)
+              for t in node.targets if isinstance(t, ast.Name)}
+    lazy, exported = ast.literal_eval(values["_LAZY"]), ast.literal_eval(values["__all__"])
+    wanted = [(f"fxprep.{lazy[name]}", name, True) for name in exported if name in lazy]
+    wanted += [(module, name, False) for module, name in PUBLIC_BESIDES]
+    for module in sorted(modules):
+        if module.count(".") == 2 and module.startswith("fxprep.compat.") and module != "fxprep.compat.contract":
+            assigned = {t.id: node.value for node in ast.parse(modules[module].read_text()).body
+                        if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+            wanted += [(module, name, False) for name in ast.literal_eval(assigned.get("__all__", ast.List([])))]
+    out = {}
+    for module, name, raises_required in wanted:
+        found = _definition(module, name, modules)
+        if found is not None:  # a constant (ADAPTER, PIPELINE) has no definition to check
+            out[f"{module}.{name}"] = (*found, raises_required)
+    return out
+
+
+def test_public_functions_say_their_arguments_returns_and_raises() -> None:
+    import builtins
+
+    from fxprep import errors
+
+    modules = _modules()
+    error_names = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, errors.FxprepError)}
+    exceptions = error_names | {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    api = _public_api(modules)
+    assert {"fxprep.api.prepare_model", "fxprep.io.load", "fxprep.big.partition.partition", "fxprep.view.show",
+            "fxprep.compat.nncf.quantize", "fxprep.compat.llmcompressor.fxprep_subgraphs",
+            "fxprep.options.PrepareOptions", "fxprep.passes.to_functional.run"} <= set(api), sorted(api)
+    problems = {name: found for name, (_, node, required) in api.items()
+                if (found := _docstring_problems(node, raises_required=required, errors=error_names,
+                                                 exceptions=exceptions))}
+    assert problems == {}, f"give these Google-style sections (Args:, Returns:, Raises:): {problems}"
+
+
+def test_the_docstring_section_check_finds_what_is_missing() -> None:
+    source = '''
+def f(a, b, *rest, flag=False, **options) -> int:
+    """Sum.
+
+    Args:
+        a: One.
+        *rest: More.
+        flag: A flag.
+        c: Not a parameter.
+    """
+    raise InvalidInput("no")
+
+def g(x) -> None:
+    """Nothing back.
+
+    Args:
+        x: X.
+
+    Raises:
+        ValueError: Never.
+        Bogus: Not an exception.
+    """
+
+class Ranks:
+    """Built by users.
+
+    Args:
+        source: Here.
+    """
+    def __init__(self, source, group=None):
+        pass
+'''
+    f, g, ranks = ast.parse(source).body
+    exceptions = {"InvalidInput", "ValueError"}
+    assert _docstring_problems(f, raises_required=False, errors={"InvalidInput"}, exceptions=exceptions) == [
+        "Args: lacks ['b', 'options']", "Args: names ['c'], not parameters", "no Returns: section",
+        "no Raises: section (it raises ['InvalidInput'])"]
+    assert _docstring_problems(g, raises_required=True, errors=set(), exceptions=exceptions) == [
+        "Raises: names ['Bogus'], not exceptions"]
+    assert _docstring_problems(ranks, raises_required=False, errors=set(), exceptions=exceptions) == [
+        "Args: lacks ['group']"]
+
+
+def test_the_public_modules_link_their_docs_page() -> None:
+    """A module defining public API says where its story is: a ``docs/`` page named in its docstring."""
+    modules = _modules()
+    public = {module for module, _, _ in _public_api(modules).values()}
+    public |= {m for m in modules if _within(m, "fxprep.compat")}
+    unlinked = sorted(m for m in public if "docs/" not in (ast.get_docstring(ast.parse(modules[m].read_text())) or ""))
+    assert unlinked == [], f"name the docs page (concept, guide or hand-off) in these module docstrings: {unlinked}"

@@ -6,6 +6,8 @@ without deciding it. :func:`_prepare`, one attempt, reads as its stages (referen
 passes, input guard, verification, report), each a function of one :class:`Preparation`: the
 :class:`~fxprep.capture.request.CaptureRequest` made once by :func:`_start`, and what the stages learn
 on the way. The report's longer note texts live in :mod:`fxprep.reporting.notes`.
+
+See docs/getting-started.md (using it) and docs/architecture.md ("The pipeline").
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import copy
 import dataclasses
 import functools
 import inspect
-import sys
 import time
 from typing import Any
 
@@ -64,7 +65,7 @@ from .pipeline.verification import verification
 from .reporting import notes, progress
 from .reporting.diagnose import first_line
 from .reporting.report import Report
-from .runtime import baked, guard
+from .runtime import baked, guard, toolkits
 from .runtime.prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, get_report, set_preserved
 from .verify import Reference, run_original
 
@@ -96,13 +97,25 @@ def prepare_model(
 ) -> fx.GraphModule:
     """Turn ``model`` into a clean, module-level ``torch.fx.GraphModule`` and verify it.
 
-    Drop-in for AIMET's ``prepare_model(model, modules_to_exclude, module_classes_to_exclude,
-    concrete_args)``. With ``example_inputs`` (a tensor, a tuple of positional arguments or a dict of
-    keyword arguments) the result is checked against the original and the max difference recorded.
-    The user's model is never mutated and its parameters are never copied: the returned module's
-    leaves are the user's own module objects. ``gm.fxprep_report`` says what was done.
+    A drop-in for AIMET's ``prepare_model``. The model is never changed and its parameters never copied:
+    the result's leaves are the user's own modules (docs/getting-started.md).
 
-    Options are keyword-only; see :class:`fxprep.options.PrepareOptions`.
+    Args:
+        model: The ``nn.Module`` to prepare.
+        modules_to_exclude: Module instances kept as single calls, never traced into.
+        module_classes_to_exclude: Module classes whose instances are kept as single calls.
+        concrete_args: ``{argument name: value}`` fixed at capture, as in ``torch.fx``.
+        example_inputs: A tensor, a tuple of positional or a dict of keyword arguments; Dynamo captures on them and the result is verified on them.
+        **options: Keyword-only options, each a field of :class:`fxprep.options.PrepareOptions`.
+
+    Returns:
+        The prepared ``GraphModule``; ``gm.fxprep_report`` says what was done.
+
+    Raises:
+        InvalidInput: An argument or option of the wrong kind (``UnknownOption`` for an unknown option name).
+        ModelError: The model itself fails on ``example_inputs``.
+        TraceFailure: No tracer could capture the model; the message locates each issue.
+        EquivalenceError: The prepared module computes something else than the model on the examples.
     """
     start = time.perf_counter()
     if options.get("copy") is True and stand_ins.needed(model, example_inputs):
@@ -372,7 +385,7 @@ def _passes(run: Preparation, gm: fx.GraphModule) -> None:
 
 def _finish(run: Preparation, gm: fx.GraphModule) -> fx.GraphModule:
     """The report completed and attached, the original remembered (for ``load_weights`` and
-    ``verify_prepared``), fxprep's module classes registered with the toolkits imported."""
+    ``verify_prepared``), the hooks of the toolkits imported run (:mod:`fxprep.runtime.toolkits`)."""
     report, result = run.report, run.result
     assert result is not None
     if run.rewrite is not None:
@@ -380,18 +393,8 @@ def _finish(run: Preparation, gm: fx.GraphModule) -> fx.GraphModule:
     report.timings["total"] = time.perf_counter() - run.start
     set_preserved(gm, REPORT, report)
     remember_original(gm, run.model, run.request.concrete_args)  # for fxprep.load_weights / verify_prepared
-    register_with_toolkits()
+    toolkits.run_hooks()  # the toolkits already imported accept the module (AIMET QuantSim)
     return gm
-
-
-def register_with_toolkits() -> None:
-    """Register fxprep's module classes with the quantization toolkits already imported, so the
-    prepared module goes straight into them (AIMET QuantSim: :mod:`fxprep.compat.aimet_quantsim`).
-    A toolkit that is not imported is not imported here: that would cost seconds."""
-    if sys.modules.get("aimet_torch") is not None:
-        from .compat.aimet_quantsim import register
-
-        register()
 
 
 def _control_flow(run: Preparation) -> Any:

@@ -3,6 +3,8 @@
 Every failure a user can cause ends in a :class:`FxprepError` subclass whose message says what went
 wrong, where, and what to do about it. Exceptions from torch are never left to escape raw: they are
 chained (``raise ... from err``) so the original traceback is still there for whoever wants it.
+
+Each public function's ``Raises:`` names the ones it raises; they are public API (docs/version-policy.md).
 """
 
 from __future__ import annotations

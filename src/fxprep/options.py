@@ -1,4 +1,7 @@
-"""Keyword-only options of :func:`fxprep.prepare_model`, validated in one place."""
+"""Keyword-only options of :func:`fxprep.prepare_model`, validated in one place.
+
+See docs/reference/api.md (``PrepareOptions``: each option with the page that explains it).
+"""
 
 from __future__ import annotations
 
@@ -24,35 +27,26 @@ STYLES: tuple[Style, ...] = get_args(Style)
 
 @dataclass(frozen=True)
 class PrepareOptions:
-    """Options of ``prepare_model`` (all keyword-only); the pages named have the details.
+    """The keyword-only options of :func:`fxprep.prepare_model`; the pages named have the details.
 
-    tracer: "auto" (Dynamo first when example inputs are given, then fx), "dynamo" or "fx".
-    verify: True (outputs), "grad" (outputs and gradients) or False. Needs example inputs.
-    rtol / atol: verification tolerances (default by dtype: 1e-4/1e-5 for float32; for half types
-        rtol=0, atol from output magnitude and graph depth: docs/concepts/verification.md).
-    share_parameters: unrolled copies of a reused module share its parameters (default) or are
-        deep copies (False).
-    convert_functionals / unroll: switch those passes off.
-    autowrap_functions: functions the fx tracer records as single calls (like torch.fx.wrap).
-    name: the model name used in the report (default: the class name).
-    verify_inputs: more example inputs (as example_inputs) also verified on, e.g. ones taking the
-        other branch of something specialised at capture.
-    fallback: "leaf" (default): make the smallest untraceable parts opaque and capture the rest;
-        "error": raise TraceFailure.
-    dynamic: dynamic dimensions for the Dynamo tracer: "batch" (dim 0 of every tensor input) or
-        {argument name: {dim: symbol name}}, e.g. {"input_ids": {0: "batch", 1: "seq"}} (a shared
-        name is one size); also verified on a second size (docs/shapes.md).
-    style: "fxprep" (default) or "aimet": added modules get AIMET's names and, with ``aimet_torch``,
-        its classes where equal (docs/handoff/aimet.md).
-    control_flow: None (default: a Python `if` on a tensor stops capture) or "rewrite": such sites
-        become torch.where or torch.cond, each reported; the user's code is never changed
-        (docs/concepts/control-flow.md).
-    progress: None (default: a display on a terminal; log records on the "fxprep" logger either
-        way), True (always shown) or False (nothing; docs/guides/progress.md).
-    copy: prepare a deep copy (True: a second copy of every parameter). Default False: the result
-        shares the model's modules and parameters (docs/concepts/sharing.md).
-    reuse_blocks: on the Dynamo path, capture each repeated block once and stamp it out where
-        provably the same (default; docs/concepts/block-reuse.md). False: trace every block.
+    Args:
+        tracer: ``"auto"`` (Dynamo first when example inputs are given, then fx), ``"dynamo"`` or ``"fx"``.
+        verify: ``True`` (outputs), ``"grad"`` (outputs and gradients) or ``False``; needs example inputs.
+        rtol: Verification's relative tolerance (default by dtype: docs/concepts/verification.md).
+        atol: Verification's absolute tolerance (default by dtype; for half types from output magnitude and depth).
+        share_parameters: Unrolled copies of a reused module share its parameters (default) or are deep copies (``False``).
+        convert_functionals: Functional ops become modules (default); ``False`` switches the pass off.
+        unroll: A module called at several sites becomes one module per site (default); ``False`` switches it off.
+        autowrap_functions: Functions the fx tracer records as single calls (like ``torch.fx.wrap``).
+        name: The model name in the report (default: the class name).
+        fallback: ``"leaf"`` (default): the smallest untraceable parts made opaque; ``"error"``: raise ``TraceFailure``.
+        verify_inputs: More example inputs, also verified on (ones taking the other branch of something specialised).
+        dynamic: Dynamo's dynamic dims: ``"batch"`` or ``{argument: {dim: symbol}}``, verified on a second size (docs/shapes.md).
+        style: ``"fxprep"`` (default) or ``"aimet"``: AIMET's names and, with ``aimet_torch``, its classes (docs/handoff/aimet.md).
+        control_flow: ``None`` (default) or ``"rewrite"``: a Python ``if`` on a tensor becomes ``torch.where`` / ``torch.cond`` (docs/concepts/control-flow.md).
+        progress: ``None`` (default: a display on a terminal), ``True`` (always) or ``False`` (nothing; docs/guides/progress.md).
+        copy: Prepare a deep copy (``True``); default ``False``: the result shares the model's modules (docs/concepts/sharing.md).
+        reuse_blocks: Capture each repeated block once and stamp it out where provably the same (default; docs/concepts/block-reuse.md).
     """
 
     tracer: Tracer = "auto"

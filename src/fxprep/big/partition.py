@@ -340,19 +340,22 @@ def _mutated_inputs(node: fx.Node) -> list[fx.Node]:
 
 def partition(gm: fx.GraphModule, targets: Target | Sequence[Target] | None = None, *,
               blocks_per_stage: int = 1, between: Literal["next", "previous"] = "next") -> Stages:
-    """``gm`` cut into ordered :class:`Stage` s at its ``targets``: module classes, qualified names
-    or glob patterns (``"model.layers.*"``); the outermost matching scopes are the blocks. By
-    default, the repeated blocks (:func:`default_blocks`: decoder layers, encoder blocks, ResNet
-    bottlenecks). Running the stages in order (``stages(*args, **kwargs)``) is running ``gm``.
-    Nothing is copied: the stages call the user's module objects.
+    """``gm`` cut into ordered :class:`Stage` s at its blocks; running them in order is running ``gm``.
+
+    Nothing is copied: the stages call the user's module objects (docs/guides/big-models.md).
 
     Args:
-        blocks_per_stage: how many consecutive blocks one stage holds (llm-compressor's
-            ``sequential_targets_per_subgraph``).
-        between: where the nodes between two blocks go: ``"next"`` (the next block's stage, or a
-            stage of their own when they read weights) or ``"previous"`` (the block before's stage,
-            the nodes after the last block included: llm-compressor's cut, so that a hook on a module
-            there fires in the same calibration pass as under its own pipeline).
+        gm: A module returned by :func:`fxprep.prepare_model`.
+        targets: Module classes, qualified names or glob patterns (``"model.layers.*"``), the outermost matches the blocks;
+            default: the repeated blocks (:func:`default_blocks`).
+        blocks_per_stage: How many consecutive blocks one stage holds (llm-compressor's ``sequential_targets_per_subgraph``).
+        between: Where the nodes between two blocks go: ``"next"`` (the next block's stage) or ``"previous"`` (llm-compressor's cut).
+
+    Returns:
+        The :class:`Stages`, callable as ``stages(*args, **kwargs)``.
+
+    Raises:
+        InvalidInput: ``gm`` is not a ``GraphModule``, an option is of the wrong kind, or no module matches ``targets``.
     """
     if not isinstance(gm, fx.GraphModule):
         raise InvalidInput(f"partition takes a GraphModule (what prepare_model returns), not {type(gm).__name__}.")

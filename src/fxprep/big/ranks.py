@@ -25,14 +25,12 @@ from ..errors import InvalidInput, RankFailed
 
 
 class Ranks:
-    """What :func:`fxprep.run_sequential` needs to run data-parallel (``ranks=Ranks(...)``) in the
-    ``torch.distributed`` process group ``group`` (the default one when None), already initialised.
+    """What :func:`fxprep.run_sequential` needs to run data-parallel (``ranks=Ranks(...)``) under ``torch.distributed``.
 
     Args:
-        observers: ``torch.ao`` observers (``MinMaxObserver``, ``MovingAverageMinMaxObserver``, their
-            per-channel forms, ``HistogramObserver``) whose calls are replayed on every rank in the
-            single-process order (see the module docstring).
-        source: the rank whose weight updates (by ``on_stage``) every rank takes.
+        observers: ``torch.ao`` observers (min-max, moving-average, per-channel, histogram) whose calls every rank replays in the single-process order.
+        source: The rank whose weight updates (by ``on_stage``) every rank takes.
+        group: The ``torch.distributed`` process group, already initialised (default: the default group).
     """
 
     def __init__(self, observers: Sequence[nn.Module] = (), *, source: int = 0, group: Any = None):

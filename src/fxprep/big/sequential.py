@@ -90,36 +90,28 @@ OnStage = Callable[[Stage, list[dict[str, Any]], list[dict[str, Any]]], None]
 def run_sequential(stages: Stages, batches: Iterable[Any], *, device: Any, offload: str | None = "cpu",
                    on_stage: OnStage | None = None, cache: str = "cpu", offload_dir: str | Path | None = None,
                    ranks: Ranks | None = None) -> SequentialRun:
-    """Run every batch through ``stages`` (from :func:`fxprep.partition`) one stage at a time.
+    """Run every batch through ``stages`` one stage at a time, under ``torch.no_grad()``.
 
-    Each stage is a transaction: if a batch or ``on_stage`` raises (Ctrl-C included), the stage's
-    weights (in memory and on disk), tensor objects and hooks are as before it; earlier stages keep
-    what they wrote (docs/guides/big-models.md). Runs under ``torch.no_grad()``.
+    Each stage is a transaction: if a batch or ``on_stage`` raises (Ctrl-C included), the stage's weights,
+    tensor objects and hooks are as before it and the exception propagates unchanged; earlier stages keep
+    what they wrote (docs/guides/big-models.md).
 
     Args:
-        stages: the partitioned graph.
-        batches: its calls, each a dict (keyword arguments), a tuple or list (positional ones) or a
-            single tensor.
-        device: where each stage runs (it must exist here).
-        offload: where weights wait while their stage is not running, for modules no offload hook
-            holds yet: ``"cpu"`` (in memory), ``"disk"`` (``.dat`` files named by each tensor's path,
-            in ``offload_dir/fxprep-sequential`` or a temporary folder) or ``None`` (they stay).
-            Weights ``load_weights(device_map=...)`` put on disk stay there.
-        on_stage: ``on_stage(stage, inputs, outputs)``, called once per stage with its weights
-            onloaded, after all batches ran through it; ``inputs`` / ``outputs`` are one
-            ``{name: value}`` per batch. Whatever it changes in the stage's weights (in place,
-            through ``.data``, a new tensor or ``Parameter``) is written where the weight lives.
-        cache: where activations wait between stages, ``"cpu"`` or ``"disk"``.
-        offload_dir: the folder for ``offload="disk"``.
-        ranks: run data-parallel (:class:`fxprep.Ranks`: each rank runs its share of ``batches``,
-            every rank ends with the single-process result).
+        stages: What :func:`fxprep.partition` returned.
+        batches: The calls, each a dict (keyword arguments), a tuple or list (positional) or a tensor.
+        device: Where each stage runs (it must exist here).
+        offload: Where weights wait while their stage is not running: ``"cpu"``, ``"disk"`` or ``None`` (they stay).
+        on_stage: ``on_stage(stage, inputs, outputs)`` (one ``{name: value}`` per batch), once per stage, weights onloaded; what it changes is written back.
+        cache: Where activations wait between stages, ``"cpu"`` or ``"disk"``.
+        offload_dir: The folder for ``offload="disk"`` (default: a temporary one).
+        ranks: Run data-parallel (:class:`fxprep.Ranks`); every rank ends with the single-process result.
 
     Returns:
         A :class:`SequentialRun`: the outputs, per-stage seconds and the bytes held.
 
     Raises:
-        What a user can get wrong (the device, the batches' keys and shapes, ``on_stage``'s
-        signature, options), before any stage runs; a stage's own exception, unchanged.
+        InvalidInput: What a user can get wrong (device, batches' keys and shapes, ``on_stage``'s signature, options), before any stage runs.
+        RankFailed: With ``ranks``, another rank failed in a stage; this rank undid it too.
     """
     target, calls = _checked(stages, batches, device, offload, cache, on_stage, ranks)
     if ranks is None:

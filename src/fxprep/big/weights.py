@@ -101,19 +101,26 @@ def _slots(gm: nn.Module, original: nn.Module | None) -> dict[int, _Slot]:
 def load_weights(gm: fx.GraphModule, source: Any, *, device: Any = None, dtype: torch.dtype | None = None,
                  device_map: Any = None, offload_dir: Any = None, max_memory: dict[Any, Any] | None = None
                  ) -> fx.GraphModule:
-    """Materialise ``gm`` (typically prepared on ``meta``) from ``source``: a state_dict, a
-    ``.safetensors`` file, or a directory of sharded safetensors with a Hugging Face index.
+    """Materialise ``gm`` (typically prepared on ``meta``) from a checkpoint, in place.
 
-    ``device``: where the weights go (default: where ``gm``'s tensors are, ``cpu`` for ``meta``).
-    ``dtype``: cast floating-point checkpoint tensors to it (it must be the dtype the graph was
-    prepared in); by default a checkpoint of another dtype is an error. Returns ``gm``, changed in
-    place; the model it was prepared from gets the same tensors. Raises :class:`WeightsError`
-    naming every missing or unexpected key, every shape or dtype mismatch and every tensor that
-    could not be recomputed, before anything is changed.
+    The model it was prepared from gets the same tensors; every problem is found before anything changes
+    (docs/guides/big-models.md).
 
-    ``device_map`` (instead of ``device``): accelerate's ``{module name: device}`` with ``"cpu"``,
-    ``"disk"`` or accelerators, or ``"auto"`` (from ``max_memory``); see :mod:`fxprep.big.placement`.
-    ``offload_dir``: where weights a checkpoint does not hold as safetensors go for ``"disk"``.
+    Args:
+        gm: A module returned by :func:`fxprep.prepare_model`.
+        source: A state_dict, a ``.safetensors`` file, or a directory of sharded safetensors with a Hugging Face index.
+        device: Where the weights go (default: where ``gm``'s tensors are, ``cpu`` for ``meta``).
+        dtype: Cast floating-point checkpoint tensors to it (the dtype ``gm`` was prepared in); default: another dtype is an error.
+        device_map: Instead of ``device``: accelerate's ``{module name: device}`` (``"cpu"``, ``"disk"``, accelerators) or ``"auto"``.
+        offload_dir: Where weights mapped to ``"disk"`` go when the checkpoint does not hold them as safetensors.
+        max_memory: accelerate's ``{device: size}`` for ``device_map="auto"``.
+
+    Returns:
+        ``gm``.
+
+    Raises:
+        InvalidInput: An argument of the wrong kind (``gm``, ``dtype``, a device, the map, the source's path).
+        WeightsError: Keys missing or unexpected, shapes or dtypes that differ, a tensor that could not be recomputed.
     """
     if not isinstance(gm, nn.Module):
         raise InvalidInput(f"load_weights takes the module prepare_model returned, not {type(gm).__name__}.")
@@ -383,9 +390,22 @@ def _list(names: Any, limit: int = 8) -> str:
 
 def verify_prepared(gm: fx.GraphModule, example_inputs: Any, *, rtol: float | None = None,
                     atol: float | None = None) -> Any:
-    """Compare ``gm`` with the model it was prepared from on ``example_inputs`` (after
-    :func:`load_weights`, real inputs on the weights' device). Raises ``EquivalenceError`` on a
-    difference; returns the :class:`~fxprep.reporting.report.Verification` and records it in the report."""
+    """Compare ``gm`` with the model it was prepared from, typically after :func:`load_weights`.
+
+    Args:
+        gm: A module returned by :func:`fxprep.prepare_model` in this process.
+        example_inputs: Real inputs, on the weights' device.
+        rtol: Relative tolerance (default: by dtype, as ``prepare_model``'s).
+        atol: Absolute tolerance (default: by dtype).
+
+    Returns:
+        The :class:`~fxprep.reporting.report.Verification`, also recorded in ``gm``'s report.
+
+    Raises:
+        InvalidInput: ``gm`` does not know its model (loaded from disk), no ``example_inputs``, or the model is still on ``meta``.
+        ModelError: The model itself fails on ``example_inputs``.
+        EquivalenceError: The two differ.
+    """
     from ..core.runs import hooks_left_as_found
     from ..families.transformers import model as huggingface
     from ..verify import verify

@@ -20,14 +20,23 @@ from torch import nn
 from ..api import prepare_model as _fxprep_prepare_model
 from ..families.transformers.model import is_hf_model
 from ..passes.aimet_modules import aimet_available
+from .contract import Adapter
 
-__all__ = ["prepare_model", "register_quantsim"]
+__all__ = ["ADAPTER", "prepare_model", "register_quantsim"]
+
+ADAPTER = Adapter(toolkit="AIMET", module="aimet_torch", requires="aimet-torch>=2.20",
+                  entry_points=("prepare_model", "register_quantsim"), page="handoff/aimet.md")
 
 
 def register_quantsim() -> dict[type, type]:
-    """Register fxprep's module classes with AIMET QuantSim; ``{fxprep class: quantized class}``.
+    """Register fxprep's module classes with AIMET QuantSim (idempotent).
 
-    Idempotent. Raises ImportError when ``aimet_torch`` is not installed."""
+    Returns:
+        ``{fxprep class: its quantized class}``.
+
+    Raises:
+        ImportError: ``aimet_torch`` is not installed.
+    """
     from .aimet_quantsim import register
 
     return register()
@@ -40,9 +49,27 @@ def prepare_model(
     concrete_args: dict[str, Any] | None = None,
     **fxprep_options: Any,
 ) -> fx.GraphModule:
-    """AIMET's ``prepare_model(model, modules_to_exclude, module_classes_to_exclude, concrete_args)``,
-    done by fxprep. Any fxprep option may be added (``example_inputs=...`` to capture with Dynamo and
-    verify the result, ``verify_inputs``, ``dynamic``, ...)."""
+    """AIMET's ``prepare_model``, done by fxprep: AIMET's module names and, with ``aimet_torch``, its classes.
+
+    A transformers model is captured with ``return_dict=False`` (QuantSim's ``torch.jit`` refuses dict
+    outputs) unless the caller chose ``return_dict`` (docs/handoff/aimet.md).
+
+    Args:
+        model: The ``nn.Module`` to prepare.
+        modules_to_exclude: Module instances kept as single calls.
+        module_classes_to_exclude: Module classes whose instances are kept as single calls.
+        concrete_args: ``{argument name: value}`` fixed at capture.
+        **fxprep_options: Any option of :func:`fxprep.prepare_model` (``example_inputs=...`` to capture with Dynamo and verify).
+
+    Returns:
+        The prepared ``GraphModule``, with ``style="aimet"`` unless another was given.
+
+    Raises:
+        InvalidInput: An argument or option of the wrong kind.
+        ModelError: The model itself fails on ``example_inputs``.
+        TraceFailure: No tracer could capture the model.
+        EquivalenceError: The prepared module computes something else than the model.
+    """
     fxprep_options.setdefault("style", "aimet")
     if aimet_available():
         register_quantsim()

@@ -27,6 +27,9 @@ except ImportError:  # aimet-torch before its v2 API moved up a level (2.20 has 
 
 from .. import ops
 from ..capture.leaves import OpaqueFunction, OpaqueMethod
+from .contract import Adapter
+
+__all__ = ["ADAPTER", "register"]
 
 # fxprep class name → the AIMET class it stands for (same op, hence the same op-type entries).
 TWINS: dict[str, str] = {
@@ -94,7 +97,11 @@ def _copy_op_type(cls: type, twin_name: str | None) -> None:
 
 
 def register() -> dict[type, type]:
-    """Give every fxprep op class a QuantSim definition (idempotent); ``{class: quantized class}``."""
+    """Give every fxprep op class a QuantSim definition (idempotent); opaque parts stay float.
+
+    Returns:
+        ``{fxprep class: its quantized class}``.
+    """
     for cls in _op_classes():
         if cls in _REGISTERED or cls in QuantizationMixin.cls_to_qcls:
             continue
@@ -109,4 +116,6 @@ def register() -> dict[type, type]:
     return dict(_REGISTERED)
 
 
+ADAPTER = Adapter(toolkit="AIMET QuantSim", module="aimet_torch", requires="aimet-torch>=2.20",
+                  entry_points=("register",), page="handoff/aimet.md", hook=register)
 register()

@@ -17,16 +17,31 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .contract import Adapter
 from .retrace import INTEGER_INPUTS, integer_valued, retraceable
 
-__all__ = ["preprocess_for_quantize", "quantize"]
+__all__ = ["ADAPTER", "preprocess_for_quantize", "quantize"]
+
+ADAPTER = Adapter(toolkit="Brevitas", module="brevitas", requires="brevitas>=0.13",
+                  entry_points=("preprocess_for_quantize", "quantize"), page="handoff/brevitas.md")
 
 _ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.truediv)
 
 
 def preprocess_for_quantize(gm: fx.GraphModule, example_inputs: Any, **brevitas_options: Any) -> fx.GraphModule:
-    """``brevitas.graph.quantize.preprocess_for_quantize`` on :func:`retraceable` (``gm``,
-    ``example_inputs``); ``brevitas_options`` are passed on (``equalize_iters``, ``merge_bn``...)."""
+    """``brevitas.graph.quantize.preprocess_for_quantize`` on :func:`retraceable` (``gm``, ``example_inputs``).
+
+    Args:
+        gm: A module returned by :func:`fxprep.prepare_model`.
+        example_inputs: The inputs the graph is made for (one size), as for ``prepare_model``.
+        **brevitas_options: Brevitas' options (``equalize_iters``, ``merge_bn``, ...).
+
+    Returns:
+        Brevitas' graph model, its integer inputs noted for :func:`quantize`.
+
+    Raises:
+        InvalidInput: ``gm`` is not a ``GraphModule``, or ``example_inputs`` are missing.
+    """
     from brevitas.graph.quantize import preprocess_for_quantize as brevitas_preprocess
 
     ready = retraceable(gm, example_inputs, specialize=True)  # Brevitas traces it again: one size
@@ -37,7 +52,15 @@ def preprocess_for_quantize(gm: fx.GraphModule, example_inputs: Any, **brevitas_
 
 
 def quantize(graph_model: fx.GraphModule, **brevitas_options: Any) -> fx.GraphModule:
-    """``brevitas.graph.quantize.quantize``, with no input quantizer on integer inputs (token ids)."""
+    """``brevitas.graph.quantize.quantize``, with no input quantizer on integer inputs (token ids).
+
+    Args:
+        graph_model: What :func:`preprocess_for_quantize` returned.
+        **brevitas_options: Brevitas' options.
+
+    Returns:
+        The quantized graph model.
+    """
     from brevitas.graph.quantize import quantize as brevitas_quantize
     from brevitas.quant_tensor import IntQuantTensor
 

@@ -25,13 +25,29 @@ from torch import nn
 from .. import ops
 from ..core.inputs import normalize_example_inputs
 from ..passes import fold_constants, shape_prop
+from .contract import Adapter
 from .retrace import HOLDER, INTEGER_INPUTS, integer_valued, retraceable
 
-__all__ = ["prepare", "post_training_quantization", "integer_input_quantizers"]
+__all__ = ["ADAPTER", "prepare", "post_training_quantization", "integer_input_quantizers"]
+
+ADAPTER = Adapter(toolkit="Sony MCT", module="model_compression_toolkit", requires="model-compression-toolkit>=2.6",
+                  entry_points=("prepare", "post_training_quantization", "integer_input_quantizers"),
+                  page="handoff/mct.md")
 
 
 def prepare(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
-    """The graph to hand to MCT's ``pytorch_post_training_quantization`` (see the module docstring)."""
+    """The graph to hand to MCT's ``pytorch_post_training_quantization``, MCT's limits worked around.
+
+    Args:
+        gm: A module returned by :func:`fxprep.prepare_model`.
+        example_inputs: The inputs the graph is made for (one size), as for ``prepare_model``.
+
+    Returns:
+        A new ``GraphModule`` sharing ``gm``'s modules and tensors.
+
+    Raises:
+        InvalidInput: ``gm`` is not a ``GraphModule``, or ``example_inputs`` are missing.
+    """
     ready = retraceable(gm, example_inputs, specialize=True)
     names = _integer_inputs_cast_back(ready)
     _dtype_methods_as_copies(ready)
@@ -49,8 +65,20 @@ def prepare(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
 
 def post_training_quantization(gm: fx.GraphModule, example_inputs: Any, representative_data_gen: Any,
                                **mct_options: Any) -> tuple[torch.nn.Module, Any]:
-    """``mct.ptq.pytorch_post_training_quantization`` on :func:`prepare` (``gm``, ``example_inputs``),
-    without activation quantizers on integer inputs. Returns MCT's (quantized model, user info)."""
+    """``mct.ptq.pytorch_post_training_quantization`` on :func:`prepare`, no activation quantizer on integer values.
+
+    Args:
+        gm: A module returned by :func:`fxprep.prepare_model`.
+        example_inputs: The inputs the graph is made for (one size), as for ``prepare_model``.
+        representative_data_gen: MCT's calibration data generator.
+        **mct_options: MCT's options (``target_platform_capabilities``, ``core_config``, ...).
+
+    Returns:
+        MCT's ``(quantized model, user info)``.
+
+    Raises:
+        InvalidInput: ``gm`` is not a ``GraphModule``, or ``example_inputs`` are missing.
+    """
     import model_compression_toolkit as mct
 
     ready = prepare(gm, example_inputs)
@@ -95,10 +123,18 @@ def _integer_fed_quantizers(gm: fx.GraphModule, quantized: torch.nn.Module, exam
 
 
 def integer_input_quantizers(ready: fx.GraphModule, quantized: torch.nn.Module) -> list[str]:
-    """The names, in MCT's quantized model, of the activation quantizers on the integer values of
-    :func:`prepare`'s graph: its integer inputs, their casts back, and every node whose recorded
-    output (``meta["val"]``) is an integer or boolean tensor (GPT-2's position ids, MoE routing
-    indices): indices and counts, not activations, which MCT's fake-quantizer refuses at inference."""
+    """The names, in MCT's quantized model, of the activation quantizers on integer values of :func:`prepare`'s graph.
+
+    Integer inputs, their casts back, and every node whose recorded output is an integer or boolean
+    tensor (positions, routing indices): not activations, and MCT's fake-quantizer refuses them.
+
+    Args:
+        ready: What :func:`prepare` returned.
+        quantized: MCT's quantized model of ``ready``.
+
+    Returns:
+        The quantizers' attribute names, to replace by ``nn.Identity``.
+    """
     integer = [n.name for n in ready.graph.nodes if integer_valued(n)]
     names = []
     for node_name in dict.fromkeys([*getattr(ready, INTEGER_INPUTS, ()), *integer]):

@@ -18,18 +18,23 @@ import torch.fx as fx
 from torch import nn
 
 from ..errors import InvalidInput
+from .contract import Adapter
 
-__all__ = ["quantize", "AsModule"]
+__all__ = ["ADAPTER", "quantize", "AsModule"]
+
+ADAPTER = Adapter(toolkit="NNCF", module="nncf", requires="nncf>=3.4", entry_points=("quantize", "AsModule"),
+                  page="handoff/nncf.md")
 
 
 class AsModule(nn.Module):
-    """A prepared graph seen as a plain ``nn.Module`` (NNCF chooses its backend by type).
+    """A prepared graph seen as a plain ``nn.Module``, so NNCF chooses its torch backend.
 
-    Its ``forward`` has the graph's own signature (``forward(x)`` for a prepared resnet18): NNCF
-    quantizes a model's inputs by binding the call to ``inspect.signature(model.forward)`` and
-    hooking the arguments that are tensors, so a ``forward(*args, **kwargs)`` would leave the
-    graph's inputs unquantized where NNCF quantizes the original's (issue 29: resnet18 22.64 dB
-    against the original's 22.81 dB, vit_b_16 15.92 against 16.43)."""
+    Its ``forward`` has the graph's own signature, so NNCF quantizes the inputs as on the original
+    (docs/handoff/nncf.md).
+
+    Args:
+        graph: The prepared ``GraphModule`` (held as the ``graph`` submodule).
+    """
 
     def __init__(self, graph: fx.GraphModule):
         super().__init__()
@@ -47,11 +52,19 @@ class AsModule(nn.Module):
 
 
 def quantize(gm: fx.GraphModule, calibration_dataset: Any, **nncf_options: Any) -> nn.Module:
-    """``nncf.quantize(model, calibration_dataset, **nncf_options)`` on the prepared graph ``gm``,
-    through NNCF's torch backend (see the module docstring). ``calibration_dataset`` is an
-    ``nncf.Dataset``; ``nncf_options`` are NNCF's (``subset_size``, ``preset``, ``ignored_scope``: NNCF's
-    names of operations are then ``graph/conv1/conv2d/0`` for a direct child of the model and only
-    ``graph/conv2d/<n>`` for a nested layer, see docs/handoff/nncf.md). Returns NNCF's quantized module."""
+    """``nncf.quantize`` on the prepared graph ``gm``, through NNCF's torch backend; ``gm`` is not changed.
+
+    Args:
+        gm: A module returned by :func:`fxprep.prepare_model`.
+        calibration_dataset: An ``nncf.Dataset``.
+        **nncf_options: NNCF's options (``subset_size``, ``preset``, ``ignored_scope``: names as in docs/handoff/nncf.md).
+
+    Returns:
+        NNCF's quantized module.
+
+    Raises:
+        InvalidInput: ``gm`` is not a ``GraphModule``.
+    """
     import nncf
 
     if not isinstance(gm, fx.GraphModule):

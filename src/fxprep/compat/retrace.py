@@ -22,8 +22,13 @@ from torch.utils import _pytree as pytree
 from ..core.inputs import normalize_example_inputs
 from ..errors import InvalidInput
 from ..passes import casts, fold_constants, shape_prop, tuple_outputs
+from .contract import Adapter
 
-__all__ = ["retraceable"]
+__all__ = ["ADAPTER", "retraceable"]
+
+# the graph for any torch.fx re-tracer (Brevitas and MCT use it): torch is all it needs
+ADAPTER = Adapter(toolkit="torch.fx re-tracers", module="torch", requires="", entry_points=("retraceable",),
+                  page="concepts/retraceable.md")
 
 HOLDER = "fxprep_constants"
 INTEGER_INPUTS = "fxprep_integer_inputs"  # the adapters' note, on the graph they return, of its integer inputs
@@ -80,15 +85,22 @@ def _keep_persistence(gm: fx.GraphModule, new: fx.GraphModule) -> None:
 
 
 def retraceable(gm: fx.GraphModule, example_inputs: Any, *, specialize: bool = False) -> fx.GraphModule:
-    """A GraphModule computing what ``gm`` computes on inputs shaped like ``example_inputs``, made
-    for toolkits that re-trace or read the graph (see the module docstring). ``example_inputs``: a
-    tensor, a tuple of positional arguments, or a dict of keyword arguments, as for prepare_model.
+    """A ``GraphModule`` computing what ``gm`` computes, made for toolkits that re-trace or read the graph.
 
-    ``specialize=True`` makes the graph for the example's sizes only: sizes the graph keeps
-    symbolic (a shape-general capture) are read as the example's, so the mask, position and
-    size code over them is folded too. The MCT and Brevitas hand-offs ask for this: both trace the
-    graph again with a tracer that refuses that code (``torch.Size`` of traced sizes, ``arange``
-    on a traced device), and MCT builds its model for one input size anyway."""
+    Shapes recorded, shape-only code folded, identity casts dropped, positional inputs; every module and
+    tensor shared (docs/concepts/retraceable.md).
+
+    Args:
+        gm: A module returned by :func:`fxprep.prepare_model`.
+        example_inputs: A tensor, a tuple of positional or a dict of keyword arguments, run once to propagate shapes.
+        specialize: Make the graph for the example's sizes only, folding the size code over symbolic sizes too (MCT, Brevitas).
+
+    Returns:
+        The new ``GraphModule``.
+
+    Raises:
+        InvalidInput: ``gm`` is not a ``GraphModule``, or ``example_inputs`` are missing.
+    """
     if not isinstance(gm, fx.GraphModule):
         raise InvalidInput(f"retraceable expects the torch.fx.GraphModule from fxprep.prepare_model, not {type(gm).__name__}.")
     example = normalize_example_inputs(example_inputs)

@@ -23,9 +23,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..api import register_with_toolkits
 from ..errors import FxprepError, SerializationError
 from ..passes import state_dict as state_dict_pass
+from ..runtime import toolkits
 from ..runtime.guard import InputSpec
 from ..runtime.prepared import INPUT_SPEC, REPORT, PreparedModule, set_preserved
 from ..version import __version__
@@ -90,21 +90,25 @@ def save(
     overwrite: bool = False,
     allow: Iterable[str] = (),
 ) -> Path:
-    """Write ``gm`` (a module returned by :func:`fxprep.prepare_model`) to ``directory``.
+    """Write ``gm`` to ``directory`` without pickle: JSON, safetensors and the generated code.
 
-    Nothing is pickled: see the module docstring for the files. ``example_inputs`` (optional) is
-    recorded in the manifest as the input spec. ``trusted_modules``: packages whose code the opaque
-    parts of a hybrid capture may be saved by name (``["torchvision"]`` for its detectors); load
-    them with the same list. ``allow``: callables beyond fxprep's default list (:mod:`.reviewed`) the
-    graph may name, for files you write and load yourself (``["torch.special.xlogy", "Tensor.resize_"]``);
-    load them with the same list. The directory is written beside the target and renamed into place:
-    ``directory`` must be new or empty, or, with ``overwrite=True``, an earlier fxprep save, which is
-    replaced whole. Raises :class:`SerializationError` for anything that could not be loaded back (a
-    leaf module with unknown constructor state, a function without an importable name, hooks, an
-    opaque part outside ``trusted_modules``, a callable off the default list and not in ``allow``),
-    naming the module or node; nothing is written then.
-    The module is run once on a probe shaped like its example, and what it computed is recorded for
-    ``load`` to check (:mod:`.selfcheck`).
+    The directory is written beside the target and renamed into place; the module is run once on a
+    probe that ``load`` repeats (docs/delivery.md, docs/security.md).
+
+    Args:
+        gm: A module returned by :func:`fxprep.prepare_model`.
+        directory: Where to write; new or empty, or an earlier fxprep save with ``overwrite=True``.
+        example_inputs: Recorded in the manifest as the input spec (optional).
+        trusted_modules: Packages whose code the opaque parts may be saved by name (``["torchvision"]``); load with the same.
+        overwrite: Replace an earlier fxprep save at ``directory`` whole.
+        allow: Callables beyond fxprep's default list the graph may name (``["torch.special.xlogy"]``); load with the same.
+
+    Returns:
+        The directory written.
+
+    Raises:
+        SerializationError: Something could not be loaded back (naming the module or node) or written; nothing is written then.
+        InvalidInput: ``trusted_modules`` or ``allow`` is not a list of names.
     """
     with _as_serialization_errors("save to", directory):
         return _save(gm, directory, example_inputs=example_inputs, trusted_modules=trusted_modules, overwrite=overwrite,
@@ -181,17 +185,21 @@ def load(
 ) -> fx.GraphModule:
     """Rebuild a module written by :func:`save`, without the original source and without unpickling.
 
-    ``trusted_modules``: packages (or modules) whose classes and functions the saved module may use
-    (leaves or opaque parts from your own package, torchvision's detectors, timm, transformers):
-    each is still checked to be the very object its package defines under that name
-    (docs/security.md). ``allow``: callables beyond fxprep's default list (:mod:`.reviewed`) the file
-    may name, for files you trust (the save's own record of what it needs is never taken as allowed).
-    ``check_integrity`` compares each file with the checksum in the manifest.
-    Every problem, tampering included, is a :class:`SerializationError` that says what was refused;
-    that includes a module that does not compute, on the probe ``save`` recorded, what the saved one
-    did (:mod:`.selfcheck`: the loaded module is run once, after every name, node and attribute was
-    checked and within the whole-load budget of :data:`.format.LIMITS`). The process's global state
-    (grad mode, autocast, default dtype, deterministic flags, RNG) is the same after ``load``.
+    Every name is checked against the trust policy by identity and the module is run once on the probe
+    ``save`` recorded, within budgets (docs/security.md); the process's global state is left as it was.
+
+    Args:
+        directory: A directory written by :func:`save`.
+        trusted_modules: Packages whose classes and functions the saved module may use (your own, torchvision, timm, transformers).
+        check_integrity: Compare each file with the checksum in the manifest.
+        allow: Callables beyond fxprep's default list the file may name, for files you trust.
+
+    Returns:
+        The loaded module, with its report and input guard.
+
+    Raises:
+        SerializationError: Anything refused or unreadable (tampering included), saying what.
+        InvalidInput: ``trusted_modules`` or ``allow`` is not a list of names.
     """
     with _as_serialization_errors("load", directory):
         return _load(directory, trusted_modules=trusted_modules, check_integrity=check_integrity, allow=allow)
@@ -257,7 +265,7 @@ def _load(
         set_preserved(gm, INPUT_SPEC, spec)
     # the module does, on fake inputs shaped like its example, what the saved one did (io/selfcheck.py)
     selfcheck.check(gm, spec, manifest.get("self_check"), str(directory), until)
-    register_with_toolkits()
+    toolkits.run_hooks()  # the toolkits already imported accept the module (AIMET QuantSim)
     return gm
 
 
@@ -301,8 +309,17 @@ def _node_refs(value: Any) -> list[str]:
 
 
 def inspect_saved(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """What a saved directory holds, read from its JSON files only (nothing imported, nothing run):
-    manifest, class name, and one row per node with its inputs and, for modules, their class."""
+    """What a saved directory holds, read from its JSON files only (nothing imported, nothing run).
+
+    Args:
+        directory: A directory written by :func:`save`.
+
+    Returns:
+        ``{"class_name", "manifest", "nodes"}``: the module's class name, the manifest, one row per node (its inputs; a module's class).
+
+    Raises:
+        SerializationError: ``directory`` is not an fxprep save, or its JSON is malformed.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise SerializationError(f"{directory} is not a directory written by fxprep.save.")

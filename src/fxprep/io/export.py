@@ -163,8 +163,23 @@ def export_program(
 ) -> torch.export.ExportedProgram:
     """``torch.export.export`` of a prepared module, checked against it on the example inputs.
 
-    The program's ``nn_module_stack`` metadata names the prepared modules (see module docstring).
-    Raises :class:`ExportError` when export fails or the program computes something else.
+    The program's ``nn_module_stack`` metadata names the prepared modules (docs/handoff/pt2e.md).
+
+    Args:
+        gm: A module returned by :func:`fxprep.prepare_model` or :func:`fxprep.load`.
+        example_inputs: What ``torch.export`` traces and the check runs on, as for ``prepare_model``.
+        strict: ``torch.export``'s ``strict`` mode.
+        verify: Run the program on the example and compare it with ``gm``.
+        rtol: Relative tolerance of the comparison.
+        atol: Absolute tolerance (default: 1e-5 times the outputs' largest magnitude, at least 1e-5).
+
+    Returns:
+        The ``torch.export.ExportedProgram``.
+
+    Raises:
+        InvalidInput: ``gm`` is not a ``GraphModule``, or fails on ``example_inputs``.
+        InputMismatch: ``example_inputs`` are unlike those ``gm`` was prepared for.
+        ExportError: ``torch.export`` failed, or the program computes something else.
     """
     example, expected = _checked(gm, example_inputs, "export_program")
     clean = without_capture_metadata(gm)
@@ -302,12 +317,26 @@ def export_onnx(
     rtol: float = 1e-4,
     atol: float | None = None,
 ) -> float:
-    """Export ``gm`` to ONNX at ``path``, run it in onnxruntime and compare with ``gm``.
+    """Export ``gm`` to ONNX at ``path``, run it in onnxruntime and compare it with ``gm``.
 
-    Uses the ``torch.export``-based exporter (``dynamo=True``) and falls back to the TorchScript one
-    only when that fails. Returns the max absolute difference between onnxruntime's outputs and the
-    prepared module's; raises :class:`ExportError` (saying which exporter failed and why) otherwise,
-    and then leaves no file at ``path``.
+    The ``torch.export``-based exporter first, the TorchScript one only when that fails (docs/handoff/onnx.md).
+
+    Args:
+        gm: A module returned by :func:`fxprep.prepare_model` or :func:`fxprep.load`.
+        example_inputs: What the exporters trace and the comparison runs on, as for ``prepare_model``.
+        path: The ``.onnx`` file to write (its folder is made).
+        opset: The ONNX opset (default: the exporter's).
+        optimize: ``"fold"`` (constants folded), ``"full"`` (the exporter's optimizer) or ``"none"``.
+        rtol: Relative tolerance of the comparison.
+        atol: Absolute tolerance (default: 1e-5 times the outputs' largest magnitude, at least 1e-5).
+
+    Returns:
+        The largest absolute difference between onnxruntime's outputs and the prepared module's.
+
+    Raises:
+        InvalidInput: ``gm`` is not a ``GraphModule``, or fails on ``example_inputs``.
+        InputMismatch: ``example_inputs`` are unlike those ``gm`` was prepared for.
+        ExportError: Both exporters failed, or the file computes something else; no file is left at ``path``.
     """
     if optimize not in OPTIMIZE:
         raise ExportError(f"optimize must be one of {OPTIMIZE}, not {optimize!r}.")

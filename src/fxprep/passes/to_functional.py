@@ -17,7 +17,15 @@ from .. import ops
 
 
 def run(gm: fx.GraphModule, *, recompile: bool = True) -> fx.GraphModule:
-    """Replace every call of an ``fxprep.ops`` module by the function or method call it makes."""
+    """Replace every call of an ``fxprep.ops`` module by the function or method call it makes, in place.
+
+    Args:
+        gm: A prepared module, or a copy of one (its op modules are removed).
+        recompile: Regenerate ``gm``'s code after (``False`` when more passes follow).
+
+    Returns:
+        ``gm``.
+    """
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue

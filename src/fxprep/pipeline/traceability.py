@@ -4,6 +4,8 @@ It runs every tracer on its own (not as a cascade), diagnoses each failure into 
 :class:`~fxprep.reporting.diagnose.Issue` objects, and, when no tracer captures the whole model, says which
 parts the hybrid capture would make opaque. When Dynamo fails, ``torch.export.draft_export`` is run
 once to list every remaining data-dependent site in a single pass instead of one error at a time.
+
+See docs/concepts/capture.md.
 """
 
 from __future__ import annotations
@@ -203,11 +205,24 @@ def check_traceability(
     draft_export: bool = True,
     control_flow: bool = True,
 ) -> TraceReport:
-    """Run each tracer on ``model`` and say what can be captured, what cannot, where and why.
+    """Run each tracer on ``model`` alone and say what can be captured, what cannot, where and why.
 
-    When a tracer stops on data-dependent control flow, ``control_flow`` (default) also runs the
-    ``control_flow="rewrite"`` capture loop and names, for each data-dependent site, whether the
-    rewrite applies (``torch.where`` / ``torch.cond``) or why not.
+    Nothing is prepared; see docs/concepts/capture.md.
+
+    Args:
+        model: The ``nn.Module`` to check.
+        example_inputs: As for :func:`fxprep.prepare_model` (Dynamo needs them, or a transformers config).
+        modules_to_exclude: Module instances kept as single calls.
+        module_classes_to_exclude: Module classes whose instances are kept as single calls.
+        concrete_args: ``{argument name: value}`` fixed at capture.
+        draft_export: List every data-dependent site with ``torch.export.draft_export`` when a tracer fails.
+        control_flow: For data-dependent control flow, say per site whether ``control_flow="rewrite"`` applies.
+
+    Returns:
+        A :class:`TraceReport`: each tracer's attempt, the diagnosed issues, the parts that would be opaque.
+
+    Raises:
+        InvalidInput: An argument of the wrong kind.
     """
     # tracers patch process-wide state (fxprep.core.threads)
     with GLOBAL_LOCK, hooks_left_as_found(model), huggingface.output_capturing_hooks(model), \

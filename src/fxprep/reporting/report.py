@@ -93,6 +93,10 @@ class Verification:
 
 @dataclass
 class Report:
+    """What :func:`fxprep.prepare_model` did, at ``gm.fxprep_report``: the route and its attempts, the
+    modules added, unrolled and left, the input checks, notes, verification and timings. ``print`` it
+    for the short text, :meth:`to_text` ``(verbose=True)`` for all (docs/getting-started.md)."""
+
     model: str
     tracer: str | None = None
     attempts: list[CaptureAttempt] = field(default_factory=list)

@@ -218,7 +218,17 @@ def _rebuild(state: dict[str, Any], graph: tuple[list[tuple[Any, ...]], Any]) ->
 
 
 def get_report(gm: nn.Module) -> Report:
-    """The :class:`Report` of a module returned by :func:`fxprep.prepare_model`."""
+    """The :class:`Report` of a module returned by :func:`fxprep.prepare_model` or :func:`fxprep.load`.
+
+    Args:
+        gm: The prepared module.
+
+    Returns:
+        Its report (also at ``gm.fxprep_report``).
+
+    Raises:
+        InvalidInput: ``gm`` was not made by fxprep.
+    """
     report = getattr(gm, REPORT, None)
     if not isinstance(report, Report):
         raise InvalidInput("this module was not produced by fxprep.prepare_model (it has no fxprep report).")

@@ -25,13 +25,19 @@ __all__ = ["KINDS", "describe", "describe_saved", "record_values", "render_dot",
 
 def show(source: fx.GraphModule | str | os.PathLike[str], path: str | os.PathLike[str] = "graph.html", *,
          example_inputs: Any = None) -> Path:
-    """Write the HTML view of ``source`` to ``path`` and return the path.
+    """Write the HTML view of ``source`` to ``path`` (docs/pictures.md).
 
-    ``source``: a module returned by :func:`fxprep.prepare_model` (its report is shown too) or a
-    directory written by :func:`fxprep.save` (read from its JSON files only: nothing is imported or
-    run). ``example_inputs`` (live modules only): run the module once on them to show every edge's
-    shape and dtype; without them the shapes the capture recorded are shown (Dynamo records them,
-    the fx tracer does not).
+    Args:
+        source: A module returned by :func:`fxprep.prepare_model` (its report shown too) or a directory written by :func:`fxprep.save` (read, not run).
+        path: The HTML file to write.
+        example_inputs: For a live module only: run it once on them to show every edge's shape and dtype.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        InvalidInput: ``source`` is neither a ``GraphModule`` nor a directory, or ``example_inputs`` given with a directory.
+        SerializationError: The saved directory cannot be read, or ``path`` cannot be written.
     """
     if isinstance(source, fx.GraphModule):
         view = describe(source, example_inputs)

@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from ...errors import MissingDependency
+from ..contract import Adapter
 
 try:
     import llmcompressor.pipelines.sequential.pipeline as _sequential
@@ -26,7 +27,10 @@ except ImportError as _err:  # one line, naming the extra
 
 from .subgraphs import Capture, FxprepSubgraph, fxprep_subgraphs, last_capture
 
-__all__ = ["FxprepPipeline", "FxprepSubgraph", "fxprep_subgraphs", "last_capture", "Capture", "PIPELINE"]
+__all__ = ["ADAPTER", "FxprepPipeline", "FxprepSubgraph", "fxprep_subgraphs", "last_capture", "Capture", "PIPELINE"]
+
+ADAPTER = Adapter(toolkit="llm-compressor", module="llmcompressor", requires="llmcompressor>=0.14",
+                  entry_points=("FxprepPipeline", "fxprep_subgraphs", "last_capture"), page="handoff/llm-compressor.md")
 
 PIPELINE = "fxprep"
 _LOCK = threading.Lock()  # the sequential pipeline's module global is swapped for the run

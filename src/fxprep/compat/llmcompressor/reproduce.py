@@ -8,6 +8,8 @@ the model once as it is and once as its subgraphs, records what each target modu
 argument, the mask included) and returns, and says where they first differ. It takes any object with
 llm-compressor's subgraph interface (``input_names``, ``forward(model, **inputs)``), llm-compressor's
 own or fxprep's, so the same check measures both.
+
+See docs/handoff/llm-compressor.md.
 """
 
 from __future__ import annotations
@@ -84,9 +86,19 @@ def run_subgraphs(model: nn.Module, subgraphs: Sequence[Any], batch: Mapping[str
 
 def compare_subgraphs(model: nn.Module, subgraphs: Sequence[Any], batch: Mapping[str, Any],
                       targets: Sequence[tuple[str, nn.Module]]) -> Difference:
-    """Run ``model(**batch)`` and the ``subgraphs`` in order, and compare what every module of
-    ``targets`` (``(name, module)``) received and returned. Call it in the context calibration
-    runs in (llm-compressor's ``calibration_forward_context``)."""
+    """Compare what every target module receives and returns in ``model(**batch)`` and in the subgraphs run in order.
+
+    Call it in the context calibration runs in (llm-compressor's ``calibration_forward_context``).
+
+    Args:
+        model: The model the subgraphs were made for.
+        subgraphs: Any objects with llm-compressor's subgraph interface (``input_names``, ``forward(model, **inputs)``).
+        batch: A calibration batch (the model's keyword arguments).
+        targets: ``(name, module)`` of the modules whose calls are compared.
+
+    Returns:
+        The :class:`Difference` (largest difference, where it first appears, the calls compared).
+    """
     eager: list[tuple[str, Any, Any]] = []
     staged: list[tuple[str, Any, Any]] = []
     with torch.no_grad():

@@ -11,6 +11,8 @@ module a modifier may hook runs eagerly through ``nn.Module.__call__``, so GPTQ'
 SmoothQuant's and the quantization observers' hooks see the calls eager makes. The capture is
 Dynamo's (fxprep's cascade and diagnosis), shape-general, on a plain twin of the model
 (:mod:`.twin`) and verified against it where the twin holds real weights.
+
+See docs/handoff/llm-compressor.md.
 """
 
 from __future__ import annotations
@@ -53,7 +55,11 @@ LAST: list[Capture] = []  # the last capture, for inspection (``last_capture()``
 
 
 def last_capture() -> Capture | None:
-    """What the last ``pipeline="fxprep"`` run captured: ``.report`` (fxprep's report), ``.gm``."""
+    """What the last ``pipeline="fxprep"`` run in this process captured.
+
+    Returns:
+        The :class:`Capture` (``.report``: fxprep's report, ``.gm``, ``.subgraphs``), or None before any run.
+    """
     return LAST[-1] if LAST else None
 
 
@@ -238,22 +244,24 @@ def calibration_context(model: nn.Module) -> Iterator[None]:
 
 def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequential_targets: Any,
                      ignore: Any = (), targets_per_subgraph: int = 1) -> list[FxprepSubgraph]:
-    """What llm-compressor's ``trace_subgraphs(model, sample_input, sequential_targets, ignore,
-    targets_per_subgraph)`` returns, made by fxprep (see the module docstring).
+    """What llm-compressor's ``trace_subgraphs`` returns, made by fxprep (see the module docstring).
 
     Args:
-        model: the model as the pipeline has it (offloading wrappers and hooks in place).
-        sample_input: the first calibration batch (a dict of the model's keyword arguments).
-        sequential_targets: module class names or ``re:`` patterns, as llm-compressor takes them.
-        ignore: llm-compressor's ``tracing_ignore``: the functions its torch.fx tracer must not
-            trace into. Dynamo traces them (they build the masks the layers need), so fxprep does not
-            read it.
-        targets_per_subgraph: how many targets one subgraph holds.
+        model: The model as the pipeline has it (offloading wrappers and hooks in place).
+        sample_input: The first calibration batch (a dict of the model's keyword arguments).
+        sequential_targets: Module class names or ``re:`` patterns, as llm-compressor takes them.
+        ignore: llm-compressor's ``tracing_ignore``; Dynamo traces those functions (they build the masks), so it is not read.
+        targets_per_subgraph: How many targets one subgraph holds.
+
+    Returns:
+        One :class:`FxprepSubgraph` per stage, in order; :func:`last_capture` holds the capture.
 
     Raises:
-        InvalidInput: no module matches ``sequential_targets`` (the message lists the model's classes).
+        InvalidInput: No module matches ``sequential_targets`` (the message lists the model's classes).
+        ModelError: The model itself fails on the sample.
         TraceFailure: fxprep could not capture the model (its diagnosis: module, file:line, fix).
-        EquivalenceError: the graph does not compute what the model does on the sample.
+        EquivalenceError: The graph does not compute what the model does on the sample.
+        PassFailure: The graph could not be bound back to the model's own modules (a bug in fxprep).
     """
     from compressed_tensors.utils.match import match_named_modules
 
