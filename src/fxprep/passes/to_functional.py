@@ -4,7 +4,7 @@ torch's FX graph-mode quantization recognises ``operator.add``, ``torch.cat`` an
 pattern and skips unknown module classes. :func:`run` turns each :class:`~fxprep.ops.BoundOp` call
 back into the call it stands for, with the same arguments; the user's layers and the ``torch.nn``
 layers made from functionals stay modules. It removes modules from the graph it is given, so run it
-on a copy; :func:`fxprep.compat.torch_ao.prepare_fx` does both.
+on a copy (docs/handoff/torch-ao.md shows the flow).
 
 See docs/handoff/torch-ao.md.
 """
