@@ -119,3 +119,26 @@ def _call(directory: Path, fn: str, args: list, extra: list | None = None) -> No
         at = data["nodes"].index(node) + 1
         data["nodes"][at:at] = extra or []
     _edit(directory, io.GRAPH, change)
+
+
+# --- round trips --------------------------------------------------------------------------------
+def tiny_causal_lm_round_trip(model_type: str, ids: torch.Tensor) -> tuple[nn.Module, nn.Module]:
+    """The tiny transformers causal LM of ``model_type`` (cache off, seed 0) and its prepared module
+    saved and loaded with transformers trusted (prepared on 1x8 token ids; ``ids`` is not used for
+    it): ``(model, loaded)`` for the caller to compare on ``ids``."""
+    import tempfile
+
+    import transformers
+
+    import fxprep
+    from fxprep.cli.tiny import tiny_config
+
+    config = tiny_config(model_type)
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(3, 99, (1, 8))})
+    with tempfile.TemporaryDirectory() as folder:
+        fxprep.save(gm, folder, trusted_modules=["transformers"])
+        loaded = fxprep.load(folder, trusted_modules=["transformers"])
+    return model, loaded

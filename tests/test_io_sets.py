@@ -3,17 +3,14 @@ held by an opaque part's owner: CPM-Ant's mask method); sets of anything else ar
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
-import transformers
 
 import fxprep
-from fxprep.cli.tiny import tiny_config
 from fxprep.io.decode import Decoder
 from fxprep.io.encode import Encoder
 from fxprep.io.trust import TrustPolicy
+from tests.helpers_io import tiny_causal_lm_round_trip
 
 
 def test_sets_of_numbers_and_strings_round_trip() -> None:
@@ -33,14 +30,7 @@ def test_a_set_of_other_values_is_refused_at_save_and_at_load() -> None:
 
 
 def test_cpmant_saves_and_loads() -> None:
-    config = tiny_config("cpmant")
-    config.use_cache = False
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(3, 99, (1, 8))})
-    with tempfile.TemporaryDirectory() as folder:
-        fxprep.save(gm, folder, trusted_modules=["transformers"])
-        loaded = fxprep.load(folder, trusted_modules=["transformers"])
     ids = torch.randint(3, 99, (1, 8))
+    model, loaded = tiny_causal_lm_round_trip("cpmant", ids)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids)[0], gm(input_ids=ids)[0], rtol=0, atol=0)
+        torch.testing.assert_close(loaded(input_ids=ids)[0], model(input_ids=ids, use_cache=False).logits, rtol=0, atol=0)

@@ -3,16 +3,13 @@ function modules over transformers' mamba scans) saves and loads by that name, b
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
-import transformers
 
 import fxprep
-from fxprep.cli.tiny import tiny_config
 from fxprep.io.trust import TrustPolicy
 from tests import wrapped_code
+from tests.helpers_io import tiny_causal_lm_round_trip
 
 
 def test_the_function_inside_a_wrapper_at_its_name_is_found_by_identity() -> None:
@@ -34,15 +31,8 @@ def test_a_wrapper_holding_a_function_of_another_name_is_refused() -> None:
 def test_a_mamba_scan_kept_opaque_saves_and_loads_with_transformers_trusted() -> None:
     # with `kernels` installed, modeling_bamba.mamba2_chunk_scan is a module wrapping the function the
     # prepared graph calls; the save named the function and refused it though transformers was trusted
-    config = tiny_config("bamba")
-    config.use_cache = False
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(3, 99, (1, 8))})
-    with tempfile.TemporaryDirectory() as folder:
-        fxprep.save(gm, folder, trusted_modules=["transformers"])
-        loaded = fxprep.load(folder, trusted_modules=["transformers"])
     ids = torch.randint(3, 99, (2, 11))
+    model, loaded = tiny_causal_lm_round_trip("bamba", ids)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids)[0], model(input_ids=ids, use_cache=False).logits,
                                    rtol=0, atol=0)
