@@ -263,10 +263,7 @@ def tiny_config(model_type: str, extra: dict[str, Any]) -> Any:
 def build_hf(model_type: str) -> tuple[nn.Module, Any]:
     import transformers
 
-    try:
-        from fxprep.families.transformers.model import example_inputs_for
-    except ImportError:  # an fxprep from before the regroup (benchmarks/load_bench.py's --base tree)
-        from fxprep.capture.huggingface import example_inputs_for  # type: ignore[no-redef]
+    from fxprep.families.transformers.model import example_inputs_for
 
     auto, extra = HF_ARCHS[model_type]
     config = tiny_config(model_type, extra)
