@@ -108,3 +108,43 @@ def test_a_variant_for_another_model_learns_on_its_own() -> None:
     assert request.replace(dynamic=False).learned is request.learned
     other = request.replace(model=_MutatesKwargs())
     assert other.learned is not request.learned and not other.learned.fresh_kwargs
+
+
+class _ReadsData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        k = int(lengths[0].item())
+        if k > 1:  # a Python bool of a value read from data: no plain Dynamo trace gets past it
+            return torch.cat([self.lin(x[:, :k]), x[:, k:]], 1)
+        return self.lin(x)
+
+
+class _BlocksReadingData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_ReadsData() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, lengths)
+        return x
+
+
+def test_the_batch_probe_makes_no_plain_trace_where_the_capture_could_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = _BlocksReadingData().eval()
+    traces = _traces(monkeypatch)
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 6, 8), torch.tensor([2, 4])), dynamic=False,
+                              progress=False)
+    report = fxprep.get_report(gm)
+    assert report.tracer in ("dynamo+leaves", "dynamo+values")
+    outer = [end for name, end in traces if name == "_BlocksReadingData"]
+    # the batch probe's trace with a symbolic batch (the model as it is, no part opaque, no value
+    # decided) would stop where the capture did: it is not made, and the report says why
+    assert all(end == "ok" for end in outer[outer.index("ok"):]), traces
+    assert any("as the capture itself could not" in note for note in report.notes), report.notes
+    x, lengths = torch.randn(3, 6, 8), torch.tensor([2, 4])
+    torch.testing.assert_close(gm(x, lengths), model(x, lengths), rtol=0, atol=0)

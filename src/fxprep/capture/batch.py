@@ -98,7 +98,7 @@ def _branches(model: nn.Module, example: ExampleInputs, batch: int,
 
 def probe(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, report: Report, *,
           check: Callable[[ExampleInputs, str], Any], captured: Callable[[ExampleInputs], ExampleInputs],
-          fresh_kwargs: bool = False) -> bool:
+          fresh_kwargs: bool = False, whole: bool = True) -> bool:
     """Probe the batch dimension of ``gm``'s static-shape capture (see the module docstring).
 
     ``check(example, what)`` verifies ``gm`` against ``model`` on an example as prepare_model does
@@ -107,12 +107,16 @@ def probe(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, report: 
     ``use_cache=False``). ``gm``'s input spec loses its batch dimension when the probe frees it.
     True when the graph baked the example's batch in (another batch failed) although Dynamo, traced
     with a symbolic batch, found no branch on it: worth capturing again with the batch declared.
-    ``fresh_kwargs``: that trace as the capture learned (:class:`~fxprep.capture.request.Learned`)."""
+    ``fresh_kwargs``: that trace as the capture learned (:class:`~fxprep.capture.request.Learned`).
+    ``whole``: the capture traced the whole model (:attr:`~fxprep.capture.routes.Route.whole`); where it
+    did not, that trace is not made: it would stop where the capture could not go."""
     spec = gm.__dict__[INPUT_SPEC]
     batch = example_batch(example)
     if batch is None:
         return False
-    branches, unlisted = _branches(model, example, batch, captured, fresh_kwargs)
+    branches, unlisted = (_branches(model, example, batch, captured, fresh_kwargs) if whole else
+                          ([], "as the capture itself could not: parts of it are called without tracing into them "
+                               "or decided from the example"))
     named = (", from Dynamo's guards (traced with a symbolic batch): " + "; ".join(b.describe() for b in branches)
              if branches else "")
     sizes = [s for s in (batch - 1, batch + 1) if s >= 1]
