@@ -500,7 +500,8 @@ def _capture_general(run: Preparation, step: plan.CaptureStep) -> plan.Captured 
                                                         scans_of=shape_general.scans_finder(request))
     except shape_general.NotShapeGeneral as err:
         return plan.Refusal(str(err), err.elsewhere)
-    kept = shape_general.limits(request.model, found, request.replace(example=found.capture_example).calls()[0])
+    kept = shape_general.limits(request.model, found, request.replace(example=found.capture_example).calls()[0],
+                                fresh_kwargs=request.learned.fresh_kwargs)
     if kept.explicit and kept.limits:
         return plan.Refusal("a branch of the model's code bounds them", None)
     return plan.Captured(dataclasses.replace(step, proposal=kept), result, attempts)
@@ -550,5 +551,6 @@ def _capture_second(run: Preparation, second: plan.CaptureStep, static: plan.Cap
         dims, found, why_not = shape_general.fallback(second.request, second.elsewhere, attempts, result.tracer, sites)
         if dims is not None and found is not None:
             call = second.request.replace(example=found.capture_example).calls()[0]
-            return dataclasses.replace(second, proposal=shape_general.limits(run.model, found, call)), dims
+            limited = shape_general.limits(run.model, found, call, fresh_kwargs=second.request.learned.fresh_kwargs)
+            return dataclasses.replace(second, proposal=limited), dims
     return dataclasses.replace(static, why=f"{static.why}; {why_not}"), result

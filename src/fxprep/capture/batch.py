@@ -81,7 +81,7 @@ def _free_batch(spec: InputSpec, batch: int) -> None:
 
 
 def _branches(model: nn.Module, example: ExampleInputs, batch: int,
-              captured: Callable[[ExampleInputs], ExampleInputs]) -> tuple[list[Branch], str | None]:
+              captured: Callable[[ExampleInputs], ExampleInputs], fresh_kwargs: bool) -> tuple[list[Branch], str | None]:
     """The branches on the batch size that restrict it (Dynamo's guards, :mod:`fxprep.capture.dynamo.size_branches`),
     and why they could not be listed (None when they were). Traced at batch 2 when the example's is 1."""
     traced = max(batch, 2)
@@ -90,14 +90,15 @@ def _branches(model: nn.Module, example: ExampleInputs, batch: int,
         # whole-model Dynamo trace would cost several times that
         return [], "the inputs are on meta, where listing them would cost a second whole-model Dynamo trace"
     try:
-        found = batch_branches(model, captured(with_batch(example, batch, traced)), traced)
+        found = batch_branches(model, captured(with_batch(example, batch, traced)), traced, fresh_kwargs=fresh_kwargs)
     except Exception as err:  # noqa: BLE001 - a model Dynamo cannot trace with a symbolic batch: say so
         return [], f"{type(err).__name__}: {first_line(err)}"
     return [b for b in found if b.restricts()], None
 
 
 def probe(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, report: Report, *,
-          check: Callable[[ExampleInputs, str], Any], captured: Callable[[ExampleInputs], ExampleInputs]) -> bool:
+          check: Callable[[ExampleInputs, str], Any], captured: Callable[[ExampleInputs], ExampleInputs],
+          fresh_kwargs: bool = False, whole: bool = True) -> bool:
     """Probe the batch dimension of ``gm``'s static-shape capture (see the module docstring).
 
     ``check(example, what)`` verifies ``gm`` against ``model`` on an example as prepare_model does
@@ -105,12 +106,17 @@ def probe(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, report: 
     splits an example as prepare_model does for the capture (with the arguments it adds, such as
     ``use_cache=False``). ``gm``'s input spec loses its batch dimension when the probe frees it.
     True when the graph baked the example's batch in (another batch failed) although Dynamo, traced
-    with a symbolic batch, found no branch on it: worth capturing again with the batch declared."""
+    with a symbolic batch, found no branch on it: worth capturing again with the batch declared.
+    ``fresh_kwargs``: that trace as the capture learned (:class:`~fxprep.capture.request.Learned`).
+    ``whole``: the capture traced the whole model (:attr:`~fxprep.capture.routes.Route.whole`); where it
+    did not, that trace is not made: it would stop where the capture could not go."""
     spec = gm.__dict__[INPUT_SPEC]
     batch = example_batch(example)
     if batch is None:
         return False
-    branches, unlisted = _branches(model, example, batch, captured)
+    branches, unlisted = (_branches(model, example, batch, captured, fresh_kwargs) if whole else
+                          ([], "as the capture itself could not: parts of it are called without tracing into them "
+                               "or decided from the example"))
     named = (", from Dynamo's guards (traced with a symbolic batch): " + "; ".join(b.describe() for b in branches)
              if branches else "")
     sizes = [s for s in (batch - 1, batch + 1) if s >= 1]

@@ -29,6 +29,17 @@ from .common import LeafPolicy
 _RECORDED_ON = ("model", "example", "concrete_args")
 
 
+@dataclass
+class Learned:
+    """What a Dynamo capture of this model learned that every later capture of it in the same
+    ``prepare_model`` call can start from, instead of failing the same way first: the model's
+    forward mutates the ``**kwargs`` it is called with, so Dynamo traces it from a fresh-kwargs
+    root (:func:`fxprep.capture.dynamo.export.fresh_kwargs_root`). Llava-NeXT's default prepare
+    made eight captures, each failing twice on that before the retry (16 of 32 traces)."""
+
+    fresh_kwargs: bool = False
+
+
 @dataclass(frozen=True)
 class CaptureRequest:
     """What to capture and how; immutable (make variants with :meth:`replace`).
@@ -52,6 +63,7 @@ class CaptureRequest:
     block's own under block reuse) stops at the first guard that limits a declared dimension, for
     the shape-general capture to look for a scan from that guard
     (:mod:`fxprep.capture.dynamo.early_limit`), instead of tracing on and capturing the whole model.
+    ``learned``: shared by the variants for the same model (:class:`Learned`).
     """
 
     model: nn.Module
@@ -67,6 +79,7 @@ class CaptureRequest:
     dims_must_hold: bool = False
     opaque: tuple[Any, ...] = ()
     scan_search: bool = False
+    learned: Learned = field(default_factory=Learned, compare=False)
 
     def replace(self, **changes: Any) -> CaptureRequest:
         """A copy with ``changes`` (``dataclasses.replace``). A copy for another model, example or
@@ -74,6 +87,8 @@ class CaptureRequest:
         made by running this request's model on this request's example."""
         if "records" not in changes and any(k in changes and changes[k] is not getattr(self, k) for k in _RECORDED_ON):
             changes["records"] = None if self.records is None else {}
+        if "learned" not in changes and "model" in changes and changes["model"] is not self.model:
+            changes["learned"] = Learned()  # what was learned is about this model's code
         return dataclasses.replace(self, **changes)
 
     def calls(self) -> tuple[ExampleInputs, ExampleInputs]:
@@ -83,4 +98,4 @@ class CaptureRequest:
         return split_calls(self.model, self.example, self.concrete_args)
 
 
-__all__ = ["CaptureRequest"]
+__all__ = ["CaptureRequest", "Learned"]

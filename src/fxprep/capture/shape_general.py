@@ -224,7 +224,8 @@ def _without_batch(proposal: autodims.Proposal, stopped: str) -> autodims.Propos
                                    "the values decided from the example are one set per image")
 
 
-def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -> autodims.Proposal:
+def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs, *,
+           fresh_kwargs: bool = False) -> autodims.Proposal:
     """``proposal`` (captured on ``call``: its capture example as Dynamo was called with it, concrete
     arguments included) with its ``limits``: of the ranges Dynamo bounded the declared dimensions to, those
     a branch of the model's code sets (a trace with the dimensions maybe-dynamic, where each decision
@@ -239,7 +240,7 @@ def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs) -
     try:
         length = shortest_length(model, call, proposal.dynamic)
         with quiet_guard_logs(), preserved_state(model), capture_context(model, None, call, dynamic_length=length):
-            found = size_branches(model, call, proposal.dynamic)
+            found = size_branches(model, call, proposal.dynamic, fresh_kwargs=fresh_kwargs)
     except Exception as err:  # noqa: BLE001 - cannot tell: every range is kept as a limit
         why = f"kept as a limit: whether the model's code branches there could not be checked ({first_line(err)})"
         return dataclasses.replace(proposal, limits={k: r.joined(why) for k, r in proposal.ranges.items()})

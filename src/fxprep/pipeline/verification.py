@@ -59,7 +59,9 @@ def verification(run: Preparation, gm: fx.GraphModule) -> None:
                    absent=run.absent, what=what)
 
         run.batch_baked = batch.probe(run.model, gm, example, report, check=check,
-                                      captured=lambda e: split_calls(run.model, e, concrete)[0])
+                                      captured=lambda e: split_calls(run.model, e, concrete)[0],
+                                      fresh_kwargs=run.request.learned.fresh_kwargs,
+                                      whole=Route(result.tracer).whole)
     if run.proposal is not None:
         verify_general(run, gm)
     elif run.dynamic:

@@ -110,7 +110,8 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
         return _failure(err, start, tracer)
     # a dimension other than the batch declared dynamic: transformers' length-dependent mask choices (hf_attention)
     lengths = shortest_length(model, capture_call, request.dynamic)
-    state = _Relaxed(route, default_route() if route == "auto" else route, tensor_caches(model))
+    state = _Relaxed(route, default_route() if route == "auto" else route, tensor_caches(model),
+                     fresh_kwargs=request.learned.fresh_kwargs)
     while True:  # each failure below relaxes one thing and tries again, or gives up
         guard = AttributeGuard(model, state.caches)
         target = LiftTarget(model, policy, capture_call, prepared_call, state.current, [])
@@ -138,6 +139,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
             if isinstance(err, LimitFound) or not state.relax(err, model, capture_call, notes):
                 return _failure(err, start, tracer)
+            request.learned.fresh_kwargs = state.fresh_kwargs  # the later captures of this model start there
             progress.step(f"retrying after {type(err).__name__}")
     notes.extend(_capture_notes(request, gm, state.caches, guard.written, capture_call))
     result_ = CaptureResult(gm, tracer, notes=notes, extra_leaves=extra)

@@ -40,7 +40,7 @@ from .blocks import (
     self_guards,
     structure_whys,
 )
-from .export import AttributeGuard, dynamo_export, quiet_guard_logs
+from .export import MUTATED_INPUT_DICT, AttributeGuard, dynamo_export, quiet_guard_logs
 from .opaque import BlackBox
 from .relift import ROUTE_META, LiftTarget, follow_input_device, relift
 from .stamp import (
@@ -323,6 +323,14 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
     return None
 
 
+def _around_blocks(err: BaseException) -> bool:
+    """Whether the outer capture's failure is one the whole-model capture has the same way: a value
+    read from data (a guard on it, or a branch), or the model's forward mutating the ``**kwargs`` it
+    was called with (retried from a fresh-kwargs root)."""
+    branch = "Data-dependent branching" in (str(getattr(err, "gb_type", "") or ""), str(err).split("\n", 1)[0])
+    return stopped_at_data_guard(err) or branch or MUTATED_INPUT_DICT in str(err)
+
+
 class _AroundBlocks(Exception):
     """The outer capture failed in the model's own code, not in a block's stand-in: that failure
     is the capture's (raised as it is from :func:`capture_reusing`), since the whole-model capture
@@ -348,9 +356,10 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str], traced: Tra
         except Exception as err:
             # only a value read from data is the outer capture's own: other failures may come from calling
             # a stand-in (Gemma3n passes its layers a dict Dynamo cannot hand to one call_module)
-            if stubs.involved(err) or not stopped_at_data_guard(err):
+            if stubs.involved(err) or not _around_blocks(err):
                 raise  # reuse is given up and the whole model captured, as before
-            # the model's code around the blocks failed: the whole-model capture would fail there too
+            # the model's code around the blocks failed (a value read from data, or its forward mutating
+            # the **kwargs it was called with): the whole-model capture would fail there too
             raise _AroundBlocks(err) from None
     guard.reset()
     # Leaves the user named inside a block are called from the block's graph, not the outer one:

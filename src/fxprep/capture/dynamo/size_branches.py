@@ -120,12 +120,13 @@ def _decisions(env: Any, owner: dict[str, str]) -> list[Branch]:
     return found
 
 
-def batch_branches(model: nn.Module, call: ExampleInputs, batch: int) -> list[Branch]:
+def batch_branches(model: nn.Module, call: ExampleInputs, batch: int, *, fresh_kwargs: bool = False) -> list[Branch]:
     """The branches of ``model`` on dimension 0 of the inputs of size ``batch`` (``batch >= 2``), from
     a Dynamo trace of ``call`` with that dimension symbolic. Raises whatever Dynamo raises when it
-    cannot trace the model that way (the caller words it)."""
+    cannot trace the model that way (the caller words it). ``fresh_kwargs``: as the capture learned
+    (:class:`~fxprep.capture.request.Learned`)."""
     with preserved_state(model):
-        gm, _ = dynamo_export(model, _marked(call, batch), default_route(), None)
+        gm, _ = dynamo_export(model, _marked(call, batch), default_route(), None, fresh_kwargs=fresh_kwargs)
     env = _shape_env(gm)
     if env is None:
         return []
@@ -134,12 +135,14 @@ def batch_branches(model: nn.Module, call: ExampleInputs, batch: int) -> list[Br
     return _decisions(env, batch_symbols)
 
 
-def size_branches(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict[int, str]]) -> list[Branch]:
+def size_branches(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict[int, str]], *,
+                  fresh_kwargs: bool = False) -> list[Branch]:
     """The branches of ``model``'s code on the dimensions ``dynamic`` names (``{input: {dim: symbol}}``,
     the form :class:`~..shapes.autodims.Proposal` keeps), over those symbols, from a Dynamo trace of ``call``
     with them marked maybe-dynamic: Dynamo then records each decision as a guard instead of stopping
     at a constraint it was told to keep (``call``'s sizes below 2 must have been grown already).
-    Raises whatever Dynamo raises when it cannot trace the model that way."""
+    Raises whatever Dynamo raises when it cannot trace the model that way. ``fresh_kwargs``: as the
+    capture learned (:class:`~fxprep.capture.request.Learned`)."""
     names = positional_names(model, len(call.args))
 
     def mark(name: str, value: Any) -> Any:
@@ -149,7 +152,7 @@ def size_branches(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict
     marked = ExampleInputs(tuple(mark(n, a) for n, a in zip(names, call.args)),
                            {k: mark(k, v) for k, v in call.kwargs.items()})
     with preserved_state(model):
-        gm, _ = dynamo_export(model, marked, default_route(), None)
+        gm, _ = dynamo_export(model, marked, default_route(), None, fresh_kwargs=fresh_kwargs)
     env = _shape_env(gm)
     if env is None:
         return []
