@@ -129,7 +129,7 @@ def test_containers_the_forward_changes_are_state_not_checked(tracer):
 def test_a_transformers_config_read_by_the_forward_is_checked():
     """A tiny Llama reads its config in its forward: an eager call between two calls of the prepared
     module changes nothing (no false alarm); a setting the graph holds, changed, is refused."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
     model = transformers.LlamaForCausalLM(config).eval()

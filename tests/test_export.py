@@ -81,10 +81,7 @@ def _tiny_hf(kind: str):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, num_key_value_heads=1))
         model.config.use_cache = False
     inputs = {"input_ids": torch.randint(0, 99, (1, 8))}
-    try:
-        gm = fxprep.prepare_model(model.eval(), example_inputs=inputs, tracer="auto")
-    except fxprep.TraceFailure as err:
-        pytest.skip(f"tiny {kind} cannot be captured by this fxprep yet (needs Dynamo capture): {str(err).splitlines()[1]}")
+    gm = fxprep.prepare_model(model.eval(), example_inputs=inputs, tracer="auto")
     return gm, inputs
 
 

@@ -122,7 +122,7 @@ def test_load_weights_still_follows_links_to_regular_files(tmp_path):
 def test_a_device_map_naming_a_device_this_machine_lacks_is_refused_before_placing(tmp_path, device):
     missing = torch.cuda.device_count() + 7  # an index past every GPU this machine has (or any, on a CPU host)
     device = int(device.format(n=missing)) if device == "{n}" else device.format(n=missing)
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401 - a test dependency (device maps)
     directory = tmp_path / "ckpt"
     _checkpoint(directory, sharded=False)
     gm = _prepared_on_meta()
@@ -135,7 +135,7 @@ def test_max_memory_naming_a_device_this_machine_lacks_is_refused(tmp_path):
     """device_map="auto" asks accelerate, which asks each max_memory device for its memory: a raw
     torch error for a device that is not there."""
     missing = torch.cuda.device_count() + 5  # an index past every GPU this machine has
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401 - a test dependency (device maps)
     directory = tmp_path / "ckpt"
     _checkpoint(directory, sharded=False)
     with pytest.raises(fxprep.InvalidInput, match=rf"max_memory\[{missing}\] = {missing}, but this machine has"):
