@@ -27,7 +27,7 @@ from . import decisions
 from .big import stand_ins
 from .big.weights import remember_original
 from .capture import cascade, dynamo_available, shape_general
-from .capture.common import CaptureAttempt, CaptureResult
+from .capture.common import CaptureResult
 from .capture.fx import mode_notes, trace_failure
 from .capture.request import CaptureRequest
 from .capture.rewrite import branches
@@ -63,7 +63,7 @@ from .pipeline.state import Preparation, UserArguments
 from .pipeline.verification import verification
 from .reporting import notes, progress
 from .reporting.diagnose import first_line
-from .reporting.report import Report
+from .reporting.report import CaptureAttempt, Report
 from .runtime import baked, guard
 from .runtime.prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, get_report, set_preserved
 from .verify import Reference, run_original

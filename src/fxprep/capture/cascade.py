@@ -21,8 +21,9 @@ from ..core.runs import preserved_state
 from ..errors import InvalidInput
 from ..families.transformers import model as huggingface
 from ..reporting import progress
+from ..reporting.report import CaptureAttempt
 from . import dynamo_available
-from .common import CaptureAttempt, CaptureResult
+from .common import CaptureResult
 from .fx import capture_fx, restored_attributes
 from .leaves import capture_hybrid
 from .request import CaptureRequest

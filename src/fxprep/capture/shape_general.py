@@ -22,8 +22,8 @@ from ..core.runs import preserved_state
 from ..families.transformers.model import capture_context
 from ..reporting import progress
 from ..reporting.diagnose import first_line
-from ..reporting.report import Report
-from .common import CaptureAttempt, CaptureResult
+from ..reporting.report import CaptureAttempt, Report
+from .common import CaptureResult
 from .dynamo import guard_log, guard_read
 from .dynamo.early_limit import LimitFound
 from .dynamo.export import quiet_guard_logs

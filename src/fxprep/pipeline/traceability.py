@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from ..capture import cascade
-from ..capture.common import CaptureAttempt
 from ..capture.request import CaptureRequest
 from ..capture.routes import Route
 from ..core.inputs import normalize_example_inputs
@@ -37,7 +36,7 @@ from ..reporting.diagnose import (
     is_user_file,
     module_at,
 )
-from ..reporting.report import Report, RewrittenSite
+from ..reporting.report import CaptureAttempt, Report, RewrittenSite
 from . import root_hooks
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 

@@ -5,7 +5,7 @@ parameter names and flattens the signature. This package turns its graph back in
 like an fx capture of the user's model: each leaf layer one ``call_module`` bound to the user's own
 module, parameters read under their own names, the original call signature and output type. This
 file holds the capture loop; :func:`capture_dynamo` returns a failure in the
-:class:`~fxprep.capture.common.CaptureAttempt` rather than raising, so the cascade can fall back to
+:class:`~fxprep.reporting.report.CaptureAttempt` rather than raising, so the cascade can fall back to
 fx.
 
 See docs/concepts/capture.md ("Under the hood") for the files in pipeline order and the full story.
@@ -25,7 +25,8 @@ from ...core.inputs import ExampleInputs
 from ...core.threads import GLOBAL_LOCK
 from ...families.transformers import model as huggingface
 from ...reporting import progress
-from ..common import CaptureAttempt, CaptureResult, LeafPolicy
+from ...reporting.report import CaptureAttempt
+from ..common import CaptureResult, LeafPolicy
 from ..request import CaptureRequest
 from ..routes import Route
 from ..shapes.dims import dynamic_dims, dynamic_shapes_spec, grown_example, shortest_length

@@ -24,8 +24,8 @@ from torch.utils import _pytree as pytree
 from ...core.inputs import ExampleInputs, split_calls
 from ...core.runs import preserved_state, run_model
 from ...families.transformers.methods import source_tree
-from ...reporting.report import Report, RewrittenSite
-from ..common import CaptureAttempt, CaptureResult
+from ...reporting.report import CaptureAttempt, Report, RewrittenSite
+from ..common import CaptureResult
 from . import runtime
 from .analysis import Effects, Resolver, arm_exit, effects, function_locals, reads_parameters, scoped_walk
 from .sites import (
