@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..families import recorders_only
 from ..runtime.opaque import is_opaque_module
 
 
@@ -21,7 +22,7 @@ class LeafPolicy:
     included), modules marked with :func:`fxprep.opaque`, TorchScript modules (nothing can trace
     into them), and modules carrying forward hooks or pre-hooks: tracing into those would silently
     drop the hooks, so they stay calls and their hooks keep running (transformers' own output
-    recorders aside: tracing reproduces them, see :mod:`..families.transformers.recorders`).
+    recorders aside: tracing reproduces them, :func:`fxprep.families.recorders_only`).
     """
 
     modules: tuple[nn.Module, ...] = ()
@@ -43,9 +44,7 @@ class LeafPolicy:
         if module._forward_pre_hooks:
             return "has forward hooks"
         if module._forward_hooks:
-            from ..families.transformers.recorders import only_output_recorders
-
-            if not only_output_recorders(module._forward_hooks.values()):
+            if not recorders_only(module._forward_hooks.values()):
                 return "has forward hooks"
         return None
 
