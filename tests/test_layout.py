@@ -155,6 +155,38 @@ def _adapter_names(source: str) -> set[str]:
             and isinstance(node.value, str) and re.fullmatch(r"fxprep\.compat(\.\w+)*", node.value)}
 
 
+def _family_imports(modules: dict[str, Path]) -> set[tuple[str, str]]:
+    """(importer, module) for each import of a family's own module (``fxprep.families.<family>...``)
+    from outside ``fxprep/families/``: the rest of fxprep asks the registry, ``fxprep.families``."""
+    return {(name, m) for name, path in modules.items() if not _within(name, "fxprep.families")
+            for m in _imports(name, path, modules) if _within(m, "fxprep.families") and m != "fxprep.families"}
+
+
+def test_only_the_registry_knows_the_families() -> None:
+    found = _family_imports(_modules())
+    assert found == set(), f"ask the family registry (fxprep.families.family_for), not a family: {sorted(found)}"
+
+
+def test_the_family_check_finds_a_direct_import(tmp_path: Path) -> None:
+    stray = tmp_path / "cascade.py"
+    stray.write_text("from ..families import family_for\nfrom ..families.transformers import model\n")
+    assert _family_imports({**_modules(), "fxprep.capture.cascade": stray}) == {
+        ("fxprep.capture.cascade", "fxprep.families.transformers.model")}
+
+
+def test_the_registry_imports_no_family_and_names_each_one() -> None:
+    """The registry (fxprep/families/__init__.py) is the contract the rest of fxprep imports: it
+    imports nothing of fxprep (a family imports capture/ and big/ helpers, and they import it), and
+    lists every family folder once (FAMILIES), each exporting FAMILY."""
+    import fxprep.families as registry
+
+    modules = _modules()
+    assert _imports("fxprep.families", modules["fxprep.families"], modules) == set()
+    folders = {p.name for p in (PACKAGE / "families").iterdir() if (p / "__init__.py").is_file()}
+    assert set(registry.FAMILIES) == folders and len(registry.FAMILIES) == len(folders)
+    assert all(isinstance(f, registry.Family) and f is not registry.NEUTRAL for f in registry.known())
+
+
 def test_the_pipeline_never_imports_an_adapter() -> None:
     modules = _modules()
     found = {(name, m) for name, path in modules.items() if not _within(name, ADAPTER_USERS)

@@ -12,13 +12,14 @@ from torch import nn
 
 import fxprep
 from fxprep.capture import shape_general
-from fxprep.capture.common import CaptureAttempt, CaptureResult
+from fxprep.capture.common import CaptureResult
 from fxprep.capture.request import CaptureRequest
 from fxprep.capture.routes import Route
 from fxprep.capture.shapes import autodims
 from fxprep.core.inputs import normalize_example_inputs
 from fxprep.pipeline import plan
 from fxprep.pipeline.plan import CaptureKind, Kind
+from fxprep.reporting.report import CaptureAttempt
 
 TRACERS = [Route.DYNAMO, Route.FX]
 

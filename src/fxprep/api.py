@@ -28,7 +28,7 @@ from . import decisions
 from .big import stand_ins
 from .big.weights import remember_original
 from .capture import cascade, dynamo_available, shape_general
-from .capture.common import CaptureAttempt, CaptureResult
+from .capture.common import CaptureResult
 from .capture.fx import mode_notes, trace_failure
 from .capture.request import CaptureRequest
 from .capture.rewrite import branches
@@ -39,7 +39,7 @@ from .core.inputs import ExampleInputs, normalize_example_inputs, split_calls
 from .core.runs import hooks_left_as_found, preserved_state
 from .core.threads import GLOBAL_LOCK
 from .errors import InvalidInput
-from .families.transformers import model as huggingface
+from .families import Family, family_for
 from .options import PrepareOptions
 from .passes import (
     aimet_modules,
@@ -64,7 +64,7 @@ from .pipeline.state import Preparation, UserArguments
 from .pipeline.verification import verification
 from .reporting import notes, progress
 from .reporting.diagnose import first_line
-from .reporting.report import Report
+from .reporting.report import CaptureAttempt, Report
 from .runtime import baked, guard, toolkits
 from .runtime.prepared import BAKED, INPUT_SPEC, REPORT, as_prepared, get_report, set_preserved
 from .verify import Reference, run_original
@@ -147,8 +147,9 @@ def _prepare_model(model: nn.Module, modules_to_exclude: list[nn.Module] | None,
     one is kept and none follows it."""
     title = str(options.get("name") or type(model).__name__)
     start = time.perf_counter()
+    family = family_for(model)  # asked once: the capture request carries it to every stage
     with heap.frozen_heap(), progress.reporting(options.get("progress"), title), hooks_left_as_found(model), \
-            huggingface.output_capturing_hooks(model), root_hooks.set_aside(model) as aside:
+            family.working_on(model), root_hooks.set_aside(model) as aside:
         user = UserArguments(modules_to_exclude, module_classes_to_exclude, concrete_args, example_inputs)
         capture_plan = plan.CapturePlan()
         step: plan.Step | None = capture_plan.first()
@@ -156,7 +157,7 @@ def _prepare_model(model: nn.Module, modules_to_exclude: list[nn.Module] | None,
         while step is not None:
             # a refused attempt's frames (its capture, its copy of the model with copy=True) are freed
             # before the next one starts; its reference run is reused
-            made, outcome = _prepare(model, user, options, step)
+            made, outcome = _prepare(model, family, user, options, step)
             capture_plan.record(outcome)
             if step.kind is plan.Kind.BATCH:  # kept or not, the report says so; the static graph before stands
                 assert gm is not None
@@ -195,7 +196,7 @@ def _batch_proposal(model: nn.Module, run: Preparation) -> autodims.Proposal | N
     return autodims.batch_proposal(model, run.request.calls()[0])
 
 
-def _prepare(model: nn.Module, user: UserArguments, options: dict[str, Any], step: plan.Step
+def _prepare(model: nn.Module, family: Family, user: UserArguments, options: dict[str, Any], step: plan.Step
              ) -> tuple[tuple[fx.GraphModule, Preparation] | None, plan.Outcome]:
     """One attempt of the plan: the stages of ``prepare_model``, in order, each a function of the
     preparation ``run``; the prepared module and its preparation when kept, and the outcome. A
@@ -204,7 +205,7 @@ def _prepare(model: nn.Module, user: UserArguments, options: dict[str, Any], ste
     began = time.perf_counter()
     run: Preparation | None = None
     try:
-        run = _start(model, user, step.with_options(options))
+        run = _start(model, family, user, step.with_options(options))
         _reference_run(run, step.reference)
         gm = _stages(run, step)
     except step.refusals as err:
@@ -230,9 +231,9 @@ def _stages(run: Preparation, step: plan.Step) -> fx.GraphModule:
     return _finish(run, gm)
 
 
-def _start(model: nn.Module, user: UserArguments, options: dict[str, Any]) -> Preparation:
+def _start(model: nn.Module, family: Family, user: UserArguments, options: dict[str, Any]) -> Preparation:
     """Check the arguments and make the capture request: the model (a deep copy with ``copy=True``),
-    its leaf policy, the example, the concrete arguments (transformers' own added) and the options."""
+    its family, its leaf policy, the example, the concrete arguments (the family's own added) and the options."""
     start = time.perf_counter()
     model = check_model(model)
     opts = PrepareOptions.from_kwargs(options)
@@ -242,15 +243,15 @@ def _start(model: nn.Module, user: UserArguments, options: dict[str, Any]) -> Pr
     policy = leaf_policy(model, modules_to_exclude, user.module_classes_to_exclude)
     example = normalize_example_inputs(user.example_inputs)
     user_concrete = check_concrete_args(model, user.concrete_args)
-    concrete = huggingface.capture_concrete_args(model, user_concrete, example)
+    concrete = family.concrete_args(model, user_concrete, example)
     report = Report(opts.name or type(model).__name__)
     report.inputs = example.describe() if example is not None else "none"
-    absent = huggingface.absent_outputs(user_concrete, concrete)  # past_key_values, with use_cache=False added
+    absent = family.absent_outputs(user_concrete, concrete)  # transformers: past_key_values, with use_cache=False added
     if absent:
-        report.note(huggingface.CACHE_OFF_NOTE)
+        report.note(family.absent_note)
     concrete = defaults_as_concrete(model, example, concrete, report)
     request = CaptureRequest(
-        model, policy, example, concrete, autowrap_functions=opts.autowrap_functions, dynamic=opts.dynamic,
+        model, policy, example, concrete, autowrap_functions=opts.autowrap_functions, dynamic=opts.dynamic, family=family,
         # block reuse stays off while control-flow sites are rewritten (their methods are bound to
         # single instances for the capture)
         reuse=opts.reuse_blocks and opts.control_flow is None, block_pass=_block_conversion(model, opts))
@@ -299,7 +300,7 @@ def _capture(run: Preparation, static_fallback: bool) -> CaptureResult:
     the model, :class:`~.capture.shape_general.NotShapeGeneral` when the dimensions did not hold and
     the attempt has no static fallback."""
     opts, report = run.opts, run.report
-    tracers, note = cascade.plan(opts.tracer, run.request.example, run.model)
+    tracers, note = cascade.plan(opts.tracer, run.request.example, run.model, run.request.family)
     if note:
         report.note(note)
     with GLOBAL_LOCK:  # capture patches process-wide state: one thing at a time (fxprep.core.threads)
@@ -406,7 +407,7 @@ def _control_flow(run: Preparation) -> Any:
     extra = [e for e in (normalize_example_inputs(v) for v in run.opts.verify_inputs) if e is not None]
     request = run.request
     return ControlFlowRewrite(request.model, request.example, extra, request.concrete_args,
-                              None if run.absent or run.reference is None else run.reference.output)
+                              None if run.absent or run.reference is None else run.reference.output, request.family)
 
 
 def _independent_copy(model: nn.Module, modules_to_exclude: Any) -> tuple[nn.Module, Any]:
@@ -440,8 +441,8 @@ def _guard_inputs(run: Preparation, gm: fx.GraphModule) -> None:
     run.assumed = found.assumed()
     tracer = Route(run.result.tracer).rules  # dynamo+leaves: Dynamo's rules (static shapes) with opaque parts
     call = run.prepared_call
-    if call is None and tracer.dynamo:  # captured on inputs built from a transformers config
-        built = cascade.dynamo_call(model, None)
+    if call is None and tracer.dynamo:  # captured on inputs the family built from the model's config
+        built = cascade.dynamo_call(model, None, run.request.family)
         call = split_calls(model, built, concrete)[1] if built is not None else None
     if call is not None:
         dims: dict[str, set[int]] = {}
@@ -500,8 +501,7 @@ def _capture_general(run: Preparation, step: plan.CaptureStep) -> plan.Captured 
                                                         scans_of=shape_general.scans_finder(request))
     except shape_general.NotShapeGeneral as err:
         return plan.Refusal(str(err), err.elsewhere)
-    kept = shape_general.limits(request.model, found, request.replace(example=found.capture_example).calls()[0],
-                                fresh_kwargs=request.learned.fresh_kwargs)
+    kept = shape_general.limits(request, found, request.replace(example=found.capture_example).calls()[0])
     if kept.explicit and kept.limits:
         return plan.Refusal("a branch of the model's code bounds them", None)
     return plan.Captured(dataclasses.replace(step, proposal=kept), result, attempts)
@@ -551,6 +551,5 @@ def _capture_second(run: Preparation, second: plan.CaptureStep, static: plan.Cap
         dims, found, why_not = shape_general.fallback(second.request, second.elsewhere, attempts, result.tracer, sites)
         if dims is not None and found is not None:
             call = second.request.replace(example=found.capture_example).calls()[0]
-            limited = shape_general.limits(run.model, found, call, fresh_kwargs=second.request.learned.fresh_kwargs)
-            return dataclasses.replace(second, proposal=limited), dims
+            return dataclasses.replace(second, proposal=shape_general.limits(run.request, found, call)), dims
     return dataclasses.replace(static, why=f"{static.why}; {why_not}"), result

@@ -20,9 +20,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .. import families
 from ..core.inputs import normalize_example_inputs, split_calls
 from ..errors import InvalidInput, WeightsError
-from ..families.transformers import hub_layout as hf_weights
 from ..ops import BoundOp
 from . import recompute, weight_store
 from .checkpoint import Checkpoint, open_checkpoint
@@ -255,9 +255,9 @@ def _plan(slots: dict[int, _Slot], checkpoint: Checkpoint, dtype: torch.dtype | 
 def _fitting(slots: dict[int, _Slot], checkpoint: Checkpoint, source: Any, original: nn.Module | None,
              dtype: torch.dtype | None, device: torch.device) -> tuple[Checkpoint, _Plan]:
     """``checkpoint`` and the plan for loading it; where its keys do not fit the module's names and
-    it is a transformers checkpoint in the hub's layout (experts one tensor each, a VLM's language
-    model under its old prefix), the same checkpoint as transformers converts it into the model's
-    layout (:func:`fxprep.families.transformers.hub_layout.converted`, loaded onto ``device``). A mismatch that is not one
+    it is a family's checkpoint in another layout (transformers' hub layout: experts one tensor each, a VLM's language
+    model under its old prefix), the same checkpoint as the family converts it into the model's
+    layout (:func:`fxprep.families.converted_checkpoint`, loaded onto ``device``). A mismatch that is not one
     of names (shapes, dtypes) is the error it was."""
     try:
         return checkpoint, _plan(slots, checkpoint, dtype)
@@ -265,7 +265,7 @@ def _fitting(slots: dict[int, _Slot], checkpoint: Checkpoint, source: Any, origi
         names = {n for s in slots.values() for n in (*s.names, *s.paths)}
         if all(k in names for k in checkpoint.specs):
             raise
-        other, why = hf_weights.converted(source, original, device, dtype)
+        other, why = families.converted_checkpoint(source, original, device, dtype)
         if other is None:
             if why:
                 raise WeightsError(f"{err} {why}") from err
@@ -407,7 +407,6 @@ def verify_prepared(gm: fx.GraphModule, example_inputs: Any, *, rtol: float | No
         EquivalenceError: The two differ.
     """
     from ..core.runs import hooks_left_as_found
-    from ..families.transformers import model as huggingface
     from ..verify import verify
 
     remembered = _original(gm)
@@ -421,9 +420,9 @@ def verify_prepared(gm: fx.GraphModule, example_inputs: Any, *, rtol: float | No
     if meta:
         raise InvalidInput(f"the original model still has tensors on 'meta' ({_list(meta, 4)}): load_weights first.")
     original_call, prepared_call = split_calls(remembered.model, example, remembered.concrete)
-    # the user's model is run here as in prepare_model: hooks transformers installs on a first call
-    # are installed once and taken out after (fxprep.families.transformers.model.output_capturing_hooks)
-    with hooks_left_as_found(remembered.model), huggingface.output_capturing_hooks(remembered.model):
+    # the user's model is run here as in prepare_model, inside its family's working_on (transformers:
+    # the hooks it installs on a first call are installed once) and its hooks taken out after
+    with hooks_left_as_found(remembered.model), families.family_for(remembered.model).working_on(remembered.model):
         result = verify(remembered.model, gm, original_call, prepared_example=prepared_call, rtol=rtol, atol=atol)
     report = getattr(gm, "fxprep_report", None)
     if report is not None:

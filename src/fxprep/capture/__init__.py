@@ -6,7 +6,8 @@ cascade (:mod:`.cascade`). Whatever the tracer, the result's leaf ``call_module`
 objects and its ``get_attr`` nodes at the user's own tensors.
 """
 
-from .common import CaptureAttempt, CaptureResult, LeafPolicy
+from ..reporting.report import CaptureAttempt
+from .common import CaptureResult, LeafPolicy
 from .request import CaptureRequest
 
 __all__ = ["CaptureAttempt", "CaptureRequest", "CaptureResult", "LeafPolicy", "dynamo_available"]

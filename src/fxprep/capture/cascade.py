@@ -3,9 +3,9 @@
 
 ``prepare_model`` runs the tracers as a cascade (the first that captures the model wins);
 ``check_traceability`` runs each one alone to say what each makes of the model. Both go through
-:func:`plan` (the same tracers for the same inputs, transformers models captured with inputs built
+:func:`plan` (the same tracers for the same inputs, a family's models captured with inputs built
 from their config when none are given) and :func:`run_tracer` (the same concrete arguments, the
-same fallback to transformers' own fx tracer), so a model the check calls "not traceable" is never
+same fallback to the family's own fx tracer), so a model the check calls "not traceable" is never
 one that ``prepare_model`` then prepares.
 """
 
@@ -19,10 +19,11 @@ from torch import nn
 from ..core.inputs import ExampleInputs, normalize_example_inputs, split_calls
 from ..core.runs import preserved_state
 from ..errors import InvalidInput
-from ..families.transformers import model as huggingface
+from ..families import Family
 from ..reporting import progress
+from ..reporting.report import CaptureAttempt
 from . import dynamo_available
-from .common import CaptureAttempt, CaptureResult
+from .common import CaptureResult
 from .fx import capture_fx, restored_attributes
 from .leaves import capture_hybrid
 from .request import CaptureRequest
@@ -33,24 +34,25 @@ NO_INPUTS_DYNAMO = ("No example_inputs: Dynamo captured with inputs built from t
 NO_INPUTS_FX = "No example_inputs: only the fx tracer can run, and the result is not verified."
 
 
-def plan(tracer: str, example: ExampleInputs | None, model: nn.Module) -> tuple[list[str], str | None]:
-    """The tracers to try for ``tracer`` ("auto", "dynamo" or "fx"), and a note for the report."""
+def plan(tracer: str, example: ExampleInputs | None, model: nn.Module, family: Family) -> tuple[list[str], str | None]:
+    """The tracers to try for ``tracer`` ("auto", "dynamo" or "fx"), and a note for the report
+    (``family``: the model's, which may build inputs from its config)."""
     if tracer != "auto":
-        if tracer == Route.DYNAMO and example is None and huggingface.example_inputs_for(model) is None:
+        if tracer == Route.DYNAMO and example is None and family.example_inputs(model) is None:
             raise InvalidInput("tracer='dynamo' needs example_inputs: Dynamo traces by running the model.")
         return [tracer], None
     if example is None:
-        if dynamo_available() and huggingface.example_inputs_for(model) is not None:
+        if dynamo_available() and family.example_inputs(model) is not None:
             return [Route.DYNAMO, Route.FX], NO_INPUTS_DYNAMO
         return [Route.FX], NO_INPUTS_FX
     return ([Route.DYNAMO, Route.FX] if dynamo_available() else [Route.FX]), None
 
 
-def dynamo_call(model: nn.Module, example: ExampleInputs | None) -> ExampleInputs | None:
-    """What Dynamo runs the model on: the example, else inputs built from a transformers config."""
+def dynamo_call(model: nn.Module, example: ExampleInputs | None, family: Family) -> ExampleInputs | None:
+    """What Dynamo runs the model on: the example, else inputs ``family`` builds from the model's config."""
     if example is not None:
         return example
-    built = huggingface.example_inputs_for(model)
+    built = family.example_inputs(model)
     return normalize_example_inputs(built) if built is not None else None
 
 
@@ -60,15 +62,15 @@ def run_tracer(name: str, request: CaptureRequest) -> tuple[CaptureResult | None
     if name == Route.FX:
         result, attempt = capture_fx(model, request.policy, request.concrete_args, request.autowrap_functions)
         attempts = [attempt]
-        if result is None and not request.concrete_args:  # transformers < 5: its own tracer, if installed
-            hf_result, hf_attempt = huggingface.capture_hf_fx(model, example)
-            if hf_attempt is not None:
-                result = hf_result
-                attempts.append(hf_attempt)
+        if result is None and not request.concrete_args:  # the family's own tracer (transformers < 5's), if any
+            own_result, own_attempt = request.family.fx_capture(model, example)
+            if own_attempt is not None:
+                result = own_result
+                attempts.append(own_attempt)
         return result, attempts
     from .dynamo import capture_dynamo
 
-    call = dynamo_call(model, example)
+    call = dynamo_call(model, example, request.family)
     if call is None:
         return None, []
     changed: list[str] = []
@@ -84,7 +86,7 @@ def capture(request: CaptureRequest, tracers: list[str] | None = None
     (``request.reuse``: Dynamo captures each repeated block once, :mod:`fxprep.capture.dynamo.reuse`;
     ``request.block_pass``: run once on each such block before it is stamped out)."""
     if tracers is None:
-        tracers = plan("auto", request.example, request.model)[0]
+        tracers = plan("auto", request.example, request.model, request.family)[0]
     attempts: list[CaptureAttempt] = []
     for k, name in enumerate(tracers, 1):
         progress.stage(f"capture {k}/{len(tracers)}: {name}")
@@ -116,7 +118,7 @@ def run_each(request: CaptureRequest) -> EachTracer:
     the model, for ``check_traceability``), then, when none captured the model whole, the same
     opaque-part fallback ``prepare_model`` would run."""
     found = EachTracer()
-    tracers, _ = plan("auto", request.example, request.model)
+    tracers, _ = plan("auto", request.example, request.model, request.family)
     for name in tracers:
         found.attempts += run_tracer(name, request)[1]
     if not found.whole:

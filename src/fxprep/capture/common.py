@@ -1,15 +1,15 @@
-"""What every tracer shares: the leaf policy and the shape of a capture result."""
+"""What every tracer shares: the leaf policy and the shape of a capture result (each tracer's try
+is the report's record, :class:`~fxprep.reporting.report.CaptureAttempt`)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
+from ..families import recorders_only
 from ..runtime.opaque import is_opaque_module
 
 
@@ -22,7 +22,7 @@ class LeafPolicy:
     included), modules marked with :func:`fxprep.opaque`, TorchScript modules (nothing can trace
     into them), and modules carrying forward hooks or pre-hooks: tracing into those would silently
     drop the hooks, so they stay calls and their hooks keep running (transformers' own output
-    recorders aside: tracing reproduces them, see :mod:`..families.transformers.recorders`).
+    recorders aside: tracing reproduces them, :func:`fxprep.families.recorders_only`).
     """
 
     modules: tuple[nn.Module, ...] = ()
@@ -44,51 +44,12 @@ class LeafPolicy:
         if module._forward_pre_hooks:
             return "has forward hooks"
         if module._forward_hooks:
-            from ..families.transformers.recorders import only_output_recorders
-
-            if not only_output_recorders(module._forward_hooks.values()):
+            if not recorders_only(module._forward_hooks.values()):
                 return "has forward hooks"
         return None
 
     def is_leaf(self, module: nn.Module, default: bool) -> bool:
         return default or self.reason(module) is not None
-
-
-@dataclass
-class CaptureAttempt:
-    """One tracer's try, kept in the report whether it succeeded or not."""
-
-    tracer: str
-    ok: bool
-    seconds: float
-    error: str | None = None
-    error_type: str | None = None
-    exception: BaseException | None = field(default=None, repr=False, compare=False)
-
-    @classmethod
-    def failed(cls, tracer: str, err: BaseException, start: float) -> CaptureAttempt:
-        """The attempt of ``tracer`` (started at ``time.perf_counter()`` value ``start``) that
-        raised ``err``, with the error described for people (file:line, category)."""
-        from ..reporting.diagnose import describe_exception
-
-        return cls(tracer, False, time.perf_counter() - start, describe_exception(err), type(err).__name__, err)
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Copies and pickles leave the live exception out: it exists for the capture's own
-        decisions and diagnosis, and a Dynamo error holds the traced frames' globals (modules,
-        which cannot be copied: AIMET's QuantSim deep-copies the prepared module and its report)."""
-        state = dict(self.__dict__)
-        state["exception"] = None
-        return state
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "tracer": self.tracer,
-            "ok": self.ok,
-            "seconds": round(self.seconds, 4),
-            "error": self.error,
-            "error_type": self.error_type,
-        }
 
 
 @dataclass

@@ -26,8 +26,9 @@ from ..core.paths import get_path, has_path, install
 from ..core.threads import GLOBAL_LOCK, confined
 from ..reporting import progress
 from ..reporting.diagnose import Issue, diagnose
+from ..reporting.report import CaptureAttempt
 from ..runtime.wrap import find_proxy
-from .common import CaptureAttempt, CaptureResult, LeafPolicy
+from .common import CaptureResult, LeafPolicy
 from .fx import FxprepTracer, capture_fx, flatten_container_inputs
 from .request import CaptureRequest
 from .routes import Route

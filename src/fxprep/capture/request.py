@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from ..core.inputs import ExampleInputs, split_calls
+from ..families import Family, family_for
 from .common import LeafPolicy
 
 # The fields that decide what an eager recording of an opaque part holds: a variant changing one of
@@ -63,6 +64,8 @@ class CaptureRequest:
     block's own under block reuse) stops at the first guard that limits a declared dimension, for
     the shape-general capture to look for a scan from that guard
     (:mod:`fxprep.capture.dynamo.early_limit`), instead of tracing on and capturing the whole model.
+    ``family``: the model's family (:func:`fxprep.families.family_for`, looked up when not given),
+    asked for its capture context, config inputs and own tracer; variants keep it.
     ``learned``: shared by the variants for the same model (:class:`Learned`).
     """
 
@@ -80,6 +83,11 @@ class CaptureRequest:
     opaque: tuple[Any, ...] = ()
     scan_search: bool = False
     learned: Learned = field(default_factory=Learned, compare=False)
+    family: Family = field(default=None, compare=False)  # type: ignore[assignment]  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.family is None:
+            object.__setattr__(self, "family", family_for(self.model))
 
     def replace(self, **changes: Any) -> CaptureRequest:
         """A copy with ``changes`` (``dataclasses.replace``). A copy for another model, example or

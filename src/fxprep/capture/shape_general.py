@@ -19,11 +19,10 @@ from torch import nn
 
 from ..core.inputs import ExampleInputs
 from ..core.runs import preserved_state
-from ..families.transformers.model import capture_context
 from ..reporting import progress
 from ..reporting.diagnose import first_line
-from ..reporting.report import Report
-from .common import CaptureAttempt, CaptureResult
+from ..reporting.report import CaptureAttempt, Report
+from .common import CaptureResult
 from .dynamo import guard_log, guard_read
 from .dynamo.early_limit import LimitFound
 from .dynamo.export import quiet_guard_logs
@@ -224,9 +223,8 @@ def _without_batch(proposal: autodims.Proposal, stopped: str) -> autodims.Propos
                                    "the values decided from the example are one set per image")
 
 
-def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs, *,
-           fresh_kwargs: bool = False) -> autodims.Proposal:
-    """``proposal`` (captured on ``call``: its capture example as Dynamo was called with it, concrete
+def limits(request: CaptureRequest, proposal: autodims.Proposal, call: ExampleInputs) -> autodims.Proposal:
+    """``proposal`` (captured on ``call``, of ``request``'s model: its capture example as Dynamo was called with it, concrete
     arguments included) with its ``limits``: of the ranges Dynamo bounded the declared dimensions to, those
     a branch of the model's code sets (a trace with the dimensions maybe-dynamic, where each decision
     on them is a guard with the line that made it: :func:`~.dynamo.size_branches.size_branches`),
@@ -237,10 +235,12 @@ def limits(model: nn.Module, proposal: autodims.Proposal, call: ExampleInputs, *
     trace for the batch retry's proposal: the batch probe found no branch on the batch already."""
     if not proposal.ranges or proposal.source == autodims.BAKED_BATCH:
         return proposal
+    model = request.model
     try:
         length = shortest_length(model, call, proposal.dynamic)
-        with quiet_guard_logs(), preserved_state(model), capture_context(model, None, call, dynamic_length=length):
-            found = size_branches(model, call, proposal.dynamic, fresh_kwargs=fresh_kwargs)
+        family_context = request.family.capture_context(model, None, call, dynamic_length=length)
+        with quiet_guard_logs(), preserved_state(model), family_context:
+            found = size_branches(model, call, proposal.dynamic, fresh_kwargs=request.learned.fresh_kwargs)
     except Exception as err:  # noqa: BLE001 - cannot tell: every range is kept as a limit
         why = f"kept as a limit: whether the model's code branches there could not be checked ({first_line(err)})"
         return dataclasses.replace(proposal, limits={k: r.joined(why) for k, r in proposal.ranges.items()})

@@ -3,7 +3,7 @@ checkpoint).
 
 Each model wants what its forward needs (token ids, audio features, both of CLIP's towers, ids for
 both halves of an encoder-decoder). The candidates come from the config
-(:func:`~fxprep.families.transformers.model.example_inputs_for`), fewest inputs first, and the first
+(its family's :meth:`~fxprep.families.Family.example_inputs`), fewest inputs first, and the first
 the model runs on (a checkpoint's model tried as a twin on ``meta``) is given. When preparing then
 fails, :func:`inputs_explained` says what the model said to each set and which inputs its forward
 takes, so the user can name them with ``--input``.
@@ -24,7 +24,7 @@ from torch import nn
 from ..core.inputs import ExampleInputs
 from ..core.runs import run_model
 from ..errors import FxprepError, InvalidInput
-from ..families.transformers.model import example_inputs_for
+from ..families import family_for
 from ..reporting.diagnose import first_line
 
 Inputs = dict[str, torch.Tensor]
@@ -33,7 +33,7 @@ Inputs = dict[str, torch.Tensor]
 def candidates(model: nn.Module, *, seq_len: int) -> list[Inputs]:
     """Input sets for ``model`` (batch 1, ``seq_len`` tokens), on the CPU, fewest inputs first;
     empty for a model whose config says nothing of its inputs."""
-    every = example_inputs_for(model, batch=1, seq_len=seq_len, device="cpu") or {}
+    every = family_for(model).example_inputs(model, batch=1, seq_len=seq_len, device="cpu") or {}
     every.pop("attention_mask", None)
     main = getattr(model, "main_input_name", "input_ids")
     first = {k: v for k, v in every.items() if k in (main, "decoder_input_ids")}

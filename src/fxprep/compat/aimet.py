@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..api import prepare_model as _fxprep_prepare_model
-from ..families.transformers.model import is_hf_model
+from ..families import family_for
 from ..passes.aimet_modules import aimet_available
 from .contract import Adapter
 
@@ -73,22 +73,21 @@ def prepare_model(
     fxprep_options.setdefault("style", "aimet")
     if aimet_available():
         register_quantsim()
-    tuple_output = _wants_tuple_output(model, concrete_args, fxprep_options.get("example_inputs"))
-    if tuple_output:
-        concrete_args = {**(concrete_args or {}), "return_dict": False}
+    tuple_output = _tuple_output(model, concrete_args, fxprep_options.get("example_inputs"))
+    if tuple_output is not None:
+        concrete_args = {**(concrete_args or {}), **tuple_output[0]}
     gm = _fxprep_prepare_model(model, modules_to_exclude, module_classes_to_exclude, concrete_args, **fxprep_options)
-    if tuple_output:
-        gm.fxprep_report.note(
-            "transformers model captured with return_dict=False: QuantSim traces the model with torch.jit, which "
-            "refuses dict outputs (ModelOutput); the prepared module returns the output tuple. Pass "
-            "concrete_args={'return_dict': True} to keep the ModelOutput."
-        )
+    if tuple_output is not None:
+        gm.fxprep_report.note(tuple_output[1])
     return gm
 
 
-def _wants_tuple_output(model: nn.Module, concrete_args: dict[str, Any] | None, example_inputs: Any) -> bool:
-    """A transformers model whose caller did not choose ``return_dict`` itself."""
-    if not is_hf_model(model):
-        return False
+def _tuple_output(model: nn.Module, concrete_args: dict[str, Any] | None,
+                  example_inputs: Any) -> tuple[dict[str, Any], str] | None:
+    """The arguments that make the model return a tuple (transformers: ``return_dict=False``) and the
+    report's note, where its family has them and the caller chose none of them itself."""
+    found = family_for(model).tuple_output(model)
+    if found is None:
+        return None
     chosen = set(concrete_args or {}) | (set(example_inputs) if isinstance(example_inputs, dict) else set())
-    return "return_dict" not in chosen
+    return None if chosen & set(found[0]) else found

@@ -19,10 +19,11 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 from ..capture import shape_general
-from ..capture.common import CaptureAttempt, CaptureResult
+from ..capture.common import CaptureResult
 from ..capture.request import CaptureRequest
 from ..capture.routes import Route
 from ..capture.shapes import autodims
+from ..reporting.report import CaptureAttempt
 from ..verify import Reference
 
 

@@ -17,7 +17,7 @@ from ..capture.common import CaptureResult
 from ..capture.request import CaptureRequest
 from ..capture.shapes import autodims
 from ..core.inputs import ExampleInputs, split_calls
-from ..families.transformers import model as huggingface
+from ..families import Family
 from ..options import PrepareOptions
 from ..reporting.report import Report
 from ..verify import Reference
@@ -60,9 +60,13 @@ class Preparation:
     def model(self) -> nn.Module:
         return self.request.model
 
+    @property
+    def family(self) -> Family:
+        return self.request.family
+
     def calls(self, example: ExampleInputs) -> tuple[ExampleInputs, ExampleInputs]:
         """``(original call, prepared call)`` of ``example``: the original is called as the user calls
         it (``use_cache`` as given, or its default), the prepared module as it was captured."""
         concrete = self.request.concrete_args
-        original = split_calls(self.model, example, huggingface.without_added(concrete, self.absent))[0]
+        original = split_calls(self.model, example, self.family.without_added(concrete, self.absent))[0]
         return original, split_calls(self.model, example, concrete)[1]

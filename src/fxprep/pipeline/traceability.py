@@ -20,13 +20,12 @@ import torch
 from torch import nn
 
 from ..capture import cascade
-from ..capture.common import CaptureAttempt
 from ..capture.request import CaptureRequest
 from ..capture.routes import Route
 from ..core.inputs import normalize_example_inputs
 from ..core.runs import hooks_left_as_found
 from ..core.threads import GLOBAL_LOCK, quiet_logs
-from ..families.transformers import model as huggingface
+from ..families import Family, family_for
 from ..reporting.diagnose import (
     CUSTOM_OP,
     DATA_DEPENDENT_BRANCH,
@@ -39,7 +38,7 @@ from ..reporting.diagnose import (
     is_user_file,
     module_at,
 )
-from ..reporting.report import Report, RewrittenSite
+from ..reporting.report import CaptureAttempt, Report, RewrittenSite
 from . import root_hooks
 from .arguments import check_concrete_args, check_model, defaults_as_concrete, leaf_policy
 
@@ -224,23 +223,24 @@ def check_traceability(
     Raises:
         InvalidInput: An argument of the wrong kind.
     """
+    family = family_for(model)  # asked once, as prepare_model does; the capture request carries it
     # tracers patch process-wide state (fxprep.core.threads)
-    with GLOBAL_LOCK, hooks_left_as_found(model), huggingface.output_capturing_hooks(model), \
+    with GLOBAL_LOCK, hooks_left_as_found(model), family.working_on(model), \
             root_hooks.set_aside(model):  # as prepare_model does: they run around the forward, not in it
-        request = _request(model, example_inputs, modules_to_exclude, module_classes_to_exclude, concrete_args)
+        request = _request(model, family, example_inputs, modules_to_exclude, module_classes_to_exclude, concrete_args)
         return _check_traceability(request, draft_export, control_flow)
 
 
-def _request(model: Any, example_inputs: Any, modules_to_exclude: Any, module_classes_to_exclude: Any,
+def _request(model: Any, family: Family, example_inputs: Any, modules_to_exclude: Any, module_classes_to_exclude: Any,
              concrete_args: Any) -> CaptureRequest:
     """The capture request ``prepare_model`` would make for these arguments (default options): the
     same leaf policy, concrete arguments and tracers (fxprep.capture.cascade)."""
     model = check_model(model)
     policy = leaf_policy(model, modules_to_exclude, module_classes_to_exclude)
     example = normalize_example_inputs(example_inputs)
-    concrete = huggingface.capture_concrete_args(model, check_concrete_args(model, concrete_args), example)
+    concrete = family.concrete_args(model, check_concrete_args(model, concrete_args), example)
     concrete = defaults_as_concrete(model, example, concrete, Report(type(model).__name__))
-    return CaptureRequest(model, policy, example, concrete)
+    return CaptureRequest(model, policy, example, concrete, family=family)
 
 
 def _check_traceability(request: CaptureRequest, draft_export: bool, control_flow: bool) -> TraceReport:
@@ -271,7 +271,7 @@ def _rewrite(request: CaptureRequest, issues: list[Issue]) -> tuple[list[Rewritt
     from ..capture.rewrite.session import ControlFlowRewrite
 
     model, example = request.model, request.example
-    session = ControlFlowRewrite(model, example, [], request.concrete_args)
+    session = ControlFlowRewrite(model, example, [], request.concrete_args, family=request.family)
     result, attempts = session.capture(lambda: cascade.capture(request))
     for issue in issues:
         if issue.file is not None and issue.line is not None:

@@ -12,11 +12,47 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..capture.common import CaptureAttempt
+
+@dataclass
+class CaptureAttempt:
+    """One tracer's try, kept in the report whether it succeeded or not."""
+
+    tracer: str
+    ok: bool
+    seconds: float
+    error: str | None = None
+    error_type: str | None = None
+    exception: BaseException | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def failed(cls, tracer: str, err: BaseException, start: float) -> CaptureAttempt:
+        """The attempt of ``tracer`` (started at ``time.perf_counter()`` value ``start``) that
+        raised ``err``, with the error described for people (file:line, category)."""
+        from .diagnose import describe_exception
+
+        return cls(tracer, False, time.perf_counter() - start, describe_exception(err), type(err).__name__, err)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the live exception out: it exists for the capture's own
+        decisions and diagnosis, and a Dynamo error holds the traced frames' globals (modules,
+        which cannot be copied: AIMET's QuantSim deep-copies the prepared module and its report)."""
+        state = dict(self.__dict__)
+        state["exception"] = None
+        return state
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tracer": self.tracer,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 4),
+            "error": self.error,
+            "error_type": self.error_type,
+        }
 
 
 @dataclass

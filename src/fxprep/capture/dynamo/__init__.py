@@ -5,7 +5,7 @@ parameter names and flattens the signature. This package turns its graph back in
 like an fx capture of the user's model: each leaf layer one ``call_module`` bound to the user's own
 module, parameters read under their own names, the original call signature and output type. This
 file holds the capture loop; :func:`capture_dynamo` returns a failure in the
-:class:`~fxprep.capture.common.CaptureAttempt` rather than raising, so the cascade can fall back to
+:class:`~fxprep.reporting.report.CaptureAttempt` rather than raising, so the cascade can fall back to
 fx.
 
 See docs/concepts/capture.md ("Under the hood") for the files in pipeline order and the full story.
@@ -23,9 +23,9 @@ from torch import nn
 
 from ...core.inputs import ExampleInputs
 from ...core.threads import GLOBAL_LOCK
-from ...families.transformers import model as huggingface
 from ...reporting import progress
-from ..common import CaptureAttempt, CaptureResult, LeafPolicy
+from ...reporting.report import CaptureAttempt
+from ..common import CaptureResult, LeafPolicy
 from ..request import CaptureRequest
 from ..routes import Route
 from ..shapes.dims import dynamic_dims, dynamic_shapes_spec, grown_example, shortest_length
@@ -116,7 +116,8 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
         guard = AttributeGuard(model, state.caches)
         target = LiftTarget(model, policy, capture_call, prepared_call, state.current, [])
         try:
-            with GLOBAL_LOCK, box.installed(), huggingface.capture_context(model, target.notes, capture_call, lengths), guard:
+            family_context = request.family.capture_context(model, target.notes, capture_call, lengths)
+            with GLOBAL_LOCK, box.installed(), family_context, guard:
                 call = capture_call.requiring_grad() if state.grad_inputs else capture_call
                 reused = None
                 if request.reuse:
@@ -137,7 +138,7 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
             notes.extend(target.notes)
             break
         except Exception as err:  # noqa: BLE001 - reported, the cascade goes on
-            if isinstance(err, LimitFound) or not state.relax(err, model, capture_call, notes):
+            if isinstance(err, LimitFound) or not state.relax(err, request, capture_call, notes):
                 return _failure(err, start, tracer)
             request.learned.fresh_kwargs = state.fresh_kwargs  # the later captures of this model start there
             progress.step(f"retrying after {type(err).__name__}")
@@ -172,14 +173,13 @@ class _Relaxed:
     current: str  # the route tried now
     caches: list[Any]  # tensor caches emptied during the capture (:func:`.export.tensor_caches`)
     grad_inputs: bool = True
-    hooks_installed: bool = False
+    family_recovered: bool = False  # the model's family put right what a failure needed (once)
     fresh_kwargs: bool = False
 
-    def relax(self, err: BaseException, model: nn.Module, capture_call: ExampleInputs, notes: list[str]) -> bool:
+    def relax(self, err: BaseException, request: CaptureRequest, capture_call: ExampleInputs, notes: list[str]) -> bool:
         """Relax what ``err`` calls for; False when nothing is left (the capture failed)."""
-        if not self.hooks_installed and huggingface.stopped_at_hook_installation(err):
-            huggingface.install_hooks_by_running(model, capture_call)  # as the user's first call would
-            self.hooks_installed = True
+        if not self.family_recovered and request.family.recover(err, request.model, capture_call):
+            self.family_recovered = True  # transformers: its hooks installed by a run, as the user's first call would
         elif not self.fresh_kwargs and MUTATED_INPUT_DICT in str(err):
             self.fresh_kwargs = True  # trace from a root whose **kwargs is the trace's own (export.fresh_kwargs_root)
         elif self.grad_inputs and any(s in str(err) for s in _RETRY_WITHOUT_GRAD):

@@ -21,7 +21,8 @@ from torch import nn
 from ...core.inputs import ExampleInputs
 from ...reporting import progress
 from ...reporting.diagnose import DATA_DEPENDENT_VALUE, FIXES, Issue, diagnose
-from ..common import CaptureAttempt, CaptureResult
+from ...reporting.report import CaptureAttempt
+from ..common import CaptureResult
 from ..request import CaptureRequest
 from ..routes import Route
 from ..shapes.violation import specialises

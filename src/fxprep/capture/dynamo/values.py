@@ -22,7 +22,8 @@ from ...core.inputs import ExampleInputs
 from ...core.runs import preserved_state
 from ...errors import InputMismatch
 from ...reporting.diagnose import Issue
-from ..common import CaptureAttempt, CaptureResult, LeafPolicy
+from ...reporting.report import CaptureAttempt
+from ..common import CaptureResult, LeafPolicy
 from ..request import CaptureRequest
 from ..routes import Route
 from ..sites import Site

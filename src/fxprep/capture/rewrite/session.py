@@ -23,9 +23,9 @@ from torch.utils import _pytree as pytree
 
 from ...core.inputs import ExampleInputs, split_calls
 from ...core.runs import preserved_state, run_model
-from ...families.transformers.methods import source_tree
-from ...reporting.report import Report, RewrittenSite
-from ..common import CaptureAttempt, CaptureResult
+from ...families import Family, family_for
+from ...reporting.report import CaptureAttempt, Report, RewrittenSite
+from ..common import CaptureResult
 from . import runtime
 from .analysis import Effects, Resolver, arm_exit, effects, function_locals, reads_parameters, scoped_walk
 from .sites import (
@@ -47,6 +47,7 @@ from .source import (
     compile_function,
     install,
     method_at,
+    parse,
     uninstall,
 )
 from .transform import Planned, rewrite
@@ -59,12 +60,14 @@ class ControlFlowRewrite:
 
     ``example`` and ``extra`` are in the form the user passed them (``extra``: ``verify_inputs``);
     ``concrete_args`` as given to ``prepare_model``; ``reference`` the original's output on the
-    example, when already computed.
+    example, when already computed; ``family`` the model's (:func:`fxprep.families.family_for` when
+    not given), whose changes to a method's source a rewrite starts from.
     """
 
     def __init__(self, model: nn.Module, example: ExampleInputs | None, extra: list[ExampleInputs],
-                 concrete_args: dict[str, Any] | None = None, reference: Any = None):
+                 concrete_args: dict[str, Any] | None = None, reference: Any = None, family: Family | None = None):
         self.model = model
+        self.family = family if family is not None else family_for(model)
         self.example = example
         self.extra = extra
         self.concrete = concrete_args
@@ -72,12 +75,19 @@ class ControlFlowRewrite:
         self.sites: dict[str, Site] = {}
         self.trees: dict[tuple[type, str], ast.FunctionDef] = {}
         self.methods: dict[tuple[type, str], Method] = {}
-        self.helpers: dict[tuple[type, str], dict[str, Any]] = {}  # what a method's changed source calls (hf_source)
+        self.helpers: dict[tuple[type, str], dict[str, Any]] = {}  # what a method's changed source calls (the family's)
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self.constructed: list[tuple[str, ExampleInputs]] = []
         self.rounds = 0
         self._depth = 0
         self._installed: Installed = []
+
+    def _source(self, method: Method) -> tuple[ast.FunctionDef, dict[str, Any]]:
+        """``method``'s def to rewrite and the helpers it calls: as the family changes it for capture
+        (its copy replaces the family's on the same instances), else the file's. Raises
+        :class:`SourceUnavailable` as :func:`.source.parse` does."""
+        changed = self.family.method_source(method)
+        return changed if changed is not None else (parse(method), {})
 
     # -- binding --------------------------------------------------------------------------------
     def _compile(self, method: Method) -> Any | None:
@@ -226,7 +236,7 @@ class ControlFlowRewrite:
             key = (method.cls, method.name)
             if key not in self.methods:
                 try:
-                    self.trees[key], self.helpers[key] = source_tree(method)
+                    self.trees[key], self.helpers[key] = self._source(method)
                 except SourceUnavailable:
                     self.trees[key] = None  # type: ignore[assignment]
                 self.methods[key] = method
@@ -268,7 +278,7 @@ class ControlFlowRewrite:
         key = (method.cls, method.name) if method is not None else None
         if method is not None and key not in self.methods:
             try:
-                self.trees[key], self.helpers[key] = source_tree(method)  # type: ignore[index]
+                self.trees[key], self.helpers[key] = self._source(method)  # type: ignore[index]
             except SourceUnavailable:
                 self.trees[key] = None  # type: ignore[index,assignment]
             self.methods[key] = method  # type: ignore[index]

@@ -188,7 +188,7 @@ def install(replacements: list[tuple[Method, Any]]) -> Installed:
     instance ``__dict__``; the class is never touched). Returns what :func:`uninstall` removes.
 
     An attribute the user set on the instance is left alone. A copy fxprep itself installed there
-    (transformers methods during capture: :mod:`...families.transformers.methods`) is covered by the new one until that
+    (a family's methods during capture: :meth:`fxprep.families.Family.capture_context`) is covered by the new one until that
     is uninstalled, whichever is uninstalled first: the newest copy is the one that runs."""
     installed: Installed = []
     for method, attr in replacements:

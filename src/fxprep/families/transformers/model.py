@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...capture.common import CaptureAttempt, CaptureResult
+from ...capture.common import CaptureResult
 from ...capture.routes import Route
 from ...core.inputs import ExampleInputs
+from ...reporting.report import CaptureAttempt
 from .attention import VALUE_DEPENDENT, WINDOW_LIMIT, WINDOWED, eager_attention_paths
 from .methods import rewritten_methods
 

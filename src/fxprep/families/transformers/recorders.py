@@ -4,8 +4,8 @@ A module with forward hooks stays one call so that its hooks keep running
 (:class:`~fxprep.capture.common.LeafPolicy`). transformers 5 puts such hooks on every layer whose
 hidden states or attentions a model can return (Pixtral's vision layers, say), and all they do is
 append the layer's output to the list the model's ``capture_outputs`` returns, which a traced graph
-reproduces. This module tells those hooks from a user's, without importing transformers (and
-without importing the rest of fxprep: :mod:`...capture.common` depends on it).
+reproduces. This module tells those hooks from a user's, without importing transformers (the leaf
+policy asks through the registry, :func:`fxprep.families.recorders_only`).
 """
 
 from __future__ import annotations
