@@ -18,13 +18,31 @@ import builtins
 import importlib
 import keyword
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .runtime.wrap import autograd_function_caller
+_AUTOGRAD_CALLERS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+
+def autograd_function_caller(fn_cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """A plain function that calls ``fn_cls.apply``; fx cannot use a bound classmethod (or a class
+    argument) as a node target, but it can use this. ``caller.autograd_function`` is ``fn_cls``."""
+    caller = _AUTOGRAD_CALLERS.get(fn_cls)
+    if caller is None:
+
+        def caller(*args: Any, **kwargs: Any) -> Any:
+            return fn_cls.apply(*args, **kwargs)
+
+        caller.__name__ = f"{fn_cls.__name__}_apply"
+        caller.__qualname__ = caller.__name__
+        caller.__module__ = fn_cls.__module__
+        caller.autograd_function = fn_cls  # type: ignore[attr-defined]
+        _AUTOGRAD_CALLERS[fn_cls] = caller
+    return caller
 
 
 class Slot:

@@ -41,8 +41,9 @@ from ..core.frames import FRAMES, call_frames
 from ..core.runs import StateChanges, preserved_state
 from ..core.threads import confined, confined_fx_patches, on_owner_thread
 from ..errors import TraceFailure
+from ..ops import autograd_function_caller
 from ..reporting.report import CaptureAttempt
-from ..runtime.wrap import TENSOR_CONSTRUCTORS, autograd_function_caller, find_proxy, record_as_call
+from ..runtime.wrap import TENSOR_CONSTRUCTORS, find_proxy, record_as_call
 from .common import CaptureResult, LeafPolicy
 from .routes import Route
 

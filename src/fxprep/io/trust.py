@@ -27,7 +27,7 @@ from torch import nn
 
 from .. import ops
 from ..errors import InvalidInput, SerializationError
-from ..runtime.wrap import autograd_function_caller
+from ..ops import autograd_function_caller
 from . import allowlist
 from .allowlist import canonical_name
 

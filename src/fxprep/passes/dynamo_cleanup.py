@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..runtime.wrap import autograd_function_caller
+from ..ops import autograd_function_caller
 
 _GRAD_TOGGLES = {torch._C._set_grad_enabled}
 _SYM_METHODS = {}

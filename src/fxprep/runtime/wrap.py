@@ -3,20 +3,18 @@
 ``torch.fx`` traces *into* every Python function it meets. Two kinds of call must stay whole: a
 function the user marked :func:`fxprep.opaque` (it has Python control flow the user accepts as a
 black box), and a custom ``torch.autograd.Function`` (tracing its ``forward`` would drop its
-``backward``). Tensor constructors sized from traced shapes are recorded whole as well. This
-module holds the small tools for that, with no dependency on the rest of
-fxprep, so that the decorator (:mod:`fxprep.opaque`), the op modules (:mod:`fxprep.ops`) and the
-tracer (:mod:`fxprep.capture.fx`) can all use them.
+``backward``; its caller is :func:`fxprep.ops.autograd_function_caller`). Tensor constructors sized
+from traced shapes are recorded whole as well. This module holds the small tools for that, with no
+dependency on the rest of fxprep, so that the decorator (:mod:`fxprep.opaque`) and the tracer
+(:mod:`fxprep.capture.fx`) can use them.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 # Tensor constructors: their sizes (or other arguments) may come from traced shapes, so the fx
@@ -54,21 +52,3 @@ def record_as_call(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-_CALLERS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
-
-
-def autograd_function_caller(fn_cls: type[torch.autograd.Function]) -> Callable[..., Any]:
-    """A plain function that calls ``fn_cls.apply``; fx cannot use a bound classmethod (or a class
-    argument) as a node target, but it can use this. ``caller.autograd_function`` is ``fn_cls``."""
-    caller = _CALLERS.get(fn_cls)
-    if caller is None:
-
-        def caller(*args: Any, **kwargs: Any) -> Any:
-            return fn_cls.apply(*args, **kwargs)
-
-        caller.__name__ = f"{fn_cls.__name__}_apply"
-        caller.__qualname__ = caller.__name__
-        caller.__module__ = fn_cls.__module__
-        caller.autograd_function = fn_cls  # type: ignore[attr-defined]
-        _CALLERS[fn_cls] = caller
-    return caller
