@@ -148,3 +148,25 @@ def test_the_batch_probe_makes_no_plain_trace_where_the_capture_could_not(monkey
     assert any("as the capture itself could not" in note for note in report.notes), report.notes
     x, lengths = torch.randn(3, 6, 8), torch.tensor([2, 4])
     torch.testing.assert_close(gm(x, lengths), model(x, lengths), rtol=0, atol=0)
+
+
+def test_a_block_output_that_had_to_be_computed_is_computed_from_the_start_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPM-Ant's shape-general capture makes two captures with block reuse (a per-step loop opaque,
+    and without it); in the first, the stand-in's guessed block output does not hold and the model is
+    traced again with it computed. The second capture computes it from the start."""
+    import transformers
+
+    from fxprep.cli.tiny import tiny_config
+
+    config = tiny_config("cpmant")
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    traces = _traces(monkeypatch)
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(3, 99, (1, 8))}, progress=False)
+    names = [name for name, end in traces]
+    retraced = sum(1 for before, after in zip(names, names[1:]) if before == "CpmAntTransformerBlock"
+                   and after == "CpmAntForCausalLM")
+    assert retraced == 1, traces
+    ids = torch.randint(3, 99, (2, 11))
+    torch.testing.assert_close(gm(input_ids=ids)[0], model(input_ids=ids, use_cache=False).logits, rtol=0, atol=0)

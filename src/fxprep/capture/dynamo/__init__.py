@@ -125,7 +125,8 @@ def capture_dynamo(request: CaptureRequest, *, route: str = "auto", opaque: list
                 if request.reuse and state.current == "flag":
                     with _stopping_at_limits(request, call):  # the outer capture's own guards (a block's: its own stop)
                         reused = capture_reusing(ReuseJob(target, call, guard, request.block_pass, spec, box,
-                                                          real_values, state.fresh_kwargs, request.scan_search))
+                                                          real_values, state.fresh_kwargs, request.scan_search,
+                                                          request.learned.computed_blocks))
                 if reused is not None:
                     gm, extra = reused
                 else:

@@ -140,6 +140,9 @@ class ReuseJob:
     fresh_kwargs: bool = False
     # a block's own capture stops at the first guard limiting a declared dimension (:mod:`.early_limit`)
     scan_search: bool = False
+    # the blocks (by id) whose stand-in output is computed, not guessed: what earlier captures learned
+    # (:attr:`fxprep.capture.request.Learned.computed_blocks`), added to when a guess does not hold
+    computed: set[int] = field(default_factory=set)
 
 
 # a block's capture made by an earlier try of the same reuse (its graph, extra leaves, notes, opaque
@@ -298,6 +301,7 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
                 notes.append(f"block reuse: off for this capture: the repeated blocks are parts called without "
                              f"tracing into them, or inside one (excluded or opaque, e.g. '{sites[0].qualname}').")
             return None
+        uncached.update(key for mid, (_, key) in instances.items() if mid in job.computed)
         stubs = Stubs(instances, uncached, guess=job.dynamic_spec is not None and not job.real_values)
         around: Exception | None = None
         try:
@@ -312,6 +316,7 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
             guard.reset()
             if isinstance(err, OtherOutput) and err.key not in uncached:
                 uncached.add(err.key)
+                job.computed.update(mid for mid, (_, key) in instances.items() if key == err.key)
                 continue
             if stubs.unsupported:
                 descend.update(mid for mid, (_, key) in instances.items() if key in stubs.unsupported)
