@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,8 +81,7 @@ def _free_batch(spec: InputSpec, batch: int) -> None:
         free(node)
 
 
-def _branches(model: nn.Module, example: ExampleInputs, batch: int,
-              captured: Callable[[ExampleInputs], ExampleInputs], fresh_kwargs: bool) -> tuple[list[Branch], str | None]:
+def _branches(model: nn.Module, example: ExampleInputs, batch: int, trace: BranchTrace) -> tuple[list[Branch], str | None]:
     """The branches on the batch size that restrict it (Dynamo's guards, :mod:`fxprep.capture.dynamo.size_branches`),
     and why they could not be listed (None when they were). Traced at batch 2 when the example's is 1."""
     traced = max(batch, 2)
@@ -90,31 +90,40 @@ def _branches(model: nn.Module, example: ExampleInputs, batch: int,
         # whole-model Dynamo trace would cost several times that
         return [], "the inputs are on meta, where listing them would cost a second whole-model Dynamo trace"
     try:
-        found = batch_branches(model, captured(with_batch(example, batch, traced)), traced, fresh_kwargs=fresh_kwargs)
+        found = batch_branches(model, trace.captured(with_batch(example, batch, traced)), traced,
+                               fresh_kwargs=trace.fresh_kwargs)
     except Exception as err:  # noqa: BLE001 - a model Dynamo cannot trace with a symbolic batch: say so
         return [], f"{type(err).__name__}: {first_line(err)}"
     return [b for b in found if b.restricts()], None
 
 
+@dataclass(frozen=True)
+class BranchTrace:
+    """How :func:`probe` traces the model with a symbolic batch to list its branches on it: as the
+    capture did. ``captured(example)`` splits an example as prepare_model does for the capture (with
+    the arguments it adds, such as ``use_cache=False``); ``fresh_kwargs``: from a fresh-kwargs root,
+    as the capture learned (:class:`~fxprep.capture.request.Learned`)."""
+
+    captured: Callable[[ExampleInputs], ExampleInputs]
+    fresh_kwargs: bool = False
+
+
 def probe(model: nn.Module, gm: fx.GraphModule, example: ExampleInputs, report: Report, *,
-          check: Callable[[ExampleInputs, str], Any], captured: Callable[[ExampleInputs], ExampleInputs],
-          fresh_kwargs: bool = False, whole: bool = True) -> bool:
+          check: Callable[[ExampleInputs, str], Any], trace: BranchTrace | None) -> bool:
     """Probe the batch dimension of ``gm``'s static-shape capture (see the module docstring).
 
     ``check(example, what)`` verifies ``gm`` against ``model`` on an example as prepare_model does
-    (its calls, tolerances and absent outputs), raising where they differ; ``captured(example)``
-    splits an example as prepare_model does for the capture (with the arguments it adds, such as
-    ``use_cache=False``). ``gm``'s input spec loses its batch dimension when the probe frees it.
-    True when the graph baked the example's batch in (another batch failed) although Dynamo, traced
-    with a symbolic batch, found no branch on it: worth capturing again with the batch declared.
-    ``fresh_kwargs``: that trace as the capture learned (:class:`~fxprep.capture.request.Learned`).
-    ``whole``: the capture traced the whole model (:attr:`~fxprep.capture.routes.Route.whole`); where it
-    did not, that trace is not made: it would stop where the capture could not go."""
+    (its calls, tolerances and absent outputs), raising where they differ. ``gm``'s input spec loses
+    its batch dimension when the probe frees it. True when the graph baked the example's batch in
+    (another batch failed) although Dynamo, traced with a symbolic batch (``trace``), found no branch
+    on it: worth capturing again with the batch declared. ``trace`` is None where the capture did not
+    trace the whole model (:attr:`~fxprep.capture.routes.Route.whole`): that trace would stop where
+    the capture could not go, and is not made."""
     spec = gm.__dict__[INPUT_SPEC]
     batch = example_batch(example)
     if batch is None:
         return False
-    branches, unlisted = (_branches(model, example, batch, captured, fresh_kwargs) if whole else
+    branches, unlisted = (_branches(model, example, batch, trace) if trace is not None else
                           ([], "as the capture itself could not: parts of it are called without tracing into them "
                                "or decided from the example"))
     named = (", from Dynamo's guards (traced with a symbolic batch): " + "; ".join(b.describe() for b in branches)

@@ -58,10 +58,9 @@ def verification(run: Preparation, gm: fx.GraphModule) -> None:
             verify(run.model, gm, original, prepared_example=prepared, rtol=opts.rtol, atol=opts.atol,
                    absent=run.absent, what=what)
 
+        trace = batch.BranchTrace(lambda e: split_calls(run.model, e, concrete)[0], run.request.learned.fresh_kwargs)
         run.batch_baked = batch.probe(run.model, gm, example, report, check=check,
-                                      captured=lambda e: split_calls(run.model, e, concrete)[0],
-                                      fresh_kwargs=run.request.learned.fresh_kwargs,
-                                      whole=Route(result.tracer).whole)
+                                      trace=trace if Route(result.tracer).whole else None)
     if run.proposal is not None:
         verify_general(run, gm)
     elif run.dynamic:
