@@ -216,13 +216,15 @@ class DynamoCacheScope:
 
 
 def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spec: dict[str, Any] | None,
-                  *, real_values: bool = False, fresh_kwargs: bool = False) -> Any:
+                  *, real_values: bool = False, fresh_kwargs: bool = False, symbolic: bool | None = None) -> Any:
     """``torch._dynamo.export`` of ``model`` on ``call``, configured for ``route`` (static shapes
     unless ``dynamic_spec`` names dynamic dimensions), with Dynamo's global state put back after.
     ``real_values``: values read from data (``.item()``, ``.tolist()``) become symbols, and
     questions about them are decided from the example's real values, each decision kept in the
     graph as a runtime check (:mod:`fxprep.decisions`). ``fresh_kwargs``: trace from
-    :func:`fresh_kwargs_root`.
+    :func:`fresh_kwargs_root`. ``symbolic``: some sizes are symbolic (default: ``dynamic_spec``
+    declares a dimension; True where the inputs carry Dynamo's marks); such a trace runs without
+    the fake-tensor cache (:data:`SYMBOLIC_PATCHES`).
 
     Runs under :data:`fxprep.core.threads.GLOBAL_LOCK` (Dynamo's config and caches are process-wide),
     with the recompile limits lifted and the cache entries the call added dropped
@@ -239,6 +241,8 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
     kwargs: dict[str, Any] = {"assume_static_by_default": True}
     if dynamic_spec is not None:
         kwargs["dynamic_shapes"] = dynamic_spec
+    if symbolic if symbolic is not None else _declares(dynamic_spec):
+        patches.update({k: v for k, v in SYMBOLIC_PATCHES.items() if hasattr(dynamo.config, k)})
     if real_values:
         patches["capture_scalar_outputs"] = True
         patches["capture_dynamic_output_shape_ops"] = True
@@ -250,6 +254,23 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
     heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.core.heap)
     return result
 
+
+def _declares(spec: Any) -> bool:
+    """Whether a ``dynamic_shapes`` spec declares any dimension (a block's may be all ``None``)."""
+    if isinstance(spec, dict):
+        return any(_declares(v) for v in spec.values())
+    if isinstance(spec, (list, tuple)):
+        return any(_declares(v) for v in spec)
+    return spec is not None
+
+
+# A trace with symbolic sizes runs without the fake-tensor cache: a cache hit rebuilds its output with
+# symbolic sizes and strides (``empty_strided`` and ``set_`` over SymInts: GLM-MoE-DSA's default prepare
+# spent 4 s of 23 in them under cProfile), dearer than the op's fake kernel; with static sizes the cache
+# pays (its hits are plain). Measured (``benchmarks/general_cost.py``'s models, best of 2, this 2-core CPU):
+# default prepare 15-20% faster (llama 1.23 -> 0.99 s, glm_moe_dsa 8.09 -> 6.63, doge 14.7 -> 11.9,
+# deepseek_v32 6.24 -> 5.08), static 5-15% slower, hence not for static traces.
+SYMBOLIC_PATCHES = {"fake_tensor_cache_enabled": False}
 
 # torch's own choice of a convolution kernel, asked by its fake convolution with the traced sizes
 _KERNEL_CHOICES = ("_select_conv_backend", "_conv_determine_backend_memory_format")

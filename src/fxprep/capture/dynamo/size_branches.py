@@ -126,7 +126,8 @@ def batch_branches(model: nn.Module, call: ExampleInputs, batch: int, *, fresh_k
     cannot trace the model that way (the caller words it). ``fresh_kwargs``: as the capture learned
     (:class:`~fxprep.capture.request.Learned`)."""
     with preserved_state(model):
-        gm, _ = dynamo_export(model, _marked(call, batch), default_route(), None, fresh_kwargs=fresh_kwargs)
+        gm, _ = dynamo_export(model, _marked(call, batch), default_route(), None, fresh_kwargs=fresh_kwargs,
+                              symbolic=True)
     env = _shape_env(gm)
     if env is None:
         return []
@@ -152,7 +153,7 @@ def size_branches(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict
     marked = ExampleInputs(tuple(mark(n, a) for n, a in zip(names, call.args)),
                            {k: mark(k, v) for k, v in call.kwargs.items()})
     with preserved_state(model):
-        gm, _ = dynamo_export(model, marked, default_route(), None, fresh_kwargs=fresh_kwargs)
+        gm, _ = dynamo_export(model, marked, default_route(), None, fresh_kwargs=fresh_kwargs, symbolic=True)
     env = _shape_env(gm)
     if env is None:
         return []
