@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fxprep
-from fxprep.capture.dynamo.export import default_route, dynamo_export
+from fxprep.capture.dynamo.export import default_route, dynamo_export, symbolic_sizes
 from fxprep.core.inputs import ExampleInputs
 
 
@@ -45,7 +45,8 @@ def test_a_trace_with_declared_dimensions_runs_without_the_cache(monkeypatch: py
     dynamo_export(_Mlp(), call, default_route(), {"x": {0: dim}})
     dynamo_export(_Mlp(), call, default_route(), {"x": None})  # a spec that declares nothing: static
     dynamo_export(_Mlp(), call, default_route(), None)
-    dynamo_export(_Mlp(), call, default_route(), None, symbolic=True)  # marked inputs (the branch traces)
+    with symbolic_sizes():  # inputs marked dynamic (the branch traces)
+        dynamo_export(_Mlp(), call, default_route(), None)
     assert seen == [False, True, True, False]
     assert torch._dynamo.config.fake_tensor_cache_enabled  # put back after each
 

@@ -216,15 +216,14 @@ class DynamoCacheScope:
 
 
 def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spec: dict[str, Any] | None,
-                  *, real_values: bool = False, fresh_kwargs: bool = False, symbolic: bool | None = None) -> Any:
+                  *, real_values: bool = False, fresh_kwargs: bool = False) -> Any:
     """``torch._dynamo.export`` of ``model`` on ``call``, configured for ``route`` (static shapes
     unless ``dynamic_spec`` names dynamic dimensions), with Dynamo's global state put back after.
     ``real_values``: values read from data (``.item()``, ``.tolist()``) become symbols, and
     questions about them are decided from the example's real values, each decision kept in the
     graph as a runtime check (:mod:`fxprep.decisions`). ``fresh_kwargs``: trace from
-    :func:`fresh_kwargs_root`. ``symbolic``: some sizes are symbolic (default: ``dynamic_spec``
-    declares a dimension; True where the inputs carry Dynamo's marks); such a trace runs without
-    the fake-tensor cache (:data:`SYMBOLIC_PATCHES`).
+    :func:`fresh_kwargs_root`. Where ``dynamic_spec`` declares a dimension the trace runs without the
+    fake-tensor cache (:data:`SYMBOLIC_PATCHES`; inputs marked dynamic instead: :func:`symbolic_sizes`).
 
     Runs under :data:`fxprep.core.threads.GLOBAL_LOCK` (Dynamo's config and caches are process-wide),
     with the recompile limits lifted and the cache entries the call added dropped
@@ -241,8 +240,8 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
     kwargs: dict[str, Any] = {"assume_static_by_default": True}
     if dynamic_spec is not None:
         kwargs["dynamic_shapes"] = dynamic_spec
-    if symbolic if symbolic is not None else _declares(dynamic_spec):
-        patches.update({k: v for k, v in SYMBOLIC_PATCHES.items() if hasattr(dynamo.config, k)})
+    if _declares(dynamic_spec):
+        patches.update(_symbolic_patches())
     if real_values:
         patches["capture_scalar_outputs"] = True
         patches["capture_dynamic_output_shape_ops"] = True
@@ -271,6 +270,23 @@ def _declares(spec: Any) -> bool:
 # default prepare 15-20% faster (llama 1.23 -> 0.99 s, glm_moe_dsa 8.09 -> 6.63, doge 14.7 -> 11.9,
 # deepseek_v32 6.24 -> 5.08), static 5-15% slower, hence not for static traces.
 SYMBOLIC_PATCHES = {"fake_tensor_cache_enabled": False}
+
+
+def _symbolic_patches() -> dict[str, Any]:
+    """:data:`SYMBOLIC_PATCHES` this torch has (all of torch 2.8 to 2.14 do)."""
+    import torch._dynamo as dynamo
+
+    return {k: v for k, v in SYMBOLIC_PATCHES.items() if hasattr(dynamo.config, k)}
+
+
+@contextlib.contextmanager
+def symbolic_sizes() -> Iterator[None]:
+    """Around a :func:`dynamo_export` whose inputs carry Dynamo's dynamic marks (no spec declares the
+    dimensions: the size- and batch-branch traces): the patches of a trace with symbolic sizes."""
+    import torch._dynamo as dynamo
+
+    with dynamo.config.patch(**_symbolic_patches()):
+        yield
 
 # torch's own choice of a convolution kernel, asked by its fake convolution with the traced sizes
 _KERNEL_CHOICES = ("_select_conv_backend", "_conv_determine_backend_memory_format")

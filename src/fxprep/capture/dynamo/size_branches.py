@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from ...core.inputs import ExampleInputs
 from ...core.runs import preserved_state
 from ..shapes.dims import SIZE_SOURCE, positional_names
-from .export import default_route, dynamo_export
+from .export import default_route, dynamo_export, symbolic_sizes
 
 # Dynamo evaluating a Python-level comparison (``if``, ``range``, ``len``) on a symbolic size.
 _DYNAMO_FRAMES = ("/torch/_dynamo/", "\\torch\\_dynamo\\")
@@ -126,8 +126,8 @@ def batch_branches(model: nn.Module, call: ExampleInputs, batch: int, *, fresh_k
     cannot trace the model that way (the caller words it). ``fresh_kwargs``: as the capture learned
     (:class:`~fxprep.capture.request.Learned`)."""
     with preserved_state(model):
-        gm, _ = dynamo_export(model, _marked(call, batch), default_route(), None, fresh_kwargs=fresh_kwargs,
-                              symbolic=True)
+        with symbolic_sizes():
+            gm, _ = dynamo_export(model, _marked(call, batch), default_route(), None, fresh_kwargs=fresh_kwargs)
     env = _shape_env(gm)
     if env is None:
         return []
@@ -153,7 +153,8 @@ def size_branches(model: nn.Module, call: ExampleInputs, dynamic: dict[str, dict
     marked = ExampleInputs(tuple(mark(n, a) for n, a in zip(names, call.args)),
                            {k: mark(k, v) for k, v in call.kwargs.items()})
     with preserved_state(model):
-        gm, _ = dynamo_export(model, marked, default_route(), None, fresh_kwargs=fresh_kwargs, symbolic=True)
+        with symbolic_sizes():
+            gm, _ = dynamo_export(model, marked, default_route(), None, fresh_kwargs=fresh_kwargs)
     env = _shape_env(gm)
     if env is None:
         return []
