@@ -27,6 +27,7 @@ from torch import nn
 
 from .. import ops
 from ..runtime.wrap import TENSOR_CONSTRUCTORS
+from .input_checks import check_only
 from .values import OTHER
 
 VIEW_AND_METADATA_METHODS = frozenset(
@@ -76,13 +77,16 @@ def is_allowed_functional(node: fx.Node) -> bool:
 
 
 def remaining_compute_ops(gm: fx.GraphModule) -> list[fx.Node]:
-    """Tensor-valued function/method calls outside the allow-list (what a prepared graph should lack)."""
+    """Tensor-valued function/method calls outside the allow-list (what a prepared graph should lack),
+    but the input checks (:func:`.input_checks.check_only`: kept as calls on purpose, listed apart)."""
+    checks = check_only(gm.graph)
     return [
         n
         for n in gm.graph.nodes
         if n.op in ("call_function", "call_method")
         and n.meta.get("fxprep_kind") != OTHER
         and not is_allowed_functional(n)
+        and n not in checks
     ]
 
 @dataclass(frozen=True)
