@@ -162,10 +162,10 @@ def test_a_training_read_behind_a_decorator_is_named_at_its_own_line() -> None:
 
 
 def test_fx_on_a_wrapped_forward_is_explained() -> None:
-    """torch.fx's own words on a Llama of transformers >= 5.24 are "code: co_varnames is too
-    small"; the report says what it means and points at the decorated ``forward``."""
-    import inspect
-
+    """torch.fx's own words on a forward behind a ``(*args, **kwargs)`` wrapper are "code: co_varnames
+    is too small". fxprep's tracer now traces through such a wrapper (tests/test_fx_decorated.py), so
+    on a Llama of transformers >= 5.24 fx stops later, at its next real obstacle, never at the
+    decorator; the explanation stays for a wrapper it cannot see through."""
     from fxprep.capture.fx import _explained
     from fxprep.reporting.diagnose import DECORATED_FORWARD
 
@@ -174,11 +174,7 @@ def test_fx_on_a_wrapped_forward_is_explained() -> None:
     model = tiny_llama()
     report = fxprep.check_traceability(model, example_inputs=llama_inputs())
     fx_issues = [i for i in report.issues if i.tracer == "fx"]
-    if hasattr(type(model).forward, "__wrapped__"):  # transformers 5.24 on: deprecate_kwarg
-        assert fx_issues and fx_issues[0].category == DECORATED_FORWARD
-        assert "decorator taking (*args, **kwargs)" in fx_issues[0].message and "tracer='dynamo'" in fx_issues[0].fix
-        original = inspect.unwrap(type(model).forward)
-        assert (fx_issues[0].file, fx_issues[0].line) == (original.__code__.co_filename, original.__code__.co_firstlineno)
+    assert all(i.category != DECORATED_FORWARD for i in fx_issues), fx_issues
     # the same explanation, independent of the installed transformers
     explained = _explained(ValueError("code: co_varnames is too small"), Net([1.0]))
     assert type(explained).__name__ == "DecoratedForward" and explained.__cause__ is not None

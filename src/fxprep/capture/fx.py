@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import functools
 import inspect
 import math
@@ -153,12 +154,47 @@ class FxprepTracer(fx.Tracer):
         self.policy = policy if policy is not None else LeafPolicy()
         self.extra_leaves: dict[str, str] = {}
         self.traced_classes: dict[type, str] = {}
+        self.wraps_functions = bool(autowrap_functions)
+        self._attribute_paths: dict[int, str] | None = None
 
     def trace(self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        """``fx.Tracer.trace`` with the recording patches installed for this trace only."""
-        modules = root.modules() if isinstance(root, nn.Module) else ()
+        """``fx.Tracer.trace`` with the recording patches installed for this trace only.
+
+        ``autowrap_functions`` are looked up in the module of every ``forward``'s own function too:
+        fx looks only in the globals of the ``forward`` it calls, which for a decorated ``forward``
+        (every transformers model) are the decorator's module, so a function named there (the mask
+        builders llm-compressor's ``tracing_ignore`` names) would be traced into."""
+        modules = list(root.modules()) if isinstance(root, nn.Module) else []
+        self._attribute_paths = None
+        if self.wraps_functions:
+            search = getattr(self, "_autowrap_search", None)
+            if isinstance(search, list):
+                for m in modules:
+                    found = inspect.getmodule(inspect.unwrap(getattr(type(m), "forward", m)))
+                    if found is not None and found not in search:
+                        search.append(found)
         with confined_fx_patches(), _tracing_patches(_forward_globals(modules)):
             return super().trace(root, concrete_args=concrete_args)
+
+    def create_arg(self, a: Any) -> Any:
+        """A dataclass instance that is an attribute of one of the model's modules (a transformers
+        config handed to a function fx calls whole) is read from there (``get_attr``), the same
+        object; plain fx would write a call of its class rebuilding it from its fields at every run."""
+        if dataclasses.is_dataclass(a) and not isinstance(a, type) and isinstance(getattr(self, "root", None), nn.Module):
+            path = self._attribute_path(a)
+            if path is not None:
+                return self.create_node("get_attr", path, (), {})
+        return super().create_arg(a)
+
+    def _attribute_path(self, value: Any) -> str | None:
+        if self._attribute_paths is None:
+            paths: dict[int, str] = {}
+            for name, m in self.root.named_modules():
+                for key, attr in vars(m).items():
+                    if not key.startswith("_") and dataclasses.is_dataclass(attr) and not isinstance(attr, type):
+                        paths.setdefault(id(attr), f"{name}.{key}" if name else key)
+            self._attribute_paths = paths
+        return self._attribute_paths.get(id(value))
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
                     type_expr: Any | None = None) -> fx.Node:
@@ -180,7 +216,7 @@ class FxprepTracer(fx.Tracer):
         bound = self.root.__dict__.get("forward") if is_module else None
         if getattr(bound, "__self__", None) is self.root and getattr(bound, "__func__", None) is not None:
             root_fn = bound.__func__  # type: ignore[union-attr]
-        return super().create_args_for_root(root_fn, is_module, concrete_args)
+        return super().create_args_for_root(through_wrapper(root_fn), is_module, concrete_args)
 
     def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *rest: Any, **kw: Any) -> Any:
         """A split into a known number of pieces is a tuple of traced pieces, so ``list(x.split(
@@ -350,6 +386,56 @@ def _name_concrete_placeholders(gm: fx.GraphModule, model: nn.Module, concrete_a
             if isinstance(value, (bool, int, float, str, type(None))):
                 node.args = (value,)
     gm.recompile()
+
+
+def through_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, or where it is a ``functools.wraps`` wrapper taking ``(*args, **kwargs)`` (transformers'
+    ``can_return_tuple``, ``deprecate_kwarg``, ``check_model_inputs`` on every model's ``forward``) a
+    function with the wrapped function's own parameters that calls the wrapper.
+
+    Why: fx builds the traced signature from the outermost function's code and rewrites that code
+    for the placeholders, and a wrapper's code has too few names for it ("co_varnames is too
+    small"). Calling the wrapper, not the function inside, keeps what the decorator does (defaults
+    read from the config, tuple returns) in the trace, as a user's ``model(**batch)`` runs it. The
+    parameters are passed by keyword, as such a call passes them (decorators read ``kwargs``); a
+    ``*args`` or ``**kwargs`` of the wrapped function is left out (fx can only pass it on as a proxy
+    it cannot iterate)."""
+    original = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if original is fn or code is None or not code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS):
+        return fn
+    try:
+        params = list(inspect.signature(original).parameters.values())
+    except (TypeError, ValueError):
+        return fn
+    if not params or code.co_varnames[:len(params)] == tuple(p.name for p in params):
+        return fn
+    heads, calls, defaults, kwdefaults = [], [], [], {}
+    kwonly_started = False
+    for i, p in enumerate(params):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):  # nothing a trace can take: fx would iterate a proxy
+            continue
+        if p.kind is p.KEYWORD_ONLY:
+            if not kwonly_started:
+                heads.append("*")
+                kwonly_started = True
+            if p.default is not p.empty:
+                kwdefaults[p.name] = p.default
+            calls.append(f"{p.name}={p.name}")
+        else:
+            if p.default is not p.empty:
+                defaults.append(p.default)
+            positional = i == 0 or p.kind is p.POSITIONAL_ONLY
+            calls.append(p.name if positional else f"{p.name}={p.name}")
+        heads.append(p.name)
+    namespace: dict[str, Any] = {"__fxprep_wrapper__": fn}
+    source = f"def {original.__name__}({', '.join(heads)}):\n    return __fxprep_wrapper__({', '.join(calls)})\n"
+    exec(compile(source, f"<fxprep: {original.__qualname__} through its decorator>", "exec"), namespace)  # noqa: S102
+    made = namespace[original.__name__]
+    made.__defaults__ = tuple(defaults) or None
+    made.__kwdefaults__ = kwdefaults or None
+    made.__qualname__ = original.__qualname__
+    return made
 
 
 class DecoratedForward(TypeError):

@@ -72,7 +72,8 @@ class ModelState:
                     if t is None or id(t) in seen_tensors:
                         continue
                     seen_tensors.add(id(t))
-                    self.tensors.append((prefix + key, t, t.detach().clone()))
+                    # a meta tensor holds no values: an alias keeps its shape (cloning one costs ~50 us)
+                    self.tensors.append((prefix + key, t, t.detach() if t.is_meta else t.detach().clone()))
                 for key, value in attrs.items():
                     if type(value) is list:
                         self.containers.append((prefix + key, value, list(value)))
@@ -105,7 +106,9 @@ class ModelState:
                     t.set_(value)  # resized in place (``self.buf.resize_(...)``)
                     changes.buffers.append(name)
                     continue
-                if t.device.type != "meta" and not _same(t, value):
+                if t.device.type == "meta":
+                    continue
+                if not _same(t, value):
                     changes.buffers.append(name)
                 t.copy_(value)
         for name, container, before in self.containers:

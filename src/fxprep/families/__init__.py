@@ -86,6 +86,12 @@ class Family:
         CaptureAttempt)``, or ``(None, None)`` where it has none."""
         return None, None
 
+    def called_whole(self, model: nn.Module) -> tuple[Any, ...]:
+        """Functions of the family's library a torch.fx trace of the model's own code calls whole
+        (``autowrap_functions``): they build values (attention masks) from checks fx cannot trace,
+        and run eagerly on the graph's values they compute exactly what eager does."""
+        return ()
+
     def method_source(self, method: Any) -> tuple[ast.FunctionDef, dict[str, Any]] | None:
         """A method's def as the family changes it for capture and the helpers the changes call (for
         the control-flow rewrite to start from); None: the file's source as it is."""

@@ -25,10 +25,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ... import api
 from ...big.partition import Stage, Stages, partition
-from ...errors import EquivalenceError, InputMismatch, InvalidInput, TraceFailure
+from ...capture.routes import Route
+from ...errors import EquivalenceError, FxprepError, InputMismatch, InvalidInput, TraceFailure
+from ...families import family_for
 from ...reporting.report import Report
 from ...runtime import guard
 from ...runtime.prepared import INPUT_SPEC
@@ -49,6 +52,8 @@ class Capture:
     stood_in: list[str] = field(default_factory=list)  # kept-whole modules that could not run on meta
     not_run: list[str] = field(default_factory=list)  # targets the sample does not run (no stage of their own)
     targets: list[tuple[str, nn.Module]] = field(default_factory=list)  # those with a stage
+    shape: Any = None  # the shapes of the batch it was captured on (:func:`_shape`)
+    other_shape: Any = None  # those of the batch now run, where they are not ``shape``
 
 
 LAST: list[Capture] = []  # the last capture, for inspection (``last_capture()``)
@@ -81,7 +86,7 @@ class FxprepSubgraph:
         self.passes_on = passes_on  # graph inputs later subgraphs read: the first returns them
         self.input_names: set[str] = set(batch_keys) if binder is not None else set(stage.inputs)
         self.consumed_names: set[str] = set()
-        self.capture: Capture | None = None  # the first subgraph's: all subgraphs and the targets, to check a batch
+        self.capture: Capture | None = None  # all subgraphs and the targets (the first checks a batch against them)
         self.accepted: set[Any] = set()  # shapes the graph was not captured for, checked against the model on a batch
         self._checking = False
 
@@ -96,11 +101,25 @@ class FxprepSubgraph:
         if model is not self.model:
             raise InvalidInput("this subgraph was made for another model object; capture again for this one.")
         if self.binder is None:
-            return self.stage(**{n: inputs[n] for n in self.stage.inputs})
+            return self._run({n: inputs[n] for n in self.stage.inputs})
         values = self._bind(inputs)
-        out = self.stage(**{n: values[n] for n in self.stage.inputs})
+        out = self._run({n: values[n] for n in self.stage.inputs})
         out.update({n: values[n] for n in self.passes_on})
         return out
+
+    def _run(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The stage on ``values``. A torch.fx graph holds no input check (it is as general as the
+        model's code, which may itself fix a size): on a batch shaped otherwise than the capture's,
+        a stage that cannot run says so as :class:`InputMismatch`, with what to do."""
+        try:
+            return self.stage(**values)
+        except (RuntimeError, TypeError, ValueError, IndexError) as err:
+            capture = self.capture
+            if capture is None or Route(capture.report.tracer).dynamo or capture.other_shape is None:
+                raise
+            raise InputMismatch(f"the calibration batch is shaped {dict(capture.other_shape)}; the graph was captured "
+                                f"on {dict(capture.shape)}. The stages do not run on it ({self.name}): "
+                                f"{type(err).__name__}: {err}\n{ADVICE}") from None
 
     def _bind(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(inputs) - set(self.batch_keys))
@@ -110,6 +129,9 @@ class FxprepSubgraph:
                                 f"{sorted(self.batch_keys)} (missing {missing}, unknown {unknown}). Every batch of "
                                 "the dataset needs the same columns.")
         assert self.binder is not None
+        if self.capture is not None:
+            shape = _shape(inputs)
+            self.capture.other_shape = None if shape == self.capture.shape else shape
         spec = self.gm.__dict__.get(INPUT_SPEC) if self.gm is not None else None
         if spec is not None and not self._checking:  # the stages hold no input check of their own: the graph's
             try:
@@ -126,12 +148,10 @@ class FxprepSubgraph:
         patch count, a length): accepted when the stages reproduce the model on it, every target's
         inputs and outputs compared (once per distinct shape, the modifiers' hooks off), else refused.
         A size the graph really holds fails there (or earlier, in a stage) and is named."""
-        shape = tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in sorted(inputs.items()))
+        shape = _shape(inputs)
         if shape in self.accepted:
             return
-        advice = ("With llm-compressor: give every calibration sample the shape the graph was captured for (pad or "
-                  "truncate them to one length: max_seq_length with padding), or capture on a sample of the shape "
-                  "you calibrate with.")
+        advice = ADVICE
         if self.capture is None:
             raise InputMismatch(f"{mismatch}\n{advice}") from None
         from llmcompressor.modifiers.utils.hooks import HooksMixin
@@ -169,6 +189,15 @@ class FxprepSubgraph:
                     seen.add(id(sub))
                     out.append(sub)
         return out
+
+
+ADVICE = ("With llm-compressor: give every calibration sample the shape the graph was captured for (pad or "
+          "truncate them to one length: max_seq_length with padding), or capture on a sample of the shape you "
+          "calibrate with.")
+
+
+def _shape(inputs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in sorted(inputs.items()))
 
 
 ALL = "__ALL__"  # llm-compressor's sequential targets for a model without _no_split_modules
@@ -277,53 +306,149 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
     with calibration_context(model):
         twin = plain_twin(model)
         target_ids = {id(twin.twin_of[id(m)]) for _, m in targets}
-        whole = _kept_whole(twin.root, _ancestors(twin.root, target_ids))
+        ancestors = _ancestors(twin.root, target_ids)
+        whole = _kept_whole(twin.root, ancestors)
         example = _example(model, sample_input, twin.device)
         stood_in: list[str] = []
         if not twin.real:
             names = {id(m): n for n, m in twin.root.named_modules()}
+            seen: dict[Any, Any] = {}
             for module in whole:
-                module.__dict__["forward"] = _shaped_like_input(module, names[id(module)], stood_in)
-        # unroll=False: a layer called several times (a recurrent model's cycles) stays the model's one
-        # module at every call, so its hooks see every call as in eager (an unrolled copy has none)
-        gm = api.prepare_model(twin.root, whole, example_inputs=example, verify=twin.real, progress=False,
-                               name=type(model).__name__, unroll=False)
+                module.__dict__["forward"] = _shaped_like_input(module, names[id(module)], stood_in, seen)
+        functions = ignored_functions(twin.root, ancestors, ignore) + family_for(model).called_whole(model)
+        try:  # torch.fx first: what llm-compressor's tracer does, at its cost; checked as the Dynamo graph is
+            capture = _stages(model, twin, Made(Route.FX, whole, example, stood_in, functions), targets,
+                              sample_input, targets_per_subgraph)
+        except FxprepError as err:  # any failure of the fx graph: Dynamo's capture, which diagnoses its own
+            capture = _stages(model, twin, Made(Route.DYNAMO, whole, example, stood_in), targets, sample_input,
+                              targets_per_subgraph)
+            capture.report.note(f"torch.fx was tried first (the code around the sequential targets, tracing_ignore's "
+                                f"functions called whole) and not kept: {_first_reason(err)}")
+    subgraphs = capture.subgraphs
+    _log(capture)
+    return subgraphs
+
+
+def _first_reason(err: Exception) -> str:
+    """The line of an fxprep error that says why (a TraceFailure's first line only introduces)."""
+    lines = [line.strip(" -") for line in str(err).splitlines() if line.strip()]
+    why = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0] if lines else type(err).__name__
+    return why[:400]
+
+
+@dataclass
+class Made:
+    """How one capture of the twin is made: the tracer, the modules kept whole, the example, the
+    names of those that could not run on meta (filled as they run), the functions fx calls whole."""
+
+    tracer: Route
+    whole: list[nn.Module]
+    example: dict[str, Any]
+    stood_in: list[str]
+    functions: tuple[Any, ...] = ()
+
+
+def _stages(model: nn.Module, twin: Twin, made: Made, targets: list[tuple[str, nn.Module]],
+            sample_input: Mapping[str, Any], targets_per_subgraph: int) -> Capture:
+    """The twin captured with ``made.tracer`` (verified where it holds the model's weights), bound to
+    the model, cut into subgraphs, and checked on the model itself where it was captured on meta.
+    Called in :func:`calibration_context`."""
+    options: dict[str, Any] = {"tracer": made.tracer.value}
+    if not made.tracer.dynamo:  # torch.fx, the whole graph or nothing: a part kept opaque would hide targets
+        options.update(fallback="error", autowrap_functions=made.functions)
+    # unroll=False: a layer called several times (a recurrent model's cycles) stays the model's one
+    # module at every call, so its hooks see every call as in eager (an unrolled copy has none)
+    gm = api.prepare_model(twin.root, made.whole, example_inputs=made.example, verify=twin.real, progress=False,
+                           name=type(model).__name__, unroll=False, **options)
     report = api.get_report(gm)
     not_run = _targets_called(gm, [name for name, _ in targets], report)
     targets = [(name, module) for name, module in targets if name not in not_run]
     bind_to_model(gm, twin)
     stages = partition(gm, targets=[name for name, _ in targets], blocks_per_stage=targets_per_subgraph,
                        between="previous")
-    subgraphs = _subgraphs(stages, model, tuple(example), gm)
-    capture = Capture(gm, report, twin, subgraphs, stood_in=stood_in, not_run=not_run, targets=targets)
-    subgraphs[0].capture = capture
-    LAST[:] = [capture]
+    subgraphs = _subgraphs(stages, model, tuple(made.example), gm)
+    capture = Capture(gm, report, twin, subgraphs, stood_in=made.stood_in, not_run=not_run, targets=targets,
+                      shape=_shape(made.example))
+    for sub in subgraphs:
+        sub.capture = capture
     if not twin.real:  # captured on meta stand-ins: checked on the model itself, its weights onloaded as they run
         capture.check = _check_on_model(model, subgraphs, sample_input, targets)
-    _log(capture)
-    return subgraphs
+    LAST[:] = [capture]
+    return capture
 
 
-def _shaped_like_input(module: nn.Module, name: str, stood_in: list[str]) -> Any:
+def ignored_functions(root: nn.Module, ancestors: set[int], ignore: Any) -> tuple[Any, ...]:
+    """The functions llm-compressor's ``tracing_ignore`` names (the mask builders), as the modules
+    of the ancestors' ``forward`` code bind them: fx calls them whole, so they run as eager runs
+    them, on the values the graph computes. Names of methods (``_update_causal_mask``) are no
+    module-level function and stay traced; a failure there sends the capture to Dynamo."""
+    names = {ignore} if isinstance(ignore, str) else set(ignore or ())
+    found: dict[int, Any] = {}
+    for module in root.modules():
+        if module is not root and id(module) not in ancestors:
+            continue
+        code = inspect.getmodule(inspect.unwrap(type(module).forward))
+        for name in names:
+            fn = getattr(code, name, None)
+            if inspect.isfunction(fn):
+                found.setdefault(id(fn), fn)
+    return tuple(found.values())
+
+
+def _shaped_like_input(module: nn.Module, name: str, stood_in: list[str], seen: dict[Any, Any]) -> Any:
     """The twin's ``module`` (kept whole, on ``meta``) as the capture runs it for the shapes of what it
     returns: its own forward, or where that cannot run on ``meta`` (a mixture-of-experts layer's
     routing reads values: ``nonzero``, ``.item()``) a tensor shaped like its first tensor argument,
     what a decoder layer returns. Only shapes are taken from it, and the stages are then checked on
-    the model itself where its weights can be had (:func:`_check_on_model`)."""
+    the model itself where its weights can be had (:func:`_check_on_model`).
+
+    On plain ``meta`` tensors a module of a class already run on arguments of the same shapes, with
+    parameters of the same shapes (the next of 32 identical decoder layers), returns what that one
+    returned, as new ``meta`` tensors (``seen``): running each of a 7B's layers on meta cost as much
+    as the rest of the capture."""
     forward = type(module).forward
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        key = _meta_key(type(module), params, args, kwargs)
+        if key is not None and key in seen:
+            return pytree.tree_map_only(torch.Tensor, torch.empty_like, seen[key])
         try:
-            return forward(module, *args, **kwargs)
+            out = forward(module, *args, **kwargs)
         except (RuntimeError, NotImplementedError):
             first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
             if first is None:
                 raise
             if name not in stood_in:
                 stood_in.append(name)
-            return torch.empty_like(first)
+            out = torch.empty_like(first)
+        if key is not None and all(t.is_meta for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)):
+            seen[key] = out
+        return out
 
     return run
+
+
+def _meta_key(cls: type, params: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What a run of a module of class ``cls`` on these arguments is known by: the shapes of plain
+    ``meta`` tensors and the values of the rest; None where a tensor is anything else (Dynamo's fake
+    tensors, real ones) or a value cannot be compared."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    key: list[Any] = [cls, params, spec]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if type(leaf) not in (torch.Tensor, nn.Parameter) or not leaf.is_meta:
+                return None
+            key.append((tuple(leaf.shape), leaf.stride(), leaf.dtype))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            key.append(leaf)
+        else:
+            return None
+    try:
+        hash(tuple(key))
+    except TypeError:
+        return None
+    return tuple(key)
 
 
 def _targets_called(gm: Any, names: list[str], report: Report) -> list[str]:

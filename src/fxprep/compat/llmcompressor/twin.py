@@ -91,8 +91,9 @@ def _twin(module: nn.Module, memo: dict[int, nn.Module], tensors: dict[int, Any]
 
 
 def _tensor(value: Any, tensors: dict[int, Any], meta: bool) -> Any:
-    """The model's tensor itself, or (``meta``) one ``meta`` stand-in per tensor object (ties stay ties)."""
-    if not isinstance(value, torch.Tensor) or not meta:
+    """The model's tensor itself, or (``meta``) one ``meta`` stand-in per tensor object (ties stay ties);
+    a tensor already on ``meta`` is its own stand-in (it holds nothing to protect)."""
+    if not isinstance(value, torch.Tensor) or not meta or (type(value) in (torch.Tensor, nn.Parameter) and value.is_meta):
         return value
     if id(value) not in tensors:
         stand_in = torch.empty_like(value, device="meta")

@@ -7,6 +7,7 @@ importing transformers.
 from __future__ import annotations
 
 import ast
+import inspect
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -69,6 +70,15 @@ class TransformersFamily(Family):
 
     def fx_capture(self, model: nn.Module, example: Any) -> tuple[Any, Any]:
         return hf.capture_hf_fx(model, example)
+
+    def called_whole(self, model: nn.Module) -> tuple[Any, ...]:
+        """transformers' mask builders (``masking_utils.create_*mask``: causal, sliding-window,
+        chunked, bidirectional), which branch on the mask's values and the attention kind."""
+        from transformers import masking_utils
+
+        return tuple(fn for name, fn in sorted(vars(masking_utils).items())
+                     if name.startswith("create_") and name.endswith("mask") and inspect.isfunction(fn)
+                     and fn.__module__ == masking_utils.__name__)
 
     def method_source(self, method: Any) -> tuple[ast.FunctionDef, dict[str, Any]] | None:
         return source_tree(method)
