@@ -155,7 +155,7 @@ class FxprepTracer(fx.Tracer):
         self.extra_leaves: dict[str, str] = {}
         self.traced_classes: dict[type, str] = {}
         self.wraps_functions = bool(autowrap_functions)
-        self._attribute_paths: dict[int, str] | None = None
+        self._attribute_paths: dict[int, str | None] | None = None
 
     def trace(self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """``fx.Tracer.trace`` with the recording patches installed for this trace only.
@@ -187,14 +187,14 @@ class FxprepTracer(fx.Tracer):
         return super().create_arg(a)
 
     def _attribute_path(self, value: Any) -> str | None:
+        """The first path (modules in ``named_modules`` order, the root first) holding ``value``."""
         if self._attribute_paths is None:
-            paths: dict[int, str] = {}
-            for name, m in self.root.named_modules():
-                for key, attr in vars(m).items():
-                    if not key.startswith("_") and dataclasses.is_dataclass(attr) and not isinstance(attr, type):
-                        paths.setdefault(id(attr), f"{name}.{key}" if name else key)
-            self._attribute_paths = paths
-        return self._attribute_paths.get(id(value))
+            self._attribute_paths = {}
+        if id(value) not in self._attribute_paths:
+            found = next((f"{name}.{key}" if name else key for name, m in self.root.named_modules()
+                          for key, attr in vars(m).items() if attr is value and not key.startswith("_")), None)
+            self._attribute_paths[id(value)] = found  # type: ignore[assignment]
+        return self._attribute_paths[id(value)]
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
                     type_expr: Any | None = None) -> fx.Node:
