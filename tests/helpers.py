@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -145,3 +146,40 @@ def _float(out):
     if isinstance(out, dict):
         out = next(iter(out.values()))
     return out.dequantize() if hasattr(out, "dequantize") else out
+
+
+@dataclass
+class DynamoTrace:
+    """One Dynamo trace seen by :func:`dynamo_traces`: the traced module's class, whether Dynamo's
+    fake-tensor cache was on as it started, and how it ended ("ok" or its error's first line)."""
+
+    module: str
+    cache: bool
+    outcome: str = "running"
+
+
+def dynamo_traces(monkeypatch: pytest.MonkeyPatch) -> list[DynamoTrace]:
+    """Each Dynamo trace (a run of what ``torch._dynamo.export`` returns) from now on, appended as it
+    starts: a spy that calls through, so the capture is the one fxprep makes."""
+    traces: list[DynamoTrace] = []
+    real = torch._dynamo.export
+
+    def export(f: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = real(f, *args, **kwargs)
+
+        def run(*a: Any, **k: Any) -> Any:
+            trace = DynamoTrace(type(getattr(f, "__self__", f)).__name__,
+                                bool(torch._dynamo.config.fake_tensor_cache_enabled))
+            traces.append(trace)
+            try:
+                out = inner(*a, **k)
+            except Exception as err:
+                trace.outcome = str(err).split("\n", 1)[0]
+                raise
+            trace.outcome = "ok"
+            return out
+
+        return run
+
+    monkeypatch.setattr(torch._dynamo, "export", export)
+    return traces

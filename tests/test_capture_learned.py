@@ -13,6 +13,8 @@ from torch import nn
 
 import fxprep
 
+from .helpers import DynamoTrace, dynamo_traces
+
 
 class _Block(nn.Module):
     def __init__(self) -> None:
@@ -56,41 +58,22 @@ class _MutatesKwargs(nn.Module):
         return self.head(x, bound.arguments["scale"])
 
 
-def _traces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """Each Dynamo trace from now on: the traced module's class and how it ended (a spy that calls through)."""
-    traces: list[tuple[str, str]] = []
-    real = torch._dynamo.export
-
-    def export(f: Any, *args: Any, **kwargs: Any) -> Any:
-        inner = real(f, *args, **kwargs)
-
-        def run(*a: Any, **k: Any) -> Any:
-            name = type(getattr(f, "__self__", f)).__name__
-            try:
-                out = inner(*a, **k)
-            except Exception as err:
-                traces.append((name, str(err).split("\n", 1)[0]))
-                raise
-            traces.append((name, "ok"))
-            return out
-
-        return run
-
-    monkeypatch.setattr(torch._dynamo, "export", export)
-    return traces
+def _ended(traces: list[DynamoTrace]) -> list[tuple[str, str]]:
+    """``(traced module's class, how it ended)`` of each trace."""
+    return [(t.module, t.outcome) for t in traces]
 
 
 @pytest.mark.parametrize("reuse", [True, False])
 def test_a_capture_starts_from_what_an_earlier_one_learned(monkeypatch: pytest.MonkeyPatch, reuse: bool) -> None:
     torch.manual_seed(0)
     model = _MutatesKwargs().eval()
-    traces = _traces(monkeypatch)
+    traces = dynamo_traces(monkeypatch)
     gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 4, 8),), reuse_blocks=reuse, progress=False)
     report = fxprep.get_report(gm)
     assert report.tracer == "dynamo+leaves"
     for x in (torch.randn(2, 4, 8), -torch.rand(3, 4, 8)):  # both sides of the head's branch
         torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
-    outer = [end for name, end in traces if name != "_Block"]
+    outer = [end for name, end in _ended(traces) if name != "_Block"]
     # the fresh-kwargs root is learned once, by the first capture, for every later one
     assert sum("mapping proxy affected by dictionary mutation" in end for end in outer) == 1, traces
     # before the capture that is kept, the head's branch stops the model's capture once: with reuse,
@@ -136,12 +119,12 @@ class _BlocksReadingData(nn.Module):
 def test_the_batch_probe_makes_no_plain_trace_where_the_capture_could_not(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     model = _BlocksReadingData().eval()
-    traces = _traces(monkeypatch)
+    traces = dynamo_traces(monkeypatch)
     gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 6, 8), torch.tensor([2, 4])), dynamic=False,
                               progress=False)
     report = fxprep.get_report(gm)
     assert report.tracer in ("dynamo+leaves", "dynamo+values")
-    outer = [end for name, end in traces if name == "_BlocksReadingData"]
+    outer = [end for name, end in _ended(traces) if name == "_BlocksReadingData"]
     # the batch probe's trace with a symbolic batch (the model as it is, no part opaque, no value
     # decided) would stop where the capture did: it is not made, and the report says why
     assert all(end == "ok" for end in outer[outer.index("ok"):]), traces
@@ -162,9 +145,9 @@ def test_a_block_output_that_had_to_be_computed_is_computed_from_the_start_later
     config.use_cache = False
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    traces = _traces(monkeypatch)
+    traces = dynamo_traces(monkeypatch)
     gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(3, 99, (1, 8))}, progress=False)
-    names = [name for name, end in traces]
+    names = [name for name, end in _ended(traces)]
     retraced = sum(1 for before, after in zip(names, names[1:]) if before == "CpmAntTransformerBlock"
                    and after == "CpmAntForCausalLM")
     assert retraced == 1, traces

@@ -19,6 +19,8 @@ import transformers
 import fxprep
 from fxprep.capture.dynamo import guard_read
 
+from .helpers import dynamo_traces
+
 
 class _Tiny(transformers.PreTrainedModel):
     """The smallest model whose inputs fxprep reads as a transformers layout (batch, then tokens)."""
@@ -50,18 +52,11 @@ class _BranchesOnLength(_Tiny):
 
 
 def _prepare_counting(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
-    """``model`` prepared on 1x8 ids, and how many times Dynamo traced it (a spy that calls through)."""
-    traces = [0]
-    real = torch._dynamo.export
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        traces[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch._dynamo, "export", counting)
+    """``model`` prepared on 1x8 ids, and how many times Dynamo traced it."""
+    traces = dynamo_traces(monkeypatch)
     torch.manual_seed(0)
     gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(0, 50, (1, 8))})
-    return gm, traces[0]
+    return gm, len(traces)
 
 
 def test_guards_that_hold_at_every_size_keep_the_first_capture(monkeypatch: pytest.MonkeyPatch) -> None:
