@@ -141,3 +141,27 @@ def test_fx_gets_past_a_transformers_decorated_forward() -> None:
         assert "co_varnames" not in str(err) and "decorator taking" not in str(err)
     else:
         assert fxprep.get_report(gm).verification.status == "passed"
+
+
+class Recasts(nn.Module):
+    """Overwrites a tensor attribute in its forward, as CTRL does (``self.pos_encoding =
+    self.pos_encoding.to(device)``): while tracing, the attribute holds the trace's Proxy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.randn(16, 4)  # a plain tensor attribute, neither parameter nor buffer
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.table = self.table.to(self.fc.weight.dtype)
+        return self.fc(self.table[ids])
+
+
+def test_an_attribute_the_forward_overwrites_is_read_from_the_model_not_the_trace() -> None:
+    model = Recasts().eval()
+    table = model.table
+    ids = torch.tensor([[1, 5, 7]])
+    gm = fxprep.prepare_model(model, example_inputs=(ids,), tracer="fx", fallback="error", progress=False)
+    assert model.table is table  # restored on the model
+    other = torch.tensor([[0, 2]])
+    assert torch.equal(gm(other), model(other))

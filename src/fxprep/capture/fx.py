@@ -488,6 +488,7 @@ def capture_fx(
             # creates (``_tensor_constant0``) on the root, and the GraphModule must copy them.
             gm = tracer.make_graph_module(graph, model.__class__.__name__)
         changed = [c for c in changed if not c.rpartition(".")[2].startswith("_tensor_constant")]
+        _reread_restored(gm, model, changed)
     except Exception as err:  # noqa: BLE001 - every tracer failure is reported, not raised
         return None, CaptureAttempt.failed(Route.FX, _explained(err, model), start)
     if concrete_args:
@@ -506,6 +507,32 @@ def capture_fx(
         )
     result = CaptureResult(gm, Route.FX, notes=notes, extra_leaves=dict(tracer.extra_leaves))
     return result, CaptureAttempt(Route.FX, True, time.perf_counter() - start)
+
+
+def _reread_restored(gm: fx.GraphModule, model: nn.Module, changed: list[str]) -> None:
+    """The GraphModule copies what its ``get_attr`` nodes read while the model still holds what the
+    trace wrote (so that fx's parked constants are copied): an attribute the forward overwrote
+    (CTRL's ``self.pos_encoding = self.pos_encoding.to(device)``) would be copied as the trace's
+    Proxy. Those reads take the model's restored value instead."""
+    restored = set(changed)
+    for node in gm.graph.find_nodes(op="get_attr"):
+        target = str(node.target)
+        if target not in restored:
+            continue
+        owner_path, _, name = target.rpartition(".")
+        source = model.get_submodule(owner_path) if owner_path else model
+        if not hasattr(source, name):
+            continue
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if owner is source:
+            continue  # the model's own module, restored already
+        value = getattr(source, name)
+        for registry in (owner.__dict__, owner._parameters, owner._buffers, owner._modules):
+            registry.pop(name, None)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            owner.register_buffer(name, value)  # as fx's own copy of an attribute does
+        else:
+            setattr(owner, name, value)
 
 
 def trace_failure(attempts: list[CaptureAttempt], model: nn.Module | None = None) -> TraceFailure:
