@@ -397,3 +397,45 @@ def test_a_model_output_traced_by_fx_comes_back_as_the_model_returns_it() -> Non
     out = gm(x)
     assert type(out) is BaseModelOutput and list(out.keys()) == ["last_hidden_state"]
     torch.testing.assert_close(out.last_hidden_state, model(x).last_hidden_state)
+
+
+class _Counted(nn.Module):
+    calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        return self.fc(x)
+
+
+class _AddsAndActs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Counted()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.inner(x) + y) * x.shape[-1]
+
+
+@pytest.mark.parametrize("tracer", ["fx", "dynamo"])
+def test_convert_functionals_false_leaves_functions_and_runs_nothing_to_classify_them(tracer):
+    """Without the conversion, what each node carries (tensor or Python value) only labels the
+    report: it is inferred from the ops, not found by running the graph once more."""
+    model = _AddsAndActs().eval()
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    runs = {}
+    for convert in (True, False):
+        _Counted.calls = 0
+        gm = fxprep.prepare_model(model, [model.inner], example_inputs=(x, y), tracer=tracer,
+                                  convert_functionals=convert, progress=False)  # inner: one call, counted
+        runs[convert] = _Counted.calls
+        added = [m for m in gm.modules() if type(m).__module__.startswith("fxprep")]
+        assert bool(added) is convert  # Add, ReLU and Mul modules only with the conversion
+        torch.testing.assert_close(gm(x, y), model(x, y), rtol=0, atol=0)
+    if tracer == "fx":  # the fx graph carries no values: the conversion ran it once to find them
+        assert runs[False] == runs[True] - 1, runs
+    else:  # Dynamo's nodes carry example values: nothing is run for them either way
+        assert runs[False] == runs[True], runs

@@ -361,8 +361,11 @@ def _passes(run: Preparation, gm: fx.GraphModule) -> None:
     model, opts, report = run.model, run.opts, run.report
     progress.stage("passes")
     portable.run(gm)  # before the kinds are recorded: it adds nodes
-    with preserved_state(model):
-        values.annotate(gm, run.prepared_call)
+    if opts.convert_functionals:
+        with preserved_state(model):
+            values.annotate(gm, run.prepared_call)
+    else:  # the kinds only label the report's ops left functional: inferred from the ops, nothing run
+        values.annotate(gm, None)
     if opts.convert_functionals:
         functional_to_module.run(gm, training=model.training, original=model, report=report, recompile=False)
     branches.run(gm, training=model.training, report=report, original=model, convert=opts.convert_functionals,

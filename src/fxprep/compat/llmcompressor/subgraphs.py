@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ... import api
 from ...big.partition import Stage, Stages, partition
@@ -312,9 +311,8 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
         stood_in: list[str] = []
         if not twin.real:
             names = {id(m): n for n, m in twin.root.named_modules()}
-            seen: dict[Any, Any] = {}
             for module in whole:
-                module.__dict__["forward"] = _shaped_like_input(module, names[id(module)], stood_in, seen)
+                module.__dict__["forward"] = _shaped_like_input(module, names[id(module)], stood_in)
         functions = ignored_functions(twin.root, ancestors, ignore) + family_for(model).called_whole(model)
         try:  # torch.fx first: what llm-compressor's tracer does, at its cost; checked as the Dynamo graph is
             capture = _stages(model, twin, Made(Route.FX, whole, example, stood_in, functions), targets,
@@ -357,9 +355,11 @@ def _stages(model: nn.Module, twin: Twin, made: Made, targets: list[tuple[str, n
     if not made.tracer.dynamo:  # torch.fx, the whole graph or nothing: a part kept opaque would hide targets
         options.update(fallback="error", autowrap_functions=made.functions)
     # unroll=False: a layer called several times (a recurrent model's cycles) stays the model's one
-    # module at every call, so its hooks see every call as in eager (an unrolled copy has none)
+    # module at every call, so its hooks see every call as in eager (an unrolled copy has none).
+    # convert_functionals=False: the code around the targets (masks, positions) is nothing a modifier
+    # compresses; llm-compressor's own subgraphs leave it as functions too.
     gm = api.prepare_model(twin.root, made.whole, example_inputs=made.example, verify=twin.real, progress=False,
-                           name=type(model).__name__, unroll=False, **options)
+                           name=type(model).__name__, unroll=False, convert_functionals=False, **options)
     report = api.get_report(gm)
     not_run = _targets_called(gm, [name for name, _ in targets], report)
     targets = [(name, module) for name, module in targets if name not in not_run]
@@ -395,60 +395,27 @@ def ignored_functions(root: nn.Module, ancestors: set[int], ignore: Any) -> tupl
     return tuple(found.values())
 
 
-def _shaped_like_input(module: nn.Module, name: str, stood_in: list[str], seen: dict[Any, Any]) -> Any:
-    """The twin's ``module`` (kept whole, on ``meta``) as the capture runs it for the shapes of what it
-    returns: its own forward, or where that cannot run on ``meta`` (a mixture-of-experts layer's
-    routing reads values: ``nonzero``, ``.item()``) a tensor shaped like its first tensor argument,
-    what a decoder layer returns. Only shapes are taken from it, and the stages are then checked on
-    the model itself where its weights can be had (:func:`_check_on_model`).
-
-    On plain ``meta`` tensors a module of a class already run on arguments of the same shapes, with
-    parameters of the same shapes (the next of 32 identical decoder layers), returns what that one
-    returned, as new ``meta`` tensors (``seen``): running each of a 7B's layers on meta cost as much
-    as the rest of the capture."""
+def _shaped_like_input(module: nn.Module, name: str, stood_in: list[str]) -> Any:
+    """The twin's ``module`` (kept whole, on ``meta``) as a Dynamo capture runs it for the shapes of
+    what it returns: its own forward, or where that cannot run on ``meta`` (a mixture-of-experts
+    layer's routing reads values: ``nonzero``, ``.item()``) a tensor shaped like its first tensor
+    argument, what a decoder layer returns. Only shapes are taken from it, and the stages are then
+    checked on the model itself where its weights can be had (:func:`_check_on_model`). The fx
+    capture runs none of them."""
     forward = type(module).forward
-    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        key = _meta_key(type(module), params, args, kwargs)
-        if key is not None and key in seen:
-            return pytree.tree_map_only(torch.Tensor, torch.empty_like, seen[key])
         try:
-            out = forward(module, *args, **kwargs)
+            return forward(module, *args, **kwargs)
         except (RuntimeError, NotImplementedError):
             first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
             if first is None:
                 raise
             if name not in stood_in:
                 stood_in.append(name)
-            out = torch.empty_like(first)
-        if key is not None and all(t.is_meta for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)):
-            seen[key] = out
-        return out
+            return torch.empty_like(first)
 
     return run
-
-
-def _meta_key(cls: type, params: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What a run of a module of class ``cls`` on these arguments is known by: the shapes of plain
-    ``meta`` tensors and the values of the rest; None where a tensor is anything else (Dynamo's fake
-    tensors, real ones) or a value cannot be compared."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    key: list[Any] = [cls, params, spec]
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if type(leaf) not in (torch.Tensor, nn.Parameter) or not leaf.is_meta:
-                return None
-            key.append((tuple(leaf.shape), leaf.stride(), leaf.dtype))
-        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
-            key.append(leaf)
-        else:
-            return None
-    try:
-        hash(tuple(key))
-    except TypeError:
-        return None
-    return tuple(key)
 
 
 def _targets_called(gm: Any, names: list[str], report: Report) -> list[str]:
