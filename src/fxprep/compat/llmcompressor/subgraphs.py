@@ -53,6 +53,7 @@ class Capture:
     targets: list[tuple[str, nn.Module]] = field(default_factory=list)  # those with a stage
     shape: Any = None  # the shapes of the batch it was captured on (:func:`_shape`)
     other_shape: Any = None  # those of the batch now run, where they are not ``shape``
+    by_fx: bool = False  # captured by torch.fx: the graph holds no input check of its own
 
 
 LAST: list[Capture] = []  # the last capture, for inspection (``last_capture()``)
@@ -114,7 +115,7 @@ class FxprepSubgraph:
             return self.stage(**values)
         except (RuntimeError, TypeError, ValueError, IndexError) as err:
             capture = self.capture
-            if capture is None or Route(capture.report.tracer).dynamo or capture.other_shape is None:
+            if capture is None or not capture.by_fx or capture.other_shape is None:
                 raise
             raise InputMismatch(f"the calibration batch is shaped {dict(capture.other_shape)}; the graph was captured "
                                 f"on {dict(capture.shape)}. The stages do not run on it ({self.name}): "
@@ -368,7 +369,7 @@ def _stages(model: nn.Module, twin: Twin, made: Made, targets: list[tuple[str, n
                        between="previous")
     subgraphs = _subgraphs(stages, model, tuple(made.example), gm)
     capture = Capture(gm, report, twin, subgraphs, stood_in=made.stood_in, not_run=not_run, targets=targets,
-                      shape=_shape(made.example))
+                      shape=_shape(made.example), by_fx=not made.tracer.dynamo)
     for sub in subgraphs:
         sub.capture = capture
     if not twin.real:  # captured on meta stand-ins: checked on the model itself, its weights onloaded as they run
