@@ -659,3 +659,23 @@ def test_user_torch_cond_branches_call_the_users_modules():
     assert [x.target for x in gm.fxprep_report.left] == ["fxprep.cond.cond"]
     for inp in (x, -x):
         torch.testing.assert_close(gm(inp), model(inp))
+
+
+class _Comprehends(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [row * 2 for row in self.fc(x)]  # iterates a traced tensor: fx stops here
+        return torch.stack(parts)
+
+
+def test_a_comprehension_over_a_tensor_is_named_not_rewritable() -> None:
+    """The rewrite learns from fx's failure inside a comprehension (its ``ast.comprehension`` has no
+    line of its own; fxprep's lookup crashed on it): the site is named, with why it stays."""
+    line = inspect.getsourcelines(_Comprehends.forward)[1] + 1
+    with pytest.raises(fxprep.TraceFailure) as info:
+        fxprep.prepare_model(_Comprehends().eval(), example_inputs=(torch.randn(3, 4),), tracer="fx",
+                             control_flow="rewrite", progress=False)
+    assert f"{__file__}:{line}: not rewritable (a loop whose trip count depends on a tensor" in str(info.value)

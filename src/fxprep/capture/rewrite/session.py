@@ -29,6 +29,7 @@ from ..common import CaptureResult
 from . import runtime
 from .analysis import Effects, Resolver, arm_exit, effects, function_locals, reads_parameters, scoped_walk
 from .sites import (
+    COMPREHENSIONS,
     COND,
     NOT_REWRITABLE,
     REFUSED,
@@ -299,7 +300,7 @@ class ControlFlowRewrite:
             self.sites[site_key] = self._unrewritable(site_key, method, node, line, filename)
 
     def _unrewritable(self, key: str, method: Method | None, node: ast.AST | None, line: int, filename: str) -> Site:
-        if isinstance(node, (ast.While, ast.For, ast.comprehension)):
+        if isinstance(node, (ast.While, ast.For, *COMPREHENSIONS)):
             why = "a loop whose trip count depends on a tensor: it stays as it is (opaque), no sound rewrite"
         elif isinstance(node, ast.Assert):
             why = "an assert on a tensor (a run-time check, not a value)"

@@ -78,6 +78,9 @@ def source_text(method: Method, node: ast.AST, end: int | None = None) -> str:
     return "\n".join(x[indent:] for x in lines)
 
 
+COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
 def node_at(fdef: ast.FunctionDef, line: int) -> ast.AST | None:
     """The innermost if / conditional expression / loop / assert of ``fdef`` (not of nested
     functions) whose test is on ``line``."""
@@ -88,9 +91,10 @@ def node_at(fdef: ast.FunctionDef, line: int) -> ast.AST | None:
             if node.lineno == line or test.lineno <= line <= (test.end_lineno or test.lineno):
                 if best is None or node.lineno >= best.lineno:  # type: ignore[attr-defined]
                     best = node
-        elif isinstance(node, (ast.For, ast.comprehension)):
-            it = node.iter
-            if it.lineno <= line <= (it.end_lineno or it.lineno) and best is None:
+        elif isinstance(node, (ast.For, *COMPREHENSIONS)):
+            # a comprehension stands for its own ``for``: an ``ast.comprehension`` has no position
+            iters = [node.iter] if isinstance(node, ast.For) else [g.iter for g in node.generators]  # type: ignore[attr-defined]
+            if best is None and any(it.lineno <= line <= (it.end_lineno or it.lineno) for it in iters):
                 best = node
     return best
 
