@@ -155,7 +155,7 @@ class FxprepTracer(fx.Tracer):
         self.extra_leaves: dict[str, str] = {}
         self.traced_classes: dict[type, str] = {}
         self.wraps_functions = bool(autowrap_functions)
-        self._attribute_paths: dict[int, str | None] | None = None
+        self._attribute_paths: dict[int, str | None] = {}
 
     def trace(self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """``fx.Tracer.trace`` with the recording patches installed for this trace only.
@@ -165,7 +165,7 @@ class FxprepTracer(fx.Tracer):
         (every transformers model) are the decorator's module, so a function named there (the mask
         builders llm-compressor's ``tracing_ignore`` names) would be traced into."""
         modules = list(root.modules()) if isinstance(root, nn.Module) else []
-        self._attribute_paths = None
+        self._attribute_paths = {}
         if self.wraps_functions:
             search = getattr(self, "_autowrap_search", None)
             if isinstance(search, list):
@@ -188,12 +188,10 @@ class FxprepTracer(fx.Tracer):
 
     def _attribute_path(self, value: Any) -> str | None:
         """The first path (modules in ``named_modules`` order, the root first) holding ``value``."""
-        if self._attribute_paths is None:
-            self._attribute_paths = {}
         if id(value) not in self._attribute_paths:
-            found = next((f"{name}.{key}" if name else key for name, m in self.root.named_modules()
-                          for key, attr in vars(m).items() if attr is value and not key.startswith("_")), None)
-            self._attribute_paths[id(value)] = found  # type: ignore[assignment]
+            self._attribute_paths[id(value)] = next(
+                (f"{name}.{key}" if name else key for name, m in self.root.named_modules()
+                 for key, attr in vars(m).items() if attr is value and not key.startswith("_")), None)
         return self._attribute_paths[id(value)]
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,

@@ -53,7 +53,11 @@ class Capture:
     targets: list[tuple[str, nn.Module]] = field(default_factory=list)  # those with a stage
     shape: Any = None  # the shapes of the batch it was captured on (:func:`_shape`)
     other_shape: Any = None  # those of the batch now run, where they are not ``shape``
-    by_fx: bool = False  # captured by torch.fx: the graph holds no input check of its own
+
+    @property
+    def by_fx(self) -> bool:
+        """Captured by torch.fx: the graph holds no input check of its own."""
+        return self.report.tracer is not None and not Route(self.report.tracer).dynamo
 
 
 LAST: list[Capture] = []  # the last capture, for inspection (``last_capture()``)
@@ -151,9 +155,8 @@ class FxprepSubgraph:
         shape = _shape(inputs)
         if shape in self.accepted:
             return
-        advice = ADVICE
         if self.capture is None:
-            raise InputMismatch(f"{mismatch}\n{advice}") from None
+            raise InputMismatch(f"{mismatch}\n{ADVICE}") from None
         from llmcompressor.modifiers.utils.hooks import HooksMixin
 
         self._checking = True
@@ -161,11 +164,11 @@ class FxprepSubgraph:
             with HooksMixin.disable_hooks():
                 found = compare_subgraphs(self.model, self.capture.subgraphs, dict(inputs), self.capture.targets)
         except Exception as err:  # noqa: BLE001 - a stage that cannot run on this shape: the mismatch, with why
-            raise InputMismatch(f"{mismatch}\nThe stages do not run on it: {type(err).__name__}: {err}\n{advice}") from None
+            raise InputMismatch(f"{mismatch}\nThe stages do not run on it: {type(err).__name__}: {err}\n{ADVICE}") from None
         finally:
             self._checking = False
         if not found.equal:
-            raise InputMismatch(f"{mismatch}\nThe stages do not reproduce the model on it: {found}.\n{advice}") from None
+            raise InputMismatch(f"{mismatch}\nThe stages do not reproduce the model on it: {found}.\n{ADVICE}") from None
         self.accepted.add(shape)
         from loguru import logger
 
@@ -329,9 +332,9 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
 
 
 def _first_reason(err: Exception) -> str:
-    """The line of an fxprep error that says why (a TraceFailure's first line only introduces)."""
-    lines = [line.strip(" -") for line in str(err).splitlines() if line.strip()]
-    why = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0] if lines else type(err).__name__
+    """What stopped fx: its failed attempt as the report describes it, or the error's first line."""
+    failed = [a for a in getattr(err, "attempts", []) if a.error]
+    why = f"{failed[0].tracer}: {failed[0].error}" if failed else (str(err).strip().splitlines() or [type(err).__name__])[0]
     return why[:400]
 
 
@@ -369,7 +372,7 @@ def _stages(model: nn.Module, twin: Twin, made: Made, targets: list[tuple[str, n
                        between="previous")
     subgraphs = _subgraphs(stages, model, tuple(made.example), gm)
     capture = Capture(gm, report, twin, subgraphs, stood_in=made.stood_in, not_run=not_run, targets=targets,
-                      shape=_shape(made.example), by_fx=not made.tracer.dynamo)
+                      shape=_shape(made.example))
     for sub in subgraphs:
         sub.capture = capture
     if not twin.real:  # captured on meta stand-ins: checked on the model itself, its weights onloaded as they run
