@@ -161,6 +161,17 @@ def test_a_training_read_behind_a_decorator_is_named_at_its_own_line() -> None:
     assert len(notes) == 1 and f"{file}:{line}" in notes[0], notes
 
 
+def test_a_training_read_inside_a_module_called_whole_is_not_named() -> None:
+    """A module the graph calls (``modules_to_exclude``) runs its own code, children included, and
+    reads its mode at every call: nothing in it was fixed by the capture, so no note names it."""
+    inner = ModeBlock()
+    outer = nn.Sequential(nn.Sequential(inner), ModeBlock()).eval()
+    for tracer in ("fx", "dynamo"):
+        gm = fxprep.prepare_model(outer, [outer[0]], example_inputs=(torch.randn(2, 4),), progress=False, tracer=tracer)
+        notes = [n for n in fxprep.get_report(gm).notes if "reads self.training" in n]
+        assert len(notes) == 1 and "(1)" in notes[0], (tracer, notes)  # the traced ModeBlock only
+
+
 def test_fx_on_a_wrapped_forward_is_explained() -> None:
     """torch.fx's own words on a forward behind a ``(*args, **kwargs)`` wrapper are "code: co_varnames
     is too small". fxprep's tracer now traces through such a wrapper (tests/test_fx_decorated.py), so

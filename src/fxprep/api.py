@@ -375,12 +375,13 @@ def _passes(run: Preparation, gm: fx.GraphModule) -> None:
     if opts.style == "aimet":
         aimet_modules.run(gm, report=report)
         aimet_names.run(gm, original=model, report=report)
-    if opts.share_parameters:
-        state_dict.restore(gm, model)  # the owner's raw parameters back in place, for owner_names
+    original_state = model.state_dict(keep_vars=True) if opts.share_parameters else None  # read once: nothing changes it
+    if original_state is not None:
+        state_dict.restore(gm, model, original_state)  # the owner's raw parameters back in place, for owner_names
     if opts.convert_functionals and opts.style != "aimet":  # AIMET's names are module_<node> for every added layer
         owner_names.run(gm, original=model, report=report)
-    if opts.share_parameters:
-        state_dict.record_aliases(gm, model)  # after every pass that moves modules
+    if original_state is not None:
+        state_dict.record_aliases(gm, model, original_state)  # after every pass that moves modules
     finish.match_modes(gm, model)
     finish.restore_output_type(gm, None if run.reference is None else run.reference.output)
     decisions.keep_locations(gm)

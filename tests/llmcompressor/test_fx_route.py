@@ -106,3 +106,35 @@ def test_on_meta_the_fx_capture_runs_no_layer():
     subgraphs = fxlc.fxprep_subgraphs(model, {"input_ids": torch.randint(0, 16, (1, 5))}, ["_Block"], ["gate"], 1)
     assert fxlc.last_capture().report.tracer == "fx"
     assert len(subgraphs) == 7 and _Block.calls == 0  # a head (the embedding) and a subgraph per layer
+
+
+class _ShapeGated(_Gated):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        if h.shape[1] > 3:  # fx cannot branch on a traced size; Dynamo can, on meta too
+            h = h * 2
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def test_on_meta_the_twin_of_a_layer_fx_calls_whole_holds_nothing_and_dynamo_gets_a_whole_twin():
+    """fx runs no module it keeps whole, so on meta their twins are the module objects alone (a 7B's
+    layers are most of its modules); where fx fails, Dynamo's capture runs them for their shapes and
+    gets a twin with everything in them."""
+    with torch.device("meta"):
+        model = _Gated(depth=3, gated=False).eval()
+        gated = _ShapeGated(depth=3, gated=False).eval()
+    sample = {"input_ids": torch.randint(0, 16, (1, 5))}
+    fxlc.fxprep_subgraphs(model, sample, ["_Block"], [], 1)
+    capture = fxlc.last_capture()
+    assert capture.report.tracer == "fx"
+    for layer in model.layers:
+        twin = capture.twin.twin_of[id(layer)]
+        assert type(twin) is _Block and not twin._modules and not twin._parameters
+    _Block.calls = 0
+    subgraphs = fxlc.fxprep_subgraphs(gated, sample, ["_Block"], [], 1)
+    capture = fxlc.last_capture()
+    assert capture.report.tracer.startswith("dynamo") and len(subgraphs) == 4
+    assert _Block.calls >= 3 and not capture.stood_in  # each layer ran on meta, on its whole twin
+    assert all(capture.twin.twin_of[id(layer)]._modules for layer in gated.layers)

@@ -22,13 +22,14 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..core.lazy import LazyGraphModule
 from ..errors import InvalidInput
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 Target = type | str
 
 
-class Stage(fx.GraphModule):
+class Stage(LazyGraphModule):
     """One piece of a partitioned graph. ``forward(**values)`` takes :attr:`inputs` by name and
     returns ``{name: value}`` for :attr:`outputs`.
 
@@ -43,34 +44,9 @@ class Stage(fx.GraphModule):
     frees: tuple[str, ...]
     weight_modules: dict[str, nn.Module]
 
-    # Its code is generated at its first call (or ``.code``, or an explicit ``recompile()``), not when
-    # it is made: llm-compressor's own subgraphs do the same, and generating the code of a 7B's 33
-    # stages was a fifth of making them. fx's GraphModule generates it in ``__init__``.
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.__dict__["_making"] = True
-        super().__init__(*args, **kwargs)
-        del self.__dict__["_making"]
-        self.__dict__["_stale"] = True
-
-    def recompile(self) -> Any:
-        if self.__dict__.get("_making"):
-            return None
-        self.__dict__.pop("_stale", None)
-        return super().recompile()
-
-    def _compiled(self) -> None:
-        if self.__dict__.get("_stale"):
-            self.recompile()
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Only until the code is generated, which installs the graph's own ``forward``."""
-        self._compiled()
-        return type(self).forward(self, *args, **kwargs)
-
-    @property
-    def code(self) -> str:
-        self._compiled()
-        return self._code
+    # Its code is generated at its first call (or ``.code``, or an explicit ``recompile()``), not when it
+    # is made (:class:`~fxprep.core.lazy.LazyGraphModule`): llm-compressor's own subgraphs do the same,
+    # and generating the code of a 7B's 33 stages was a fifth of making them.
 
     @property
     def inputs(self) -> tuple[str, ...]:

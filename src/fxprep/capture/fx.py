@@ -39,6 +39,7 @@ from torch import nn
 from torch.fx._symbolic_trace import PH
 
 from ..core.frames import FRAMES, call_frames
+from ..core.lazy import LazyGraphModule
 from ..core.runs import StateChanges, preserved_state
 from ..core.threads import confined, confined_fx_patches, on_owner_thread
 from ..errors import TraceFailure
@@ -155,7 +156,7 @@ class FxprepTracer(fx.Tracer):
         self.extra_leaves: dict[str, str] = {}
         self.traced_classes: dict[type, str] = {}
         self.wraps_functions = bool(autowrap_functions)
-        self._attribute_paths: dict[int, str | None] = {}
+        self._attribute_paths: dict[int, str] | None = None  # id of a module attribute: its path
 
     def trace(self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """``fx.Tracer.trace`` with the recording patches installed for this trace only.
@@ -164,16 +165,16 @@ class FxprepTracer(fx.Tracer):
         fx looks only in the globals of the ``forward`` it calls, which for a decorated ``forward``
         (every transformers model) are the decorator's module, so a function named there (the mask
         builders llm-compressor's ``tracing_ignore`` names) would be traced into."""
-        modules = list(root.modules()) if isinstance(root, nn.Module) else []
-        self._attribute_paths = {}
+        classes = list({type(m): None for m in root.modules()}) if isinstance(root, nn.Module) else []
+        self._attribute_paths = None
         if self.wraps_functions:
             search = getattr(self, "_autowrap_search", None)
             if isinstance(search, list):
-                for m in modules:
-                    found = inspect.getmodule(inspect.unwrap(getattr(type(m), "forward", m)))
+                for cls in classes:
+                    found = inspect.getmodule(inspect.unwrap(getattr(cls, "forward", cls)))
                     if found is not None and found not in search:
                         search.append(found)
-        with confined_fx_patches(), _tracing_patches(_forward_globals(modules)):
+        with confined_fx_patches(), _tracing_patches(_forward_globals(classes)):
             return super().trace(root, concrete_args=concrete_args)
 
     def create_arg(self, a: Any) -> Any:
@@ -187,12 +188,20 @@ class FxprepTracer(fx.Tracer):
         return super().create_arg(a)
 
     def _attribute_path(self, value: Any) -> str | None:
-        """The first path (modules in ``named_modules`` order, the root first) holding ``value``."""
-        if id(value) not in self._attribute_paths:
-            self._attribute_paths[id(value)] = next(
-                (f"{name}.{key}" if name else key for name, m in self.root.named_modules()
-                 for key, attr in vars(m).items() if attr is value and not key.startswith("_")), None)
-        return self._attribute_paths[id(value)]
+        """The first path (modules in ``named_modules`` order, the root first) holding ``value``:
+        every module's public attributes indexed once per trace, at the first lookup."""
+        if self._attribute_paths is None:
+            self._attribute_paths = {}
+            for name, m in self.root.named_modules():
+                for key, attr in vars(m).items():
+                    if not key.startswith("_"):
+                        self._attribute_paths.setdefault(id(attr), f"{name}.{key}" if name else key)
+        path = self._attribute_paths.get(id(value))
+        if path is None:
+            return None
+        owner, _, key = path.rpartition(".")
+        held = vars(self.root.get_submodule(owner)).get(key)
+        return path if held is value else None  # a forward may have rebound it since
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
                     type_expr: Any | None = None) -> fx.Node:
@@ -206,7 +215,9 @@ class FxprepTracer(fx.Tracer):
         return node
 
     def make_graph_module(self, graph: fx.Graph, class_name: str) -> fx.GraphModule:
-        return fx.GraphModule(self.root, graph, class_name)
+        """Its code generated at first use: the capture's module is rewritten by the passes and
+        recompiled once after them (:class:`~fxprep.core.lazy.LazyGraphModule`)."""
+        return LazyGraphModule(self.root, graph, class_name)
 
     def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None) -> Any:
         """Trace the root's *instance* ``forward`` when one is bound (``control_flow="rewrite"``
@@ -258,11 +269,11 @@ def _known_pieces(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[st
     return None
 
 
-def _forward_globals(modules: Iterable[nn.Module]) -> list[dict[str, Any]]:
+def _forward_globals(classes: Iterable[type]) -> list[dict[str, Any]]:
     """The globals of every module class's ``forward`` (where ``len`` is looked up), torch's excluded."""
     out = []
-    for m in modules:
-        fwd = getattr(type(m), "forward", None)
+    for cls in classes:
+        fwd = getattr(cls, "forward", None)
         g = getattr(fwd, "__globals__", None)
         if isinstance(g, dict) and not g.get("__name__", "").startswith("torch."):
             out.append(g)
@@ -294,10 +305,18 @@ def mode_notes(gm: fx.GraphModule, model: nn.Module) -> list[str]:
     called = {id(gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
     called |= {id(getattr(m, "owner", None)) for m in gm.modules()}
     mode = "train" if model.training else "eval"
-    notes, seen = [], set()
-    for qualname, m in model.named_modules():
+    notes: list[str] = []
+    seen: set[type] = set()
+    visited: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:  # named_modules' order, not into a called module: it and everything in it run as they are
+        qualname, m = stack.pop()
+        if id(m) in visited or id(m) in called:
+            continue
+        visited.add(id(m))
+        stack += reversed([(f"{qualname}.{k}" if qualname else k, c) for k, c in m._modules.items() if c is not None])
         cls: type = type(m)
-        if id(m) in called or cls in seen or cls.__module__.startswith("torch."):
+        if cls in seen or cls.__module__.startswith("torch."):
             continue
         seen.add(cls)
         for where in _training_reads(cls):
@@ -363,18 +382,18 @@ def flatten_container_inputs(model: nn.Module, example: Any, concrete_args: dict
     return out or concrete_args
 
 
-def _name_concrete_placeholders(gm: fx.GraphModule, model: nn.Module, concrete_args: dict[str, Any]) -> None:
+def _name_concrete_placeholders(graph: fx.Graph, model: nn.Module, concrete_args: dict[str, Any]) -> None:
     """fx renames a concrete argument ``flag`` to a required ``flag_1``; give it back its name and
-    make the concrete value its default, so ``gm(x)`` and ``gm(x, flag=True)`` both work."""
+    make the concrete value its default, so ``gm(x)`` and ``gm(x, flag=True)`` both work. Done on the
+    graph before its GraphModule is made, so its code is generated once."""
     params = inspect.signature(model.forward).parameters
-    codegen = gm.graph._codegen
+    codegen = graph._codegen
     if isinstance(codegen, fx.graph._PyTreeCodeGen):
         defaults = {k: v for k, v in concrete_args.items()
                     if k in params and v is not PH and isinstance(v, (bool, int, float, str, type(None)))}
-        gm.graph._codegen = _PyTreeCodeGenWithDefaults(codegen.pytree_info, defaults)
-        gm.recompile()
+        graph._codegen = _PyTreeCodeGenWithDefaults(codegen.pytree_info, defaults)
         return
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op != "placeholder":
             continue
         base, _, suffix = str(node.target).rpartition("_")
@@ -383,7 +402,6 @@ def _name_concrete_placeholders(gm: fx.GraphModule, model: nn.Module, concrete_a
             node.target = base
             if isinstance(value, (bool, int, float, str, type(None))):
                 node.args = (value,)
-    gm.recompile()
 
 
 def through_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -482,6 +500,8 @@ def capture_fx(
                 for node in graph.nodes:  # fx writes `x = None,` into the unpacking line otherwise
                     if node.op == "placeholder":
                         node.args = ()
+            if concrete_args:
+                _name_concrete_placeholders(graph, model, concrete_args)
             # Built before the user's attributes are restored: fx parks the tensor constants it
             # creates (``_tensor_constant0``) on the root, and the GraphModule must copy them.
             gm = tracer.make_graph_module(graph, model.__class__.__name__)
@@ -489,8 +509,6 @@ def capture_fx(
         _reread_restored(gm, model, changed)
     except Exception as err:  # noqa: BLE001 - every tracer failure is reported, not raised
         return None, CaptureAttempt.failed(Route.FX, _explained(err, model), start)
-    if concrete_args:
-        _name_concrete_placeholders(gm, model, concrete_args)
     notes = []
     if changed:
         notes.append(

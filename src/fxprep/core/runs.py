@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import sys
 import threading
 from collections.abc import Iterator
@@ -61,36 +62,42 @@ class ModelState:
                 seen_modules.add(id(m))
                 prefix = f"{name}." if name else ""
                 if isinstance(m, torch.jit.ScriptModule):  # Python code cannot rebind its attributes
-                    tensors = list(m.named_buffers(recurse=False))
-                    attrs: dict[str, Any] = {}
-                else:
-                    attrs = dict(m.__dict__)
-                    self.entries.append((prefix, m, attrs, (dict(m._parameters), dict(m._buffers), dict(m._modules))))
-                    tensors = list(m._buffers.items())
-                tensors += [(k, v) for k, v in attrs.items() if type(v) is torch.Tensor]
-                for key, t in tensors:
-                    if t is None or id(t) in seen_tensors:
-                        continue
-                    seen_tensors.add(id(t))
-                    # a meta tensor holds no values: an alias keeps its shape (cloning one costs ~50 us)
-                    self.tensors.append((prefix + key, t, t.detach() if t.is_meta else t.detach().clone()))
-                for key, value in attrs.items():
-                    if type(value) is list:
+                    self._tensors(prefix, m.named_buffers(recurse=False), seen_tensors)
+                    continue
+                attrs = dict(m.__dict__)
+                self.entries.append((prefix, m, attrs, (dict(m._parameters), dict(m._buffers), dict(m._modules))))
+                if m._buffers:
+                    self._tensors(prefix, m._buffers.items(), seen_tensors)
+                for key, value in attrs.items():  # one pass: tensor attributes and plain containers
+                    kind = type(value)
+                    if kind is torch.Tensor:
+                        self._tensors(prefix, ((key, value),), seen_tensors)
+                    elif kind is list:
                         self.containers.append((prefix + key, value, list(value)))
-                    elif type(value) is dict and not key.startswith("_"):
+                    elif kind is dict and not key.startswith("_"):
                         self.containers.append((prefix + key, value, dict(value)))
+
+    def _tensors(self, prefix: str, items: Any, seen: set[int]) -> None:
+        for key, t in items:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            # a meta tensor holds no values: an alias keeps its shape (cloning one costs ~50 us)
+            self.tensors.append((prefix + key, t, t.detach() if t.is_meta else t.detach().clone()))
 
     def restore(self) -> StateChanges:
         """Put everything back; returns what had changed."""
         changes = StateChanges()
         for prefix, m, attrs, registries in self.entries:
             for registry, before in zip((m._parameters, m._buffers, m._modules), registries):
-                if registry.keys() != before.keys() or any(registry[k] is not v for k, v in before.items()):
+                if not _unchanged(registry, before):
                     changes.attributes += [prefix + k for k in set(registry) | set(before)
                                            if registry.get(k, _MISSING) is not before.get(k, _MISSING)]
                     registry.clear()
                     registry.update(before)
             now = m.__dict__
+            if _unchanged(now, attrs):
+                continue
             for key in [k for k in now if k not in attrs]:
                 del now[key]
                 changes.attributes.append(prefix + key)
@@ -121,6 +128,11 @@ class ModelState:
                     container.update(before)
         changes.attributes = sorted(set(changes.attributes))
         return changes
+
+
+def _unchanged(now: dict[str, Any], before: dict[str, Any]) -> bool:
+    """Same keys in the same order, each bound to the same object (the common case, checked in C)."""
+    return len(now) == len(before) and all(map(operator.is_, now.values(), before.values())) and list(now) == list(before)
 
 
 def _container_changed(now: Any, before: Any) -> bool:
@@ -274,14 +286,15 @@ def hooks_left_as_found(model: nn.Module) -> Iterator[None]:
     if not isinstance(model, nn.Module):
         yield
         return
-    before = {id(m): {d: set(getattr(m, d, None) or ()) for d in _HOOK_DICTS} for m in model.modules()}
+    before = {id(m): {d: set(hooks) for d in _HOOK_DICTS if (hooks := getattr(m, d, None))} for m in model.modules()}
     try:
         yield
     finally:
         for m in model.modules():
-            known = before.get(id(m))
+            known = before.get(id(m), {})
             for d in _HOOK_DICTS:
                 hooks = getattr(m, d, None)
                 if isinstance(hooks, dict) and hooks:
-                    for key in [k for k in hooks if known is None or k not in known[d]]:
+                    had = known.get(d, ())
+                    for key in [k for k in hooks if k not in had]:
                         del hooks[key]

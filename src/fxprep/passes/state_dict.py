@@ -81,12 +81,14 @@ def aliases(gm: nn.Module) -> dict[str, str]:
     return dict(getattr(gm, ALIASES_ATTR, {}))
 
 
-def restore(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
+def restore(gm: fx.GraphModule, original: nn.Module, original_state: dict[str, Any] | None = None) -> fx.GraphModule:
     """Put back (the same objects) what the forward never read, make buffer persistence the
     original's, and order children, parameters and buffers as the original does. Runs before the
     passes that name layers after their owners (:mod:`fxprep.passes.owner_names` compares a layer's
-    parameters with the raw ones put back here); :func:`record_aliases` runs after them."""
-    original_state = original.state_dict(keep_vars=True)
+    parameters with the raw ones put back here); :func:`record_aliases` runs after them.
+    ``original_state``: ``original.state_dict(keep_vars=True)`` where the caller has it already."""
+    if original_state is None:
+        original_state = original.state_dict(keep_vars=True)
     non_persistent = {
         f"{name}.{b}" if name else b
         for name, m in original.named_modules(remove_duplicate=False)
@@ -114,13 +116,15 @@ def restore(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
     return gm
 
 
-def record_aliases(gm: fx.GraphModule, original: nn.Module) -> fx.GraphModule:
+def record_aliases(gm: fx.GraphModule, original: nn.Module, original_state: dict[str, Any] | None = None
+                   ) -> fx.GraphModule:
     """Everything in the prepared state_dict that is not an original key is an alias of one (found
     by tensor identity, never by name), hidden by ``state_dict()`` and filled by
     ``load_state_dict()``; or a constant the tracer made, which is not state. Runs after every pass
     that moves modules: an alias recorded at a path that no longer exists would be filled by
-    ``load_state_dict`` and refused as unexpected."""
-    original_state = original.state_dict(keep_vars=True)
+    ``load_state_dict`` and refused as unexpected. ``original_state`` as in :func:`restore`."""
+    if original_state is None:
+        original_state = original.state_dict(keep_vars=True)
     canonical_by_id: dict[int, str] = {}
     for key, tensor in original_state.items():
         canonical_by_id.setdefault(id(tensor), key)

@@ -307,22 +307,17 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
         raise InvalidInput(f"no module of {type(model).__name__} matches sequential_targets={sequential_targets!r}; "
                            f"its module classes: {', '.join(classes)}.")
     with calibration_context(model):
-        twin = plain_twin(model)
-        target_ids = {id(twin.twin_of[id(m)]) for _, m in targets}
-        ancestors = _ancestors(twin.root, target_ids)
-        whole = _kept_whole(twin.root, ancestors)
-        example = _example(model, sample_input, twin.device)
-        stood_in: list[str] = []
-        if not twin.real:
-            names = {id(m): n for n, m in twin.root.named_modules()}
-            for module in whole:
-                module.__dict__["forward"] = _shaped_like_input(module, names[id(module)], stood_in)
-        functions = ignored_functions(twin.root, ancestors, ignore) + family_for(model).called_whole(model)
+        ancestors = _ancestors(model, {id(m) for _, m in targets})
+        whole = _kept_whole(model, ancestors)
+        functions = ignored_functions(model, ancestors, ignore) + family_for(model).called_whole(model)
+        # fx runs none of the modules kept whole: on meta, their twins need nothing inside them
+        twin = plain_twin(model, shallow={id(m) for m in whole})
         try:  # torch.fx first: what llm-compressor's tracer does, at its cost; checked as the Dynamo graph is
-            capture = _stages(model, twin, Made(Route.FX, whole, example, stood_in, functions), targets,
+            capture = _stages(model, twin, _made(Route.FX, twin, whole, sample_input, functions), targets,
                               sample_input, targets_per_subgraph)
         except FxprepError as err:  # any failure of the fx graph: Dynamo's capture, which diagnoses its own
-            capture = _stages(model, twin, Made(Route.DYNAMO, whole, example, stood_in), targets, sample_input,
+            twin = twin if twin.real else plain_twin(model)  # Dynamo runs the modules kept whole (on meta, for shapes)
+            capture = _stages(model, twin, _made(Route.DYNAMO, twin, whole, sample_input), targets, sample_input,
                               targets_per_subgraph)
             capture.report.note(f"torch.fx was tried first (the code around the sequential targets, tracing_ignore's "
                                 f"functions called whole) and not kept: {_first_reason(err)}")
@@ -336,6 +331,19 @@ def _first_reason(err: Exception) -> str:
     failed = [a for a in getattr(err, "attempts", []) if a.error]
     why = f"{failed[0].tracer}: {failed[0].error}" if failed else (str(err).strip().splitlines() or [type(err).__name__])[0]
     return why[:400]
+
+
+def _made(tracer: Route, twin: Twin, whole: list[nn.Module], sample_input: Mapping[str, Any],
+          functions: tuple[Any, ...] = ()) -> Made:
+    """How ``twin`` is captured with ``tracer``: the twins of the model's modules kept ``whole``; for
+    Dynamo on meta, each of them runs :func:`_shaped_like_input` (fx runs none of them)."""
+    twins = [twin.twin_of[id(m)] for m in whole]
+    made = Made(tracer, twins, _example(twin.root, sample_input, twin.device), [], functions)
+    if tracer.dynamo and not twin.real:
+        names = {id(m): n for n, m in twin.root.named_modules()}
+        for module in twins:
+            module.__dict__["forward"] = _shaped_like_input(module, names[id(module)], made.stood_in)
+    return made
 
 
 @dataclass

@@ -45,47 +45,64 @@ class Twin:
 def stored_tensors(mapping: Any) -> dict[str, Any]:
     """A module's ``_parameters`` / ``_buffers`` as stored, without onloading: compressed-tensors'
     ``OffloadCache`` keeps them in ``offloaded_values`` (a ``meta`` tensor for one on disk)."""
+    return dict(_stored(mapping))
+
+
+def _stored(mapping: Any) -> Any:
+    """:func:`stored_tensors` without the copy (read only)."""
     stored = getattr(mapping, "offloaded_values", None)
-    return dict(stored if isinstance(stored, dict) else mapping)
+    return stored if isinstance(stored, dict) else mapping
 
 
 def _devices(model: nn.Module) -> set[torch.device]:
     found: set[torch.device] = set()
     for module in model.modules():
         for mapping in (module._parameters, module._buffers):
-            found |= {t.device for t in stored_tensors(mapping).values() if isinstance(t, torch.Tensor)}
+            for t in _stored(mapping).values():
+                if isinstance(t, torch.Tensor):
+                    found.add(t.device)
     return found
 
 
-def plain_twin(model: nn.Module) -> Twin:
+def plain_twin(model: nn.Module, shallow: set[int] | frozenset[int] = frozenset()) -> Twin:
     """The twin of ``model`` (see the module docstring). Modules that appear twice (shared) are
-    twinned once, so the twin shares them the same way."""
+    twinned once, so the twin shares them the same way.
+
+    ``shallow``: ``id`` of modules nothing will run on the twin (the capture calls them whole, and
+    binds the call to the model's module): where the twin is on ``meta``, each is twinned as the
+    module object alone (class and attributes), without its children and tensors. On a 7B that is
+    all but the few modules around the decoder layers."""
     devices = _devices(model)
     meta = len(devices) != 1 or next(iter(devices)).type == "meta"
     memo: dict[int, nn.Module] = {}
-    tensors: dict[int, Any] = {}
-    root = _twin(model, memo, tensors, meta)
-    model_of = {id(twin): module for module in model.modules() for twin in [memo[id(module)]]}
+    model_of: dict[int, nn.Module] = {}
+    root = _twin(model, memo, model_of, {}, meta, shallow if meta else frozenset())
     device = torch.device("meta") if meta else next(iter(devices))
-    return Twin(root, model_of, dict(memo), device)
+    return Twin(root, model_of, memo, device)
 
 
-def _twin(module: nn.Module, memo: dict[int, nn.Module], tensors: dict[int, Any], meta: bool) -> nn.Module:
+def _twin(module: nn.Module, memo: dict[int, nn.Module], model_of: dict[int, nn.Module], tensors: dict[int, Any],
+          meta: bool, shallow: set[int] | frozenset[int]) -> nn.Module:
     if id(module) in memo:
         return memo[id(module)]
-    cls = type(module)
-    twin: nn.Module = object.__new__(cls)
+    twin: nn.Module = object.__new__(type(module))
     memo[id(module)] = twin
+    model_of[id(twin)] = module
     state = dict(module.__dict__)
     for name in _WRAPPER_ATTRIBUTES:
         state.pop(name, None)
-    for name, value in list(state.items()):
-        if "hooks" in name and isinstance(value, dict):
+    for name in [n for n in state if "hooks" in n]:
+        if isinstance(state[name], dict):
             state[name] = OrderedDict()  # the twin runs with no hook: the capture must not fire the modifiers'
-    state["_parameters"] = {k: _tensor(v, tensors, meta) for k, v in stored_tensors(module._parameters).items()}
-    state["_buffers"] = {k: _tensor(v, tensors, meta) for k, v in stored_tensors(module._buffers).items()}
+    if id(module) in shallow:
+        state.update(_parameters={}, _buffers={}, _non_persistent_buffers_set=set(), _modules={})
+        twin.__dict__.update(state)
+        return twin
+    state["_parameters"] = {k: _tensor(v, tensors, meta) for k, v in _stored(module._parameters).items()}
+    state["_buffers"] = {k: _tensor(v, tensors, meta) for k, v in _stored(module._buffers).items()}
     state["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
-    state["_modules"] = {k: (None if c is None else _twin(c, memo, tensors, meta)) for k, c in module._modules.items()}
+    state["_modules"] = {k: (None if c is None else _twin(c, memo, model_of, tensors, meta, shallow))
+                         for k, c in module._modules.items()}
     twin.__dict__.update(state)
     return twin
 
