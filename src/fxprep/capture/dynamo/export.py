@@ -27,6 +27,7 @@ from ...core.inputs import ExampleInputs
 from ...core.threads import GLOBAL_LOCK, confined, quiet_logs
 from ..shapes.dims import hints
 from .recording import ORIGINAL_CLASS
+from .traced_outputs import outputs_from_trace
 
 ROUTES = ("auto", "flag", "regroup")
 FLAG = "install_free_tensors_for_export"
@@ -246,9 +247,11 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
         patches["capture_scalar_outputs"] = True
         patches["capture_dynamic_output_shape_ops"] = True
     real = _real_value_propagation() if real_values else contextlib.nullcontext()
+    # the graph's outputs from the trace, not a second run of it; with real values the run stays torch's
+    outputs = contextlib.nullcontext() if real_values else outputs_from_trace()
     root = fresh_kwargs_root(model) if fresh_kwargs else contextlib.nullcontext()
     with GLOBAL_LOCK, dynamo.config.patch(**patches), instance_forward_as_class(model), real, root, DynamoGlobalState(), DynamoCacheScope(), \
-            unguarded_kernel_choice(), violations_kept():
+            unguarded_kernel_choice(), violations_kept(), outputs:
         result = dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
     heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.core.heap)
     return result
