@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch.fx as fx
@@ -43,7 +44,7 @@ def traced_outputs(gm: fx.GraphModule) -> tuple[Any, ...] | None:
 def _called_from_export() -> bool:
     """Whether the ``functional_call`` being made is export's re-run (its caller, past this module's
     and the thread confinement's frames)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(3):
         if frame is None:
             return False
