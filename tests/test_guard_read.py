@@ -51,6 +51,17 @@ class _BranchesOnLength(_Tiny):
         return h + 1
 
 
+class _PositionTable(_Tiny):
+    # BERT's learned positions: ids[:, :seq] has 64 at most, so adding it needs `seq <= 64`
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Embedding(64, 8)
+        self.register_buffer("ids", torch.arange(64)[None], persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(input_ids) + self.pos(self.ids[:, :input_ids.shape[1]]))
+
+
 def _prepare_counting(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
     """``model`` prepared on 1x8 ids, and how many times Dynamo traced it."""
     traces = dynamo_traces(monkeypatch)
@@ -112,3 +123,47 @@ def test_an_expression_that_is_not_a_truth_value_is_not_taken_for_one() -> None:
     assert guard_read._holds(expr, syms, {"seq": 4}) is None
     held, syms = _guard(sympy.Le(sympy.Min(2048, seq), seq))
     assert all(guard_read._holds(held, syms, at) is True for at in guard_read._sizes(held, syms, {"seq": 8}))
+
+
+def test_a_bound_the_first_try_stops_at_is_declared_without_a_capture_to_be_told_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the first try stops at `seq <= 64`; the range is read off that guard, so the next capture declares
+    # it (before: a capture without stopping, refused by export, suggested it: one whole trace more)
+    model = _PositionTable().eval()
+    gm, traces = _prepare_counting(model, monkeypatch)
+    assert traces == 3, traces  # the stopped first try, the capture with the range, the branch trace (limits)
+    text = fxprep.get_report(gm).to_text()
+    assert "Dynamo bounded 'seq' to <= 64 while capturing (its guard: input_ids.shape[1] <= 64)" in text, text
+    for batch, seq in ((2, 5), (3, 64)):
+        ids = torch.randint(0, 50, (batch, seq))
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+
+
+def _log(*guards: tuple[Any, dict[Any, tuple[str, ...]]]) -> Any:
+    from fxprep.capture.dynamo.guard_log import AddedGuard, GuardLog
+
+    return GuardLog([AddedGuard(expr, sources, {}, ()) for expr, sources in guards])
+
+
+def test_a_guard_naming_no_declared_dimension_is_not_read() -> None:
+    # the strict capture checks only the declared dimensions: a guard on a value read from data (Qwen2-VL's
+    # `u1 >= 0` on the values route) or on a block's size no declared one follows (its vision blocks' patch
+    # count, `Eq(s60, 40)`) is kept there too; one mixing such a size with a declared one is not known to hold
+    from fxprep.capture.shapes import autodims
+    from fxprep.core.inputs import ExampleInputs
+
+    model = _TakesAtMost().eval()
+    call = ExampleInputs((), {"input_ids": torch.zeros(1, 8, dtype=torch.long)})
+    proposal = autodims.Proposal({"input_ids": {1: "seq"}}, call)
+    s0, s60 = sympy.symbols("s0 s60", integer=True, positive=True)
+    u1 = sympy.Symbol("u1", integer=True)
+    seq = {s0: ("L['input_ids'].size()[1]",)}
+    patches = {s60: ("block:L['args'][0].size()[0]",)}
+    assert guard_read.limiting(_log((u1 >= 0, {u1: ()})), proposal, model, call) is None
+    assert guard_read.limiting(_log((sympy.Eq(s60, 40), patches)), proposal, model, call) is None
+    assert guard_read.limiting(_log((s0 <= 2**40, seq), (u1 >= 0, {u1: ()})), proposal, model, call) is None
+    mixed = guard_read.limiting(_log((sympy.Eq(s0, s60), {**seq, **patches})), proposal, model, call)
+    assert mixed is not None and "not one declared dimension" in mixed
+    bounded = guard_read.limiting(_log((s0 <= 64, seq)), proposal, model, call)
+    assert bounded is not None and "does not hold at seq=65" in bounded

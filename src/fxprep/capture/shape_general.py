@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import sympy
 import torch
 from torch import nn
 
@@ -134,6 +135,9 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
             else:  # no scan there: the capture without stopping says what to drop or bound (its violation)
                 stopping, current = False, dataclasses.replace(current, auto=False)
+                bound = _bound_at(err, current)
+                if bound and not current.explicit:  # the range declared at once: no capture to be told it
+                    current = autodims.revised(current, {}, bound, model, example) or current
             continue
         found, ranges = violation.findings(err, current) if err is not None else ({}, {})
         if before is not None:  # the capture with new scans opaque
@@ -169,6 +173,36 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             raise NotShapeGeneral(f"every declared dimension is specialised by the model: {why}")
         current = nxt
     raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
+
+
+def _bound_at(err: LimitFound, proposal: autodims.Proposal) -> dict[str, autodims.SizeRange]:
+    """The range a capture stopped at its first limiting guard (``err``) says at once, where that
+    guard bounds one declared dimension by a constant (BERT's ``seq <= 64``: a learned position
+    table): ``{symbol: range}``, the example's size inside it. The capture without stopping would
+    be refused by the same guard, and its constraint violation suggest this range; taken from the
+    guard, that whole capture is saved. Empty for any other guard (two sizes, ``%``, an
+    equality): the violation says what to do then."""
+    guard = err.guard
+    keys = _keys(err.sources, proposal)
+    free: set[Any] = getattr(guard.expr, "free_symbols", set()) if guard is not None else set()
+    if guard is None or len(free) != 1 or len(keys) != 1 or not isinstance(guard.expr, sympy.core.relational.Relational):
+        return {}
+    (symbol,), (name, dim) = free, keys[0]
+    sym, size = proposal.dynamic[name][dim], guard.hints.get(next(iter(free)))
+    x = sympy.Symbol(sym, integer=True, positive=True)
+    try:
+        held = sympy.solve_univariate_inequality(guard.expr.xreplace({symbol: x}), x, relational=False)
+    except Exception:  # noqa: BLE001 - not an inequality sympy solves in one variable: the violation decides
+        return {}
+    if not isinstance(held, sympy.Interval) or size is None or not held.contains(size):
+        return {}
+    low = None if held.inf.is_infinite else int(sympy.ceiling(held.inf)) + (1 if held.left_open and held.inf.is_integer else 0)
+    high = None if held.sup.is_infinite else int(sympy.floor(held.sup)) - (1 if held.right_open and held.sup.is_integer else 0)
+    low = low if low is not None and low > 2 else None
+    if low is None and high is None:
+        return {}
+    said = guard.expr.xreplace({symbol: sympy.Symbol(f"{name}.shape[{dim}]")})
+    return {sym: autodims.SizeRange(low, high, f"the model's code requires {said}")}
 
 
 def _keys(sources: list[str], proposal: autodims.Proposal) -> list[tuple[str, int]]:

@@ -7,6 +7,13 @@ Dynamo keeps its guards instead of raising. :func:`limiting` evaluates each reco
 after one capture, otherwise what failed is said and the capture is made again with the dimensions
 declared strictly.
 
+A guard that names no declared dimension is not read: one on a value read from data (Dynamo's unbacked
+``u1 >= 0`` on the values route, asserted in the graph), or on a repeated block's input size that
+follows no declared dimension (Qwen2-VL's vision blocks specialised to the example's patch count).
+The strict capture checks only the declared dimensions too and keeps such guards as well; what they
+fix is the example's, as it is with static shapes, and the verification on a second size runs the
+graph there. A guard mixing a declared dimension with another size is not known to hold: refused.
+
 See docs/shapes.md ("Under the hood") for the sizes tried and the cost this saves.
 """
 
@@ -38,11 +45,17 @@ def limiting(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> s
         if guard.aside:
             continue
         named: dict[Any, Any] = {}
+        undeclared = []
         for symbol in getattr(guard.expr, "free_symbols", ()):
             declared = {by_source.get(source) for source in guard.sources.get(symbol, ())}
             if len(declared) != 1 or None in declared:
-                return f"a guard on a size that is not one declared dimension: {guard.expr}"
+                undeclared.append(symbol)
+                continue
             named[symbol] = sympy.Symbol(declared.pop(), integer=True, positive=True)
+        if undeclared and not named:
+            continue  # no declared dimension in it (see the module docstring)
+        if undeclared:
+            return f"a guard on a size that is not one declared dimension: {guard.expr}"
         expr = guard.expr.xreplace(named) if named else guard.expr
         syms = {str(s): s for s in expr.free_symbols}
         if any(name not in example for name in syms):

@@ -32,6 +32,27 @@ def symbolic(flat: list[Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and any(type(s) is not int for s in x.shape) for x in flat)
 
 
+def alike(flat: list[Any]) -> bool:
+    """Whether two of the call's input sizes are different symbols at the same size in the example
+    (Llava-NeXT's merged text length and its mask's, the one after an opaque part): the block's
+    own capture then often finds them equal and uses one symbol for both, which a guessed output
+    cannot be proven against (:func:`disproof`), and the outer capture was made again, one whole
+    trace more. Run on the symbols instead, the block adds that equality to the outer capture."""
+    seen: dict[int, Any] = {}
+    for leaf in flat:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        for size in leaf.shape:
+            if type(size) is int:
+                continue
+            expr, hint = size.node.expr, hints([size])
+            if not isinstance(expr, sympy.Symbol) or hint is None:
+                continue
+            if seen.setdefault(hint[0], expr) != expr:
+                return True
+    return False
+
+
 def guess(copy_in: Callable[[Any], nn.Module], flat: list[Any], spec: Any) -> tuple[Any, list[Any]] | None:
     """The block's output described from one run (of ``copy_in(fake_mode)``, the block copied to a
     fake mode's tensors) on static fake tensors at the hints of the
@@ -106,7 +127,7 @@ class Guesses:
         where none is tried or it was refused."""
         if not self.on or key in self.refused or not symbolic(flat):
             return None
-        described = guess(copy_in, flat, spec)
+        described = None if alike(flat) else guess(copy_in, flat, spec)
         (self.refused if described is None else self.guessed).add(key)
         return described
 
