@@ -62,6 +62,15 @@ class _PositionTable(_Tiny):
         return self.lin(self.emb(input_ids) + self.pos(self.ids[:, :input_ids.shape[1]]))
 
 
+class _Windowed(_Tiny):
+    # Mistral's sliding window: the mask is built one way below 4096 tokens and another from there on
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.emb(input_ids))
+        if h.shape[1] >= 4096:
+            return h * 2
+        return h + 1
+
+
 def _prepare_counting(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
     """``model`` prepared on 1x8 ids, and how many times Dynamo traced it."""
     traces = dynamo_traces(monkeypatch)
@@ -167,3 +176,19 @@ def test_a_guard_naming_no_declared_dimension_is_not_read() -> None:
     assert mixed is not None and "not one declared dimension" in mixed
     bounded = guard_read.limiting(_log((s0 <= 64, seq)), proposal, model, call)
     assert bounded is not None and "does not hold at seq=65" in bounded
+
+
+def test_a_branch_bounding_the_length_is_declared_and_read_off_the_first_try(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the first try runs to its end and its guard `seq < 4096` fails at 4096: the range is declared at once
+    # and the branch that sets it is read off that try's guards (Dynamo's own code made it, not a kernel's);
+    # before: a capture refused for the range, one with it, and a whole-model trace for the branches
+    model = _Windowed().eval()
+    gm, traces = _prepare_counting(model, monkeypatch)
+    assert traces == 2, traces
+    text = fxprep.get_report(gm).to_text()
+    assert "'seq' is dynamic <= 4095: the model's code branches on it" in text and "h.shape[1] >= 4096" in text, text
+    with torch.no_grad():
+        ids = torch.randint(0, 50, (2, 4095))
+        torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+    with pytest.raises(fxprep.InputMismatch):  # where the graph would compute h + 1 and the model h * 2
+        gm(input_ids=torch.randint(0, 50, (1, 4096)))

@@ -14,7 +14,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import sympy
 import torch
 from torch import nn
 
@@ -116,7 +115,12 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             limited = guard_read.limiting(log, current, model, current.capture_example) if current.auto else None
             if limited is not None:  # declared as Dims again: the violation says what to drop or bound
                 progress.step(f"the dimensions maybe-dynamic do not hold at every size ({limited[:120]})")
-                current = dataclasses.replace(current, auto=False)
+                bound = guard_read.bounds(log, current, model, current.capture_example)
+                read = guard_read.branches(log, current, model, current.capture_example)
+                current = dataclasses.replace(current, auto=False,
+                                              branches=None if read is None else (current.dynamic, read))
+                if bound:  # bounds alone: declared at once, no capture made to be refused for them
+                    current = autodims.revised(current, {}, bound, model, example) or current
                 continue
             for scan in current.scans:
                 for site in scan.sites:
@@ -185,24 +189,12 @@ def _bound_at(err: LimitFound, proposal: autodims.Proposal) -> dict[str, autodim
     guard = err.guard
     keys = _keys(err.sources, proposal)
     free: set[Any] = getattr(guard.expr, "free_symbols", set()) if guard is not None else set()
-    if guard is None or len(free) != 1 or len(keys) != 1 or not isinstance(guard.expr, sympy.core.relational.Relational):
+    if guard is None or len(free) != 1 or len(keys) != 1:
         return {}
     (symbol,), (name, dim) = free, keys[0]
-    sym, size = proposal.dynamic[name][dim], guard.hints.get(next(iter(free)))
-    x = sympy.Symbol(sym, integer=True, positive=True)
-    try:
-        held = sympy.solve_univariate_inequality(guard.expr.xreplace({symbol: x}), x, relational=False)
-    except Exception:  # noqa: BLE001 - not an inequality sympy solves in one variable: the violation decides
-        return {}
-    if not isinstance(held, sympy.Interval) or size is None or not held.contains(size):
-        return {}
-    low = None if held.inf.is_infinite else int(sympy.ceiling(held.inf)) + (1 if held.left_open and held.inf.is_integer else 0)
-    high = None if held.sup.is_infinite else int(sympy.floor(held.sup)) - (1 if held.right_open and held.sup.is_integer else 0)
-    low = low if low is not None and low > 2 else None
-    if low is None and high is None:
-        return {}
-    said = guard.expr.xreplace({symbol: sympy.Symbol(f"{name}.shape[{dim}]")})
-    return {sym: autodims.SizeRange(low, high, f"the model's code requires {said}")}
+    sym, size = proposal.dynamic[name][dim], guard.hints.get(symbol)
+    held = guard_read.bound_of(guard.expr, symbol, size, f"{name}.shape[{dim}]") if size is not None else None
+    return {sym: held} if held is not None else {}
 
 
 def _keys(sources: list[str], proposal: autodims.Proposal) -> list[tuple[str, int]]:
@@ -270,14 +262,18 @@ def limits(request: CaptureRequest, proposal: autodims.Proposal, call: ExampleIn
     if not proposal.ranges or proposal.source == autodims.BAKED_BATCH:
         return proposal
     model = request.model
-    try:
-        length = shortest_length(model, call, proposal.dynamic)
-        family_context = request.family.capture_context(model, None, call, dynamic_length=length)
-        with quiet_guard_logs(), preserved_state(model), family_context:
-            found = size_branches(model, call, proposal.dynamic, fresh_kwargs=request.learned.fresh_kwargs)
-    except Exception as err:  # noqa: BLE001 - cannot tell: every range is kept as a limit
-        why = f"kept as a limit: whether the model's code branches there could not be checked ({first_line(err)})"
-        return dataclasses.replace(proposal, limits={k: r.joined(why) for k, r in proposal.ranges.items()})
+    read = proposal.branches
+    if read is not None and read[0] == proposal.dynamic and not proposal.scans:
+        found = read[1]  # the maybe-dynamic capture's own guards (guard_read.branches): no trace more
+    else:
+        try:
+            length = shortest_length(model, call, proposal.dynamic)
+            family_context = request.family.capture_context(model, None, call, dynamic_length=length)
+            with quiet_guard_logs(), preserved_state(model), family_context:
+                found = size_branches(model, call, proposal.dynamic, fresh_kwargs=request.learned.fresh_kwargs)
+        except Exception as err:  # noqa: BLE001 - cannot tell: every range is kept as a limit
+            why = f"kept as a limit: whether the model's code branches there could not be checked ({first_line(err)})"
+            return dataclasses.replace(proposal, limits={k: r.joined(why) for k, r in proposal.ranges.items()})
     sizes = proposal.sizes(model, proposal.capture_example)
     # a range read off the guards themselves is where the graph holds, whatever set it
     kept = {sym: r for sym, r in proposal.ranges.items() if r.from_guards}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,10 @@ class AddedGuard:
     # made while a block reuse stand-in computed its output on fake tensors (:func:`aside`): a guard
     # of that computation, not of the outer graph, which calls the block as one node
     aside: bool = False
+    # the file of torch that made it (Dynamo's own: a decision of the model's Python code; a kernel's
+    # shape logic otherwise) and the user line, as torch words it; None where torch's were not read
+    framework: str | None = None
+    user_loc: str = ""
 
 
 @dataclass
@@ -73,6 +78,7 @@ class _Block:
 _IN_BLOCK: list[_Block] = []  # the captures running on this thread, innermost last (:func:`renamed`, :func:`stopping`)
 _ASIDE: list[bool] = []  # the stand-in computations running on this thread (:func:`aside`)
 IN_BLOCK = "block:"  # before a block's own source name that is no model input's size
+_THREADS = sys.modules[confined.__module__].__file__  # the wrapper the guard hook runs in (its frames are skipped)
 
 
 class Stopped(BaseException):
@@ -147,7 +153,25 @@ def _added(env: Any, expr: Any) -> AddedGuard:
         if value is not None:
             with contextlib.suppress(TypeError, ValueError):
                 hints[symbol] = int(value)
-    return AddedGuard(expr, sources, hints, _user_stack(), bool(_ASIDE))
+    framework, user_loc = _made_where(env)
+    return AddedGuard(expr, sources, hints, _user_stack(), bool(_ASIDE), framework, user_loc)
+
+
+def _made_where(env: Any) -> tuple[str | None, str]:
+    """The file of torch that asked for the guard (the first frame outside the shape environment's
+    own files and this module, as torch finds it for its own record) and the user line torch
+    names; ``(None, "")`` where the shape environment's helpers are not there."""
+    from torch.fx.experimental import symbolic_shapes
+
+    try:
+        skipped = symbolic_shapes.uninteresting_files() | {__file__, _THREADS}
+        frame: Any = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename in skipped:
+            frame = frame.f_back
+        framework = frame.f_code.co_filename if frame is not None else ""
+        return framework, str(env._get_sloc(framework_loc="").maybe_user_loc or "").strip()
+    except Exception:  # noqa: BLE001 - another torch: the location is not read
+        return None, ""
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from typing import Any
 import sympy
 
 from ...core.inputs import ExampleInputs
+from ..shapes.autodims import SizeRange
 from ..shapes.dims import SIZE_SOURCE
 from .early_limit import model_sources
 from .guard_log import GuardLog
@@ -38,6 +39,109 @@ def limiting(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> s
     """None when every guard in ``log`` (a capture of ``proposal``, an :class:`~..shapes.autodims.Proposal`,
     on ``call``, its dimensions maybe-dynamic) holds at every size tried of the declared dimensions
     (see the module docstring); else the first reason it may not, for the progress line."""
+    guards, why = _read(log, proposal, model, call)
+    if why is not None:
+        return why
+    example = proposal.sizes(model, proposal.capture_example)
+    for text, (expr, syms) in guards.items():
+        failed = _fails(expr, syms, example)
+        if failed is not None:
+            return f"{text} {failed}"
+    return None
+
+
+def bounds(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> dict[str, SizeRange]:
+    """Where the guards of ``log`` (as for :func:`limiting`) fail only as bounds on one declared
+    dimension each (Mistral's sliding window: ``seq < 4096``; a learned position table: ``seq <= 64``):
+    ``{symbol: the range where they hold}``, for a capture with those ranges declared, which the
+    capture that is refused for them would otherwise be made to suggest. Empty where any guard
+    fails otherwise (two dimensions, ``%``, an equality): that capture's violation decides then."""
+    guards, why = _read(log, proposal, model, call)
+    if why is not None:
+        return {}
+    example = proposal.sizes(model, proposal.capture_example)
+    found: dict[str, SizeRange] = {}
+    for expr, syms in guards.values():
+        if _fails(expr, syms, example) is None:
+            continue
+        if len(syms) != 1:
+            return {}
+        (sym,) = syms
+        said = next((f"{n}.shape[{d}]" for n, ds in proposal.dynamic.items() for d, s in ds.items() if s == sym), sym)
+        held = bound_of(expr, syms[sym], example[sym], said)
+        if held is None:
+            return {}
+        before = found.get(sym)
+        if before is not None:
+            low = max(x for x in (before.low, held.low, 2) if x is not None)
+            high = min((x for x in (before.high, held.high) if x is not None), default=None)
+            held = SizeRange(low if low > 2 else None, high, f"{before.why}; {held.why.split('requires ', 1)[-1]}")
+        found[sym] = held
+    return found
+
+
+def bound_of(expr: Any, symbol: Any, size: int, said: str) -> SizeRange | None:
+    """The sizes where ``expr`` (a relation over ``symbol`` alone) holds, as one range around the
+    example's ``size``, its reason naming the size as ``said`` (``input_ids.shape[1] <= 64``); None
+    where that is not one interval holding ``size`` or it bounds nothing."""
+    x = sympy.Symbol(str(symbol), integer=True, positive=True)
+    if not isinstance(expr, sympy.core.relational.Relational):
+        return None
+    try:
+        held = sympy.solve_univariate_inequality(expr.xreplace({symbol: x}), x, relational=False)
+    except Exception:  # noqa: BLE001 - not an inequality sympy solves in one variable
+        return None
+    if not isinstance(held, sympy.Interval) or not held.contains(size):
+        return None
+    low = None if held.inf.is_infinite else int(sympy.ceiling(held.inf)) + int(bool(held.left_open and held.inf.is_integer))
+    high = None if held.sup.is_infinite else int(sympy.floor(held.sup)) - int(bool(held.right_open and held.sup.is_integer))
+    low = low if low is not None and low > 2 else None
+    if low is None and high is None:
+        return None
+    return SizeRange(low, high, f"the model's code requires {expr.xreplace({symbol: sympy.Symbol(said)})}")
+
+
+def branches(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> list[Any] | None:
+    """The decisions of the model's Python code on the declared dimensions among the guards of
+    ``log`` (a capture run to its end with them maybe-dynamic, as for :func:`limiting`), as
+    :func:`~.size_branches.size_branches` finds them in a trace of its own: the guards Dynamo's own
+    code made (not a kernel's shape logic) over declared dimensions alone. A capture whose guards
+    bound a dimension has made that trace already, blocks included (each block's own capture
+    records its guards in the model's names), so the prepared module's limits are read off it
+    instead of a whole-model trace more. None where a guard's location was not recorded."""
+    from .size_branches import DYNAMO_FRAMES, Branch, readable
+
+    by_source = _declared_sources(model, call, proposal.dynamic)
+    found: list[Any] = []
+    seen: set[tuple[str, str]] = set()
+    for guard in log.guards:
+        if guard.aside:
+            continue
+        if guard.framework is None:
+            return None
+        if not any(f in guard.framework for f in DYNAMO_FRAMES):
+            continue
+        named: dict[Any, Any] = {}
+        for symbol in getattr(guard.expr, "free_symbols", ()):
+            declared = {by_source.get(source) for source in guard.sources.get(symbol, ())}
+            if len(declared) != 1 or None in declared:
+                break
+            named[symbol] = sympy.Symbol(declared.pop())
+        else:
+            if not named:
+                continue
+            expr = guard.expr.xreplace(named)
+            condition, where = str(expr), guard.user_loc or "(unknown line)"
+            if (condition, where) not in seen:
+                seen.add((condition, where))
+                found.append(Branch(readable(condition), where, expr))
+    return found
+
+
+def _read(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs
+          ) -> tuple[dict[str, tuple[Any, dict[str, Any]]], str | None]:
+    """The guards of ``log`` over the declared dimensions, each written in their names (``seq``), by
+    text; or why one cannot be read so (it mixes a declared dimension with another size)."""
     by_source = _declared_sources(model, call, proposal.dynamic)
     example = proposal.sizes(model, proposal.capture_example)
     guards: dict[str, tuple[Any, dict[str, Any]]] = {}
@@ -55,18 +159,22 @@ def limiting(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> s
         if undeclared and not named:
             continue  # no declared dimension in it (see the module docstring)
         if undeclared:
-            return f"a guard on a size that is not one declared dimension: {guard.expr}"
+            return {}, f"a guard on a size that is not one declared dimension: {guard.expr}"
         expr = guard.expr.xreplace(named) if named else guard.expr
         syms = {str(s): s for s in expr.free_symbols}
         if any(name not in example for name in syms):
-            return f"a guard on a dimension the example does not show: {expr}"
+            return {}, f"a guard on a dimension the example does not show: {expr}"
         guards.setdefault(str(expr), (expr, syms))
-    for text, (expr, syms) in guards.items():
-        for at in _sizes(expr, syms, example):
-            held = _holds(expr, syms, at)
-            if held is not True:
-                shown = ", ".join(f"{k}={v}" for k, v in sorted(at.items()))
-                return f"{text} does not hold at {shown}" if held is False else f"{text} does not evaluate at {shown}"
+    return guards, None
+
+
+def _fails(expr: Any, syms: dict[str, Any], example: dict[str, int]) -> str | None:
+    """Where ``expr`` does not hold (or does not evaluate) at the sizes tried; None where it holds."""
+    for at in _sizes(expr, syms, example):
+        held = _holds(expr, syms, at)
+        if held is not True:
+            shown = ", ".join(f"{k}={v}" for k, v in sorted(at.items()))
+            return f"does not hold at {shown}" if held is False else f"does not evaluate at {shown}"
     return None
 
 
@@ -117,4 +225,4 @@ def _holds(expr: Any, syms: dict[str, Any], at: dict[str, int]) -> bool | None:
     return None
 
 
-__all__ = ["limiting"]
+__all__ = ["bound_of", "bounds", "branches", "limiting"]

@@ -27,7 +27,7 @@ from ..shapes.dims import SIZE_SOURCE, positional_names
 from .export import default_route, dynamo_export, symbolic_sizes
 
 # Dynamo evaluating a Python-level comparison (``if``, ``range``, ``len``) on a symbolic size.
-_DYNAMO_FRAMES = ("/torch/_dynamo/", "\\torch\\_dynamo\\")
+DYNAMO_FRAMES = ("/torch/_dynamo/", "\\torch\\_dynamo\\")
 # Batch sizes a branch is checked at: every small one, then powers of two (and one less).
 SIZES = sorted(set(range(2, 65)) | {2**k for k in range(7, 17)} | {2**k - 1 for k in range(7, 17)})
 
@@ -82,7 +82,7 @@ def _marked(call: ExampleInputs, batch: int) -> ExampleInputs:
     return ExampleInputs(tuple(args), dict(kwargs))
 
 
-def _readable(condition: str) -> str:
+def readable(condition: str) -> str:
     """``Eq(batch, 2)`` / ``Ne(batch, 2)`` as ``batch == 2`` / ``batch != 2`` (sympy's spelling)."""
     match = re.fullmatch(r"(Eq|Ne)\((.*), (.*)\)", condition)
     if match is None:
@@ -99,7 +99,7 @@ def _shape_env(gm: torch.fx.GraphModule) -> Any:
 
 
 def _decisions(env: Any, owner: dict[str, str]) -> list[Branch]:
-    """The guards of ``env`` that Dynamo made evaluating Python code (:data:`_DYNAMO_FRAMES`) over
+    """The guards of ``env`` that Dynamo made evaluating Python code (:data:`DYNAMO_FRAMES`) over
     the symbols ``owner`` maps ({Dynamo's symbol: the name to say}) and no other: each a
     :class:`Branch`, its condition and expression in the names said."""
     import sympy
@@ -109,14 +109,14 @@ def _decisions(env: Any, owner: dict[str, str]) -> list[Branch]:
     for guard in env.guards:
         symbols = {str(s) for s in guard.expr.free_symbols}
         framework = str(getattr(guard.sloc, "framework_loc", ""))
-        if not symbols or not symbols <= owner.keys() or not any(f in framework for f in _DYNAMO_FRAMES):
+        if not symbols or not symbols <= owner.keys() or not any(f in framework for f in DYNAMO_FRAMES):
             continue
         expr = guard.expr.subs({s: sympy.Symbol(owner[str(s)])
                                 for s in guard.expr.free_symbols})
         condition, where = str(expr), str(guard.sloc.maybe_user_loc or "").strip() or "(unknown line)"
         if (condition, where) not in seen:
             seen.add((condition, where))
-            found.append(Branch(_readable(condition), where, expr))
+            found.append(Branch(readable(condition), where, expr))
     return found
 
 
