@@ -52,53 +52,71 @@ def limiting(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> s
 
 def bounds(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> dict[str, SizeRange]:
     """Where the guards of ``log`` (as for :func:`limiting`) fail only as bounds on one declared
-    dimension each (Mistral's sliding window: ``seq < 4096``; a learned position table: ``seq <= 64``):
-    ``{symbol: the range where they hold}``, for a capture with those ranges declared, which the
-    capture that is refused for them would otherwise be made to suggest. Empty where any guard
-    fails otherwise (two dimensions, ``%``, an equality): that capture's violation decides then."""
+    dimension each (Mistral's sliding window: ``seq < 4096``; GPT-Neo's ``seq <= 64`` and ``seq != 64``):
+    ``{symbol: the range around the example's size where they hold}``, for a capture with those ranges
+    declared, which the capture refused for them would otherwise be made to suggest. Empty where any
+    guard fails otherwise (two dimensions, ``%``, ``max``): that capture's violation decides then."""
     guards, why = _read(log, proposal, model, call)
     if why is not None:
         return {}
     example = proposal.sizes(model, proposal.capture_example)
-    found: dict[str, SizeRange] = {}
+    held: dict[str, tuple[Any, list[Any]]] = {}  # symbol -> (sizes where its failing guards hold, the guards)
     for expr, syms in guards.values():
         if _fails(expr, syms, example) is None:
             continue
         if len(syms) != 1:
             return {}
         (sym,) = syms
-        said = next((f"{n}.shape[{d}]" for n, ds in proposal.dynamic.items() for d, s in ds.items() if s == sym), sym)
-        held = bound_of(expr, syms[sym], example[sym], said)
-        if held is None:
+        where = _solved(expr, syms[sym])
+        if where is None:
             return {}
-        before = found.get(sym)
-        if before is not None:
-            low = max(x for x in (before.low, held.low, 2) if x is not None)
-            high = min((x for x in (before.high, held.high) if x is not None), default=None)
-            held = SizeRange(low if low > 2 else None, high, f"{before.why}; {held.why.split('requires ', 1)[-1]}")
-        found[sym] = held
+        sizes, exprs = held.get(sym, (sympy.Reals, []))
+        held[sym] = (sympy.Intersection(sizes, where), [*exprs, expr.xreplace({syms[sym]: sympy.Symbol(_said(proposal, sym))})])
+    found: dict[str, SizeRange] = {}
+    for sym, (sizes, exprs) in held.items():
+        bound = _around(sizes, example[sym], "the model's code requires " + " and ".join(map(str, exprs)))
+        if bound is None:
+            return {}
+        found[sym] = bound
     return found
 
 
 def bound_of(expr: Any, symbol: Any, size: int, said: str) -> SizeRange | None:
     """The sizes where ``expr`` (a relation over ``symbol`` alone) holds, as one range around the
     example's ``size``, its reason naming the size as ``said`` (``input_ids.shape[1] <= 64``); None
-    where that is not one interval holding ``size`` or it bounds nothing."""
-    x = sympy.Symbol(str(symbol), integer=True, positive=True)
+    where that is no bound sympy solves, it leaves ``size`` out or it bounds nothing."""
+    where = _solved(expr, symbol)
+    said_expr = expr.xreplace({symbol: sympy.Symbol(said)})
+    return None if where is None else _around(where, size, f"the model's code requires {said_expr}")
+
+
+def _solved(expr: Any, symbol: Any) -> Any:
+    """The real numbers where ``expr`` (over ``symbol`` alone) holds, a sympy set; None where sympy
+    does not solve it (``Max``, ``%``)."""
     if not isinstance(expr, sympy.core.relational.Relational):
         return None
+    x = sympy.Symbol("x", real=True)
     try:
-        held = sympy.solve_univariate_inequality(expr.xreplace({symbol: x}), x, relational=False)
+        return sympy.solve_univariate_inequality(expr.xreplace({symbol: x}), x, relational=False)
     except Exception:  # noqa: BLE001 - not an inequality sympy solves in one variable
         return None
-    if not isinstance(held, sympy.Interval) or not held.contains(size):
+
+
+def _around(sizes: Any, size: int, why: str) -> SizeRange | None:
+    """The interval of ``sizes`` (a sympy set) that holds ``size``, in whole sizes, as a range."""
+    parts = sizes.args if isinstance(sizes, sympy.Union) else (sizes,)
+    part = next((p for p in parts if isinstance(p, sympy.Interval) and p.contains(size) is sympy.true), None)
+    if part is None:
         return None
-    low = None if held.inf.is_infinite else int(sympy.ceiling(held.inf)) + int(bool(held.left_open and held.inf.is_integer))
-    high = None if held.sup.is_infinite else int(sympy.floor(held.sup)) - int(bool(held.right_open and held.sup.is_integer))
+    low = None if part.inf.is_infinite else int(sympy.ceiling(part.inf)) + int(bool(part.left_open and part.inf.is_integer))
+    high = None if part.sup.is_infinite else int(sympy.floor(part.sup)) - int(bool(part.right_open and part.sup.is_integer))
     low = low if low is not None and low > 2 else None
-    if low is None and high is None:
-        return None
-    return SizeRange(low, high, f"the model's code requires {expr.xreplace({symbol: sympy.Symbol(said)})}")
+    return None if low is None and high is None else SizeRange(low, high, why)
+
+
+def _said(proposal: Any, sym: str) -> str:
+    """The declared symbol ``sym`` as the first input size it names (``input_ids.shape[1]``)."""
+    return next((f"{n}.shape[{d}]" for n, ds in proposal.dynamic.items() for d, s in ds.items() if s == sym), sym)
 
 
 def branches(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> list[Any] | None:
