@@ -61,24 +61,49 @@ def bounds(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> dic
         return {}
     example = proposal.sizes(model, proposal.capture_example)
     held: dict[str, tuple[Any, list[Any]]] = {}  # symbol -> (sizes where its failing guards hold, the guards)
+    unsolved: dict[str, list[tuple[Any, dict[str, Any], Any]]] = {}  # symbol -> its failing guards sympy does not solve
     for expr, syms in guards.values():
         if _fails(expr, syms, example) is None:
             continue
         if len(syms) != 1:
             return {}
         (sym,) = syms
+        said = expr.xreplace({syms[sym]: sympy.Symbol(_said(proposal, sym))})
         where = _solved(expr, syms[sym])
         if where is None:
-            return {}
+            unsolved.setdefault(sym, []).append((expr, syms, said))
+            where = sympy.Reals
         sizes, exprs = held.get(sym, (sympy.Reals, []))
-        held[sym] = (sympy.Intersection(sizes, where), [*exprs, expr.xreplace({syms[sym]: sympy.Symbol(_said(proposal, sym))})])
+        held[sym] = (sympy.Intersection(sizes, where), [*exprs, said])
     found: dict[str, SizeRange] = {}
     for sym, (sizes, exprs) in held.items():
-        bound = _around(sizes, example[sym], "the model's code requires " + " and ".join(map(str, exprs)))
+        bound = _around(sizes, example[sym], "the model's code requires " + " and ".join(_spelled(e) for e in exprs))
+        if sym in unsolved:  # (MiniMax's block count, `(seq + 255) // 256 == 1`): where they hold, from 2 up
+            bound = _below(sym, unsolved[sym], example[sym], bound)
         if bound is None:
             return {}
         found[sym] = bound
     return found
+
+
+def _below(sym: str, unsolved: list[tuple[Any, dict[str, Any], Any]], size: int, solved: SizeRange | None
+           ) -> SizeRange | None:
+    """The range of ``solved`` (None: every size) narrowed to where the guards sympy does not solve
+    (``(guard, its symbols, as the report words it)`` each) hold, searched outwards from ``size``
+    (:func:`..shapes.guard_range.interval_where`): an upper bound only, from 2 up (a guard on ``%``
+    that fails between sizes is not one), else None. As a range export printed no ``Dim`` for is
+    read from its guards (:mod:`..shapes.violation`), it is where the graph holds: a limit of the
+    prepared module whatever set it, shown with the guard that ends it."""
+    from ..shapes.guard_range import interval_where
+
+    if solved is not None and solved.low is not None:
+        return None
+    found = interval_where(lambda n: all(_holds(e, syms, {sym: n}) is True for e, syms, _ in unsolved), size, lowest=2)
+    if found is None or found[0] > 2 or found[1] is None:
+        return None
+    high = found[1] if solved is None or solved.high is None else min(found[1], solved.high)
+    ending = next((said for e, syms, said in unsolved if _holds(e, syms, {sym: found[1] + 1}) is not True), unsolved[0][2])
+    return SizeRange(None, high, f"the guards Dynamo put on it hold for 2..{high} ({_spelled(ending)})", from_guards=True)
 
 
 def bound_of(expr: Any, symbol: Any, size: int, said: str) -> SizeRange | None:
@@ -112,6 +137,13 @@ def _around(sizes: Any, size: int, why: str) -> SizeRange | None:
     high = None if part.sup.is_infinite else int(sympy.floor(part.sup)) - int(bool(part.right_open and part.sup.is_integer))
     low = low if low is not None and low > 2 else None
     return None if low is None and high is None else SizeRange(low, high, why)
+
+
+def _spelled(expr: Any) -> str:
+    """A guard as the report words it (``input_ids.shape[1] != 64``, not sympy's ``Ne(...)``)."""
+    from .size_branches import readable
+
+    return readable(str(expr))
 
 
 def _said(proposal: Any, sym: str) -> str:
