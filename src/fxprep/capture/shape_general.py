@@ -117,8 +117,8 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
                 progress.step(f"the dimensions maybe-dynamic do not hold at every size ({limited[:120]})")
                 bound = guard_read.bounds(log, current, model, current.capture_example)
                 read = guard_read.branches(log, current, model, current.capture_example)
-                current = dataclasses.replace(current, auto=False,
-                                              branches=None if read is None else (current.dynamic, read))
+                at = (current.dynamic, current.sizes(model, current.capture_example))
+                current = dataclasses.replace(current, auto=False, branches=None if read is None else (*at, read))
                 if bound and scans_of is not None and rounds < MAX_SCAN_ROUNDS:
                     rounds += 1  # a per-step loop behind a bound may free it (Qwen3.5's chunked scan): tried first
                     new = scans_of(log, set(bound), current, [site for scan in current.scans for site in scan.sites] + refused)
@@ -251,8 +251,9 @@ def limits(request: CaptureRequest, proposal: autodims.Proposal, call: ExampleIn
         return proposal
     model = request.model
     read = proposal.branches
-    if read is not None and read[0] == proposal.dynamic and not proposal.scans:
-        found = read[1]  # the maybe-dynamic capture's own guards (guard_read.branches): no trace more
+    if read is not None and read[:2] == (proposal.dynamic, proposal.sizes(model, proposal.capture_example)) \
+            and not proposal.scans:
+        found = read[2]  # the maybe-dynamic capture's own guards (guard_read.branches): no trace more
     else:
         try:
             length = shortest_length(model, call, proposal.dynamic)

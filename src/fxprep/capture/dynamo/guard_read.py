@@ -4,17 +4,12 @@ guards.
 The shape-general capture's first try declares every dimension maybe-dynamic (``Dim.AUTO``), so
 Dynamo keeps its guards instead of raising. :func:`limiting` evaluates each recorded guard
 (:mod:`.guard_log`) at many sizes of each declared dimension; where all hold, the graph is kept
-after one capture, otherwise what failed is said and the capture is made again with the dimensions
-declared strictly.
+after one capture. Otherwise :func:`bounds` reads the ranges the failing guards allow and
+:func:`branches` the decisions of the model's code among them, so that the capture made again
+declares them at once. A guard naming no declared dimension (a value read from data, a reused
+block's size that follows none) is not read: the strict capture keeps it too.
 
-A guard that names no declared dimension is not read: one on a value read from data (Dynamo's unbacked
-``u1 >= 0`` on the values route, asserted in the graph), or on a repeated block's input size that
-follows no declared dimension (Qwen2-VL's vision blocks specialised to the example's patch count).
-The strict capture checks only the declared dimensions too and keeps such guards as well; what they
-fix is the example's, as it is with static shapes, and the verification on a second size runs the
-graph there. A guard mixing a declared dimension with another size is not known to hold: refused.
-
-See docs/shapes.md ("Under the hood") for the sizes tried and the cost this saves.
+See docs/shapes.md ("Reading a maybe-dynamic capture's guards").
 """
 
 from __future__ import annotations

@@ -88,10 +88,11 @@ class Proposal:
     # every dimension declared maybe-dynamic (Dim.AUTO) for this capture, its guards read after it
     # (:mod:`..dynamo.guard_read`): kept where they hold at every size, else captured again declared as ``Dim``\ s
     auto: bool = False
-    # the branches of the model's code on these dimensions (``(dynamic, branches)``: the dimensions they
-    # were read for, :class:`..dynamo.size_branches.Branch` each), read off a maybe-dynamic capture's guards
-    # (:func:`..dynamo.guard_read.branches`); None: not read, a trace finds them (:func:`..shape_general.limits`)
-    branches: tuple[dict[str, dict[int, str]], list[Any]] | None = None
+    # the branches of the model's code on these dimensions (``(dynamic, sizes, branches)``: the dimensions and
+    # the example's sizes they were read for, :class:`..dynamo.size_branches.Branch` each), read off a
+    # maybe-dynamic capture's guards (:func:`..dynamo.guard_read.branches`); None: not read, a trace finds
+    # them (:func:`..shape_general.limits`)
+    branches: tuple[dict[str, dict[int, str]], dict[str, int], list[Any]] | None = None
 
     def sizes(self, model: nn.Module, example: ExampleInputs) -> dict[str, int]:
         """Each declared symbol's size in ``example`` (the capture example, or one grown from it)."""

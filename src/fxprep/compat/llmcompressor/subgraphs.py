@@ -9,8 +9,8 @@ embeddings, the final norm, ``lm_head``), exactly the granularity of llm-compres
 graph holds only the ancestors' code (the masks, the positions, the loop over the layers), and every
 module a modifier may hook runs eagerly through ``nn.Module.__call__``, so GPTQ's, AWQ's,
 SmoothQuant's and the quantization observers' hooks see the calls eager makes. The capture is
-Dynamo's (fxprep's cascade and diagnosis), shape-general, on a plain twin of the model
-(:mod:`.twin`) and verified against it where the twin holds real weights.
+torch.fx's first (``tracing_ignore``'s functions called whole), Dynamo's where fx fails, on a plain
+twin of the model (:mod:`.twin`), verified against it where the twin holds real weights.
 
 See docs/handoff/llm-compressor.md.
 """
@@ -282,7 +282,7 @@ def fxprep_subgraphs(model: nn.Module, sample_input: Mapping[str, Any], sequenti
         model: The model as the pipeline has it (offloading wrappers and hooks in place).
         sample_input: The first calibration batch (a dict of the model's keyword arguments).
         sequential_targets: Module class names or ``re:`` patterns, as llm-compressor takes them.
-        ignore: llm-compressor's ``tracing_ignore``; Dynamo traces those functions (they build the masks), so it is not read.
+        ignore: llm-compressor's ``tracing_ignore``: the functions the fx capture calls whole (Dynamo, where fx fails, traces them).
         targets_per_subgraph: How many targets one subgraph holds.
 
     Returns:
