@@ -135,12 +135,12 @@ def test_an_expression_that_is_not_a_truth_value_is_not_taken_for_one() -> None:
 
 
 def test_a_bound_a_stopped_first_try_finds_costs_no_capture_refused_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the first try stops at `seq <= 64` (a scan search there finds none); made again maybe-dynamic to its
-    # end, its guards give the range, and the branches (none) are read off them: the capture with the range
-    # is the last. Before: a capture refused by export to suggest the range, and a trace for the branches
+    # the first try stops at `seq <= 64` (a scan search there finds none); the range is read off that
+    # guard, so the next capture declares it (before: a capture without stopping, refused by export,
+    # suggested it: one whole trace more)
     model = _PositionTable().eval()
     gm, traces = _prepare_counting(model, monkeypatch)
-    assert traces == 3, traces  # the stopped first try, the same to its end, the capture with the range
+    assert traces == 3, traces  # the stopped first try, the capture with the range, the branch trace (limits)
     text = fxprep.get_report(gm).to_text()
     assert "Dynamo bounded 'seq' to <= 64 while capturing (its guard: input_ids.shape[1] <= 64)" in text, text
     for batch, seq in ((2, 5), (3, 64)):

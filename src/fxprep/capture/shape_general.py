@@ -144,10 +144,11 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             if new:  # the dimensions it stopped at count as specialised, for judging the scans
                 before = _Tried(current, err, {key: err.sources[0] for key in _keys(err.sources, current)}, {})
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
-            else:  # no scan there: the capture without stopping says what to drop or bound: maybe-dynamic
-                # (the first try), its guards read (every bound at once, and the branches behind them);
-                # the user's own dimensions declared, its violation
-                stopping = False
+            else:  # no scan there: the capture without stopping says what to drop or bound (its violation)
+                stopping, current = False, dataclasses.replace(current, auto=False)
+                bound = _bound_at(err, current)
+                if bound and not current.explicit:  # the range declared at once: no capture to be told it
+                    current = autodims.revised(current, {}, bound, model, example) or current
             continue
         found, ranges = violation.findings(err, current) if err is not None else ({}, {})
         if before is not None:  # the capture with new scans opaque
@@ -183,6 +184,24 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             raise NotShapeGeneral(f"every declared dimension is specialised by the model: {why}")
         current = nxt
     raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
+
+
+def _bound_at(err: LimitFound, proposal: autodims.Proposal) -> dict[str, autodims.SizeRange]:
+    """The range a capture stopped at its first limiting guard (``err``) says at once, where that
+    guard bounds one declared dimension by a constant (BERT's ``seq <= 64``: a learned position
+    table): ``{symbol: range}``, the example's size inside it. The capture without stopping would
+    be refused by the same guard, and its constraint violation suggest this range; taken from the
+    guard, that whole capture is saved. Empty for any other guard (two sizes, ``%``, an
+    equality): the violation says what to do then."""
+    guard = err.guard
+    keys = _keys(err.sources, proposal)
+    free: set[Any] = getattr(guard.expr, "free_symbols", set()) if guard is not None else set()
+    if guard is None or len(free) != 1 or len(keys) != 1:
+        return {}
+    (symbol,), (name, dim) = free, keys[0]
+    sym, size = proposal.dynamic[name][dim], guard.hints.get(symbol)
+    held = guard_read.bound_of(guard.expr, symbol, size, f"{name}.shape[{dim}]") if size is not None else None
+    return {sym: held} if held is not None else {}
 
 
 def _keys(sources: list[str], proposal: autodims.Proposal) -> list[tuple[str, int]]:
