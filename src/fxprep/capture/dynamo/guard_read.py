@@ -154,18 +154,15 @@ def branches(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> l
     bound a dimension has made that trace already, blocks included (each block's own capture
     records its guards in the model's names), so the prepared module's limits are read off it
     instead of a whole-model trace more. None where a guard's location was not recorded."""
-    from .size_branches import DYNAMO_FRAMES, Branch, readable
+    from .size_branches import decisions
 
     by_source = _declared_sources(model, call, proposal.dynamic)
-    found: list[Any] = []
-    seen: set[tuple[str, str]] = set()
+    read: list[tuple[Any, str, str]] = []
     for guard in log.guards:
         if guard.aside:
             continue
         if guard.framework is None:
             return None
-        if not any(f in guard.framework for f in DYNAMO_FRAMES):
-            continue
         named: dict[Any, Any] = {}
         for symbol in getattr(guard.expr, "free_symbols", ()):
             declared = {by_source.get(source) for source in guard.sources.get(symbol, ())}
@@ -173,14 +170,9 @@ def branches(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs) -> l
                 break
             named[symbol] = sympy.Symbol(declared.pop())
         else:
-            if not named:
-                continue
-            expr = guard.expr.xreplace(named)
-            condition, where = str(expr), guard.user_loc or "(unknown line)"
-            if (condition, where) not in seen:
-                seen.add((condition, where))
-                found.append(Branch(readable(condition), where, expr))
-    return found
+            if named:
+                read.append((guard.expr.xreplace(named), guard.framework, guard.user_loc))
+    return decisions(read)
 
 
 def _read(log: GuardLog, proposal: Any, model: Any, call: ExampleInputs

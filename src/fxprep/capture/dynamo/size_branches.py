@@ -104,16 +104,23 @@ def _decisions(env: Any, owner: dict[str, str]) -> list[Branch]:
     :class:`Branch`, its condition and expression in the names said."""
     import sympy
 
+    return decisions(
+        (guard.expr.subs({s: sympy.Symbol(owner[str(s)]) for s in guard.expr.free_symbols}),
+         str(getattr(guard.sloc, "framework_loc", "")), str(guard.sloc.maybe_user_loc or "").strip())
+        for guard in env.guards
+        if guard.expr.free_symbols and {str(s) for s in guard.expr.free_symbols} <= owner.keys())
+
+
+def decisions(guards: Iterable[tuple[Any, str, str]]) -> list[Branch]:
+    """Of ``guards``, each ``(expression in the names to say, the torch file that made it, the user's
+    line)``, those Dynamo's own code made evaluating the model's Python (:data:`DYNAMO_FRAMES`; not
+    a kernel's shape logic), each condition and line once, as :class:`Branch` es."""
     found: list[Branch] = []
     seen: set[tuple[str, str]] = set()
-    for guard in env.guards:
-        symbols = {str(s) for s in guard.expr.free_symbols}
-        framework = str(getattr(guard.sloc, "framework_loc", ""))
-        if not symbols or not symbols <= owner.keys() or not any(f in framework for f in DYNAMO_FRAMES):
+    for expr, framework, where in guards:
+        if not any(f in framework for f in DYNAMO_FRAMES):
             continue
-        expr = guard.expr.subs({s: sympy.Symbol(owner[str(s)])
-                                for s in guard.expr.free_symbols})
-        condition, where = str(expr), str(guard.sloc.maybe_user_loc or "").strip() or "(unknown line)"
+        condition, where = str(expr), where or "(unknown line)"
         if (condition, where) not in seen:
             seen.add((condition, where))
             found.append(Branch(readable(condition), where, expr))
