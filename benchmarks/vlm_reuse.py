@@ -83,9 +83,15 @@ def main() -> None:
                         help="2b: Qwen2-VL at the 2B model's sizes (qwen2_vl only), bfloat16, block reuse only")
     args = parser.parse_args()
     if args.shape == "2b":
+        import gc
+        import resource
+
+        def peak() -> str:  # the process's peak resident memory so far (Linux: kilobytes)
+            return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB"
+
         model, inputs = build_2b(torch.bfloat16)
         print(f"qwen2_vl at 2B sizes: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, bfloat16; "
-              f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+              f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); peak memory after the build {peak()}")
         for dynamic in (None, False):
             start = time.perf_counter()
             gm = fxprep.prepare_model(model, example_inputs=inputs, **({} if dynamic is None else {"dynamic": False}))
@@ -93,7 +99,10 @@ def main() -> None:
             stamped = sum(len(v) for v in report.reuse.get("captured", {}).values())
             print(f"  {'default (shape-general)' if dynamic is None else 'dynamic=False':24} prepare "
                   f"{time.perf_counter() - start:7.1f} s  tracer {report.tracer}  blocks stamped out {stamped}  "
-                  f"verification {report.verification.status} (max |diff| {report.verification.max_abs_diff})")
+                  f"verification {report.verification.status} (max |diff| {report.verification.max_abs_diff}); "
+                  f"peak memory so far {peak()}")
+            del gm, report
+            gc.collect()
         return
     model, inputs = build(args.model, args.depth)
     print(f"{args.model}: {args.depth} vision blocks, {args.depth} decoder layers; torch {torch.__version__}, "

@@ -106,6 +106,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
     # captures stop at the first guard limiting a declared dimension (.capture.dynamo.early_limit) until
     # a scan search in such a stopped capture's guards finds nothing that makes the capture succeed
     stopping = scans_of is not None
+    stopped: dict[str, autodims.SizeRange] = {}  # the bound a stopped first try's guard set, where it ran on
     while current is not None:
         search = stopping and before is None and rounds < MAX_SCAN_ROUNDS
         with quiet_guard_logs(), guard_log.recording() as log:
@@ -116,6 +117,7 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             if limited is not None:  # declared as Dims again: the violation says what to drop or bound
                 progress.step(f"the dimensions maybe-dynamic do not hold at every size ({limited[:120]})")
                 bound = guard_read.bounds(log, current, model, current.capture_example)
+                holds_within, bound = bool(bound), bound or stopped
                 read = guard_read.branches(log, current, model, current.capture_example)
                 at = (current.dynamic, current.sizes(model, current.capture_example))
                 current = dataclasses.replace(current, auto=False, branches=None if read is None else (*at, read))
@@ -126,13 +128,14 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
                         before = _Tried(current, RuntimeError(limited), {}, bound)
                         current = dataclasses.replace(current, scans=current.scans + tuple(new))
                         continue
-                if bound:  # bounds alone: declared at once, no capture made to be refused for them
-                    current = autodims.revised(current, {}, bound, model, example) or current
+                if bound:  # bounds alone: the graph holds inside them, as its guards do
+                    within = autodims.revised(current, {}, bound, model, example)
+                    if holds_within and within is not None and _same_call(within, current, model):
+                        progress.step("kept within " + ", ".join(f"{k} {v.low or 2}..{v.high or ''}" for k, v in bound.items()))
+                        return _scans_noted(result, within), attempts, within
+                    current = within or current
                 continue
-            for scan in current.scans:
-                for site in scan.sites:
-                    result.extra_leaves[site.qualname] = f"opaque: a loop over '{scan.symbol}' at {scan.where}"
-            return result, attempts, current
+            return _scans_noted(result, current), attempts, current
         err = next((a.exception for a in reversed(attempts) if a.exception is not None), None)
         if current.auto and not (isinstance(err, LimitFound) and scans_of is not None):
             current = dataclasses.replace(current, auto=False)  # a failure: every next capture as before
@@ -144,6 +147,9 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             if new:  # the dimensions it stopped at count as specialised, for judging the scans
                 before = _Tried(current, err, {key: err.sources[0] for key in _keys(err.sources, current)}, {})
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
+            elif current.auto:  # no scan there: the maybe-dynamic try run to its end reads every bound, and
+                # the branches, at once, and is kept within them; where it is not, this guard's bound is declared
+                stopping, stopped = False, _bound_at(err, current)
             else:  # no scan there: the capture without stopping says what to drop or bound (its violation)
                 stopping, current = False, dataclasses.replace(current, auto=False)
                 bound = _bound_at(err, current)
@@ -184,6 +190,24 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             raise NotShapeGeneral(f"every declared dimension is specialised by the model: {why}")
         current = nxt
     raise NotShapeGeneral("no dimension left to declare")  # pragma: no cover - the loop returns or raises
+
+
+def _same_call(bounded: autodims.Proposal, tried: autodims.Proposal, model: nn.Module) -> bool:
+    """Whether ``bounded`` (``tried`` with ranges declared) captures with the same dimensions at the
+    same sizes as ``tried`` did: then ``tried``'s maybe-dynamic capture, whose guards fail only
+    outside those ranges (:func:`.dynamo.guard_read.bounds`), is the graph a capture with them
+    declared would give, and it is kept (a sliding window's ``seq < 4096`` cost Mistral a second
+    whole capture)."""
+    return (bounded.dynamic == tried.dynamic and bounded.scans == tried.scans
+            and bounded.sizes(model, bounded.capture_example) == tried.sizes(model, tried.capture_example))
+
+
+def _scans_noted(result: CaptureResult, proposal: autodims.Proposal) -> CaptureResult:
+    """``result`` with each per-step loop ``proposal`` keeps opaque named among its opaque parts."""
+    for scan in proposal.scans:
+        for site in scan.sites:
+            result.extra_leaves[site.qualname] = f"opaque: a loop over '{scan.symbol}' at {scan.where}"
+    return result
 
 
 def _bound_at(err: LimitFound, proposal: autodims.Proposal) -> dict[str, autodims.SizeRange]:
