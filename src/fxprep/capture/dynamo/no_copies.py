@@ -1,9 +1,9 @@
 """Dynamo traces the user's parameters without copying them.
 
 ``torch._dynamo.export`` keeps a real value beside every tensor it finds on a module (its
-``real_value_cache``) and made it by cloning: each parameter was copied twice per capture, and on
-the ``dynamo+values`` route the fake tensors' real storages were a third copy (the Qwen2-VL-2B
-shape's prepare ran out of memory). A parameter is not written by a forward, so an alias serves as
+``real_value_cache``) and made it by cloning: each parameter was copied twice per capture (the
+Qwen2-VL-2B shape's prepare ran out of memory); on the ``dynamo+values`` route torch 2.14 also
+clones the storages it gives fake tensors as their real values. A parameter is not written by a forward, so an alias serves as
 well: :func:`parameters_aliased`. Buffers and inputs are still copied (a forward may write them in
 place). The story and the numbers: docs/concepts/sharing.md.
 """
