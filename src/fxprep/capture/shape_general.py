@@ -147,14 +147,16 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
             if new:  # the dimensions it stopped at count as specialised, for judging the scans
                 before = _Tried(current, err, {key: err.sources[0] for key in _keys(err.sources, current)}, {})
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
-            elif current.auto:  # no scan there: the maybe-dynamic try run to its end reads every bound, and
-                # the branches, at once, and is kept within them; where it is not, this guard's bound is declared
-                stopping, stopped = False, _bound_at(err, current)
-            else:  # no scan there: the capture without stopping says what to drop or bound (its violation)
-                stopping, current = False, dataclasses.replace(current, auto=False)
-                bound = _bound_at(err, current)
-                if bound and not current.explicit:  # the range declared at once: no capture to be told it
-                    current = autodims.revised(current, {}, bound, model, example) or current
+            else:  # no scan there
+                stopping, bound = False, _bound_at(err, current)
+                if current.auto and bound:  # a bound: the maybe-dynamic try run on to its end reads every bound,
+                    # and the branches, at once, and is kept within them; where it is not, this bound is declared.
+                    # (A guard that specialises the dimension would refuse that try too: not run on for it.)
+                    stopped = bound
+                else:  # the capture without stopping says what to drop or bound (its violation)
+                    current = dataclasses.replace(current, auto=False)
+                    if bound and not current.explicit:  # the range declared at once: no capture to be told it
+                        current = autodims.revised(current, {}, bound, model, example) or current
             continue
         found, ranges = violation.findings(err, current) if err is not None else ({}, {})
         if before is not None:  # the capture with new scans opaque
