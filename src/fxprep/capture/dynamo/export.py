@@ -26,6 +26,7 @@ from ...core import heap
 from ...core.inputs import ExampleInputs
 from ...core.threads import GLOBAL_LOCK, confined, quiet_logs
 from ..shapes.dims import hints
+from .marks import marks_restored
 from .no_copies import parameters_aliased
 from .recording import ORIGINAL_CLASS
 from .traced_outputs import outputs_from_trace
@@ -229,8 +230,10 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
 
     Runs under :data:`fxprep.core.threads.GLOBAL_LOCK` (Dynamo's config and caches are process-wide),
     with the recompile limits lifted and the cache entries the call added dropped
-    (:class:`DynamoCacheScope`), so the hundredth capture in a process is the same as the first; the
-    parameters are not copied (:func:`fxprep.capture.dynamo.no_copies.parameters_aliased`)."""
+    (:class:`DynamoCacheScope`) and the inputs' dimension marks put back
+    (:func:`fxprep.capture.dynamo.marks.marks_restored`), so the hundredth capture in a process is
+    the same as the first; the parameters are not copied
+    (:func:`fxprep.capture.dynamo.no_copies.parameters_aliased`)."""
     import torch._dynamo as dynamo
 
     patches: dict[str, Any] = _limit_patches(dynamo.config)
@@ -257,7 +260,7 @@ def dynamo_export(model: nn.Module, call: ExampleInputs, route: str, dynamic_spe
     outputs = contextlib.nullcontext() if real_values else outputs_from_trace()
     root = fresh_kwargs_root(model) if fresh_kwargs else contextlib.nullcontext()
     with GLOBAL_LOCK, dynamo.config.patch(**patches), instance_forward_as_class(model), real, root, DynamoGlobalState(), DynamoCacheScope(), \
-            unguarded_kernel_choice(), violations_kept(), outputs, parameters_aliased():
+            unguarded_kernel_choice(), violations_kept(), outputs, parameters_aliased(), marks_restored(call):
         result = dynamo.export(model, **kwargs)(*call.args, **call.kwargs)
     heap.freeze_more()  # the passes' full collections then skip the objects Dynamo left (fxprep.core.heap)
     return result
