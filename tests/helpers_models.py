@@ -103,3 +103,20 @@ def tiny_llama() -> nn.Module:
 def llama_inputs() -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+
+
+def chunked_scan(x: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """Padded to whole chunks, one step per chunk, the padding cut off again: a branch on the
+    length inside a scan that returns a tensor either way (Mamba2's ``if pad_size > 0``)."""
+    length = x.shape[1]
+    pad = (chunk - length % chunk) % chunk
+    x = nn.functional.pad(x, (0, 0, 0, pad))
+    state = torch.zeros_like(x[:, :chunk])
+    out = []
+    for i in range(x.shape[1] // chunk):
+        state = 0.5 * state + x[:, i * chunk:(i + 1) * chunk].cumsum(1)
+        out.append(state)
+    y = torch.cat(out, dim=1)
+    if pad > 0:
+        y = y[:, :length]
+    return y

@@ -20,6 +20,7 @@ import fxprep
 from fxprep.capture.dynamo import guard_read
 
 from .helpers import dynamo_traces
+from .helpers_models import chunked_scan
 
 
 class _Tiny(transformers.PreTrainedModel):
@@ -69,6 +70,23 @@ class _Windowed(_Tiny):
         if h.shape[1] >= 4096:
             return h * 2
         return h + 1
+
+
+class _WindowThenChunks(_Tiny):
+    # Lara-mini: a sliding window bounds the length (`seq < 512`), then a chunked scan's loop specialises it
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.emb(input_ids))
+        if h.shape[1] >= 512:
+            h = h * 2
+        return chunked_scan(h)
+
+
+class _MaskedChunks(_Tiny):
+    # the mask's last `seq` columns: a guard relating the two inputs' lengths (each has its own symbol under
+    # Dim.AUTO), then a chunked scan
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.emb(input_ids))
+        return chunked_scan(h * attention_mask[:, -input_ids.shape[1]:, None])
 
 
 def _prepare_counting(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
@@ -148,6 +166,42 @@ def test_a_bound_a_stopped_first_try_finds_costs_no_capture_refused_for_it(monke
         ids = torch.randint(0, 50, (batch, seq))
         with torch.no_grad():
             torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+
+
+def test_a_first_try_run_on_past_a_bound_stops_at_a_scan_behind_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the first try stops at the window's bound, runs on past it and stops again at the chunk loop's guard,
+    # where the scan search finds the scan: the try with it opaque holds within the window and is kept, its
+    # branches read off its guards (before: the run-on try traced the loop unrolled to its end, then a strict
+    # capture with the scan, one with the range and a branch trace: 7)
+    model = _WindowThenChunks().eval()
+    gm, traces = _prepare_counting(model, monkeypatch)
+    assert traces == 3, traces  # stopped at the bound, stopped at the loop, the try with the scan opaque
+    report = fxprep.get_report(gm)
+    assert report.leaves.get("chunked_scan", "").startswith("opaque: a loop over 'seq'"), report.leaves
+    assert "'seq' is dynamic <= 511: the model's code branches on it" in report.to_text(), report.to_text()
+    for batch, seq in ((2, 5), (1, 13), (3, 511)):
+        ids = torch.randint(0, 50, (batch, seq))
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+    with pytest.raises(fxprep.InputMismatch):
+        gm(input_ids=torch.randint(0, 50, (1, 512)))
+
+
+def test_a_guard_relating_two_inputs_lengths_does_not_stop_the_first_try(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `input_ids` and `attention_mask` share 'seq' but each has its own symbol in the capture: the stop
+    # evaluates a guard relating them with both at each size, as the guard reading does, so the first try
+    # stops at the scan's loop, not at the slice (before: 3 traces, the second a strict capture refused)
+    model = _MaskedChunks().eval()
+    traces = dynamo_traces(monkeypatch)
+    torch.manual_seed(0)
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(0, 50, (1, 8)),
+                                                     "attention_mask": torch.ones(1, 8, dtype=torch.long)})
+    assert len(traces) == 2, traces  # stopped at the loop, the try with the scan opaque
+    assert list(fxprep.get_report(gm).leaves) == ["chunked_scan"]
+    for batch, seq in ((2, 5), (1, 13)):
+        ids, mask = torch.randint(0, 50, (batch, seq)), torch.randint(0, 2, (batch, seq))
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids, attention_mask=mask), model(ids, mask), rtol=0, atol=0)
 
 
 def _log(*guards: tuple[Any, dict[Any, tuple[str, ...]]]) -> Any:

@@ -260,3 +260,67 @@ def test_an_excluded_modules_output_updated_in_place_traces_as_in_eager() -> Non
     assert report.tracer == "dynamo" and report.verification.status == "passed"  # not fx's fallback
     assert gm.get_submodule("first") is model.first
     _same(gm, model, torch.randn(3, 8))
+
+
+
+class Segments(nn.Module):
+    """Qwen2-VL's rope index: runs of one token type, grouped with ``itertools.groupby`` and a key
+    function, which Dynamo does not trace (``Unsupported``)."""
+
+    def runs(self, kinds: torch.Tensor) -> torch.Tensor:
+        import itertools
+
+        found = [key for key, _ in itertools.groupby(enumerate(kinds.tolist()), lambda t: t[1])]
+        return torch.tensor(float(len(found)))
+
+    def forward(self, kinds: torch.Tensor) -> torch.Tensor:
+        return self.runs(kinds) * 2
+
+
+class Residuals(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(h).relu() + h
+
+
+class GroupsAfterBlocks(nn.Module):
+    """Repeated blocks, then a slice to a length read from data (captured deciding values,
+    ``dynamo+values``) and the token-type runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Residuals() for _ in range(3))
+        self.segments = Segments()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, n: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        x = x[:, : int(n)]
+        if x.shape[1] > 1:  # a question about a size read from data
+            x = x - x.mean(1, keepdim=True)
+        return self.head(x) * self.segments(kinds)
+
+
+def test_python_dynamo_cannot_trace_around_the_blocks_costs_no_whole_model_capture(monkeypatch: Any) -> None:
+    """Deciding values read from data, the outer capture under block reuse fails in the model's own
+    code on Python Dynamo does not trace: the whole model's capture would fail there too (after
+    tracing every block), so that failure is the capture's and the part is made opaque with no
+    capture of the whole model."""
+    torch.manual_seed(0)
+    model = GroupsAfterBlocks().eval()
+    whole = _whole_model_captures(monkeypatch, model)
+    x, kinds = torch.randn(2, 6, 8), torch.tensor([0, 0, 1, 1, 0])
+    gm = fxprep.prepare_model(model, example_inputs=(x, torch.tensor(4), kinds))
+    report = fxprep.get_report(gm)
+    assert report.tracer == "dynamo+values"
+    assert report.leaves == {"segments.runs": "opaque: unsupported python at "
+                             f"{__file__}:{Segments.runs.__code__.co_firstlineno + 3}"}
+    assert _stamped(gm) == {"layers.0": ["layers.1", "layers.2"]}
+    assert whole == []  # before: one, deciding values, failing on the same groupby after every block
+    other = torch.tensor([1, 0, 1, 1, 1])  # two runs, not three: the opaque part runs on each call
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x, torch.tensor(3), other), model(x, torch.tensor(3), other), rtol=0, atol=0)

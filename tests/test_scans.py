@@ -24,7 +24,7 @@ from fxprep.capture.sites import Site
 from fxprep.cli import specs
 from fxprep.core.inputs import ExampleInputs
 
-from .helpers_models import Recurrent, selective_scan
+from .helpers_models import Recurrent, chunked_scan, selective_scan
 
 
 def scan_through(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
@@ -159,23 +159,6 @@ def test_a_guard_made_by_a_branch_is_told_from_one_made_by_a_loop() -> None:
     loop = first + next(i for i, code in enumerate(lines) if "for t in range" in code)
     scan_file = inspect.getsourcefile(inspect.unwrap(selective_scan))  # tests/helpers_models.py
     assert on_branch(__file__, branch) and not on_branch(scan_file, loop) and not on_branch(__file__, branch + 2)
-
-
-def chunked_scan(x: torch.Tensor, chunk: int = 4) -> torch.Tensor:
-    """Padded to whole chunks, one step per chunk, the padding cut off again: a branch on the
-    length inside a scan that returns a tensor either way (Mamba2's ``if pad_size > 0``)."""
-    length = x.shape[1]
-    pad = (chunk - length % chunk) % chunk
-    x = nn.functional.pad(x, (0, 0, 0, pad))
-    state = torch.zeros_like(x[:, :chunk])
-    out = []
-    for i in range(x.shape[1] // chunk):
-        state = 0.5 * state + x[:, i * chunk:(i + 1) * chunk].cumsum(1)
-        out.append(state)
-    y = torch.cat(out, dim=1)
-    if pad > 0:
-        y = y[:, :length]
-    return y
 
 
 class Chunked(nn.Module):

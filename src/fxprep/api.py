@@ -30,7 +30,7 @@ from .big.weights import remember_original
 from .capture import cascade, dynamo_available, shape_general
 from .capture.common import CaptureResult
 from .capture.fx import mode_notes, trace_failure
-from .capture.request import CaptureRequest
+from .capture.request import CaptureRequest, ScanStop
 from .capture.rewrite import branches
 from .capture.routes import Route
 from .capture.shapes import autodims
@@ -495,7 +495,7 @@ def _capture_general(run: Preparation, step: plan.CaptureStep) -> plan.Captured 
     request, proposal = step.request, step.proposal
     assert proposal is not None and request.example is not None
 
-    def capture_at(call: ExampleInputs, dims: Any, opaque: list[Any], search: bool
+    def capture_at(call: ExampleInputs, dims: Any, opaque: list[Any], search: ScanStop | None
                    ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
         return cascade.capture(request.replace(example=call, dynamic=dims, opaque=tuple(opaque), scan_search=search),
                                [Route.DYNAMO])

@@ -15,6 +15,7 @@ from data) makes it with :meth:`CaptureRequest.replace`, leaving the caller's re
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,15 @@ from .common import LeafPolicy
 # The fields that decide what an eager recording of an opaque part holds: a variant changing one of
 # them must not reuse the recordings made for the original (a recording is the run on *this* example).
 _RECORDED_ON = ("model", "example", "concrete_args")
+
+
+class ScanStop(enum.Enum):
+    """Where a capture under the scan search stops (``CaptureRequest.scan_search``)."""
+
+    FIRST = "at the first guard that limits a declared dimension"
+    # a first try run on past a guard that bounds the dimension (BERT's position table): the next guard,
+    # one that specialises it, stops it before a chunked scan behind it is traced unrolled (Lara-mini)
+    PAST_BOUNDS = "at the first guard that does more than bound a declared dimension by a constant"
 
 
 @dataclass
@@ -65,7 +75,8 @@ class CaptureRequest:
     ``opaque``: sites (:class:`~fxprep.capture.sites.Site`) Dynamo calls without tracing into from the
     start, on every Dynamo route (a scan kept out of the graph so that the length it loops over stays
     dynamic: :mod:`fxprep.capture.dynamo.scans`). ``scan_search``: the capture (the model's, or a repeated
-    block's own under block reuse) stops at the first guard that limits a declared dimension, for
+    block's own under block reuse) stops at the first guard that limits a declared dimension
+    (:attr:`ScanStop.FIRST`), or that does more than bound it (:attr:`ScanStop.PAST_BOUNDS`), for
     the shape-general capture to look for a scan from that guard
     (:mod:`fxprep.capture.dynamo.early_limit`), instead of tracing on and capturing the whole model.
     ``family``: the model's family (:func:`fxprep.families.family_for`, looked up when not given),
@@ -85,7 +96,7 @@ class CaptureRequest:
     records: dict[Any, Any] | None = field(default=None, compare=False)
     dims_must_hold: bool = False
     opaque: tuple[Any, ...] = ()
-    scan_search: bool = False
+    scan_search: ScanStop | None = None
     learned: Learned = field(default_factory=Learned, compare=False)
     family: Family = field(default=None, compare=False)  # type: ignore[assignment]  # set in __post_init__
 

@@ -31,7 +31,7 @@ from .dynamo.guard_log import GuardLog
 from .dynamo.scans import Scan
 from .dynamo.size_branches import SIZES, size_branches
 from .fx import restored_attributes
-from .request import CaptureRequest
+from .request import CaptureRequest, ScanStop
 from .routes import Route
 from .shapes import autodims, violation
 from .shapes.dims import SIZE_SOURCE, shortest_length
@@ -39,7 +39,7 @@ from .shapes.dims import SIZE_SOURCE, shortest_length
 # (capture example, dynamic dimensions, sites kept opaque, whether the capture stops at the first guard
 # that limits a declared dimension, for the scan search: CaptureRequest.scan_search)
 # -> the capture and its attempts
-Capture = Callable[[ExampleInputs, Any, list[Any], bool], tuple["CaptureResult | None", list[CaptureAttempt]]]
+Capture = Callable[[ExampleInputs, Any, list[Any], "ScanStop | None"], tuple["CaptureResult | None", list[CaptureAttempt]]]
 # (the guards of a failed capture, the declared symbols it limited, the proposal, the sites taken) -> new scans
 ScanFinder = Callable[[GuardLog, set[str], autodims.Proposal, list[Any]], list[Scan]]
 MAX_SCAN_ROUNDS = 3
@@ -108,7 +108,9 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
     stopping = scans_of is not None
     stopped: dict[str, autodims.SizeRange] = {}  # the bound a stopped first try's guard set, where it ran on
     while current is not None:
-        search = stopping and before is None and rounds < MAX_SCAN_ROUNDS
+        # a first try run on past a bound stops at the next guard that does more than bound (ScanStop)
+        search = ((ScanStop.PAST_BOUNDS if stopped else ScanStop.FIRST)
+                  if stopping and before is None and rounds < MAX_SCAN_ROUNDS else None)
         with quiet_guard_logs(), guard_log.recording() as log:
             result, attempts = run(current.capture_example, current.for_export(),
                                    [site for scan in current.scans for site in scan.sites], search)
@@ -119,8 +121,9 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
                 bound = guard_read.bounds(log, current, model, current.capture_example)
                 holds_within, bound = bool(bound), bound or stopped
                 read = guard_read.branches(log, current, model, current.capture_example)
-                at = (current.dynamic, current.sizes(model, current.capture_example))
-                current = dataclasses.replace(current, auto=False, branches=None if read is None else (*at, read))
+                at = autodims.BranchesRead(current.dynamic, current.sizes(model, current.capture_example),
+                                           current.scans, read) if read is not None else None
+                current = dataclasses.replace(current, auto=False, branches=at)
                 if bound and scans_of is not None and rounds < MAX_SCAN_ROUNDS:
                     rounds += 1  # a per-step loop behind a bound may free it (Qwen3.5's chunked scan): tried first
                     new = scans_of(log, set(bound), current, [site for scan in current.scans for site in scan.sites] + refused)
@@ -148,12 +151,13 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
                 before = _Tried(current, err, {key: err.sources[0] for key in _keys(err.sources, current)}, {})
                 current = dataclasses.replace(current, scans=current.scans + tuple(new))
             else:  # no scan there
-                stopping, bound = False, _bound_at(err, current)
-                if current.auto and bound:  # a bound: the maybe-dynamic try run on to its end reads every bound,
-                    # and the branches, at once, and is kept within them; where it is not, this bound is declared.
-                    # (A guard that specialises the dimension would refuse that try too: not run on for it.)
+                bound = _bound_at(err, current)
+                if current.auto and bound and not stopped:  # a bound: the maybe-dynamic try runs on past it,
+                    # and past any other bound, reading every bound and the branches at once, kept within them;
+                    # a guard that does more (specialises: it would refuse the try) stops it for a scan search
                     stopped = bound
                 else:  # the capture without stopping says what to drop or bound (its violation)
+                    stopping, bound = False, bound or stopped
                     current = dataclasses.replace(current, auto=False)
                     if bound and not current.explicit:  # the range declared at once: no capture to be told it
                         current = autodims.revised(current, {}, bound, model, example) or current
@@ -295,10 +299,9 @@ def limits(request: CaptureRequest, proposal: autodims.Proposal, call: ExampleIn
     if not proposal.ranges or proposal.source == autodims.BAKED_BATCH:
         return proposal
     model = request.model
-    read = proposal.branches
-    if read is not None and read[:2] == (proposal.dynamic, proposal.sizes(model, proposal.capture_example)) \
-            and not proposal.scans:
-        found = read[2]  # the maybe-dynamic capture's own guards (guard_read.branches): no trace more
+    read = proposal.read_here(model)
+    if read is not None:
+        found = read  # the maybe-dynamic capture's own guards (guard_read.branches): no trace more
     else:
         try:
             length = shortest_length(model, call, proposal.dynamic)
@@ -385,7 +388,8 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
     second size checks it). A dimension the model's code specialises, or a range it needs, revises
     the dimensions as for the first shape-general capture (:func:`capture`), and as there a per-step
     loop behind the guard that limits it is kept opaque where that frees the dimension (Qwen3.5's VLM:
-    its chunked scan, :mod:`.dynamo.scans`); the only parts opaque here that the static
+    its chunked scan, :mod:`.dynamo.scans`; its capture stopped at that guard,
+    :mod:`.dynamo.early_limit`, not traced unrolled to the end); the only parts opaque here that the static
     capture did not make opaque. Its attempts are appended to ``attempts``; the capture and the
     proposal it kept, or None and why."""
     from .dynamo import values
@@ -395,8 +399,10 @@ def fallback(request: CaptureRequest, elsewhere: Elsewhere, attempts: list[Captu
     how = "deciding values read from data" if Route(tracer).values else "with the same parts opaque"
     why_not: list[str] = []
 
-    def run(call: ExampleInputs, dims: Any, scans: list[Any], _search: bool) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
-        dims_request = request.replace(example=call, dynamic=dims, dims_must_hold=True, records={}, opaque=tuple(scans))
+    def run(call: ExampleInputs, dims: Any, scans: list[Any], search: ScanStop | None
+            ) -> tuple[CaptureResult | None, list[CaptureAttempt]]:
+        dims_request = request.replace(example=call, dynamic=dims, dims_must_hold=True, records={}, opaque=tuple(scans),
+                                       scan_search=search)
         with preserved_state(request.model), restored_attributes(request.model, []):
             # the static capture's opaque parts opaque from the start: not found again one whole trace each
             if Route(tracer).values:

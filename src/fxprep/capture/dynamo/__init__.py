@@ -26,9 +26,9 @@ from ...core.threads import GLOBAL_LOCK
 from ...reporting import progress
 from ...reporting.report import CaptureAttempt
 from ..common import CaptureResult, LeafPolicy
-from ..request import CaptureRequest
+from ..request import CaptureRequest, ScanStop
 from ..routes import Route
-from ..shapes.dims import dynamic_dims, dynamic_shapes_spec, grown_example, shortest_length
+from ..shapes.dims import dynamic_dims, dynamic_shapes_spec, grown_example, model_dimensions, model_sources, shortest_length
 from ..sites import Site
 from . import early_limit, guard_log
 from .early_limit import LimitFound
@@ -157,9 +157,11 @@ def _stopping_at_limits(request: CaptureRequest, call: ExampleInputs) -> Iterato
     if not dims:
         yield
         return
-    names = early_limit.model_sources(request.model, call, dims)
+    names = model_sources(request.model, call, dims)
     try:
-        with guard_log.stopping(early_limit.Limit(names)):
+        stop = early_limit.Limit(names, past_bounds=request.scan_search is ScanStop.PAST_BOUNDS,
+                                 dimension=model_dimensions(dims))
+        with guard_log.stopping(stop):
             yield
     except guard_log.Stopped as stopped:
         raise early_limit.limited("the model", stopped) from None

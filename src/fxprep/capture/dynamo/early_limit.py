@@ -3,7 +3,7 @@
 Where the shape-general capture asks for it (``CaptureRequest.scan_search``), a capture stops at the
 first guard that fails above the example's size of a declared dimension (:class:`Limit`), or at the
 violation that ends it, and raises :class:`LimitFound`, so the scan search (:mod:`.scans`) starts
-there instead of after a whole failed trace. Both the whole model's capture (:func:`model_sources`)
+there instead of after a whole failed trace. Both the whole model's capture (:func:`..shapes.dims.model_sources`)
 and a reused block's own capture (:func:`input_sizes`, :func:`sources`) stop so.
 
 See docs/shapes.md ("Under the hood").
@@ -24,6 +24,7 @@ from ...reporting.diagnose import first_line
 from ..shapes.dims import positional_names
 from .blocks import call_inputs
 from .guard_log import AddedGuard, Stopped
+from .guard_read import bound_of
 from .scans import failing_size
 
 _VIOLATED = re.compile(r"Constraints violated \((.*?)\)!")
@@ -39,20 +40,6 @@ class LimitFound(RuntimeError):
         super().__init__(f"the capture of {where} limits {', '.join(sources)} ({why})")
         self.sources = sources
         self.guard = guard
-
-
-def model_sources(model: nn.Module, call: ExampleInputs, dims: dict[str, dict[int, str]]) -> dict[str, str]:
-    """Each way the model's capture may name a declared dimension of its inputs (``dims``, by input
-    name; ``call``: what Dynamo is called with), mapped to ``L['name'].size()[d]``."""
-    positional = positional_names(model, len(call.args))
-    out: dict[str, str] = {}
-    for name, declared in dims.items():
-        spellings = [f"L['{name}']", f"L['kwargs']['{name}']"]
-        if name in positional:
-            spellings.append(f"L['args'][{positional.index(name)}]")
-        for d in declared:
-            out.update({f"{spelling}.size()[{d}]": f"L['{name}'].size()[{d}]" for spelling in spellings})
-    return out
 
 
 def input_sizes(outer: fx.GraphModule, model: nn.Module, prepared_call: ExampleInputs) -> dict[Any, str]:
@@ -133,28 +120,46 @@ class Limit:
     :func:`.guard_log.renamed`) fails at a size above the example's of a declared dimension (a
     chunked scan's ``(padded // 64) == 1`` bounds the length to one chunk without failing the block's
     capture; the whole-model capture would find it so): the ``stop`` of that capture, which ends it
-    there (:class:`.guard_log.Stopped`), returning ``(source, size where it fails, guard)``."""
+    there (:class:`.guard_log.Stopped`), returning ``(source, size where it fails, guard)``.
+    ``past_bounds``: a guard that only bounds the dimension by a constant (``seq < 512``) is passed
+    (:func:`bounds_only`), the capture stopped at the first that does more. ``dimension``: each
+    model input's size (``L['input_ids'].size()[1]``) to the declared dimension it is (``seq``):
+    with ``Dim.AUTO`` each input has its own symbol, and a guard relating two inputs' lengths
+    (Qwen3.5's ``mm_token_type_ids`` against ``input_ids``) is evaluated with both at each size,
+    as :mod:`.guard_read` reads it, not one grown past the other."""
 
-    def __init__(self, names: dict[str, str]):
+    def __init__(self, names: dict[str, str], past_bounds: bool = False, dimension: dict[str, str] | None = None):
         self.names = {**{v: v for v in names.values()}, **names}  # a source as recorded -> the model input's
         self.seen: set[str] = set()
+        self.past_bounds = past_bounds
+        self.dimension = dimension or {}
 
     def __call__(self, guard: AddedGuard) -> tuple[str, int, AddedGuard] | None:
         text = str(guard.expr)
         if not guard.stack or guard.aside or text in self.seen:  # a stand-in's computation: no graph holds it
             return None
         self.seen.add(text)
-        by_source: dict[str, set[Any]] = {}
+        by_dimension: dict[str, tuple[str, set[Any]]] = {}  # declared dimension -> (first source, its symbols)
         for symbol, named in guard.sources.items():
             for source in named:
                 if source in self.names:
-                    by_source.setdefault(self.names[source], set()).add(symbol)
-        for source, symbols in by_source.items():
+                    canonical = self.names[source]
+                    by_dimension.setdefault(self.dimension.get(canonical, canonical), (canonical, set()))[1].add(symbol)
+        for source, symbols in by_dimension.values():
             size = next((guard.hints[s] for s in symbols if s in guard.hints), None)
             past = failing_size(guard, symbols, size) if size is not None else None
-            if past is not None:
+            if past is not None and not (self.past_bounds and bounds_only(guard, symbols, size)):
                 return source, past, guard
         return None
+
+
+def bounds_only(guard: AddedGuard, symbols: set[Any], size: int | None) -> bool:
+    """Whether ``guard`` is over one symbol of ``symbols`` alone and holds in one range of sizes
+    around the example's ``size`` (``seq < 512``, ``seq <= 64``): a bound, not a specialisation."""
+    free: set[Any] = getattr(guard.expr, "free_symbols", set())
+    if size is None or len(free) != 1 or not free <= symbols:
+        return False
+    return bound_of(guard.expr, next(iter(free)), size, "size") is not None
 
 
 def limited(where: str, stopped: Stopped) -> LimitFound:
@@ -163,4 +168,4 @@ def limited(where: str, stopped: Stopped) -> LimitFound:
     return LimitFound(where, [source], f"a guard it adds fails at {past}: {str(guard.expr)[:120]}", guard)
 
 
-__all__ = ["LimitFound", "model_sources", "input_sizes", "Limit", "limited", "raise_if_specialised", "sources"]
+__all__ = ["LimitFound", "input_sizes", "Limit", "bounds_only", "limited", "raise_if_specialised", "sources"]

@@ -28,6 +28,7 @@ from ..routes import Route
 from ..shapes.violation import specialises
 from ..sites import Site
 from . import capture_dynamo
+from .early_limit import LimitFound
 from .locate import Located, locate, origin_stack, resolve, user_stack
 from .opaque import excluded_sites, inside
 from .recording import Recorded, record_sites
@@ -135,8 +136,8 @@ def capture_dynamo_leaves(request: CaptureRequest, first_error: BaseException | 
     err = first_error
     excluded = excluded_sites(model, request.policy) + list(request.opaque)  # opaque from the start: not found again
     for _ in range(MAX_ROUNDS):
-        if err is not None and request.dims_must_hold and specialises(err):
-            break  # a declared dimension is specialised: no opaque part changes that (CaptureRequest)
+        if err is not None and (isinstance(err, LimitFound) or request.dims_must_hold and specialises(err)):
+            break  # a declared dimension is specialised or bounded: no opaque part changes that (CaptureRequest)
         if err is not None and (handled is None or not handled(err)):
             new, made_at = next_sites(err, model, capture_call, sites + excluded, records)
             if not new:

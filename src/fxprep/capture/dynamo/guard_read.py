@@ -21,8 +21,7 @@ import sympy
 
 from ...core.inputs import ExampleInputs
 from ..shapes.autodims import SizeRange
-from ..shapes.dims import SIZE_SOURCE
-from .early_limit import model_sources
+from ..shapes.dims import SIZE_SOURCE, model_sources
 from .guard_log import GuardLog
 
 _SMALL = range(2, 67)

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from ...core.inputs import ExampleInputs
 from ...reporting.diagnose import first_line, stopped_at_data_guard
 from ..common import LeafPolicy
+from ..request import ScanStop
 from ..sites import OpaqueFunction, OpaqueMethod
 from . import early_limit, guard_log
 from .block_calls import Member, block_call, block_spec, decided_otherwise, record_inputs
@@ -139,7 +140,7 @@ class ReuseJob:
     # the outer capture traced from a root whose ``**kwargs`` is the trace's own (:func:`.export.fresh_kwargs_root`)
     fresh_kwargs: bool = False
     # a block's own capture stops at the first guard limiting a declared dimension (:mod:`.early_limit`)
-    scan_search: bool = False
+    scan_search: ScanStop | None = None
     # the blocks (by id) whose stand-in output is computed, not guessed: what earlier captures learned
     # (:attr:`fxprep.capture.request.Learned.computed_blocks`), added to when a guess does not hold
     computed: set[int] = field(default_factory=set)
@@ -176,7 +177,8 @@ def _trace_group(first: Member, call: ExampleInputs, job: ReuseJob, spec: Any, f
     # the block's sizes that are declared dimensions, named as the model's inputs in the guards it records
     names = early_limit.sources(first.node, first.module, call, sizes) if spec is not None else {}
     try:
-        with guard_log.renamed(names, early_limit.Limit(names) if job.scan_search else None):
+        stop = early_limit.Limit(names, past_bounds=job.scan_search is ScanStop.PAST_BOUNDS) if job.scan_search else None
+        with guard_log.renamed(names, stop):
             result, call = _export_block(first, call, job, spec, fallback)
     except guard_log.Stopped as stopped:
         raise early_limit.limited(f"'{first.name}' alone", stopped) from None
@@ -328,12 +330,18 @@ def capture_reusing(job: ReuseJob) -> tuple[fx.GraphModule, dict[str, str]] | No
     return None
 
 
-def _around_blocks(err: BaseException) -> bool:
-    """Whether the outer capture's failure is one the whole-model capture has the same way: a value
-    read from data (a guard on it, or a branch), or the model's forward mutating the ``**kwargs`` it
-    was called with (retried from a fresh-kwargs root)."""
+def _around_blocks(err: BaseException, real_values: bool) -> bool:
+    """Whether the outer capture's failure (not from a stand-in: ``Stubs.involved``) is one the
+    whole-model capture has the same way: a value read from data (a guard on it, or a branch), the
+    model's forward mutating the ``**kwargs`` it was called with (retried from a fresh-kwargs root),
+    or, where values read from data are decided (``real_values``: each is a symbol, not a break),
+    Python Dynamo cannot trace (``Unsupported``: Qwen2-VL's rope index groups tokens with
+    ``itertools.groupby``). Elsewhere ``Unsupported`` may be a value the stand-ins' outputs gave
+    (CLIP's "torch.* op returned non-Tensor" with dynamic shapes, which the whole model does not meet);
+    and never a dimension's constraint violation: the outer capture's guards are not the whole model's."""
     branch = "Data-dependent branching" in (str(getattr(err, "gb_type", "") or ""), str(err).split("\n", 1)[0])
-    return stopped_at_data_guard(err) or branch or MUTATED_INPUT_DICT in str(err)
+    unsupported = real_values and isinstance(err, torch._dynamo.exc.Unsupported)
+    return stopped_at_data_guard(err) or branch or unsupported or MUTATED_INPUT_DICT in str(err)
 
 
 class _AroundBlocks(Exception):
@@ -361,7 +369,7 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str], traced: Tra
         except Exception as err:
             # only a value read from data is the outer capture's own: other failures may come from calling
             # a stand-in (Gemma3n passes its layers a dict Dynamo cannot hand to one call_module)
-            if stubs.involved(err) or not _around_blocks(err):
+            if stubs.involved(err) or not _around_blocks(err, job.real_values):
                 raise  # reuse is given up and the whole model captured, as before
             # the model's code around the blocks failed (a value read from data, or its forward mutating
             # the **kwargs it was called with): the whole-model capture would fail there too

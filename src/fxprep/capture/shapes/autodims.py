@@ -67,6 +67,20 @@ class SizeRange:
 _NO_RANGE = SizeRange(None, None, "")
 
 
+@dataclass(frozen=True)
+class BranchesRead:
+    """The branches of the model's code on the declared dimensions (``found``:
+    :class:`..dynamo.size_branches.Branch` each), read off a maybe-dynamic capture's guards
+    (:func:`..dynamo.guard_read.branches`), with what that capture was: its dimensions, the example's
+    sizes, the scans it kept opaque. A branch inside an opaque scan runs eagerly at each call, the
+    graph holds either way: not one the prepared module must stay on."""
+
+    dynamic: dict[str, dict[int, str]]
+    sizes: dict[str, int]
+    scans: tuple[Any, ...]
+    found: list[Any]
+
+
 @dataclass
 class Proposal:
     """The dimensions to declare (``dynamic`` in the form the option takes) and the example to
@@ -88,17 +102,24 @@ class Proposal:
     # every dimension declared maybe-dynamic (Dim.AUTO) for this capture, its guards read after it
     # (:mod:`..dynamo.guard_read`): kept where they hold at every size, else captured again declared as ``Dim``\ s
     auto: bool = False
-    # the branches of the model's code on these dimensions (``(dynamic, sizes, branches)``: the dimensions and
-    # the example's sizes they were read for, :class:`..dynamo.size_branches.Branch` each), read off a
-    # maybe-dynamic capture's guards (:func:`..dynamo.guard_read.branches`); None: not read, a trace finds
-    # them (:func:`..shape_general.limits`)
-    branches: tuple[dict[str, dict[int, str]], dict[str, int], list[Any]] | None = None
+    # the branches of the model's code on these dimensions read off a maybe-dynamic capture's guards
+    # (:class:`BranchesRead`); None: not read, a trace finds them (:func:`..shape_general.limits`)
+    branches: BranchesRead | None = None
 
     def sizes(self, model: nn.Module, example: ExampleInputs) -> dict[str, int]:
         """Each declared symbol's size in ``example`` (the capture example, or one grown from it)."""
         inputs = named_inputs(model, example)
         return {sym: int(inputs[name].shape[d]) for name, dims in self.dynamic.items() for d, sym in dims.items()
                 if isinstance(inputs.get(name), torch.Tensor)}
+
+    def read_here(self, model: nn.Module) -> list[Any] | None:
+        """The branches read (:attr:`branches`) where they were read for this proposal's capture: its
+        dimensions, the example's sizes, the same scans opaque; else None (a trace finds them)."""
+        read = self.branches
+        if read is None or (read.dynamic, read.sizes, read.scans) != (
+                self.dynamic, self.sizes(model, self.capture_example), self.scans):
+            return None
+        return read.found
 
     def describe(self) -> str:
         parts = [f"{name} dim {d} ({sym})" for name, dims in self.dynamic.items() for d, sym in sorted(dims.items())]

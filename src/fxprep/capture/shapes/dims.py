@@ -199,3 +199,23 @@ def grown_example(model: nn.Module, example: ExampleInputs, dynamic: Any, grow: 
     args = tuple(grown(a, dims.get(n)) for n, a in zip(names, example.args))
     kwargs = {k: grown(v, dims.get(k)) for k, v in example.kwargs.items()}
     return ExampleInputs(args, kwargs)
+
+
+def model_sources(model: nn.Module, call: ExampleInputs, dims: dict[str, dict[int, str]]) -> dict[str, str]:
+    """Each way the model's capture may name a declared dimension of its inputs (``dims``, by input
+    name; ``call``: what Dynamo is called with), mapped to ``L['name'].size()[d]``."""
+    positional = positional_names(model, len(call.args))
+    out: dict[str, str] = {}
+    for name, declared in dims.items():
+        spellings = [f"L['{name}']", f"L['kwargs']['{name}']"]
+        if name in positional:
+            spellings.append(f"L['args'][{positional.index(name)}]")
+        for d in declared:
+            out.update({f"{spelling}.size()[{d}]": f"L['{name}'].size()[{d}]" for spelling in spellings})
+    return out
+
+
+def model_dimensions(dims: dict[str, dict[int, str]]) -> dict[str, str]:
+    """Each declared size of the model's inputs (``dims``: ``{input: {dim: symbol}}``) as
+    :func:`model_sources` names it (``L['input_ids'].size()[1]``), to its declared symbol (``seq``)."""
+    return {f"L['{name}'].size()[{d}]": sym for name, declared in dims.items() for d, sym in declared.items()}
