@@ -36,8 +36,8 @@ from .routes import Route
 from .shapes import autodims, violation
 from .shapes.dims import SIZE_SOURCE, shortest_length
 
-# (capture example, dynamic dimensions, sites kept opaque, whether the capture stops at the first guard
-# that limits a declared dimension, for the scan search: CaptureRequest.scan_search)
+# (capture example, dynamic dimensions, sites kept opaque, where the capture stops for the scan search:
+# CaptureRequest.scan_search, None where it runs to its end)
 # -> the capture and its attempts
 Capture = Callable[[ExampleInputs, Any, list[Any], "ScanStop | None"], tuple["CaptureResult | None", list[CaptureAttempt]]]
 # (the guards of a failed capture, the declared symbols it limited, the proposal, the sites taken) -> new scans
