@@ -3,7 +3,9 @@ each calibrating on its own share of the batches, give the model 1 process gives
 
 GPTQ sums each Linear's Hessian over the batches; with ranks, each rank sums its share and
 llm-compressor reduces the sums to the rank that compresses the module, so only the order of the
-additions changes (measured here: Hessians within 2e-7 relative, quantized weights bit-identical).
+additions changes (measured on one machine: Hessians within 2e-7 relative, quantized weights
+bit-identical; on another, 0.015% of layer 0's ``down_proj`` roundings went the other way, and layer 1,
+fed by it, is then another GPTQ solution of its own: the checks past the first layer that differs are looser).
 The process group is made by hand: compressed-tensors' ``init_dist`` asks for an accelerator
 (``torch.accelerator.current_accelerator().type`` is ``None`` on a CPU-only machine). Each rank is
 given its share as a DataLoader: with a ``datasets.Dataset``, llm-compressor 0.14's sampler
@@ -66,17 +68,33 @@ def _run(world: int, folder: str, out: str) -> tuple[dict, dict]:
     return parts[0]["state"], {k: v for p in parts for k, v in p["hessians"].items()}
 
 
+def _layer(name: str) -> int:
+    """The decoder layer a module or weight name is in (``model.layers.1.self_attn.q_proj`` -> 1)."""
+    return int(name.split(".layers.")[1].split(".")[0])
+
+
 def test_two_ranks_give_the_single_process_model(tmp_path):
     folder = causal_lm_checkpoint("llama")
     one, h_one = _run(1, folder, str(tmp_path / "one"))
     two, h_two = _run(WORLD, folder, str(tmp_path / "two"))
     assert sorted(h_one) == sorted(h_two) and len(h_one) == 14  # every Linear compressed, by one rank or the other
+    # A layer's Hessian sums its inputs, which follow the earlier layers' quantized weights: up to the first
+    # layer whose weights are not bit-identical, only the order of the additions differs (1e-5); past it, one
+    # rounding that went the other way (within the step allowed below) moved the inputs (measured: 1.1e-3 of
+    # the largest entry for layer 1 on one machine, where roundings of layer 0 flipped; 2e-7 on another)
+    differ = [_layer(k) for k in one if k.endswith("proj.weight") and not torch.equal(one[k], two[k])]
+    first = min(differ, default=None)
     for name, hessian in h_one.items():
-        assert float((hessian - h_two[name]).abs().max()) <= 1e-5 * float(hessian.abs().max()), name
+        tolerance = 1e-5 if first is None or _layer(name) <= first else 1e-2
+        assert float((hessian - h_two[name]).abs().max()) <= tolerance * float(hessian.abs().max()), name
     for key, value in one.items():  # scales and zero points equal, weights within one quantization step
         if key.endswith("proj.weight"):
             scale = one[key.removesuffix("weight") + "weight_scale"]
             scale = scale.repeat_interleave(value.shape[1] // scale.shape[1], dim=1)
-            assert float(((value - two[key]).abs() / scale).max()) <= 1.0, key
+            steps = (value - two[key]).abs() / scale
+            if first is None or _layer(key) <= first:
+                assert float(steps.max()) <= 1.0, key
+            else:  # after a flip, GPTQ's own error feedback carries it along a row (measured: up to 3 steps, 4.6%)
+                assert float(steps.max()) <= 4.0 and float((steps > 0).float().mean()) <= 0.1, key
         else:
             assert torch.equal(value, two[key]), key
