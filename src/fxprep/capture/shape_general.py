@@ -23,7 +23,7 @@ from ..reporting import progress
 from ..reporting.diagnose import first_line
 from ..reporting.report import CaptureAttempt, Report
 from .common import CaptureResult
-from .dynamo import guard_log, guard_read
+from .dynamo import early_limit, guard_log, guard_read
 from .dynamo.early_limit import LimitFound
 from .dynamo.export import quiet_guard_logs
 from .dynamo.fallback import capture_dynamo_leaves
@@ -223,15 +223,12 @@ def _bound_at(err: LimitFound, proposal: autodims.Proposal) -> dict[str, autodim
     be refused by the same guard, and its constraint violation suggest this range; taken from the
     guard, that whole capture is saved. Empty for any other guard (two sizes, ``%``, an
     equality): the violation says what to do then."""
-    guard = err.guard
     keys = _keys(err.sources, proposal)
-    free: set[Any] = getattr(guard.expr, "free_symbols", set()) if guard is not None else set()
-    if guard is None or len(free) != 1 or len(keys) != 1:
+    if err.guard is None or len(keys) != 1:
         return {}
-    (symbol,), (name, dim) = free, keys[0]
-    sym, size = proposal.dynamic[name][dim], guard.hints.get(symbol)
-    held = guard_read.bound_of(guard.expr, symbol, size, f"{name}.shape[{dim}]") if size is not None else None
-    return {sym: held} if held is not None else {}
+    name, dim = keys[0]
+    held = early_limit.bound(err.guard, f"{name}.shape[{dim}]")
+    return {proposal.dynamic[name][dim]: held} if held is not None else {}
 
 
 def _keys(sources: list[str], proposal: autodims.Proposal) -> list[tuple[str, int]]:

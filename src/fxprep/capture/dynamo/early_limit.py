@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from ...core.inputs import ExampleInputs
 from ...reporting.diagnose import first_line
+from ..shapes.autodims import SizeRange
 from ..shapes.dims import positional_names
 from .blocks import call_inputs
 from .guard_log import AddedGuard, Stopped
@@ -122,7 +123,7 @@ class Limit:
     capture; the whole-model capture would find it so): the ``stop`` of that capture, which ends it
     there (:class:`.guard_log.Stopped`), returning ``(source, size where it fails, guard)``.
     ``past_bounds``: a guard that only bounds the dimension by a constant (``seq < 512``) is passed
-    (:func:`bounds_only`), the capture stopped at the first that does more. ``dimension``: each
+    (:func:`bound`), the capture stopped at the first that does more. ``dimension``: each
     model input's size (``L['input_ids'].size()[1]``) to the declared dimension it is (``seq``):
     with ``Dim.AUTO`` each input has its own symbol, and a guard relating two inputs' lengths
     (Qwen3.5's ``mm_token_type_ids`` against ``input_ids``) is evaluated with both at each size,
@@ -148,18 +149,25 @@ class Limit:
         for source, symbols in by_dimension.values():
             size = next((guard.hints[s] for s in symbols if s in guard.hints), None)
             past = failing_size(guard, symbols, size) if size is not None else None
-            if past is not None and not (self.past_bounds and bounds_only(guard, symbols, size)):
+            if past is not None and not (self.past_bounds and _over(guard, symbols) and bound(guard, "size")):
                 return source, past, guard
         return None
 
 
-def bounds_only(guard: AddedGuard, symbols: set[Any], size: int | None) -> bool:
-    """Whether ``guard`` is over one symbol of ``symbols`` alone and holds in one range of sizes
-    around the example's ``size`` (``seq < 512``, ``seq <= 64``): a bound, not a specialisation."""
+def _over(guard: AddedGuard, symbols: set[Any]) -> bool:
+    return bool(getattr(guard.expr, "free_symbols", set()) <= symbols)
+
+
+def bound(guard: AddedGuard, said: str) -> SizeRange | None:
+    """Where ``guard`` is over one symbol alone and holds in one range of sizes around the example's
+    (``seq < 512``, ``seq <= 64``: a bound, not a specialisation), that range, its reason naming the
+    size as ``said``; else None (:func:`.guard_read.bound_of`)."""
     free: set[Any] = getattr(guard.expr, "free_symbols", set())
-    if size is None or len(free) != 1 or not free <= symbols:
-        return False
-    return bound_of(guard.expr, next(iter(free)), size, "size") is not None
+    if len(free) != 1:
+        return None
+    (symbol,) = free
+    size = guard.hints.get(symbol)
+    return None if size is None else bound_of(guard.expr, symbol, size, said)
 
 
 def limited(where: str, stopped: Stopped) -> LimitFound:
@@ -168,4 +176,4 @@ def limited(where: str, stopped: Stopped) -> LimitFound:
     return LimitFound(where, [source], f"a guard it adds fails at {past}: {str(guard.expr)[:120]}", guard)
 
 
-__all__ = ["LimitFound", "input_sizes", "Limit", "bounds_only", "limited", "raise_if_specialised", "sources"]
+__all__ = ["LimitFound", "input_sizes", "Limit", "bound", "limited", "raise_if_specialised", "sources"]
