@@ -324,3 +324,34 @@ def test_python_dynamo_cannot_trace_around_the_blocks_costs_no_whole_model_captu
     other = torch.tensor([1, 0, 1, 1, 1])  # two runs, not three: the opaque part runs on each call
     with torch.no_grad():
         torch.testing.assert_close(gm(x, torch.tensor(3), other), model(x, torch.tensor(3), other), rtol=0, atol=0)
+
+
+def test_xlstms_loop_held_in_a_partial_is_its_backend_kept_opaque_in_every_stamped_block() -> None:
+    """xLSTM's backend holds its kernels in ``functools.partial`` objects and its recurrent kernel
+    loops over the length. Three things stood between it and a shape-general default: the outer
+    capture's stand-in for a block, computing the block's output on fake tensors, fixed the length
+    there (a guard set aside), so the block's own guards were not read as the length's and the
+    maybe-dynamic try was kept within a range, then failed on a second size (static shapes); a patch
+    of the kernel function never takes a call made through the partial, so no scan was kept opaque
+    (the length dropped); and the backend kept opaque inside the blocks broke block reuse. In float32
+    only: in bf16 the original itself fails from 64 tokens on (its chunked kernel mixes dtypes), where
+    the check past the loop's guard is made, and static shapes are right."""
+    import transformers
+
+    from fxprep.cli.tiny import tiny_configs
+
+    config = next(tiny_configs("xlstm"))[0]  # 2 blocks, width 32, 64-token chunks
+    torch.manual_seed(0)
+    model = transformers.xLSTMForCausalLM(config).eval()
+    model.config.use_cache = False  # its cache's states are not sized for this config (transformers 5.x)
+    ids = torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(0))
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": ids}, progress=False)
+    report = fxprep.get_report(gm)
+    assert "input_ids dim 0 (batch), input_ids dim 1 (seq) were found" in " ".join(report.notes), report.notes
+    assert report.leaves.get("backbone.blocks.0.mlstm_layer.mlstm_backend", "").startswith("opaque: a loop over 'seq'")
+    assert _stamped(gm) == {"backbone.blocks.0": ["backbone.blocks.1"]}
+    for batch, seq in ((3, 13), (2, 70)):  # 70: past the 64-token chunk, where the kernel takes another way
+        other = torch.randint(3, 90, (batch, seq), generator=torch.Generator().manual_seed(seq))
+        with torch.no_grad():
+            expected = model(input_ids=other, use_cache=False).logits
+            torch.testing.assert_close(gm(input_ids=other)["logits"], expected, rtol=0, atol=0)

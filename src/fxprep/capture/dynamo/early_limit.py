@@ -57,9 +57,21 @@ def input_sizes(outer: fx.GraphModule, model: nn.Module, prepared_call: ExampleI
         top = path[1]
         name = positional[top.idx] if path[0] == pytree.SequenceKey(0) else getattr(top, "key", None)
         for d, size in enumerate(value.shape if name is not None else ()):
-            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
-                out.setdefault(size.node.expr, f"L['{name}'].size()[{d}]")
+            for symbol in _symbols(size):
+                out.setdefault(symbol, f"L['{name}'].size()[{d}]")
     return out
+
+
+def _symbols(size: Any) -> list[Any]:
+    """The symbols a size of the outer graph is: as made, and as the shape environment now reads it.
+    Both, because a guard the outer capture met later may have replaced the symbol: xLSTM's stand-in
+    for its reused block computed its output on the outer capture's fake tensors and fixed ``seq``
+    there (a guard set aside: the block's own capture records its guards), so every size made of
+    ``seq`` reads 8 afterwards, and the block's own guards on its length were not read as ``seq``'s."""
+    if not isinstance(size, torch.SymInt):
+        return []
+    made, now = getattr(size.node, "_expr", None), size.node.expr
+    return [e for e in dict.fromkeys((made, now)) if e is not None and e.is_Symbol]
 
 
 def sources(node: fx.Node, block: nn.Module, call: ExampleInputs, by_symbol: dict[Any, str]) -> dict[str, str]:
@@ -80,7 +92,7 @@ def sources(node: fx.Node, block: nn.Module, call: ExampleInputs, by_symbol: dic
             continue
         names = _source_names(path, positional)
         for d, size in enumerate(value_at_call.shape):
-            model_name = by_symbol.get(size.node.expr) if isinstance(size, torch.SymInt) else None
+            model_name = next((by_symbol[e] for e in _symbols(size) if e in by_symbol), None)
             if model_name is not None:
                 out.update({f"{name}.size()[{d}]": model_name for name in names})
     return out

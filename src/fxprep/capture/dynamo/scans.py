@@ -46,8 +46,8 @@ class Scan:
     # a limiting guard inside it was made by a branch on the size (Mamba2's `if pad_size > 0`, or
     # transformers' sliding-window mask, which returns None below the window)
     branched: bool = False
-    # the functions ``site`` (a function) calls on the way to the guard, outermost first: taken in its
-    # place, the first that hides nothing, where it hides something (:func:`usable`)
+    # the functions ``site`` (a function) calls on the way to the guard, outermost first, then the module
+    # calling it: taken in its place, the first that hides nothing, where it hides something (:func:`usable`)
     inner: tuple[Site, ...] = ()
 
     @property
@@ -132,7 +132,9 @@ def _scan_site(located: Located | None, model: nn.Module) -> tuple[Site, tuple[S
     module's ``forward``: that would hide the module's layers): for a function, the one the
     innermost method calls, with the functions it calls on the way (outermost first: they stand in
     for it where it hides a layer or a parameter, Mamba-2's ``mamba2_scan_forward`` reading the
-    layer's ``A_log`` around its ``mamba2_chunk_scan``)."""
+    layer's ``A_log`` around its ``mamba2_chunk_scan``), and last the module that calls them: a
+    function its caller holds in a ``functools.partial`` (xLSTM's backend) is not looked up where a
+    patch would take its calls, and a module calling it that hides nothing (:func:`usable`) may stand in."""
     if located is None:
         return None
     sites = [site for site, _ in located.sites(model, nested=True)]
@@ -143,7 +145,8 @@ def _scan_site(located: Located | None, model: nn.Module) -> tuple[Site, tuple[S
         functions.append(site)
     if functions:
         outermost, *inner = reversed(functions)
-        return outermost, tuple(inner)
+        caller = sites[len(functions):len(functions) + 1]
+        return outermost, (*inner, *(site for site in caller if site.is_module))
     if not sites:
         return None
     site = sites[0]
