@@ -89,6 +89,48 @@ class _MaskedChunks(_Tiny):
         return chunked_scan(h * attention_mask[:, -input_ids.shape[1]:, None])
 
 
+class _RelativeTable(_Tiny):
+    # ProphetNet's relative-position buckets: a table of 64 sliced to the length in a helper method, where
+    # no loop or branch makes the `seq <= 64` guard, so keeping the method opaque lifts no limit
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("rel", torch.randn(64, 64), persistent=False)
+
+    def _relative(self, length: int) -> torch.Tensor:
+        return self.rel[:length, :length]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.emb(input_ids))
+        bias = self._relative(input_ids.shape[1])
+        return torch.softmax(h @ h.transpose(1, 2) + bias, -1) @ h
+
+
+class _TwoStreamsLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, streams: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        main, other = self.lin(streams).chunk(2, dim=1)
+        return torch.cat([main * mask[..., None], other], dim=1)
+
+
+class _TwoStreams(_Tiny):
+    # ProphetNet's main and predicted streams side by side: each layer is given the length twice over
+    # (`2*seq`) with a mask of the length, and the guards its own capture puts on both relate them
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_TwoStreamsLayer() for _ in range(2))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        mask = (input_ids > 3).to(h.dtype)
+        streams = torch.cat([h, h.flip(1)], dim=1)
+        for layer in self.layers:
+            streams = layer(streams, mask)
+        return self.lin(streams)
+
+
 def _prepare_counting(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
     """``model`` prepared on 1x8 ids, and how many times Dynamo traced it."""
     traces = dynamo_traces(monkeypatch)
@@ -248,3 +290,41 @@ def test_a_branch_bounding_the_length_is_declared_and_read_off_the_first_try(mon
         torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
     with pytest.raises(fxprep.InputMismatch):  # where the graph would compute h + 1 and the model h * 2
         gm(input_ids=torch.randint(0, 50, (1, 4096)))
+
+
+def test_a_bound_no_loop_or_branch_made_is_no_scan_and_the_first_try_is_kept_within_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the first try stops at `seq <= 64` in the helper method; the scan search does not take it (the slice
+    # of a fixed table, in no loop), so the try runs on past the bound and is kept (before: the method kept
+    # opaque held at every size, the check at 65 found the original itself failing, and the prepare fell
+    # back to static shapes after 4 traces)
+    model = _RelativeTable().eval()
+    gm, traces = _prepare_counting(model, monkeypatch)
+    assert traces == 2, traces  # the stopped first try, the same try to its end
+    report = fxprep.get_report(gm)
+    assert not report.leaves, report.leaves
+    assert "Dynamo bounded 'seq' to <= 63" in report.to_text(), report.to_text()
+    for batch, seq in ((2, 5), (3, 63)):
+        ids = torch.randint(0, 50, (batch, seq))
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+
+
+def test_a_layers_guards_on_a_size_made_of_the_length_are_read_as_the_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    # each reused layer's own capture names its input's `2*seq` with a symbol of its own: written as 2*seq in
+    # its guards, the relation to the mask's length holds at every size and the first try is kept (before:
+    # a guard on a size that is no declared dimension sent it back, and strict captures followed)
+    model = _TwoStreams().eval()
+    traces = dynamo_traces(monkeypatch)
+    torch.manual_seed(0)
+    gm = fxprep.prepare_model(model, example_inputs={"input_ids": torch.randint(0, 50, (1, 8))})
+    report = fxprep.get_report(gm)
+    assert report.reuse["captured"] == {"layers.0": ["layers.1"]}, report.reuse
+    # the first try alone (under reuse: the outer capture, the layer's, the outer again with the layer's
+    # output computed); before, 7: four more for a strict capture, its range and the capture with it
+    assert len(traces) == 3 and "_TwoStreamsLayer" in {t.module for t in traces}, traces
+    assert "so calls at any size of them are accepted" in report.to_text(), report.to_text()
+    for batch, seq in ((2, 5), (3, 14)):
+        ids = torch.randint(0, 50, (batch, seq))
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)

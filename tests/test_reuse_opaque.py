@@ -17,7 +17,7 @@ from torch import nn
 import fxprep
 import fxprep.capture.dynamo as dynamo_route
 from fxprep.capture.sites import OpaqueFunction, OpaqueMethod
-from tests.helpers_models import Recurrent, selective_scan
+from tests.helpers_models import Recurrent, kernel_fallback, selective_scan
 
 
 def _stamped(gm: nn.Module) -> dict[str, list[str]]:
@@ -92,6 +92,30 @@ def test_a_method_of_the_block_itself_is_bound_to_each_block() -> None:
         part = gm.get_submodule(f"layers.{i}._scan")
         assert isinstance(part, OpaqueMethod) and part.owner is layer and part.owner_path == f"layers.{i}"
     _same(gm, model, torch.randn(2, 9, 8), torch.randn(2, 40, 8))
+
+
+class DecoratedBlock(Block):
+    """``Block`` whose ``forward`` a decorator wraps in ``(*args, **kwargs)``, as transformers'
+    ``deprecate_kwarg`` wraps most decoder layers': Dynamo's frame for the block is the wrapper's,
+    where the block is ``args[0]`` and its input ``args[1]``."""
+
+    @kernel_fallback
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.rec(x))
+
+
+def test_a_scan_in_blocks_whose_forward_a_decorator_wraps_is_found_in_the_blocks_capture(monkeypatch: Any) -> None:
+    """The block's capture names its input's sizes ``L['args'][1]``: taken for the model's, its scan
+    is found there, with no capture of the whole model (before: the input was looked for as
+    ``L['args'][0]``, the block's guards went unread and the whole model was captured instead)."""
+    torch.manual_seed(0)
+    model = Blocks(DecoratedBlock).eval()
+    whole = _whole_model_captures(monkeypatch, model)
+    gm = fxprep.prepare_model(model, example_inputs=(torch.randn(2, 6, 8),), dynamic={"x": {0: "batch", 1: "seq"}})
+    assert whole == []
+    assert _stamped(gm) == {"layers.0": ["layers.1", "layers.2"]}
+    assert {f"layers.{i}.rec._scan" for i in range(3)} <= set(fxprep.get_report(gm).leaves)
+    _same(gm, model, torch.randn(2, 6, 8), torch.randn(3, 17, 8))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

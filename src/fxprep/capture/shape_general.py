@@ -23,7 +23,7 @@ from ..reporting import progress
 from ..reporting.diagnose import first_line
 from ..reporting.report import CaptureAttempt, Report
 from .common import CaptureResult
-from .dynamo import early_limit, guard_log, guard_read
+from .dynamo import guard_log, guard_read
 from .dynamo.early_limit import LimitFound
 from .dynamo.export import quiet_guard_logs
 from .dynamo.fallback import capture_dynamo_leaves
@@ -227,7 +227,7 @@ def _bound_at(err: LimitFound, proposal: autodims.Proposal) -> dict[str, autodim
     if err.guard is None or len(keys) != 1:
         return {}
     name, dim = keys[0]
-    held = early_limit.bound(err.guard, f"{name}.shape[{dim}]")
+    held = guard_read.bound(err.guard, f"{name}.shape[{dim}]")
     return {proposal.dynamic[name][dim]: held} if held is not None else {}
 
 
@@ -456,7 +456,8 @@ def notes(report: Report, proposal: autodims.Proposal, second: str | None) -> No
             guard = why.replace("the model's code requires ", "its guard: ")
             report.note(f"Shape-general: Dynamo bounded '{sym}' to {shown} while capturing ({guard}), a bound from a "
                         f"kernel's shape logic, not a branch of the model's code: the graph has no such limit and "
-                        f"calls outside it are accepted.")
+                        f"calls outside it are accepted, computing what the model computes (past a table of that "
+                        f"size, such as learned positions, both fail).")
 
 
 def second_grow(model: nn.Module, proposal: autodims.Proposal, example: ExampleInputs) -> int:

@@ -12,8 +12,10 @@ See docs/shapes.md ("Under the hood").
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch import nn
@@ -21,11 +23,10 @@ from torch.utils import _pytree as pytree
 
 from ...core.inputs import ExampleInputs
 from ...reporting.diagnose import first_line
-from ..shapes.autodims import SizeRange
-from ..shapes.dims import positional_names
+from ..shapes.dims import positional_names, self_in_args
 from .blocks import call_inputs
 from .guard_log import AddedGuard, Stopped
-from .guard_read import bound_of
+from .guard_read import bound
 from .scans import failing_size
 
 _VIOLATED = re.compile(r"Constraints violated \((.*?)\)!")
@@ -74,35 +75,79 @@ def _symbols(size: Any) -> list[Any]:
     return [e for e in dict.fromkeys((made, now)) if e is not None and e.is_Symbol]
 
 
-def sources(node: fx.Node, block: nn.Module, call: ExampleInputs, by_symbol: dict[Any, str]) -> dict[str, str]:
+# a size of a block's input made of model input sizes by arithmetic (``3*seq``): the expression over
+# one symbol per model input size, and that symbol's source (``L['input_ids'].size()[1]``) and example value
+Derived = tuple[Any, dict[Any, tuple[str, int]]]
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """A reused block's input sizes in the model's terms (:func:`sources`), by the name its own capture
+    gives each (``L['args'][0].size()[1]``): ``names``, those that are a model input's size exactly;
+    ``derived``, those made of such sizes by arithmetic (ProphetNet's main and two predicted streams
+    side by side: ``3*seq``), whose guards are read in the model's sizes too (:func:`.guard_log.renamed`)."""
+
+    names: dict[str, str] = field(default_factory=dict)
+    derived: dict[str, Derived] = field(default_factory=dict)
+
+    def recorded(self) -> dict[str, str]:
+        """Each source a guard of the block's capture is recorded under that names a model input's
+        size, to that size (for :class:`Limit`)."""
+        parts = {source: source for _, made in self.derived.values() for source, _ in made.values()}
+        return {**parts, **self.names}
+
+
+def sources(node: fx.Node, block: nn.Module, call: ExampleInputs, by_symbol: dict[Any, str]) -> BlockSizes:
     """For ``block``, called at ``node`` in the outer graph and captured alone on ``call``: each size
-    of a tensor it is passed, by the name its capture gives it (``L['args'][0].size()[1]``), mapped to
-    the model input's size it is exactly (``by_symbol``: :func:`input_sizes`), where it is one."""
-    if not by_symbol:
-        return {}
-    out: dict[str, str] = {}
+    of a tensor it is passed, by the name its capture gives it, mapped to the model input's size it
+    is exactly (``by_symbol``: :func:`input_sizes`), or made of (:class:`BlockSizes`)."""
+    out = BlockSizes()
     passed = pytree.tree_flatten_with_path((call.args, call.kwargs))[0]
     nodes = call_inputs(node)[0]
-    if len(nodes) != len(passed):
-        return {}
+    if not by_symbol or len(nodes) != len(passed):
+        return out
     positional = positional_names(block, len(call.args))
+    shift = 1 if self_in_args(block) is not None else 0  # a decorated forward: ``self`` is args[0]
     for (path, value), outer in zip(passed, nodes):
         value_at_call = outer.meta.get("example_value") if isinstance(outer, fx.Node) else None
         if not isinstance(value, torch.Tensor) or not isinstance(value_at_call, torch.Tensor):
             continue
-        names = _source_names(path, positional)
+        names = _source_names(path, positional, shift)
         for d, size in enumerate(value_at_call.shape):
             model_name = next((by_symbol[e] for e in _symbols(size) if e in by_symbol), None)
             if model_name is not None:
-                out.update({f"{name}.size()[{d}]": model_name for name in names})
+                out.names.update({f"{name}.size()[{d}]": model_name for name in names})
+                continue
+            made = _derived(size, by_symbol)
+            if made is not None:
+                out.derived.update({f"{name}.size()[{d}]": made for name in names})
     return out
 
 
-def _source_names(path: tuple[Any, ...], positional: list[str]) -> list[str]:
+def _derived(size: Any, by_symbol: dict[Any, str]) -> Derived | None:
+    """``size`` (of the outer graph) as an expression over model input sizes alone, each a symbol
+    named after its source, with its example value; None where it is one of them, or names another."""
+    if not isinstance(size, torch.SymInt):
+        return None
+    expr = size.node.expr
+    free: set[Any] = getattr(expr, "free_symbols", set())
+    if not free or expr.is_Symbol or not all(s in by_symbol for s in free):
+        return None
+    env = size.node.shape_env
+    values = getattr(env, "backed_var_to_val", None)  # newer torch; var_to_val before (now deprecated)
+    values = env.var_to_val if values is None else values
+    if not all(s in values for s in free):
+        return None
+    named = {s: sympy.Symbol(by_symbol[s], integer=True, positive=True) for s in free}
+    return expr.xreplace(named), {named[s]: (by_symbol[s], int(values[s])) for s in free}
+
+
+def _source_names(path: tuple[Any, ...], positional: list[str], shift: int = 0) -> list[str]:
     """How Dynamo may name the tensor at ``path`` in ``(args, kwargs)``: after the frame's local
     holding it, ``L['x']`` for a parameter of ``forward`` (``positional``: their names),
     ``L['args'][0]`` or ``L['kwargs']['x']`` where ``forward`` takes ``*args, **kwargs`` (a
-    checkpointing layer's ``__call__``); ``[0]`` on for a tensor in a tuple."""
+    checkpointing layer's ``__call__``; ``L['args'][1]`` with ``shift`` 1, where a decorator's
+    wrapper holds ``self`` first: :func:`..shapes.dims.self_in_args`); ``[0]`` on for a tensor in a tuple."""
     inner = "".join(f"[{k.idx}]" if isinstance(k, pytree.SequenceKey) else f"['{getattr(k, 'key', k)}']"
                     for k in path[2:])
     if len(path) < 2:
@@ -110,7 +155,7 @@ def _source_names(path: tuple[Any, ...], positional: list[str]) -> list[str]:
     top = path[1]
     if path[0] == pytree.SequenceKey(0) and isinstance(top, pytree.SequenceKey):
         named = [f"L['{positional[top.idx]}']{inner}"] if top.idx < len(positional) else []
-        return [f"L['args'][{top.idx}]{inner}", *named]
+        return [f"L['args'][{top.idx + shift}]{inner}", *named]
     key = getattr(top, "key", None)
     return [f"L['kwargs']['{key}']{inner}", f"L['{key}']{inner}"] if key is not None else []
 
@@ -170,22 +215,10 @@ def _over(guard: AddedGuard, symbols: set[Any]) -> bool:
     return bool(getattr(guard.expr, "free_symbols", set()) <= symbols)
 
 
-def bound(guard: AddedGuard, said: str) -> SizeRange | None:
-    """Where ``guard`` is over one symbol alone and holds in one range of sizes around the example's
-    (``seq < 512``, ``seq <= 64``: a bound, not a specialisation), that range, its reason naming the
-    size as ``said``; else None (:func:`.guard_read.bound_of`)."""
-    free: set[Any] = getattr(guard.expr, "free_symbols", set())
-    if len(free) != 1:
-        return None
-    (symbol,) = free
-    size = guard.hints.get(symbol)
-    return None if size is None else bound_of(guard.expr, symbol, size, said)
-
-
 def limited(where: str, stopped: Stopped) -> LimitFound:
     """The failure of a capture (``where``: of the model, or of a block alone) ended by :class:`Limit`."""
     source, past, guard = stopped.found
     return LimitFound(where, [source], f"a guard it adds fails at {past}: {str(guard.expr)[:120]}", guard)
 
 
-__all__ = ["LimitFound", "input_sizes", "Limit", "bound", "limited", "raise_if_specialised", "sources"]
+__all__ = ["BlockSizes", "LimitFound", "input_sizes", "Limit", "limited", "raise_if_specialised", "sources"]

@@ -73,6 +73,8 @@ class _Block:
     names: dict[str, str] | None  # None: the model's own capture, its sources as they are (:func:`stopping`)
     added: GuardLog
     stop: Callable[[AddedGuard], Any] | None
+    # a source name -> (its size as an expression over model input sizes, each one's (source, example value))
+    derived: dict[str, tuple[Any, dict[Any, tuple[str, int]]]] = field(default_factory=dict)
 
 
 _IN_BLOCK: list[_Block] = []  # the captures running on this thread, innermost last (:func:`renamed`, :func:`stopping`)
@@ -93,7 +95,8 @@ class Stopped(BaseException):
 
 
 @contextlib.contextmanager
-def renamed(names: dict[str, str], stop: Callable[[AddedGuard], Any] | None = None) -> Iterator[GuardLog]:
+def renamed(names: dict[str, str], stop: Callable[[AddedGuard], Any] | None = None,
+            derived: dict[str, tuple[Any, dict[Any, tuple[str, int]]]] | None = None) -> Iterator[GuardLog]:
     """Within (a repeated block's own capture), a guard's source named in ``names`` is recorded
     under the model input's name it maps to; any other is marked :data:`IN_BLOCK` and its example
     value left out, so that a block's argument named like a model input (``x``) is not taken for it,
@@ -101,8 +104,10 @@ def renamed(names: dict[str, str], stop: Callable[[AddedGuard], Any] | None = No
     thread, read in the guards it adds (captures hold a global lock). Yields the guards recorded
     within (none where no :func:`recording` runs). ``stop(guard)``: asked of each guard recorded
     within; a value it returns ends the capture at once with :class:`Stopped` (the rest of a trace
-    already known to be given up can take most of its time: a chunked scan's inner loops)."""
-    with _within(_Block(names, GuardLog(), stop)) as added:
+    already known to be given up can take most of its time: a chunked scan's inner loops).
+    ``derived``: a source whose size is made of model input sizes (``3*seq``): its symbol is written
+    as that expression in each guard, over one symbol per model input size (recorded under its name)."""
+    with _within(_Block(names, GuardLog(), stop, derived or {})) as added:
         yield added
 
 
@@ -141,9 +146,16 @@ def _added(env: Any, expr: Any) -> AddedGuard:
     hints: dict[Any, int] = {}
     values = getattr(env, "backed_var_to_val", None)  # newer torch; var_to_val before (now deprecated)
     values = env.var_to_val if values is None else values
+    written: dict[Any, Any] = {}  # a block's size made of model input sizes -> that expression
     for symbol in getattr(expr, "free_symbols", ()):
         names = [_name(s) for s in env.var_to_sources.get(symbol, ())]
         renames = _IN_BLOCK[-1].names if _IN_BLOCK else None
+        made = _made_of(names, renames)
+        if made is not None:
+            written[symbol] = made[0]
+            sources.update({part: (source,) for part, (source, _) in made[1].items()})
+            hints.update({part: value for part, (_, value) in made[1].items()})
+            continue
         sources[symbol] = tuple(names if renames is None else (renames.get(n, f"{IN_BLOCK}{n}") for n in names))
         value = values.get(symbol)
         if renames is not None and not any(name in renames for name in names):
@@ -154,7 +166,17 @@ def _added(env: Any, expr: Any) -> AddedGuard:
             with contextlib.suppress(TypeError, ValueError):
                 hints[symbol] = int(value)
     framework, user_loc = _made_where(env)
+    expr = expr.xreplace(written) if written else expr
     return AddedGuard(expr, sources, hints, _user_stack(), bool(_ASIDE), framework, user_loc)
+
+
+def _made_of(names: list[str], renames: dict[str, str] | None) -> tuple[Any, dict[Any, tuple[str, int]]] | None:
+    """In a block's own capture, what a symbol whose sources are ``names`` (none a model input's size
+    itself) is made of in model input sizes (:func:`renamed`'s ``derived``), or None."""
+    if renames is None or any(name in renames for name in names):
+        return None
+    derived = _IN_BLOCK[-1].derived
+    return next((derived[name] for name in names if name in derived), None)
 
 
 def _made_where(env: Any) -> tuple[str | None, str]:

@@ -22,7 +22,7 @@ import sympy
 from ...core.inputs import ExampleInputs
 from ..shapes.autodims import SizeRange
 from ..shapes.dims import SIZE_SOURCE, model_sources
-from .guard_log import GuardLog
+from .guard_log import AddedGuard, GuardLog
 
 _SMALL = range(2, 67)
 _LARGE = sorted({n for k in range(7, 25) for n in (2**k - 1, 2**k, 2**k + 1)})
@@ -98,6 +98,18 @@ def _below(sym: str, unsolved: list[tuple[Any, dict[str, Any], Any]], size: int,
     high = found[1] if solved is None or solved.high is None else min(found[1], solved.high)
     ending = next((said for e, syms, said in unsolved if _holds(e, syms, {sym: found[1] + 1}) is not True), unsolved[0][2])
     return SizeRange(None, high, f"the guards Dynamo put on it hold for 2..{high} ({_spelled(ending)})", from_guards=True)
+
+
+def bound(guard: AddedGuard, said: str) -> SizeRange | None:
+    """Where ``guard`` is over one symbol alone and holds in one range of sizes around the example's
+    (``seq < 512``, ``seq <= 64``: a bound, not a specialisation), that range, its reason naming the
+    size as ``said``; else None (:func:`bound_of`)."""
+    free: set[Any] = getattr(guard.expr, "free_symbols", set())
+    if len(free) != 1:
+        return None
+    (symbol,) = free
+    size = guard.hints.get(symbol)
+    return None if size is None else bound_of(guard.expr, symbol, size, said)
 
 
 def bound_of(expr: Any, symbol: Any, size: int, said: str) -> SizeRange | None:

@@ -10,7 +10,6 @@ user's very objects: this module maps modules and tensors to their qualified nam
 
 from __future__ import annotations
 
-import inspect
 import operator
 import re
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
+
+from ..shapes.dims import self_in_args
 
 
 class ReliftError(RuntimeError):
@@ -188,13 +189,10 @@ def self_alias(module: nn.Module) -> re.Pattern[str] | None:
     Why: a ``forward`` wrapped by a decorator whose wrapper takes ``(*args, **kwargs)`` (transformers
     5.24's ``deprecate_kwarg`` on every Llama-family ``forward``) is the frame Dynamo traces, and
     there ``self`` is ``args[0]``: the module stack says ``L['args'][0].model.embed_tokens``. Only a
-    wrapper with no named positional parameter qualifies; in ``forward(self, *args)`` the varargs
-    are inputs."""
-    fn = getattr(module.forward, "__func__", module.forward)
-    code = getattr(fn, "__code__", None)
-    if code is None or code.co_argcount or code.co_posonlyargcount or not code.co_flags & inspect.CO_VARARGS:
+    wrapper with no named positional parameter qualifies (:func:`..shapes.dims.self_in_args`)."""
+    name = self_in_args(module)
+    if name is None:
         return None
-    name = code.co_varnames[code.co_kwonlyargcount]
     return re.compile(r"L\[(['\"])" + re.escape(name) + r"\1\]\[0\]")
 
 

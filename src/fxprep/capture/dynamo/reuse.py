@@ -175,10 +175,12 @@ def _trace_group(first: Member, call: ExampleInputs, job: ReuseJob, spec: Any, f
                                                  list[str]]:
     """Dynamo's capture of ``first`` alone, re-lifted, with what grouping the others needs."""
     # the block's sizes that are declared dimensions, named as the model's inputs in the guards it records
-    names = early_limit.sources(first.node, first.module, call, sizes) if spec is not None else {}
+    named = early_limit.sources(first.node, first.module, call, sizes) if spec is not None else early_limit.BlockSizes()
+    names = named.names
     try:
-        stop = early_limit.Limit(names, past_bounds=job.scan_search is ScanStop.PAST_BOUNDS) if job.scan_search else None
-        with guard_log.renamed(names, stop):
+        stop = (early_limit.Limit(named.recorded(), past_bounds=job.scan_search is ScanStop.PAST_BOUNDS)
+                if job.scan_search else None)
+        with guard_log.renamed(names, stop, named.derived):
             result, call = _export_block(first, call, job, spec, fallback)
     except guard_log.Stopped as stopped:
         raise early_limit.limited(f"'{first.name}' alone", stopped) from None

@@ -25,6 +25,7 @@ from ...core.runs import SEED, preserved_state
 from ..shapes.dims import SIZE_SOURCE
 from ..sites import Site
 from .guard_log import AddedGuard, GuardLog
+from .guard_read import bound
 from .locate import Located, locate, resolve
 from .recording import patched, real_callable
 
@@ -195,6 +196,8 @@ def find(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call
             located[guard.stack] = _scan_site(resolve(stack, model) or locate(stack, model, call), model)
         at = located[guard.stack]
         site, inner = at if at is not None else (None, ())
+        if site is not None and _fixed_bound(guard, site):
+            continue
         if site is not None and site not in taken and all(site not in s.sites for s in found):
             found.append(Scan(site, sym, _readable(guard, names), _where(guard.stack), past, _others(site, model),
                               inner=tuple(s for s in inner if s not in taken)))
@@ -204,16 +207,18 @@ def find(log: GuardLog, symbols: set[str], proposal: Any, model: nn.Module, call
             for scan in found]
 
 
-_BRANCHES: dict[str, list[tuple[int, int]]] = {}
+_SPANS: dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
 
 
-def on_branch(file: str, line: int) -> bool:
-    """Whether ``file:line`` is in the condition of an ``if``, ``elif``, ``while``, ``assert`` or
-    conditional expression (read from the file's syntax tree; False where it cannot be read)."""
+def _spans(file: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The line spans of ``file``'s branch conditions (``if``, ``elif``, ``while``, ``assert``, a
+    conditional expression or a comprehension's ``if``) and of its loops (a ``for`` or ``while``
+    statement, header and body, or a comprehension), read from its syntax tree once."""
     import ast
 
-    if file not in _BRANCHES:
-        spans: list[tuple[int, int]] = []
+    if file not in _SPANS:
+        branches: list[tuple[int, int]] = []
+        loops: list[tuple[int, int]] = []
         try:
             with open(file, encoding="utf-8") as f:
                 tree = ast.parse(f.read())
@@ -222,9 +227,36 @@ def on_branch(file: str, line: int) -> bool:
         for node in ast.walk(tree) if tree is not None else ():
             tests = [node.test] if isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)) else []
             tests += list(node.ifs) if isinstance(node, ast.comprehension) else []
-            spans += [(t.lineno, t.end_lineno or t.lineno) for t in tests]
-        _BRANCHES[file] = spans
-    return any(low <= line <= high for low, high in _BRANCHES[file])
+            branches += [(t.lineno, t.end_lineno or t.lineno) for t in tests]
+            if isinstance(node, (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp,
+                                 ast.GeneratorExp)):
+                loops.append((node.lineno, node.end_lineno or node.lineno))
+        _SPANS[file] = (branches, loops)
+    return _SPANS[file]
+
+
+def on_branch(file: str, line: int) -> bool:
+    """Whether ``file:line`` is in the condition of an ``if``, ``elif``, ``while``, ``assert`` or
+    conditional expression (False where the file cannot be read)."""
+    return any(low <= line <= high for low, high in _spans(file)[0])
+
+
+def _in_loop(file: str, line: int) -> bool:
+    """Whether ``file:line`` is in a loop: a ``for`` or ``while`` statement, or a comprehension."""
+    return any(low <= line <= high for low, high in _spans(file)[1])
+
+
+def _fixed_bound(guard: AddedGuard, site: Site) -> bool:
+    """Whether ``guard`` bounds one dimension (a range, :func:`.guard_read.bound`) where no loop and
+    no branch of the code from ``site`` inward made it: the end of a table of fixed size (ProphetNet's
+    relative-position buckets sliced to the length: ``seq <= 63``). No opaque call lifts it: kept
+    opaque, the site still ends where the table does, the original fails past it, and the check there
+    refused the whole capture (static shapes); read as a bound, the graph is kept within it."""
+    if bound(guard, "size") is None:
+        return False
+    frames = guard.stack
+    start = next((k for k in range(len(frames) - 1, -1, -1) if frames[k][1] == site.method), 0)
+    return not any(on_branch(file, line) or _in_loop(file, line) for file, _, line in frames[start:])
 
 
 def _others(site: Site, model: nn.Module) -> tuple[Site, ...]:

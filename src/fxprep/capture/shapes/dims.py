@@ -44,6 +44,21 @@ def positional_names(model: nn.Module, count: int) -> list[str]:
     return names
 
 
+def self_in_args(module: nn.Module) -> str | None:
+    """The name of the ``*args`` that holds ``self`` first in the frame Dynamo traces for ``module``'s
+    ``forward``, or None where ``self`` is a parameter of its own.
+
+    Why: a ``forward`` wrapped by a decorator whose wrapper takes ``(*args, **kwargs)`` (transformers'
+    ``deprecate_kwarg`` on most decoder layers) is that frame, called as a bound method: the module is
+    ``L['args'][0]`` and its first input ``L['args'][1]``. Only a wrapper with no named positional
+    parameter qualifies; in ``forward(self, *args)`` the varargs are inputs."""
+    fn = getattr(module.forward, "__func__", module.forward)
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_argcount or code.co_posonlyargcount or not code.co_flags & inspect.CO_VARARGS:
+        return None
+    return str(code.co_varnames[code.co_kwonlyargcount])
+
+
 def named_inputs(model: nn.Module, call: ExampleInputs) -> dict[str, Any]:
     """``call``'s arguments by name: positional ones named after ``model.forward``'s parameters."""
     names = positional_names(model, len(call.args))
@@ -205,11 +220,12 @@ def model_sources(model: nn.Module, call: ExampleInputs, dims: dict[str, dict[in
     """Each way the model's capture may name a declared dimension of its inputs (``dims``, by input
     name; ``call``: what Dynamo is called with), mapped to ``L['name'].size()[d]``."""
     positional = positional_names(model, len(call.args))
+    shift = 1 if self_in_args(model) is not None else 0  # ``self`` is args[0] there
     out: dict[str, str] = {}
     for name, declared in dims.items():
         spellings = [f"L['{name}']", f"L['kwargs']['{name}']"]
         if name in positional:
-            spellings.append(f"L['args'][{positional.index(name)}]")
+            spellings.append(f"L['args'][{positional.index(name) + shift}]")
         for d in declared:
             out.update({f"{spelling}.size()[{d}]": f"L['{name}'].size()[{d}]" for spelling in spellings})
     return out
