@@ -131,16 +131,6 @@ class _TwoStreams(_Tiny):
         return self.lin(streams)
 
 
-class _BlockCount(_Tiny):
-    # MiniMax's lightning attention: a loop over 16-token blocks in the model's own forward (no scan to keep
-    # opaque), whose count `(seq + 15) // 16 == 1` sympy does not solve as a range
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.lin(self.emb(input_ids))
-        length = h.shape[1]
-        parts = [h[:, i * 16:(i + 1) * 16].cumsum(1) for i in range((length + 15) // 16)]
-        return torch.cat(parts, dim=1)
-
-
 def _prepare_counting(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
     """``model`` prepared on 1x8 ids, and how many times Dynamo traced it."""
     traces = dynamo_traces(monkeypatch)
@@ -338,20 +328,3 @@ def test_a_layers_guards_on_a_size_made_of_the_length_are_read_as_the_lengths(mo
         ids = torch.randint(0, 50, (batch, seq))
         with torch.no_grad():
             torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
-
-
-def test_a_block_count_that_holds_up_to_a_size_runs_the_first_try_on_to_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the first try stops at the block count's guard, where no scan is found; it holds for 2..16, so the try
-    # runs on to its end maybe-dynamic, is kept within that range and its loop read off its guards as the
-    # limit's reason (before: a strict capture for the violation, one with the range and a branch trace: 5)
-    model = _BlockCount().eval()
-    gm, traces = _prepare_counting(model, monkeypatch)
-    assert traces == 2, traces  # the stopped first try, the same try to its end
-    text = fxprep.get_report(gm).to_text()
-    assert "'seq' is dynamic <= 16: the model's code branches on it" in text and "range((length + 15) // 16)" in text, text
-    for batch, seq in ((2, 5), (3, 16)):
-        ids = torch.randint(0, 50, (batch, seq))
-        with torch.no_grad():
-            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
-    with pytest.raises(fxprep.InputMismatch):  # a second block: the graph holds one
-        gm(input_ids=torch.randint(0, 50, (1, 17)))

@@ -156,10 +156,6 @@ def capture(model: nn.Module, example: ExampleInputs, proposal: autodims.Proposa
                     # and past any other bound, reading every bound and the branches at once, kept within them;
                     # a guard that does more (specialises: it would refuse the try) stops it for a scan search
                     stopped = bound
-                elif current.auto and not stopped and _bound_at(err, current, solved=False):
-                    # a bound sympy does not solve (MiniMax's block count): the try runs to its end maybe-dynamic,
-                    # read as above (the stop past bounds would stop at this guard again)
-                    stopping = False
                 else:  # the capture without stopping says what to drop or bound (its violation)
                     stopping, bound = False, bound or stopped
                     current = dataclasses.replace(current, auto=False)
@@ -220,20 +216,18 @@ def _scans_noted(result: CaptureResult, proposal: autodims.Proposal) -> CaptureR
     return result
 
 
-def _bound_at(err: LimitFound, proposal: autodims.Proposal, solved: bool = True) -> dict[str, autodims.SizeRange]:
+def _bound_at(err: LimitFound, proposal: autodims.Proposal) -> dict[str, autodims.SizeRange]:
     """The range a capture stopped at its first limiting guard (``err``) says at once, where that
     guard bounds one declared dimension by a constant (BERT's ``seq <= 64``: a learned position
     table): ``{symbol: range}``, the example's size inside it. The capture without stopping would
     be refused by the same guard, and its constraint violation suggest this range; taken from the
     guard, that whole capture is saved. Empty for any other guard (two sizes, ``%``, an
-    equality): the violation says what to do then. ``solved=False``: instead, a guard sympy does
-    not solve that holds from 2 up past the example's size (:func:`.dynamo.guard_read.held_from_two`)."""
+    equality): the violation says what to do then."""
     keys = _keys(err.sources, proposal)
     if err.guard is None or len(keys) != 1:
         return {}
     name, dim = keys[0]
-    read = guard_read.bound if solved else guard_read.held_from_two
-    held = read(err.guard, f"{name}.shape[{dim}]")
+    held = guard_read.bound(err.guard, f"{name}.shape[{dim}]")
     return {proposal.dynamic[name][dim]: held} if held is not None else {}
 
 

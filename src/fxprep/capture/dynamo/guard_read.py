@@ -112,21 +112,6 @@ def bound(guard: AddedGuard, said: str) -> SizeRange | None:
     return None if size is None else bound_of(guard.expr, symbol, size, said)
 
 
-def held_from_two(guard: AddedGuard, said: str) -> SizeRange | None:
-    """Where ``guard`` is over one symbol that sympy does not solve as a range (MiniMax's block count,
-    ``(seq + 255) // 256 == 1``) and holds at every size from 2 up to at least the example's: that
-    range, as :func:`bounds` reads such a guard (:func:`_below`); else None."""
-    free: set[Any] = getattr(guard.expr, "free_symbols", set())
-    if len(free) != 1:
-        return None
-    (symbol,) = free
-    size = guard.hints.get(symbol)
-    if size is None or _solved(guard.expr, symbol) is not None:
-        return None
-    said_expr = guard.expr.xreplace({symbol: sympy.Symbol(said)})
-    return _below(str(symbol), [(guard.expr, {str(symbol): symbol}, said_expr)], size, None)
-
-
 def bound_of(expr: Any, symbol: Any, size: int, said: str) -> SizeRange | None:
     """The sizes where ``expr`` (a relation over ``symbol`` alone) holds, as one range around the
     example's ``size``, its reason naming the size as ``said`` (``input_ids.shape[1] <= 64``); None
