@@ -309,10 +309,13 @@ def limits(request: CaptureRequest, proposal: autodims.Proposal, call: ExampleIn
             why = f"kept as a limit: whether the model's code branches there could not be checked ({first_line(err)})"
             return dataclasses.replace(proposal, limits={k: r.joined(why) for k, r in proposal.ranges.items()})
     sizes = proposal.sizes(model, proposal.capture_example)
-    kept: dict[str, autodims.SizeRange] = {}
+    # a range read off the guards themselves is where the graph holds, whatever set it
+    kept = {sym: r for sym, r in proposal.ranges.items() if r.from_guards}
     for sym, bound in proposal.ranges.items():
         if bound.unproven:
             kept[sym] = _where_branches_hold(sym, bound, [b for b in found if b.names(sym)], sizes)
+            continue
+        if sym in kept:
             continue
         low, high = bound.low, bound.high
         # sizes past the range: a branch that goes the other way at any of them is a limit. Not seen: a branch
@@ -324,9 +327,6 @@ def limits(request: CaptureRequest, proposal: autodims.Proposal, call: ExampleIn
                     not branch.holds_with({**sizes, sym: n}) for n in outside):
                 kept[sym] = dataclasses.replace(bound, why=f"the model's code branches on it: {branch.describe()}")
                 break
-        else:
-            if bound.from_guards:  # a range read off the guards themselves is where the graph holds, whatever set it
-                kept[sym] = bound
     return dataclasses.replace(proposal, limits=kept)
 
 
