@@ -131,6 +131,14 @@ class _TwoStreams(_Tiny):
         return self.lin(streams)
 
 
+def _exact_at(gm: Any, model: torch.nn.Module, *shapes: tuple[int, int]) -> None:
+    """``gm`` computes exactly what ``model`` does on random ids of each ``(batch, seq)``."""
+    for batch, seq in shapes:
+        ids = torch.randint(0, 50, (batch, seq))
+        with torch.no_grad():
+            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+
+
 def _prepare_counting(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
     """``model`` prepared on 1x8 ids, and how many times Dynamo traced it."""
     traces = dynamo_traces(monkeypatch)
@@ -145,10 +153,7 @@ def test_guards_that_hold_at_every_size_keep_the_first_capture(monkeypatch: pyte
     assert traces == 1, traces  # before the first try: a capture for the violation, one with a range, a third
     text = fxprep.get_report(gm).to_text()
     assert "input_ids dim 1 (seq)" in text and "so calls at any size of them are accepted" in text, text
-    for batch, seq in ((2, 5), (3, 14), (1, 3000)):
-        ids = torch.randint(0, 50, (batch, seq))
-        with torch.no_grad():
-            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+    _exact_at(gm, model, (2, 5), (3, 14), (1, 3000))
 
 
 def test_a_guard_that_fails_at_some_size_is_captured_again_and_the_length_stays_checked(
@@ -157,9 +162,7 @@ def test_a_guard_that_fails_at_some_size_is_captured_again_and_the_length_stays_
     gm, traces = _prepare_counting(model, monkeypatch)
     assert traces >= 2, traces  # the first try was not kept: its guard fails at 7 tokens
     assert "the model's code specialises 'seq' to 8" in fxprep.get_report(gm).to_text()
-    with torch.no_grad():  # the batch stays free, the length is the example's
-        ids = torch.randint(0, 50, (3, 8))
-        torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+    _exact_at(gm, model, (3, 8))  # the batch stays free, the length is the example's
     for seq in (7, 14):  # where the graph would compute h + 1 and the model h * 2
         with pytest.raises(fxprep.InputMismatch, match="specialises 'seq' to 8"):
             gm(input_ids=torch.randint(0, 50, (1, seq)))
@@ -204,10 +207,7 @@ def test_a_bound_a_stopped_first_try_finds_costs_no_capture_refused_for_it(monke
     assert traces == 2, traces  # the stopped first try, the same try to its end
     text = fxprep.get_report(gm).to_text()
     assert "Dynamo bounded 'seq' to <= 64 while capturing (its guard: input_ids.shape[1] <= 64)" in text, text
-    for batch, seq in ((2, 5), (3, 64)):
-        ids = torch.randint(0, 50, (batch, seq))
-        with torch.no_grad():
-            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+    _exact_at(gm, model, (2, 5), (3, 64))
 
 
 def test_a_first_try_run_on_past_a_bound_stops_at_a_scan_behind_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,10 +221,7 @@ def test_a_first_try_run_on_past_a_bound_stops_at_a_scan_behind_it(monkeypatch: 
     report = fxprep.get_report(gm)
     assert report.leaves.get("chunked_scan", "").startswith("opaque: a loop over 'seq'"), report.leaves
     assert "'seq' is dynamic <= 511: the model's code branches on it" in report.to_text(), report.to_text()
-    for batch, seq in ((2, 5), (1, 13), (3, 511)):
-        ids = torch.randint(0, 50, (batch, seq))
-        with torch.no_grad():
-            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+    _exact_at(gm, model, (2, 5), (1, 13), (3, 511))
     with pytest.raises(fxprep.InputMismatch):
         gm(input_ids=torch.randint(0, 50, (1, 512)))
 
@@ -285,9 +282,7 @@ def test_a_branch_bounding_the_length_is_declared_and_read_off_the_first_try(mon
     assert traces == 1, traces
     text = fxprep.get_report(gm).to_text()
     assert "'seq' is dynamic <= 4095: the model's code branches on it" in text and "h.shape[1] >= 4096" in text, text
-    with torch.no_grad():
-        ids = torch.randint(0, 50, (2, 4095))
-        torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+    _exact_at(gm, model, (2, 4095))
     with pytest.raises(fxprep.InputMismatch):  # where the graph would compute h + 1 and the model h * 2
         gm(input_ids=torch.randint(0, 50, (1, 4096)))
 
@@ -304,10 +299,7 @@ def test_a_bound_no_loop_or_branch_made_is_no_scan_and_the_first_try_is_kept_wit
     report = fxprep.get_report(gm)
     assert not report.leaves, report.leaves
     assert "Dynamo bounded 'seq' to <= 63" in report.to_text(), report.to_text()
-    for batch, seq in ((2, 5), (3, 63)):
-        ids = torch.randint(0, 50, (batch, seq))
-        with torch.no_grad():
-            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+    _exact_at(gm, model, (2, 5), (3, 63))
 
 
 def test_a_layers_guards_on_a_size_made_of_the_length_are_read_as_the_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -324,7 +316,4 @@ def test_a_layers_guards_on_a_size_made_of_the_length_are_read_as_the_lengths(mo
     # output computed); before, 7: four more for a strict capture, its range and the capture with it
     assert len(traces) == 3 and "_TwoStreamsLayer" in {t.module for t in traces}, traces
     assert "so calls at any size of them are accepted" in report.to_text(), report.to_text()
-    for batch, seq in ((2, 5), (3, 14)):
-        ids = torch.randint(0, 50, (batch, seq))
-        with torch.no_grad():
-            torch.testing.assert_close(gm(input_ids=ids), model(ids), rtol=0, atol=0)
+    _exact_at(gm, model, (2, 5), (3, 14))

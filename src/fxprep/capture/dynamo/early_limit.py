@@ -25,7 +25,7 @@ from ...core.inputs import ExampleInputs
 from ...reporting.diagnose import first_line
 from ..shapes.dims import positional_names, self_in_args
 from .blocks import call_inputs
-from .guard_log import AddedGuard, Stopped
+from .guard_log import AddedGuard, Stopped, example_values
 from .guard_read import bound
 from .scans import failing_size
 
@@ -133,9 +133,7 @@ def _derived(size: Any, by_symbol: dict[Any, str]) -> Derived | None:
     free: set[Any] = getattr(expr, "free_symbols", set())
     if not free or expr.is_Symbol or not all(s in by_symbol for s in free):
         return None
-    env = size.node.shape_env
-    values = getattr(env, "backed_var_to_val", None)  # newer torch; var_to_val before (now deprecated)
-    values = env.var_to_val if values is None else values
+    values = example_values(size.node.shape_env)
     if not all(s in values for s in free):
         return None
     named = {s: sympy.Symbol(by_symbol[s], integer=True, positive=True) for s in free}

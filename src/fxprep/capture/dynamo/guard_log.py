@@ -141,11 +141,17 @@ def _within(block: _Block) -> Iterator[GuardLog]:
         _IN_BLOCK.pop()
 
 
+def example_values(env: Any) -> dict[Any, Any]:
+    """Each backed symbol of the shape environment ``env`` to its value at the example:
+    ``backed_var_to_val`` in newer torch, ``var_to_val`` before (now deprecated)."""
+    values = getattr(env, "backed_var_to_val", None)
+    return env.var_to_val if values is None else values
+
+
 def _added(env: Any, expr: Any) -> AddedGuard:
     sources: dict[Any, tuple[str, ...]] = {}
     hints: dict[Any, int] = {}
-    values = getattr(env, "backed_var_to_val", None)  # newer torch; var_to_val before (now deprecated)
-    values = env.var_to_val if values is None else values
+    values = example_values(env)
     written: dict[Any, Any] = {}  # a block's size made of model input sizes -> that expression
     for symbol in getattr(expr, "free_symbols", ()):
         names = [_name(s) for s in env.var_to_sources.get(symbol, ())]
@@ -227,4 +233,4 @@ def recording() -> Iterator[GuardLog]:
         ShapeEnv._log_guard = original  # type: ignore[method-assign]
 
 
-__all__ = ["AddedGuard", "GuardLog", "Stopped", "aside", "recording", "renamed", "stopping"]
+__all__ = ["AddedGuard", "GuardLog", "Stopped", "aside", "example_values", "recording", "renamed", "stopping"]

@@ -380,10 +380,8 @@ def _capture(job: ReuseJob, stubs: Stubs, qualnames: dict[int, str], traced: Tra
     # Leaves the user named inside a block are called from the block's graph, not the outer one:
     # the outer re-lifting must see the blocks as leaves then (it records the outermost leaves' calls).
     # So must a module or method kept opaque inside one (xLSTM's backend, a per-step loop: .scans).
-    blocks = [f"{name}." for name in qualnames.values()]
     user_leaves = (any(policy.reason(m) is not None for m in model.modules() if m is not model)
-                   or any(site.func is None and f"{site.path}.".startswith(tuple(blocks))
-                          for site in (job.box.sites if job.box else [])))
+                   or any(held_part(name, job.box.sites if job.box else []) for name in qualnames.values()))
     outer_policy = LeafPolicy(modules=(*policy.modules, *(m for m, _ in instances.values())),
                               classes=policy.classes) if user_leaves else policy
     outer_target = LiftTarget(model, outer_policy, target.capture_call, prepared_call, route)
